@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -28,7 +30,9 @@ def _child(fn, rank, world_size, port, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        buffer = io.BytesIO()
+        torch.save(result, buffer)  # plain bytes: tensors in shared memory would die with this process
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -53,7 +57,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         for _ in range(world_size):
             rank, status, value = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = value
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
                 break

@@ -1,0 +1,87 @@
+"""Every collective dsfunc issues, in one place.
+
+Thin wrappers over ``torch.distributed`` that also work without an initialised process group (world
+size 1: the collective is the identity), always reduce with SUM (gloo's AVG is unreliable; callers fold
+the 1/world factor into the loss), and hide the rename of the flat collectives in torch 2.13
+(``all_gather_into_tensor`` -> ``all_gather_single``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Pending(Protocol):
+    """An in-flight collective: ``wait()`` blocks (the host on gloo, the current stream on NCCL)."""
+
+    def wait(self) -> object: ...
+
+
+class Done:
+    """A collective that already finished (world size 1)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+def all_reduce_sum(tensor: torch.Tensor, *, async_op: bool = False) -> Pending:
+    """Sum ``tensor`` in place over all ranks."""
+    if world_size() == 1:
+        return Done()
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=async_op)
+    return work if async_op else Done()
+
+
+def reduce_scatter_sum(output: torch.Tensor, flat: torch.Tensor, *, async_op: bool = False) -> Pending:
+    """``output`` (length S) gets this rank's chunk of the sum over ranks of ``flat`` (length W*S)."""
+    if world_size() == 1:
+        output.copy_(flat)
+        return Done()
+    work = _reduce_scatter_flat(output, flat, op=dist.ReduceOp.SUM, async_op=async_op)
+    return work if async_op else Done()
+
+
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False) -> Pending:
+    """``output`` (length W*S) gets every rank's ``shard`` (length S), concatenated in rank order."""
+    if world_size() == 1:
+        if output.data_ptr() != shard.data_ptr():
+            output.copy_(shard)
+        return Done()
+    work = _all_gather_flat(output, shard, async_op=async_op)
+    return work if async_op else Done()
+
+
+def all_gather_object(obj: object) -> list[object]:
+    """Every rank's ``obj`` (pickled), in rank order."""
+    if world_size() == 1:
+        return [obj]
+    out: list[object] = [None] * world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: object, src: int = 0) -> object:
+    """``obj`` from rank ``src`` on every rank."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

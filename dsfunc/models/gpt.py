@@ -1,0 +1,95 @@
+"""A GPT-2 style decoder: the benchmark workload of BENCH.md, and the model of the examples.
+
+Pre-LayerNorm blocks, fused QKV projection, GELU(tanh) MLP of width 4d, causal
+``scaled_dot_product_attention``, learned position embeddings and a tied input/output embedding.
+Only standard modules own parameters, so the model can be built on ``meta`` and materialised by
+dsfunc one module at a time (``init_weights`` is the N(0, 0.02) initialisation of the benchmark).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 50304
+    seq_len: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    d_model: int = 768
+    dropout: float = 0.0
+
+    @classmethod
+    def preset(cls, name: str) -> GPTConfig:
+        """The benchmark sizes: "124m", "1.3b", "6.7b"."""
+        sizes = {"124m": (12, 12, 768), "1.3b": (24, 16, 2048), "6.7b": (32, 32, 4096)}
+        n_layer, n_head, d_model = sizes[name]
+        return cls(n_layer=n_layer, n_head=n_head, d_model=d_model)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh")))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.wte.weight  # tied input/output embedding
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits, or the mean cross-entropy loss when ``targets`` are given."""
+        t = idx.shape[1]
+        pos = torch.arange(t, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() - self.wte.weight.numel() if non_embedding else n
+
+
+def init_weights(module: nn.Module) -> None:
+    """The benchmark's initialisation: N(0, 0.02) weights, zero biases, unit LayerNorm."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        nn.init.ones_(module.weight)
+        nn.init.zeros_(module.bias)

@@ -1,0 +1,172 @@
+"""The training state: an immutable pytree of tensors, with donation.
+
+``TrainState`` is a frozen dataclass registered with optree from its field metadata: fields marked
+``static`` are auxiliary data (the compiled program), every other field is a child. Mappings inside the
+state are :class:`FrozenDict`, so ``state.params["x"] = t`` fails as loudly as ``state.params = t``.
+
+``train_step`` donates its input: the returned state reuses the input's buffers and the input is marked
+consumed; touching a consumed state raises :class:`DonatedStateError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any, TypeVar
+
+import optree
+import torch
+
+T = TypeVar("T")
+GLOBAL_NAMESPACE = getattr(optree.registry, "__GLOBAL_NAMESPACE")  # registrations visible to plain tree_map
+
+
+class DonatedStateError(RuntimeError):
+    """A state that ``train_step`` consumed (donated) was used again."""
+
+
+class FrozenDict(Mapping):
+    """An insertion-ordered, immutable mapping registered as an optree node (keys are static)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        object.__setattr__(self, "_data", dict(*args, **kwargs))
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        raise TypeError(
+            f"this mapping is part of an immutable TrainState: cannot set [{key!r}]. "
+            "Build a new dict and use state.replace(...), e.g. "
+            "state.replace(params={**state.params, key: value})."
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise TypeError("FrozenDict is immutable")
+
+    def __repr__(self) -> str:
+        return f"FrozenDict({self._data!r})"
+
+
+optree.register_pytree_node(
+    FrozenDict,
+    lambda d: (tuple(d._data.values()), tuple(d._data.keys()), tuple(d._data.keys())),
+    lambda keys, values: FrozenDict(zip(keys, values)),
+    namespace=GLOBAL_NAMESPACE,
+)
+
+
+def static_field(**kwargs: Any) -> Any:
+    """A dataclass field that is auxiliary pytree data (not a leaf, never checkpointed as a tensor)."""
+    return dataclasses.field(metadata={"static": True}, **kwargs)
+
+
+def pytree_dataclass(cls: type[T]) -> type[T]:
+    """Register a frozen dataclass with optree, children and aux data taken from field metadata."""
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    children = tuple(f.name for f in fields if not f.metadata.get("static"))
+    statics = tuple(f.name for f in fields if f.metadata.get("static"))
+
+    def flatten(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]]:
+        get = object.__getattribute__
+        return tuple(get(obj, n) for n in children), tuple(get(obj, n) for n in statics), children
+
+    def unflatten(aux: tuple[Any, ...], values: Any) -> Any:
+        return cls(**dict(zip(children, values)), **dict(zip(statics, aux)))
+
+    optree.register_pytree_node(cls, flatten, unflatten, namespace=GLOBAL_NAMESPACE)
+    return cls
+
+
+@pytree_dataclass
+@dataclasses.dataclass(frozen=True)
+class Metrics:
+    """What the last step measured, as 0-d tensors on the training device (reading one syncs the host)."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    loss_scale: torch.Tensor
+    lr: torch.Tensor
+    skipped: torch.Tensor
+
+    def to_dict(self) -> dict[str, float]:
+        """Host copies of every metric (this waits for the step to finish)."""
+        return {f.name: getattr(self, f.name).item() for f in dataclasses.fields(self)}
+
+
+_DATA_FIELDS = ("step", "params", "opt_state", "scaler", "buffers", "rng", "metrics")
+
+
+@pytree_dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainState:
+    """Everything a training run needs, as a value.
+
+    Leaves: ``step`` (optimizer steps taken, applied or skipped; int64 on the CPU), ``params`` (fp32
+    master weights of this rank, one flat shard per unit, keyed by unit name), ``opt_state``,
+    ``scaler`` (loss-scale state), ``buffers`` (BatchNorm statistics and frozen parameters, by name),
+    ``rng`` (the dropout seed), ``metrics``. Static: ``program``, the model skeleton, sharding plan,
+    parsed config and composed step. Use :func:`dsfunc.full_params` for a plain ``state_dict``.
+    """
+
+    step: torch.Tensor
+    params: FrozenDict
+    opt_state: Any
+    scaler: Any
+    buffers: FrozenDict
+    rng: torch.Tensor
+    metrics: Metrics
+    program: Any = static_field()
+
+    def __getattribute__(self, name: str) -> Any:
+        if name in _DATA_FIELDS and object.__getattribute__(self, "__dict__").get("_donated"):
+            raise DonatedStateError(
+                f"this TrainState was donated to train_step and its buffers now belong to the state it "
+                f"returned; reading .{name} would see overwritten data. Use the returned state "
+                "(`state = dsfunc.train_step(state, batch)`), or pass donate=False to keep the input intact."
+            )
+        return object.__getattribute__(self, name)
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A new state with the given fields replaced (mappings are frozen for you)."""
+        self.check_usable()
+        for key in ("params", "buffers"):
+            if key in changes and not isinstance(changes[key], FrozenDict):
+                changes[key] = FrozenDict(changes[key])
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def donated(self) -> bool:
+        """True once ``train_step`` has consumed this state."""
+        return bool(object.__getattribute__(self, "__dict__").get("_donated"))
+
+    def check_usable(self) -> None:
+        """Raise :class:`DonatedStateError` if this state was donated."""
+        self.step  # noqa: B018 - the attribute access raises for a donated state
+
+    def mark_donated(self) -> None:
+        """Mark this state consumed; called by ``train_step`` after it reused the buffers."""
+        object.__getattribute__(self, "__dict__")["_donated"] = True
+
+    def __repr__(self) -> str:
+        if self.donated:
+            return "TrainState(<donated>)"
+        n = sum(p.numel() for p in self.params.values())
+        return f"TrainState(step={int(self.step)}, units={len(self.params)}, local_params={n})"
+
+
+def _refuse_assignment(self: TrainState, name: str, value: Any) -> None:
+    raise dataclasses.FrozenInstanceError(
+        f"TrainState is immutable: cannot assign .{name}. Use state.replace({name}=...) to get a new state."
+    )
+
+
+TrainState.__setattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
