@@ -253,6 +253,10 @@ def scale_by_adam(b1: ScalarOrSchedule = 0.9, b2: float = 0.999, eps: float = 1e
         bc1 = 1 - b1 ** t; bc2 = 1 - b2 ** t            # float32 0-d; torch.ones(()) when not bias_correction
         u = (m / bc1) / (v.sqrt() / bc2.sqrt()).add(eps)
 
+    The bias corrections are float32 0-d tensors on the params' device, as torch's capturable Adam computes them
+    (no host sync); for ``b2 = 0.999`` ``bc2`` is then 1.3e-5 relative below its float64 value for the first ~1000
+    steps (0.999 rounds up in float32), a ~6e-6 relative difference in those updates' size.
+
     ``b1`` may be a schedule (DeepSpeed's OneCycle cycles ``betas[0]``): then ``b1 = schedule(count - 1)`` as a
     float32 0-d tensor and the first line is ``m.mul(b1).add(g.mul(1 - b1))``.
     """
