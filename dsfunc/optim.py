@@ -14,7 +14,8 @@ or a :data:`~dsfunc.schedules.Schedule`; ``scale_by_learning_rate`` evaluates a 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import optree
 import torch

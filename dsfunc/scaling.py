@@ -26,8 +26,9 @@ step still skips overflowing updates. The step checks ``dead`` on the host when 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor

@@ -8,9 +8,24 @@ import optree
 import pytest
 import torch
 
-from dsfunc.optim import (EmptyState, ScaleByAdamState, ScheduleState, Transform, adagrad, adam, adamw,
-                          apply_updates, chain, clip_by_global_norm, current_lr, lamb, named_chain,
-                          optimizer_from_config, scale_by_factor, sgd)
+from dsfunc.optim import (
+    EmptyState,
+    ScaleByAdamState,
+    ScheduleState,
+    Transform,
+    adagrad,
+    adam,
+    adamw,
+    apply_updates,
+    chain,
+    clip_by_global_norm,
+    current_lr,
+    lamb,
+    named_chain,
+    optimizer_from_config,
+    scale_by_factor,
+    sgd,
+)
 from dsfunc.schedules import one_cycle_momentum, warmup_lr
 
 STEPS = 20
@@ -125,9 +140,9 @@ def test_adam_follows_the_documented_call_sequence_bit_for_bit():
         assert torch.equal(state["adam"].mu["w"], m) and torch.equal(state["adam"].nu["w"], v)
 
 
-@pytest.mark.parametrize("kw", [dict(momentum=0.0), dict(momentum=0.9), dict(momentum=0.9, nesterov=True),
-                                dict(momentum=0.9, dampening=0.3), dict(momentum=0.5, weight_decay=0.05),
-                                dict(momentum=0.9, nesterov=True, weight_decay=0.05), dict(weight_decay=0.05)],
+@pytest.mark.parametrize("kw", [{"momentum": 0.0}, {"momentum": 0.9}, {"momentum": 0.9, "nesterov": True},
+                                {"momentum": 0.9, "dampening": 0.3}, {"momentum": 0.5, "weight_decay": 0.05},
+                                {"momentum": 0.9, "nesterov": True, "weight_decay": 0.05}, {"weight_decay": 0.05}],
                          ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
 def test_sgd_matches_torch_sgd(kw):
     params, grads = make_params(), make_grads()
@@ -137,9 +152,9 @@ def test_sgd_matches_torch_sgd(kw):
     assert max_rel_diff(ours, ref) <= 1e-6
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(lr_decay=0.1), dict(initial_accumulator_value=0.1),
-                                dict(weight_decay=0.05), dict(eps=1e-3),
-                                dict(lr_decay=0.05, initial_accumulator_value=0.2, weight_decay=0.01)],
+@pytest.mark.parametrize("kw", [{}, {"lr_decay": 0.1}, {"initial_accumulator_value": 0.1},
+                                {"weight_decay": 0.05}, {"eps": 1e-3},
+                                {"lr_decay": 0.05, "initial_accumulator_value": 0.2, "weight_decay": 0.01}],
                          ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "defaults")
 def test_adagrad_matches_torch_adagrad(kw):
     params, grads = make_params(), make_grads()
@@ -232,13 +247,13 @@ def lamb_reference(params, grads, lr, b1, b2, eps, wd, min_coeff, max_coeff):
     return out
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(weight_decay=0.01), dict(min_coeff=0.5, max_coeff=0.6),
-                                dict(max_coeff=0.02)], ids=["plain", "wd", "clamped", "max_clamped"])
+@pytest.mark.parametrize("kw", [{}, {"weight_decay": 0.01}, {"min_coeff": 0.5, "max_coeff": 0.6},
+                                {"max_coeff": 0.02}], ids=["plain", "wd", "clamped", "max_clamped"])
 def test_lamb_matches_the_published_rule(kw):
     params, grads = make_params(), make_grads()
     params = {"w": params["w"], "b": params["b"], "zero": torch.zeros(4)}
     grads = [{"w": g["w"], "b": g["b"], "zero": g["w"][0, :4]} for g in grads]
-    args = dict(lr=1e-2, b1=0.9, b2=0.999, eps=1e-6, wd=0.0, min_coeff=0.01, max_coeff=10.0)
+    args = {"lr": 1e-2, "b1": 0.9, "b2": 0.999, "eps": 1e-6, "wd": 0.0, "min_coeff": 0.01, "max_coeff": 10.0}
     args.update({"wd" if k == "weight_decay" else k: v for k, v in kw.items()})
     ours, _ = run_ours(lamb(lr=1e-2, eps=1e-6, **kw), params, grads)
     ref = lamb_reference(params, grads, **args)
@@ -351,7 +366,7 @@ def test_updates_are_pure():
         state = tx.init(params)
         _, state = tx.update(grads[0], state, params)
         snapshot = optree.tree_map(torch.clone, (grads[1], state, params))
-        updates, new_state = tx.update(grads[1], state, params)
+        updates, _new_state = tx.update(grads[1], state, params)
         new_params = apply_updates(params, updates)
         assert optree.tree_all(optree.tree_map(torch.equal, (grads[1], state, params), snapshot))
         assert not torch.equal(new_params["w"], params["w"])
@@ -376,7 +391,7 @@ def test_no_host_sync_meta_tensors():
     """Meta tensors have no values: any .item(), bool() or Python branch on a tensor would raise."""
     params = optree.tree_map(lambda x: x.to("meta"), make_params())
     grads = optree.tree_map(lambda x: x.to("meta"), make_grads()[0])
-    extra = dict(grad_scale=torch.ones((), device="meta"))
+    extra = {"grad_scale": torch.ones((), device="meta")}
     sched = warmup_lr(0.0, 0.1, 10)
     for tx in (adam(lr=sched), adam(adam_w_mode=False, weight_decay=0.1), lamb(weight_decay=0.1),
                sgd(momentum=0.9, nesterov=True), adagrad(lr_decay=0.1, weight_decay=0.1),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -96,7 +97,7 @@ def test_random_sequences_match_reference(delayed_shift, consecutive, raise_erro
         p = rng.choice([0.1, 0.3, 0.6])
         trajectory = compare(scaler, [rng.random() < p for _ in range(60)])
         scales = [s[0] for s in trajectory]
-        seen_growth |= any(b > a for a, b in zip(scales, scales[1:]))
+        seen_growth |= any(b > a for a, b in itertools.pairwise(scales))
         seen_floor |= 2.0 in scales
     assert seen_growth and seen_floor  # the sequences really exercised growth and the floor
 

@@ -7,8 +7,16 @@ import math
 import pytest
 import torch
 
-from dsfunc.schedules import (lr_range_test, momentum_schedule_from_config, one_cycle, one_cycle_momentum,
-                              schedule_from_config, warmup_cosine_lr, warmup_decay_lr, warmup_lr)
+from dsfunc.schedules import (
+    lr_range_test,
+    momentum_schedule_from_config,
+    one_cycle,
+    one_cycle_momentum,
+    schedule_from_config,
+    warmup_cosine_lr,
+    warmup_decay_lr,
+    warmup_lr,
+)
 
 
 def check(schedule, expected: dict[int, float]) -> None:
@@ -17,7 +25,7 @@ def check(schedule, expected: dict[int, float]) -> None:
         got = schedule(torch.tensor(t, dtype=torch.int64))
         assert got.dtype == torch.float32 and got.shape == (), t
         torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32), rtol=1.2e-7, atol=0,
-                                   msg=lambda m: f"t={t}: {m}")
+                                   msg=lambda m, t=t: f"t={t}: {m}")
 
 
 def points(n: int, *late: int) -> list[int]:
@@ -156,12 +164,12 @@ def test_one_cycle_staircase(first, second, first_stairs, second_stairs):
 
 
 def test_one_cycle_decay_phase():
-    kw = dict(cycle_first_step_size=4, decay_lr_rate=0.5, decay_step_size=3)
+    kw = {"cycle_first_step_size": 4, "decay_lr_rate": 0.5, "decay_step_size": 3}
     s = one_cycle(0.01, 0.1, **kw)
     check(s, {t: ref_one_cycle_lr(t, 0.01, 0.1, 4, decay_rate=0.5, decay_step_size=3)
               for t in [6, 7, 8, 9, 10, 11, 100]})
     assert s(torch.tensor(100)).item() < 0.01 / 10
-    for no_decay in (dict(decay_lr_rate=0.5), dict(decay_step_size=3)):  # either 0 keeps cycle_min_lr
+    for no_decay in ({"decay_lr_rate": 0.5}, {"decay_step_size": 3}):  # either 0 keeps cycle_min_lr
         check(one_cycle(0.01, 0.1, cycle_first_step_size=4, **no_decay), {8: 0.01, 9: 0.01, 500: 0.01})
 
 
