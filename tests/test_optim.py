@@ -42,10 +42,10 @@ def make_grads(seed: int = 1) -> list[dict]:
     return [make_params(seed + 100 * k) for k in range(STEPS)]
 
 
-def run_ours(tx: Transform, params: dict, grads: list[dict]) -> tuple[dict, object]:
+def run_ours(tx: Transform, params: dict, grads: list[dict], **extra) -> tuple[dict, object]:
     state = tx.init(params)
     for g in grads:
-        updates, state = tx.update(g, state, params)
+        updates, state = tx.update(g, state, params, **extra)
         params = apply_updates(params, updates)
     return params, state
 
@@ -400,6 +400,34 @@ def test_no_host_sync_meta_tensors():
         updates, state = tx.update(grads, state, params, **extra)
         out = apply_updates(params, updates)
         assert all(x.device.type == "meta" for x in optree.tree_leaves((out, state)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_updates_never_sync_and_match_cpu():
+    params, grads = make_params(), make_grads()[:5]
+
+    def cuda(tree):
+        return optree.tree_map(lambda x: x.cuda(), tree)
+
+    sched = warmup_lr(0.0, 0.1, 3)
+    makers = [lambda: adam(lr=sched, weight_decay=0.1), lambda: lamb(weight_decay=0.1),
+              lambda: sgd(lr=sched, momentum=0.9, nesterov=True), lambda: adagrad(lr_decay=0.1),
+              lambda: chain(scale_by_factor(), clip_by_global_norm(1.0),
+                            adam(betas=(one_cycle_momentum(cycle_first_step_size=2), 0.99)))]
+    for make in makers:
+        want, _ = run_ours(make(), params, grads, grad_scale=torch.tensor(0.5))
+        tx, gparams, ggrads, scale = make(), cuda(params), [cuda(g) for g in grads], torch.tensor(0.5).cuda()
+        state = tx.init(gparams)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any device->host read raises
+        try:
+            for g in ggrads:
+                updates, state = tx.update(g, state, gparams, grad_scale=scale)
+                gparams = apply_updates(gparams, updates)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert all(x.is_cuda for x in optree.tree_leaves(state))
+        assert max_rel_diff(optree.tree_map(lambda x: x.cpu(), gparams), want) <= 1e-6
 
 
 # ------------------------------------------------------------------------------------------------- from config

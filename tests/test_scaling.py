@@ -209,3 +209,20 @@ def test_update_is_pure_and_never_syncs():
     for overflow in (True, False):
         meta = scaler.update(meta, torch.tensor(overflow, device="meta"))
     assert all(x.device.type == "meta" for x in meta)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_update_never_syncs():
+    scaler = LossScaler(init_scale=8.0, scale_window=2, delayed_shift=2, min_scale=1.0)
+    overflows = [1, 0, 0, 0, 1, 1, 1, 1, 1, 1]
+    flags = [torch.tensor(bool(o), device="cuda") for o in overflows]
+    state = scaler.init("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any device->host read raises
+    try:
+        for flag in flags:
+            state = scaler.update(state, flag)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = run(scaler, overflows)[-1]
+    assert as_tuple(state) + (state.dead.item(),) == want
