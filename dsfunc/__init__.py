@@ -5,7 +5,7 @@
         state = dsfunc.train_step(state, batch)
 """
 
-from dsfunc.config import Config, ConfigError
+from dsfunc.config import BF16Config, Config, ConfigError, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
 from dsfunc.optim import (
     Transform,
     adagrad,
@@ -14,14 +14,25 @@ from dsfunc.optim import (
     apply_updates,
     chain,
     clip_by_global_norm,
+    current_lr,
     lamb,
     named_chain,
+    scale_by_adam,
+    scale_by_factor,
     scale_by_learning_rate,
     scale_by_schedule,
     sgd,
 )
 from dsfunc.program import full_params, init_state
-from dsfunc.scaling import LossScaleError
+from dsfunc.scaling import LossScaleError, LossScaler, LossScaleState
+from dsfunc.schedules import (
+    lr_range_test,
+    one_cycle,
+    schedule_from_config,
+    warmup_cosine_lr,
+    warmup_decay_lr,
+    warmup_lr,
+)
 from dsfunc.state import DonatedStateError, FrozenDict, Metrics, TrainState
 from dsfunc.step import (
     GradContext,
@@ -38,8 +49,24 @@ from dsfunc.step import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BF16Config",
     "Config",
     "ConfigError",
+    "FP16Config",
+    "LossScaleState",
+    "LossScaler",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "ZeroConfig",
+    "current_lr",
+    "lr_range_test",
+    "one_cycle",
+    "scale_by_adam",
+    "scale_by_factor",
+    "schedule_from_config",
+    "warmup_cosine_lr",
+    "warmup_decay_lr",
+    "warmup_lr",
     "DonatedStateError",
     "FrozenDict",
     "GradContext",

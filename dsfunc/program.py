@@ -22,7 +22,7 @@ from dsfunc.config import Config
 from dsfunc.optim import apply_updates, clip_by_global_norm, current_lr, named_chain, optimizer_from_config
 from dsfunc.optim import scale_by_factor
 from dsfunc.scaling import LossScaler, check_not_dead
-from dsfunc.schedules import schedule_from_config
+from dsfunc.schedules import momentum_schedule_from_config, schedule_from_config
 from dsfunc.state import FrozenDict, Metrics, TrainState
 from dsfunc.zero import ShardingPlan, Workspace, _Slots, flatten_unit, install_hooks, local_shard
 from dsfunc.zero import make_plan, segment_norm_fn, unit_views
@@ -248,13 +248,16 @@ def _optimizer_from(cfg: Config) -> Any:
             '"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, or pass optimizer=... to init_state'
         )
     base_lr = cfg.optimizer.params["lr"]
-    schedule = None
+    schedule = momentum = None
     if cfg.scheduler is not None:
         schedule = schedule_from_config(cfg.scheduler.type, cfg.scheduler.params, base_lr)
+        momentum = momentum_schedule_from_config(cfg.scheduler.type, cfg.scheduler.params)
+    optimizer = optimizer_from_config(cfg.optimizer.type, cfg.optimizer.params, schedule,
+                                      momentum_schedule=momentum)
     return named_chain(
         ("unscale", scale_by_factor("grad_scale")),
         ("clip", clip_by_global_norm(cfg.gradient_clipping)),
-        ("optimizer", optimizer_from_config(cfg.optimizer.type, cfg.optimizer.params, schedule)),
+        ("optimizer", optimizer),
     )
 
 
