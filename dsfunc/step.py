@@ -194,17 +194,33 @@ def train_step(state: TrainState, batch: Batch, *, donate: bool = True) -> Train
 
 def _run_step(state: TrainState, batch: Batch, donate: bool, grad_fn: GradFn, optimizer: Any) -> TrainState:
     state.check_usable()
-    program = state.program
-    program.check_scaler(state)
+    state.program.check_scaler(state)
     work = state if donate else optree.tree_map(lambda t: t.clone(), state)
-    optimizer = optimizer or program.optimizer
-
     result = grad_fn(GradContext(work), batch)
-    params = work.params
-    grads = {
-        name: g if g is not None else torch.zeros_like(params[name])
-        for name, g in (result.grads or {}).items()
-    }
+    new = apply_gradients(work, result.grads, result.loss, optimizer=optimizer)
+    if donate:
+        state.mark_donated()
+    return new
+
+
+def apply_gradients(
+    state: TrainState,
+    grads: Mapping[str, torch.Tensor | None] | None,
+    loss: torch.Tensor,
+    *,
+    optimizer: Any = None,
+) -> TrainState:
+    """The update half of a step: norm, overflow check, optimizer, loss scaler, metrics.
+
+    ``grads`` are this rank's reduced fp32 gradients laid out like ``state.params`` (still multiplied
+    by the loss scale); ``loss`` is this rank's mean loss. Updates ``state``'s buffers in place (the
+    caller donates it) and returns the new state. On a non-finite gradient nothing changes but the
+    scaler and the metrics (``skipped = 1``), on every rank alike.
+    """
+    program = state.program
+    optimizer = optimizer or program.optimizer
+    params = state.params
+    grads = {name: g if g is not None else torch.zeros_like(params[name]) for name, g in (grads or {}).items()}
     if grads.keys() != params.keys():
         raise ValueError(
             "the gradient function returned gradients for units "
@@ -212,18 +228,17 @@ def _run_step(state: TrainState, batch: Batch, donate: bool, grad_fn: GradFn, op
         )
 
     sumsq = program.sum_of_squares(list(grads.values()))
-    loss = result.loss
     if program.plan.world_size > 1:  # one tiny collective: shard norms and the loss mean
         packed = torch.stack([sumsq if program.plan.ways > 1 else torch.zeros_like(sumsq), loss.float()])
         comm.all_reduce_sum(packed)
         sumsq = packed[0] if program.plan.ways > 1 else sumsq
         loss = packed[1] / program.plan.world_size
-    scale = work.scaler.scale
+    scale = state.scaler.scale
     finite = torch.isfinite(sumsq)
     grad_norm = sumsq.sqrt() / scale
 
     updates, new_opt_state = optimizer.update(
-        grads, work.opt_state, dict(params),
+        grads, state.opt_state, dict(params),
         grad_scale=1.0 / scale, global_norm=grad_norm, segment_norm=program.segment_norm,
     )
     new_params = program.apply_updates(params, updates)
@@ -233,18 +248,16 @@ def _run_step(state: TrainState, batch: Batch, donate: bool, grad_fn: GradFn, op
         return old
 
     params = FrozenDict({k: commit(params[k], new_params[k]) for k in params})
-    opt_state = optree.tree_map(commit, work.opt_state, new_opt_state)
-    scaler = program.scaler.update(work.scaler, ~finite)
+    opt_state = optree.tree_map(commit, state.opt_state, new_opt_state)
+    scaler = program.scaler.update(state.scaler, ~finite)
     program.workspace.refresh(params)
     metrics = Metrics(
         loss=loss.detach(), grad_norm=grad_norm.detach(), loss_scale=scale.detach().clone(),
         lr=program.current_lr(opt_state), skipped=(~finite).to(torch.int32),
     )
     new = dataclasses.replace(
-        work, step=work.step + 1, params=params, opt_state=opt_state, scaler=scaler, metrics=metrics,
+        state, step=state.step + 1, params=params, opt_state=opt_state, scaler=scaler, metrics=metrics,
     )
-    if donate:
-        state.mark_donated()
     program.note_scaler(new)
     return new
 
