@@ -366,8 +366,11 @@ class ShardedBinding(Binding):
         local = self._local.pop(unit.name, None) if stage <= 1 else None
         if local is not None:
             full = full + local.to(self.comm_dtype)
-        if stage == 0:
-            work = comm.all_reduce_sum(full, async_op=True)
+        if stage == 0:  # all-reduce in chunks of at most reduce_bucket_size elements
+            chunks = full.split(self.program.config.zero_optimization.reduce_bucket_size)
+            for chunk in chunks[:-1]:
+                self.pending.append((comm.all_reduce_sum(chunk, async_op=True), lambda: None))
+            work = comm.all_reduce_sum(chunks[-1], async_op=True)
             self.pending.append((work, lambda u=unit, t=full: self._store(u, t)))
         else:
             out = torch.empty(self.plan.shard_size(unit), dtype=self.comm_dtype, device=full.device)
