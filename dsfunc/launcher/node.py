@@ -137,6 +137,8 @@ def run_node(world: Resources, node_rank: int, rank_args: list[str], master_addr
     slots = world[hosts[node_rank]]
     if _has_gpus():
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+    # DeepSpeed's launcher also tells each rank its node's index, the node count and the node's rank count.
+    os.environ.update(CROSS_RANK=str(node_rank), CROSS_SIZE=str(len(hosts)), LOCAL_SIZE=str(len(slots)))
     argv = [
         f"--nnodes={len(hosts)}", f"--node_rank={node_rank}", f"--nproc_per_node={len(slots)}",
         f"--master_addr={master_addr}", f"--master_port={master_port}", "--rdzv_backend=static",

@@ -113,8 +113,9 @@ class Sshd:
             f"  IdentityFile {workdir / 'id'}\n  IdentitiesOnly yes\n  StrictHostKeyChecking no\n"
             "  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  BatchMode yes\n"
         )
+        self._log = open(workdir / "sshd.log", "w")
         self.proc = subprocess.Popen([shutil.which("sshd") or "/usr/sbin/sshd", "-D", "-e", "-f",
-                                      str(workdir / "sshd_config")], stderr=open(workdir / "sshd.log", "w"))
+                                      str(workdir / "sshd_config")], stderr=self._log)
         deadline = time.monotonic() + 20
         while subprocess.run(["ssh", "-F", str(self.config), aliases[0], "true"],
                              stdin=subprocess.DEVNULL, capture_output=True).returncode != 0:
@@ -131,6 +132,7 @@ class Sshd:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=10)
+        self._log.close()
 
 
 def sshd_missing_reason() -> str | None:
