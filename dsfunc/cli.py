@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "ssh/pdsh start PyTorch's elastic agent on each node; openmpi/slurm start every rank "
                         "through mpirun/srun (ranks read by dsfunc.init_distributed)")
     p.add_argument("--launcher_args", default="",
-                   help="extra arguments for ssh/pdsh/mpirun/srun, one quoted string (e.g. '-F ssh_config')")
+                   help="extra arguments for ssh/pdsh/mpirun/srun, one quoted string; write "
+                        "--launcher_args='--opt' when it starts with a dash (e.g. '--launcher_args=-F cfg')")
     p.add_argument("--ssh_port", type=int, default=None, help="ssh port of the nodes")
     p.add_argument("--no_ssh_check", action="store_true", help="do not check that every node answers ssh first")
     p.add_argument("--no_ssh", action="store_true",

@@ -112,20 +112,22 @@ def _wait_all(procs: list[subprocess.Popen], deadline: float) -> None:
             p.wait()
 
 
-def supervise_nodes(procs: list[subprocess.Popen], names: list[str], ask_stop) -> int:
-    """Wait for per-node processes; when one fails or a signal arrives, ``ask_stop(proc)`` the others and wait
-    for them to finish (killing them after :data:`STOP_GRACE_S`). Returns the job's exit code."""
+def supervise_nodes(procs: list[subprocess.Popen], labels: list[str], ask_stop) -> int:
+    """Wait for the runner processes (one per node, or one mpirun/srun/pdsh); when one fails or a signal
+    arrives, ``ask_stop(proc)`` the others and wait for them to finish (killing them after
+    :data:`STOP_GRACE_S`). Returns the job's exit code."""
     with _Signals() as signals:
         code = 0
         while True:
             failed = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() not in (None, 0)]
             if failed:
                 i, code = failed[0]
-                _say(f"node {i} ({names[i]}) exited with code {code}; stopping the other nodes")
+                others = "; stopping the other nodes" if any(p.poll() is None for p in procs) else ""
+                _say(f"{labels[i]} exited with code {code}{others}")
                 break
             if signals.received is not None:
                 code = 128 + signals.received
-                _say(f"got {signal.Signals(signals.received).name}; stopping every node")
+                _say(f"got {signal.Signals(signals.received).name}; stopping every rank")
                 break
             if all(p.poll() == 0 for p in procs):
                 return 0
@@ -233,7 +235,7 @@ def _dispatch(runner: str, job: Launch, args: argparse.Namespace) -> int:
     if runner == "ssh":
         cmds = commands.ssh_commands(job)
         procs = [subprocess.Popen(c, stdin=subprocess.PIPE, start_new_session=True) for c in cmds]
-        return supervise_nodes(procs, hosts, _close_stdin)
+        return supervise_nodes(procs, [f"node {i} ({h})" for i, h in enumerate(hosts)], _close_stdin)
     if runner == "pdsh":
         cmd, extra = commands.pdsh_command(job)
         return _run_single(runner, {**os.environ, **extra}, cmd)
