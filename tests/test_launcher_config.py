@@ -163,7 +163,7 @@ def test_slurm_command():
 def test_pdsh_command():
     cmd, env = pdsh_command(_launch({"w0": [0], "w1": [0]}))
     assert cmd[:6] == ["pdsh", "-S", "-f", "1024", "-w", "w0,w1"] and env == {"PDSH_RCMD_TYPE": "ssh"}
-    assert "--node_rank=%n" in cmd[6] and "--stop_on_parent_exit" in cmd[6]
+    assert "--node_host=%h" in cmd[6] and "--stop_on_parent_exit" in cmd[6]
 
 
 @pytest.mark.parametrize("env, expected", [

@@ -149,3 +149,19 @@ def test_export_subcommand_is_dispatched(job):
         assert res.returncode != 0 and "dsfunc export" in res.stderr and "dsfunc.export is missing" in res.stderr
     else:
         assert res.returncode == 0, res.stderr
+
+
+def test_no_ssh_nodes_started_by_hand_form_one_world(job):
+    cwd, out, env = job
+    hostfile = cwd / "hostfile"
+    hostfile.write_text("first slots=2\nsecond slots=1\n")  # uneven nodes: 2 + 1 ranks
+    base = ["--hostfile", str(hostfile), "--no_ssh", "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    procs = [subprocess.Popen(dsfunc_cmd(*base, "--node_rank", str(k), REPORT, str(out)), cwd=cwd, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in (0, 1)]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    ranks = reports(out)
+    assert sorted(ranks) == [0, 1, 2] and all(r["sum"] == 6.0 for r in ranks.values())
+    assert [(r["env"]["LOCAL_RANK"], r["env"]["LOCAL_WORLD_SIZE"]) for _, r in sorted(ranks.items())] == [
+        ("0", "2"), ("1", "2"), ("0", "1")]
+    assert not any("Error waiting on exit barrier" in err for _, err in results)

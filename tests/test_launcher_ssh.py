@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -114,3 +115,21 @@ def test_unreachable_host_is_a_clear_error(job, sshd):
     res = run_dsfunc(["--hostfile", str(hostfile), "--launcher_args", f"-F {sshd.config}", REPORT], cwd, env)
     assert res.returncode == 2
     assert "cannot reach no-such-host.invalid with passwordless ssh" in res.stderr
+
+
+@pytest.mark.skipif(shutil.which("pdsh") is None, reason="pdsh is not installed (apt-get install pdsh)")
+def test_pdsh_runner_world_and_failure(job, sshd):
+    cwd, out, env, base = job
+    env["PDSH_SSH_ARGS_APPEND"] = f"-F {sshd.config}"
+    pdsh_base = [a for a in base if a not in ("--launcher_args", f"-F {sshd.config}")] + ["--launcher", "pdsh"]
+    res = run_dsfunc([*pdsh_base, REPORT, str(out)], cwd, env)
+    assert res.returncode == 0, res.stderr
+    ranks = reports(out)
+    assert sorted(ranks) == [0, 1, 2, 3] and all(r["sum"] == 10.0 for r in ranks.values())
+
+    start = time.monotonic()
+    res = run_dsfunc([*pdsh_base, str(SCRIPTS / "fail.py"), "--sleep"], cwd, env, timeout=90)
+    assert res.returncode == 1 and time.monotonic() - start < 30, res.stderr
+    assert "node-a: dsfunc: rank 1 (local rank 1 on node-a) failed with exit code 1" in res.stderr
+    assert "dsfunc: node node-a exited with code 1; stopping every node" in res.stderr
+    assert not wait_gone(str(SCRIPTS / "fail.py"))

@@ -45,11 +45,12 @@ class Launch:
         return sum(len(s) for s in self.resources.values())
 
 
-def node_agent_argv(launch: Launch, node_rank: str, stop_flags: list[str]) -> list[str]:
-    """``python -u -m dsfunc.launcher.node ...`` for one node (``node_rank`` may be a runner placeholder)."""
+def node_agent_argv(launch: Launch, node: str, stop_flags: list[str]) -> list[str]:
+    """``python -u -m dsfunc.launcher.node ...`` for one node; ``node`` is ``--node_rank=K`` or
+    ``--node_host=H`` (H may be a runner placeholder)."""
     return [
         launch.python, "-u", "-m", "dsfunc.launcher.node", f"--world_info={encode_world_info(launch.resources)}",
-        f"--node_rank={node_rank}", f"--master_addr={launch.master_addr}", f"--master_port={launch.master_port}",
+        node, f"--master_addr={launch.master_addr}", f"--master_port={launch.master_port}",
         f"--max_restarts={launch.max_restarts}", *stop_flags, "--", *launch.rank_args,
     ]
 
@@ -66,15 +67,15 @@ def ssh_commands(launch: Launch) -> list[list[str]]:
     (which is how the launcher asks a node to stop) or when the ssh session dies."""
     commands = []
     for rank, host in enumerate(launch.hosts):
-        agent = node_agent_argv(launch, str(rank), ["--stop_on_stdin_eof", "--stop_on_parent_exit"])
+        agent = node_agent_argv(launch, f"--node_rank={rank}", ["--stop_on_stdin_eof", "--stop_on_parent_exit"])
         commands.append(["ssh", *launch.launcher_args, host, remote_shell_command(launch, agent)])
     return commands
 
 
 def pdsh_command(launch: Launch) -> tuple[list[str], dict[str, str]]:
-    """``pdsh -S -f 1024 -w HOSTS ...`` running the agent on every node (node rank from pdsh's ``%n``), and
-    the variables pdsh itself needs (``PDSH_RCMD_TYPE=ssh``)."""
-    agent = node_agent_argv(launch, "%n", ["--stop_on_parent_exit"])
+    """``pdsh -S -f 1024 -w HOSTS ...`` running the agent on every node (each finds its rank from its host
+    name, pdsh's ``%h``), and the variables pdsh itself needs (``PDSH_RCMD_TYPE=ssh``)."""
+    agent = node_agent_argv(launch, "--node_host=%h", ["--stop_on_parent_exit"])
     argv = ["pdsh", "-S", "-f", "1024", "-w", ",".join(launch.hosts), *launch.launcher_args,
             remote_shell_command(launch, agent)]
     return argv, {"PDSH_RCMD_TYPE": "ssh"}

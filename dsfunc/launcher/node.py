@@ -1,6 +1,6 @@
 """Per-node agent: runs this node's ranks under PyTorch's elastic agent (``torch.distributed.run``).
 
-``python -m dsfunc.launcher.node --world_info=B64 --node_rank=N --master_addr=A --master_port=P
+``python -m dsfunc.launcher.node --world_info=B64 (--node_rank=N | --node_host=H) --master_addr=A --master_port=P
 [--max_restarts=K] [--stop_on_stdin_eof] [--stop_on_parent_exit] -- [shim flags] TARGET [ARGS ...]``
 
 The multi-node runners start one of these per node (over ssh or pdsh); a single-node launch calls
@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m dsfunc.launcher.node`` (started on each node by the multi-node runners)."""
     parser = argparse.ArgumentParser(prog="python -m dsfunc.launcher.node")
     parser.add_argument("--world_info", required=True)
-    parser.add_argument("--node_rank", type=int, required=True)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--node_rank", type=int, help="this node's index in the world info")
+    which.add_argument("--node_host", help="this node's host name as listed in the world info (pdsh's %%h)")
     parser.add_argument("--master_addr", required=True)
     parser.add_argument("--master_port", type=int, required=True)
     parser.add_argument("--max_restarts", type=int, default=0)
@@ -183,7 +185,10 @@ def main(argv: list[str] | None = None) -> None:
         parent = os.getppid()
         _stop_self_when(lambda: os.getppid() != parent, poll=0.5)
     world = decode_world_info(args.world_info)
-    sys.exit(run_node(world, args.node_rank, rank_args, args.master_addr, args.master_port, args.max_restarts))
+    if args.node_host is not None and args.node_host not in world:
+        parser.error(f"--node_host {args.node_host!r} is not one of the job's hosts ({', '.join(world)})")
+    node_rank = list(world).index(args.node_host) if args.node_host is not None else args.node_rank
+    sys.exit(run_node(world, node_rank, rank_args, args.master_addr, args.master_port, args.max_restarts))
 
 
 if __name__ == "__main__":

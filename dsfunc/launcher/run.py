@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from dsfunc.launcher import commands
@@ -55,7 +58,8 @@ def _ssh_reachable(ssh_args: list[str], hosts: list[str]) -> None:
         details = "; ".join(f"{h}: {r.stderr.strip() or f'exit code {r.returncode}'}" for h, r in failed)
         raise LauncherError(
             f"cannot reach {', '.join(h for h, _ in failed)} with passwordless ssh ({details}). Set up ssh keys, "
-            "pass ssh options with --launcher_args, or skip this check with --no_ssh_check"
+            "pass ssh options with --launcher_args (pdsh: PDSH_SSH_ARGS_APPEND), or skip this check with "
+            "--no_ssh_check"
         )
 
 
@@ -112,14 +116,20 @@ def _wait_all(procs: list[subprocess.Popen], deadline: float) -> None:
             p.wait()
 
 
-def supervise_nodes(procs: list[subprocess.Popen], labels: list[str], ask_stop) -> int:
-    """Wait for the runner processes (one per node, or one mpirun/srun/pdsh); when one fails or a signal
-    arrives, ``ask_stop(proc)`` the others and wait for them to finish (killing them after
-    :data:`STOP_GRACE_S`). Returns the job's exit code."""
+def supervise_nodes(procs: list[subprocess.Popen], labels: list[str], ask_stop,
+                    node_failure: Callable[[], tuple[str, int] | None] = lambda: None) -> int:
+    """Wait for the runner processes (one per node, or one mpirun/srun/pdsh); when one fails, ``node_failure()``
+    reports a failed node (label, code), or a signal arrives, ``ask_stop(proc)`` the others and wait for them to
+    finish (killing them after :data:`STOP_GRACE_S`). Returns the job's exit code."""
     with _Signals() as signals:
         code = 0
         while True:
             failed = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+            remote = node_failure()
+            if remote is not None and not failed:
+                code = remote[1]
+                _say(f"{remote[0]} exited with code {code}; stopping every node")
+                break
             if failed:
                 i, code = failed[0]
                 others = "; stopping the other nodes" if any(p.poll() is None for p in procs) else ""
@@ -151,12 +161,42 @@ def _terminate(proc: subprocess.Popen) -> None:
         pass
 
 
+def _interrupt_pdsh(proc: subprocess.Popen) -> None:
+    """Two SIGINTs within a second make pdsh SIGTERM its ssh sessions; each node's agent then sees its
+    parent (the remote sshd session) exit and stops its ranks."""
+    for _ in range(2):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.2)
+
+
+_PDSH_NODE_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
+
+
+def _relay_pdsh_errors(stream, failures: list[tuple[str, int]]) -> None:
+    """Copy pdsh's stderr to ours, noting each node whose command failed (pdsh waits for all nodes)."""
+    for line in stream:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        match = _PDSH_NODE_EXIT.match(line)
+        if match and int(match[2]) != 0:
+            failures.append((f"node {match[1]}", int(match[2])))
+
+
 def _run_single(runner: str, proc_env: dict[str, str], cmd: list[str]) -> int:
     if shutil.which(cmd[0]) is None:
         raise LauncherError(f"launcher {runner!r} is not installed: {cmd[0]} is not on PATH")
     _say(shlex.join(cmd))
-    proc = subprocess.Popen(cmd, env=proc_env, start_new_session=True)
-    return supervise_nodes([proc], [cmd[0]], _terminate)
+    if runner != "pdsh":
+        proc = subprocess.Popen(cmd, env=proc_env, start_new_session=True)
+        return supervise_nodes([proc], [cmd[0]], _terminate)
+    failures: list[tuple[str, int]] = []
+    proc = subprocess.Popen(cmd, env=proc_env, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    relay = threading.Thread(target=_relay_pdsh_errors, args=(proc.stderr, failures), daemon=True)
+    relay.start()
+    code = supervise_nodes([proc], [cmd[0]], _interrupt_pdsh, lambda: failures[0] if failures else None)
+    relay.join(timeout=5)
+    return code
 
 
 def _choose_runner(args: argparse.Namespace, n_hosts: int) -> str:
@@ -176,19 +216,22 @@ def launch(args: argparse.Namespace) -> int:
     resources, from_hostfile = resolve(args.hostfile, args.hostfile_given, args.include, args.exclude,
                                        args.num_nodes, args.num_gpus, _gpu_count())
     runner = _choose_runner(args, len(resources))
-    if runner != "local" and args.max_restarts > 0 and (len(resources) > 1 or runner in ("openmpi", "slurm")):
+    if args.max_restarts > 0 and (len(resources) > 1 or runner in ("openmpi", "slurm")):
         raise LauncherError(
             "--max_restarts needs PyTorch's elastic agent to restart every rank together; it works for "
-            "single-node jobs (and --no_ssh), not with several nodes or the openmpi/slurm launchers"
+            "single-node jobs, not with several nodes or the openmpi/slurm launchers"
         )
     cwd = os.getcwd()
     exports = exported_env(os.environ, cwd, os.path.expanduser("~"))
     if args.enable_each_rank_log != "None":
         exports["DSFUNC_RANK_LOG_DIR"] = os.path.abspath(args.enable_each_rank_log)
         exports["DSFUNC_LAUNCH_STAMP"] = time.strftime("%Y%m%d%H%M%S")
-    ssh_args = shlex.split(args.launcher_args) if runner in ("ssh", "pdsh") else []
-    if args.ssh_port is not None:
-        ssh_args = ["-p", str(args.ssh_port), *ssh_args]
+    # ssh options: --launcher_args for the ssh runner; pdsh passes PDSH_SSH_ARGS_APPEND to its ssh instead.
+    port_args = ["-p", str(args.ssh_port)] if args.ssh_port is not None else []
+    if runner == "pdsh":
+        ssh_args = [*shlex.split(os.environ.get("PDSH_SSH_ARGS_APPEND", "")), *port_args]
+    else:
+        ssh_args = [*port_args, *shlex.split(args.launcher_args)] if runner == "ssh" else []
     for tool in {"ssh": ["ssh"], "pdsh": ["pdsh", "ssh"]}.get(runner, []):
         if shutil.which(tool) is None:
             raise LauncherError(f"launcher {runner!r} is not installed: {tool} is not on PATH")
@@ -204,7 +247,7 @@ def launch(args: argparse.Namespace) -> int:
             master_addr = infer_master_addr(ssh_args, list(resources)[0])
     job = Launch(resources=resources, rank_args=_rank_args(args), master_addr=master_addr,
                  master_port=args.master_port, exports=exports,
-                 launcher_args=ssh_args if runner in ("ssh", "pdsh") else shlex.split(args.launcher_args),
+                 launcher_args=ssh_args if runner == "ssh" else shlex.split(args.launcher_args),
                  max_restarts=args.max_restarts, cwd=cwd)
     hosts = list(resources)
     layout = "; ".join(f"{h}: slots {','.join(map(str, s))}" for h, s in resources.items())
@@ -215,13 +258,13 @@ def launch(args: argparse.Namespace) -> int:
         with open(pid_file, "w") as f:
             f.write(str(os.getpid()))
     try:
-        return _dispatch(runner, job, args)
+        return _dispatch(runner, job, args, ssh_args)
     finally:
         if pid_file and os.path.exists(pid_file):
             os.remove(pid_file)
 
 
-def _dispatch(runner: str, job: Launch, args: argparse.Namespace) -> int:
+def _dispatch(runner: str, job: Launch, args: argparse.Namespace, ssh_args: list[str]) -> int:
     hosts = job.hosts
     if runner == "local":
         node_rank = max(args.node_rank, 0) if args.no_ssh else 0
@@ -238,7 +281,7 @@ def _dispatch(runner: str, job: Launch, args: argparse.Namespace) -> int:
         return supervise_nodes(procs, [f"node {i} ({h})" for i, h in enumerate(hosts)], _close_stdin)
     if runner == "pdsh":
         cmd, extra = commands.pdsh_command(job)
-        return _run_single(runner, {**os.environ, **extra}, cmd)
+        return _run_single(runner, {**os.environ, **extra, "PDSH_SSH_ARGS_APPEND": shlex.join(ssh_args)}, cmd)
     if runner == "openmpi":
         with tempfile.NamedTemporaryFile("w", prefix="dsfunc_mpi_hostfile_", suffix=".txt") as hostfile:
             hostfile.write(commands.mpi_hostfile_text(job.resources))
