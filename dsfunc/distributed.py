@@ -32,7 +32,9 @@ _HOW_TO_LAUNCH = (
 def _first_address() -> str:
     """This host's first address (``hostname -I``), falling back to the address its name resolves to."""
     try:
-        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10).stdout.split()
+        out = subprocess.run(
+            ["hostname", "-I"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout.split()
         if out:
             return out[0]
     except (OSError, subprocess.SubprocessError):
@@ -42,7 +44,8 @@ def _first_address() -> str:
 
 def mpi_discovery(distributed_port: int = 29500) -> dict[str, str]:
     """Rank variables from mpi4py's COMM_WORLD: rank and size, local rank/size from processor names, and rank
-    0's address (127.0.0.1 when every rank shares rank 0's host). Existing MASTER_ADDR/MASTER_PORT are kept."""
+    0's address (127.0.0.1 when every rank shares rank 0's host). Existing MASTER_ADDR/MASTER_PORT are
+    kept."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
@@ -51,7 +54,8 @@ def mpi_discovery(distributed_port: int = 29500) -> dict[str, str]:
     same_host = all(n == names[0] for n in names)
     master_addr = comm.bcast(None if rank != 0 else ("127.0.0.1" if same_host else _first_address()), root=0)
     env = {
-        "RANK": str(rank), "WORLD_SIZE": str(size),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(size),
         "LOCAL_RANK": str(sum(1 for n in names[:rank] if n == names[rank])),
         "LOCAL_WORLD_SIZE": str(names.count(names[rank])),
         "MASTER_ADDR": os.environ.get("MASTER_ADDR", master_addr),
@@ -64,7 +68,8 @@ def mpi_discovery(distributed_port: int = 29500) -> dict[str, str]:
 def _ompi_env(distributed_port: int) -> dict[str, str]:
     """Rank variables from Open MPI's ``OMPI_COMM_WORLD_*`` (used when mpi4py is not installed)."""
     env = {
-        "RANK": os.environ["OMPI_COMM_WORLD_RANK"], "WORLD_SIZE": os.environ["OMPI_COMM_WORLD_SIZE"],
+        "RANK": os.environ["OMPI_COMM_WORLD_RANK"],
+        "WORLD_SIZE": os.environ["OMPI_COMM_WORLD_SIZE"],
         "LOCAL_RANK": os.environ["OMPI_COMM_WORLD_LOCAL_RANK"],
         "LOCAL_WORLD_SIZE": os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"],
         "MASTER_PORT": os.environ.get("MASTER_PORT", str(distributed_port)),
@@ -96,15 +101,27 @@ def _discover(distributed_port: int, verbose: bool) -> None:
     for key, value in found.items():
         os.environ.setdefault(key, value)
     if verbose:
-        logger.info("%s: rank %s of %s, local rank %s, master %s:%s", source, os.environ["RANK"],
-                    os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ.get("MASTER_ADDR"),
-                    os.environ["MASTER_PORT"])
+        logger.info(
+            "%s: rank %s of %s, local rank %s, master %s:%s",
+            source,
+            os.environ["RANK"],
+            os.environ["WORLD_SIZE"],
+            os.environ["LOCAL_RANK"],
+            os.environ.get("MASTER_ADDR"),
+            os.environ["MASTER_PORT"],
+        )
 
 
-def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
-                     distributed_port: int = 29500, verbose: bool = True,
-                     timeout: datetime.timedelta | None = None, init_method: str | None = None,
-                     rank: int = -1, world_size: int = -1) -> None:
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
+    timeout: datetime.timedelta | None = None,
+    init_method: str | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
     """Initialise ``torch.distributed`` the way ``deepspeed.init_distributed`` does (no-op if already done).
 
     Args:
@@ -131,9 +148,13 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
     if explicit:
         missing = [n for n, v in (("rank", rank), ("world_size", world_size)) if v < 0]
         if missing:
-            raise ValueError(f"init_distributed(init_method={init_method!r}) also needs rank= and world_size=")
+            raise ValueError(
+                f"init_distributed(init_method={init_method!r}) also needs rank= and world_size="
+            )
     else:
-        missing = [k for k in missing if not (k == "RANK" and rank >= 0 or k == "WORLD_SIZE" and world_size >= 0)]
+        missing = [
+            k for k in missing if not (k == "RANK" and rank >= 0 or k == "WORLD_SIZE" and world_size >= 0)
+        ]
         if missing:
             raise RuntimeError(
                 f"init_distributed: {', '.join(missing)} not set in the environment. {_HOW_TO_LAUNCH}."
@@ -150,7 +171,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         kwargs["world_size"] = world_size
     dist.init_process_group(backend, init_method=init_method or "env://", **kwargs)
     if verbose:
-        logger.info("init_distributed: rank %d of %d, backend %s", dist.get_rank(), dist.get_world_size(), backend)
+        logger.info(
+            "init_distributed: rank %d of %d, backend %s", dist.get_rank(), dist.get_world_size(), backend
+        )
 
 
 def get_rank() -> int:

@@ -1,4 +1,4 @@
-"""init_distributed and the rank helpers (MPI discovery itself runs under real mpirun in test_launcher_mpi)."""
+"""init_distributed and the rank helpers (MPI discovery runs under real mpirun in test_launcher_mpi)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,15 @@ from tests.launch_scripts.harness import REPO, cli_env, free_port
 from tests.multiprocess import run_world
 
 RANK_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-MPI_VARS = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_SIZE",
-            "PMIX_RANK", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+MPI_VARS = (
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "PMI_SIZE",
+    "PMIX_RANK",
+    "MV2_COMM_WORLD_SIZE",
+    "MPI_LOCALNRANKS",
+)
 
 
 @pytest.fixture
@@ -30,8 +37,15 @@ def _python(code: str, tmp_path, **env: str) -> subprocess.CompletedProcess:
     for key in MPI_VARS:
         full_env.pop(key, None)
     full_env.update(env)
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=full_env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_helpers_without_a_group(bare_env):
@@ -53,7 +67,9 @@ def test_missing_environment_names_the_variables(bare_env):
 
 
 def test_init_method_needs_rank_and_world_size(bare_env):
-    with pytest.raises(ValueError, match=r"init_method='tcp://127.0.0.1:1'\) also needs rank= and world_size="):
+    with pytest.raises(
+        ValueError, match=r"init_method='tcp://127.0.0.1:1'\) also needs rank= and world_size="
+    ):
         init_distributed(init_method="tcp://127.0.0.1:1", rank=0)
 
 
@@ -79,14 +95,24 @@ def test_env_init_and_explicit_init_method(tmp_path):
         "print(dist.get_world_size())\n"
         "dist.destroy_process_group()\n"
     )
-    res = _python(code, tmp_path, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=str(port))
+    res = _python(
+        code,
+        tmp_path,
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["gloo", "0", "1", "1"]
 
 
 def test_mpi_launcher_without_mpi4py_is_a_clear_error(tmp_path):
-    code = "import sys; sys.modules['mpi4py'] = None\nfrom dsfunc.distributed import init_distributed\ninit_distributed()\n"
+    code = (
+        "import sys; sys.modules['mpi4py'] = None\n"  # as if mpi4py were not installed
+        "from dsfunc.distributed import init_distributed\ninit_distributed()\n"
+    )
     res = _python(code, tmp_path, PMI_SIZE="2")
     assert res.returncode != 0
     assert "started by an MPI launcher, but mpi4py is not installed" in res.stderr

@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from tests.launch_scripts.harness import (
-    SCRIPTS, cli_env, dsfunc_cmd, free_port, interrupt_and_wait, processes_with, reports, run_dsfunc, wait_for_files,
+    SCRIPTS,
+    cli_env,
+    dsfunc_cmd,
+    free_port,
+    interrupt_and_wait,
+    processes_with,
+    reports,
+    run_dsfunc,
+    wait_for_files,
     wait_gone,
 )
 
@@ -32,7 +40,9 @@ def test_two_cpu_ranks_all_reduce(job):
     (cwd / ".deepspeed_env").write_text("# comment\n\nDSFUNC_TEST_FROM_FILE=hello world\n")
     env["NCCL_DEBUG_TEST"] = "forwarded"
     port = free_port()
-    res = run_dsfunc(["--num_gpus", "2", "--master_port", str(port), REPORT, "--flag", "x", str(out)], cwd, env)
+    res = run_dsfunc(
+        ["--num_gpus", "2", "--master_port", str(port), REPORT, "--flag", "x", str(out)], cwd, env
+    )
     assert res.returncode == 0, res.stderr
     ranks = reports(out)
     assert sorted(ranks) == [0, 1]
@@ -40,7 +50,12 @@ def test_two_cpu_ranks_all_reduce(job):
         assert r["sum"] == 3.0 and r["world_size"] == 2
         assert r["argv"] == [f"--local_rank={rank}", "--flag", "x", str(out)]
         e = r["env"]
-        assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == (str(rank), str(rank), "2", "2")
+        assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == (
+            str(rank),
+            str(rank),
+            "2",
+            "2",
+        )
         assert (e["MASTER_ADDR"], e["MASTER_PORT"]) == ("127.0.0.1", str(port))
         assert e["DSFUNC_TEST_FROM_FILE"] == "hello world" and e["NCCL_DEBUG_TEST"] == "forwarded"
         assert "CUDA_VISIBLE_DEVICES" not in e  # no GPU here: nothing to select
@@ -48,8 +63,16 @@ def test_two_cpu_ranks_all_reduce(job):
 
 def test_module_and_no_local_rank(job):
     cwd, out, env = job
-    args = ["--num_gpus", "2", "--master_port", str(free_port()), "--no_local_rank", "--module",
-            "tests.launch_scripts.report", str(out)]
+    args = [
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--no_local_rank",
+        "--module",
+        "tests.launch_scripts.report",
+        str(out),
+    ]
     res = run_dsfunc(args, cwd, env)
     assert res.returncode == 0, res.stderr
     ranks = reports(out)
@@ -57,13 +80,22 @@ def test_module_and_no_local_rank(job):
 
 
 def test_no_python_and_each_rank_log(job):
-    cwd, out, env = job
+    cwd, _, env = job
     logs = cwd / "logs"
     program = cwd / "rank.sh"
     program.write_text('#!/bin/sh\necho "rank $RANK of $WORLD_SIZE args $*"\necho oops >&2\n')
     program.chmod(0o755)
-    args = ["--num_gpus", "2", "--master_port", str(free_port()), "--enable_each_rank_log", str(logs),
-            "--no_python", str(program), "a b"]
+    args = [
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--enable_each_rank_log",
+        str(logs),
+        "--no_python",
+        str(program),
+        "a b",
+    ]
     res = run_dsfunc(args, cwd, env)
     assert res.returncode == 0, res.stderr
     files = sorted(logs.iterdir())
@@ -75,8 +107,12 @@ def test_no_python_and_each_rank_log(job):
 def test_failing_rank_stops_job_and_is_reported(job):
     cwd, _, env = job
     start = time.monotonic()
-    res = run_dsfunc(["--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPTS / "fail.py"), "--sleep"],
-                     cwd, env, timeout=60)
+    res = run_dsfunc(
+        ["--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPTS / "fail.py"), "--sleep"],
+        cwd,
+        env,
+        timeout=60,
+    )
     assert time.monotonic() - start < 30
     assert res.returncode == 1
     assert "dsfunc: rank 1 (local rank 1 on localhost) failed with exit code 1" in res.stderr
@@ -94,10 +130,23 @@ def test_max_restarts_reruns_the_ranks(job):
         "if not os.path.exists(marker):\n"
         "    open(marker, 'w').close()\n"
         "    sys.exit(3)\n"
-        f"open({str(out)!r} + '/done' + os.environ['RANK'], 'w').write(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+        f"done = open({str(out)!r} + '/done' + os.environ['RANK'], 'w')\n"
+        "done.write(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
     )
-    res = run_dsfunc(["--num_gpus", "2", "--master_port", str(free_port()), "--max_restarts", "1", "--no_local_rank",
-                      str(script)], cwd, env)
+    res = run_dsfunc(
+        [
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--max_restarts",
+            "1",
+            "--no_local_rank",
+            str(script),
+        ],
+        cwd,
+        env,
+    )
     assert res.returncode == 0, res.stderr
     assert (out / "done0").read_text() == "1" and (out / "done1").read_text() == "1"
 
@@ -105,9 +154,22 @@ def test_max_restarts_reruns_the_ranks(job):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_every_rank(job, sig):
     cwd, out, env = job
-    proc = subprocess.Popen(dsfunc_cmd("--num_gpus", "2", "--master_port", str(free_port()), "--save_pid",
-                                       str(SCRIPTS / "sleeper.py"), str(out)),
-                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        dsfunc_cmd(
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--save_pid",
+            str(SCRIPTS / "sleeper.py"),
+            str(out),
+        ),
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_files([out / "ready0", out / "ready1"], proc)
     rank_pids = [int((out / f"ready{r}").read_text()) for r in range(2)]
     assert Path(f"/tmp/{proc.pid}.dsfunc").read_text() == str(proc.pid)
@@ -118,13 +180,16 @@ def test_signal_stops_every_rank(job, sig):
     assert not os.path.exists(f"/tmp/{proc.pid}.dsfunc")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--include", "localhost:0"], "no GPU found and no hostfile: --include/--exclude select GPUs"),
-    ([], "no GPU found and no hostfile: pass --num_gpus N"),
-    (["--num_gpus", "2", "--num_nodes", "2"], "--num_nodes 2 needs other nodes"),
-    (["--hostfile", "/nonexistent/hostfile"], "--hostfile /nonexistent/hostfile: no such file"),
-    (["--num_gpus", "2", "--module", "--no_python"], "--module and --no_python cannot be used together"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--include", "localhost:0"], "no GPU found and no hostfile: --include/--exclude select GPUs"),
+        ([], "no GPU found and no hostfile: pass --num_gpus N"),
+        (["--num_gpus", "2", "--num_nodes", "2"], "--num_nodes 2 needs other nodes"),
+        (["--hostfile", "/nonexistent/hostfile"], "--hostfile /nonexistent/hostfile: no such file"),
+        (["--num_gpus", "2", "--module", "--no_python"], "--module and --no_python cannot be used together"),
+    ],
+)
 def test_bad_launch_is_a_clear_error(job, args, message):
     cwd, _, env = job
     res = run_dsfunc([*args, REPORT], cwd, env, timeout=60)
@@ -146,7 +211,9 @@ def test_export_subcommand_is_dispatched(job):
     try:
         import dsfunc.export  # noqa: F401
     except ModuleNotFoundError:
-        assert res.returncode != 0 and "dsfunc export" in res.stderr and "dsfunc.export is missing" in res.stderr
+        assert (
+            res.returncode != 0 and "dsfunc export" in res.stderr and "dsfunc.export is missing" in res.stderr
+        )
     else:
         assert res.returncode == 0, res.stderr
 
@@ -155,13 +222,33 @@ def test_no_ssh_nodes_started_by_hand_form_one_world(job):
     cwd, out, env = job
     hostfile = cwd / "hostfile"
     hostfile.write_text("first slots=2\nsecond slots=1\n")  # uneven nodes: 2 + 1 ranks
-    base = ["--hostfile", str(hostfile), "--no_ssh", "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    procs = [subprocess.Popen(dsfunc_cmd(*base, "--node_rank", str(k), REPORT, str(out)), cwd=cwd, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k in (0, 1)]
+    base = [
+        "--hostfile",
+        str(hostfile),
+        "--no_ssh",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
+    procs = [
+        subprocess.Popen(
+            dsfunc_cmd(*base, "--node_rank", str(k), REPORT, str(out)),
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k in (0, 1)
+    ]
     results = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], results
     ranks = reports(out)
     assert sorted(ranks) == [0, 1, 2] and all(r["sum"] == 6.0 for r in ranks.values())
     assert [(r["env"]["LOCAL_RANK"], r["env"]["LOCAL_WORLD_SIZE"]) for _, r in sorted(ranks.items())] == [
-        ("0", "2"), ("1", "2"), ("0", "1")]
+        ("0", "2"),
+        ("1", "2"),
+        ("0", "1"),
+    ]
     assert not any("Error waiting on exit barrier" in err for _, err in results)

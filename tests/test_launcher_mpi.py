@@ -12,11 +12,21 @@ from pathlib import Path
 import pytest
 
 from tests.launch_scripts.harness import (
-    SCRIPTS, cli_env, dsfunc_cmd, free_port, interrupt_and_wait, reports, run_dsfunc, wait_for_files, wait_gone,
+    SCRIPTS,
+    cli_env,
+    dsfunc_cmd,
+    free_port,
+    interrupt_and_wait,
+    reports,
+    run_dsfunc,
+    wait_for_files,
+    wait_gone,
 )
 
-pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None,
-                                reason="mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)")
+pytestmark = pytest.mark.skipif(
+    shutil.which("mpirun") is None,
+    reason="mpirun is not installed (apt-get install openmpi-bin libopenmpi-dev)",
+)
 
 # Open MPI refuses to run as root without these; two ranks may exceed the cores of a small machine.
 ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -44,9 +54,18 @@ def test_mpirun_forms_group_by_mpi_discovery(job):
     cwd, out, env = job
     # No RANK/WORLD_SIZE/MASTER_*: init_distributed must discover them through mpi4py (the port is the
     # distributed_port default unless MASTER_PORT is exported, which keeps parallel test runs apart).
-    cmd = ["mpirun", "-np", "2", *MPIRUN_ARGS, "-x", f"MASTER_PORT={free_port()}", sys.executable,
-           str(SCRIPTS / "report.py"), str(out)]
-    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    cmd = [
+        "mpirun",
+        "-np",
+        "2",
+        *MPIRUN_ARGS,
+        "-x",
+        f"MASTER_PORT={free_port()}",
+        sys.executable,
+        str(SCRIPTS / "report.py"),
+        str(out),
+    ]
+    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
     ranks = reports(out)
     assert sorted(ranks) == [0, 1]
@@ -64,7 +83,7 @@ def test_mpirun_without_mpi4py_uses_ompi_variables(job):
         f"exec(open({str(SCRIPTS / 'report.py')!r}).read())\n"
     )
     cmd = ["mpirun", "-np", "2", *MPIRUN_ARGS, "-x", f"MASTER_PORT={free_port()}", sys.executable, "-c", code]
-    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert res.returncode == 0, res.stdout + res.stderr
     ranks = reports(out)
     assert sorted(ranks) == [0, 1] and all(r["sum"] == 3.0 for r in ranks.values())
@@ -73,8 +92,17 @@ def test_mpirun_without_mpi4py_uses_ompi_variables(job):
 def test_dsfunc_openmpi_launcher(job):
     cwd, out, env = job
     port = free_port()
-    args = ["--launcher", "openmpi", "--num_gpus", "2", "--master_port", str(port),
-            f"--launcher_args={' '.join(MPIRUN_ARGS)}", str(SCRIPTS / "report.py"), str(out)]
+    args = [
+        "--launcher",
+        "openmpi",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(port),
+        f"--launcher_args={' '.join(MPIRUN_ARGS)}",
+        str(SCRIPTS / "report.py"),
+        str(out),
+    ]
     res = run_dsfunc(args, cwd, env)
     assert res.returncode == 0, res.stderr
     assert "mpirun -n 2 --hostfile " in res.stderr
@@ -87,16 +115,29 @@ def test_dsfunc_openmpi_launcher(job):
 
 def test_openmpi_failure_and_sigint(job):
     cwd, out, env = job
-    base = ["--launcher", "openmpi", "--num_gpus", "2", "--master_port", str(free_port()),
-            f"--launcher_args={' '.join(MPIRUN_ARGS)}"]
+    base = [
+        "--launcher",
+        "openmpi",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        f"--launcher_args={' '.join(MPIRUN_ARGS)}",
+    ]
     start = time.monotonic()
     res = run_dsfunc([*base, str(SCRIPTS / "fail.py"), "--sleep"], cwd, env)
     assert res.returncode != 0 and time.monotonic() - start < 30
     assert "RuntimeError: boom from rank 1" in res.stderr
     assert not wait_gone(str(SCRIPTS / "fail.py"))
 
-    proc = subprocess.Popen(dsfunc_cmd(*base, str(SCRIPTS / "sleeper.py"), str(out)), cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        dsfunc_cmd(*base, str(SCRIPTS / "sleeper.py"), str(out)),
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_files([out / "ready0", out / "ready1"], proc)
     code, err = interrupt_and_wait(proc)
     assert code == 130, err

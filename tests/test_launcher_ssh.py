@@ -1,4 +1,4 @@
-"""Multi-node launches over real ssh: a private sshd on a loopback port; two host aliases are the two nodes."""
+"""Multi-node launches over real ssh: a private sshd on a loopback port; two host aliases = two nodes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,17 @@ from pathlib import Path
 import pytest
 
 from tests.launch_scripts.harness import (
-    SCRIPTS, Sshd, cli_env, dsfunc_cmd, free_port, interrupt_and_wait, reports, run_dsfunc, sshd_missing_reason,
-    wait_for_files, wait_gone,
+    SCRIPTS,
+    Sshd,
+    cli_env,
+    dsfunc_cmd,
+    free_port,
+    interrupt_and_wait,
+    reports,
+    run_dsfunc,
+    sshd_missing_reason,
+    wait_for_files,
+    wait_gone,
 )
 
 REPORT = str(SCRIPTS / "report.py")
@@ -32,8 +41,16 @@ def job(tmp_path: Path, sshd: Sshd):
     home, out = tmp_path / "home", tmp_path / "out"
     home.mkdir()
     out.mkdir()
-    base = ["--hostfile", str(sshd.hostfile()), "--launcher_args", f"-F {sshd.config}",
-            "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    base = [
+        "--hostfile",
+        str(sshd.hostfile()),
+        "--launcher_args",
+        f"-F {sshd.config}",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
     return tmp_path, out, cli_env(home), base
 
 
@@ -55,10 +72,16 @@ def test_world_of_four_over_ssh_with_env_file(job):
     assert "Error waiting on exit barrier" not in res.stderr
 
 
-@pytest.mark.parametrize("selection, expected", [
-    (["--include", "node-a:1@node-b"], {0: ("node-a", "0", "1"), 1: ("node-b", "0", "2"), 2: ("node-b", "1", "2")}),
-    (["--exclude", "node-a"], {0: ("node-b", "0", "2"), 1: ("node-b", "1", "2")}),
-])
+@pytest.mark.parametrize(
+    "selection, expected",
+    [
+        (
+            ["--include", "node-a:1@node-b"],
+            {0: ("node-a", "0", "1"), 1: ("node-b", "0", "2"), 2: ("node-b", "1", "2")},
+        ),
+        (["--exclude", "node-a"], {0: ("node-b", "0", "2"), 1: ("node-b", "1", "2")}),
+    ],
+)
 def test_include_exclude_select_ranks(job, selection, expected):
     cwd, out, env, base = job
     script = cwd / "where.py"
@@ -99,8 +122,14 @@ def test_rank_failure_on_one_node_stops_all_nodes(job):
 
 def test_sigint_stops_every_node_without_orphans(job):
     cwd, out, env, base = job
-    proc = subprocess.Popen(dsfunc_cmd(*base, str(SCRIPTS / "sleeper.py"), str(out)), cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        dsfunc_cmd(*base, str(SCRIPTS / "sleeper.py"), str(out)),
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_files([out / f"ready{r}" for r in range(4)], proc)
     code, err = interrupt_and_wait(proc)
     assert code == 130, err
@@ -121,7 +150,10 @@ def test_unreachable_host_is_a_clear_error(job, sshd):
 def test_pdsh_runner_world_and_failure(job, sshd):
     cwd, out, env, base = job
     env["PDSH_SSH_ARGS_APPEND"] = f"-F {sshd.config}"
-    pdsh_base = [a for a in base if a not in ("--launcher_args", f"-F {sshd.config}")] + ["--launcher", "pdsh"]
+    pdsh_base = [a for a in base if a not in ("--launcher_args", f"-F {sshd.config}")] + [
+        "--launcher",
+        "pdsh",
+    ]
     res = run_dsfunc([*pdsh_base, REPORT, str(out)], cwd, env)
     assert res.returncode == 0, res.stderr
     ranks = reports(out)

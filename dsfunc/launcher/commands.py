@@ -49,9 +49,18 @@ def node_agent_argv(launch: Launch, node: str, stop_flags: list[str]) -> list[st
     """``python -u -m dsfunc.launcher.node ...`` for one node; ``node`` is ``--node_rank=K`` or
     ``--node_host=H`` (H may be a runner placeholder)."""
     return [
-        launch.python, "-u", "-m", "dsfunc.launcher.node", f"--world_info={encode_world_info(launch.resources)}",
-        node, f"--master_addr={launch.master_addr}", f"--master_port={launch.master_port}",
-        f"--max_restarts={launch.max_restarts}", *stop_flags, "--", *launch.rank_args,
+        launch.python,
+        "-u",
+        "-m",
+        "dsfunc.launcher.node",
+        f"--world_info={encode_world_info(launch.resources)}",
+        node,
+        f"--master_addr={launch.master_addr}",
+        f"--master_port={launch.master_port}",
+        f"--max_restarts={launch.max_restarts}",
+        *stop_flags,
+        "--",
+        *launch.rank_args,
     ]
 
 
@@ -67,7 +76,9 @@ def ssh_commands(launch: Launch) -> list[list[str]]:
     (which is how the launcher asks a node to stop) or when the ssh session dies."""
     commands = []
     for rank, host in enumerate(launch.hosts):
-        agent = node_agent_argv(launch, f"--node_rank={rank}", ["--stop_on_stdin_eof", "--stop_on_parent_exit"])
+        agent = node_agent_argv(
+            launch, f"--node_rank={rank}", ["--stop_on_stdin_eof", "--stop_on_parent_exit"]
+        )
         commands.append(["ssh", *launch.launcher_args, host, remote_shell_command(launch, agent)])
     return commands
 
@@ -76,8 +87,16 @@ def pdsh_command(launch: Launch) -> tuple[list[str], dict[str, str]]:
     """``pdsh -S -f 1024 -w HOSTS ...`` running the agent on every node (each finds its rank from its host
     name, pdsh's ``%h``), and the variables pdsh itself needs (``PDSH_RCMD_TYPE=ssh``)."""
     agent = node_agent_argv(launch, "--node_host=%h", ["--stop_on_parent_exit"])
-    argv = ["pdsh", "-S", "-f", "1024", "-w", ",".join(launch.hosts), *launch.launcher_args,
-            remote_shell_command(launch, agent)]
+    argv = [
+        "pdsh",
+        "-S",
+        "-f",
+        "1024",
+        "-w",
+        ",".join(launch.hosts),
+        *launch.launcher_args,
+        remote_shell_command(launch, agent),
+    ]
     return argv, {"PDSH_RCMD_TYPE": "ssh"}
 
 
@@ -97,12 +116,25 @@ def rank_env(launch: Launch) -> dict[str, str]:
 
 
 def openmpi_command(launch: Launch, hostfile: str) -> list[str]:
-    """``mpirun`` starting every rank directly (no per-node agent; ranks come from MPI). ``hostfile`` must list
+    """``mpirun`` starting every rank directly (no per-node agent; ranks come from MPI). ``hostfile`` must
+    list
     the active hosts with their slot counts (:func:`mpi_hostfile_text`)."""
     _uniform_prefix_slots(launch, "openmpi")
     exports = [a for k, v in rank_env(launch).items() for a in ("-x", f"{k}={v}")]
-    return ["mpirun", "-n", str(launch.world_size), "--hostfile", hostfile, *exports, *launch.launcher_args,
-            launch.python, "-u", "-m", "dsfunc.launcher.shim", *launch.rank_args]
+    return [
+        "mpirun",
+        "-n",
+        str(launch.world_size),
+        "--hostfile",
+        hostfile,
+        *exports,
+        *launch.launcher_args,
+        launch.python,
+        "-u",
+        "-m",
+        "dsfunc.launcher.shim",
+        *launch.rank_args,
+    ]
 
 
 def mpi_hostfile_text(resources: Resources) -> str:
@@ -120,6 +152,14 @@ def slurm_command(launch: Launch, hosts_from_hostfile: bool) -> tuple[list[str],
         argv.append(f"--ntasks-per-node={counts.pop()}")
     if hosts_from_hostfile:
         argv.append(f"--nodelist={','.join(launch.hosts)}")
-    argv += ["--kill-on-bad-exit=1", "--export=ALL", *launch.launcher_args,
-             launch.python, "-u", "-m", "dsfunc.launcher.shim", *launch.rank_args]
+    argv += [
+        "--kill-on-bad-exit=1",
+        "--export=ALL",
+        *launch.launcher_args,
+        launch.python,
+        "-u",
+        "-m",
+        "dsfunc.launcher.shim",
+        *launch.rank_args,
+    ]
     return argv, rank_env(launch)

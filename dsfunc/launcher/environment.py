@@ -1,4 +1,4 @@
-"""The environment a launch carries to every node: forwarded variables and ``.deepspeed_env``/``.dsfunc_env``."""
+"""The environment a launch carries to every node: forwarded variables, .deepspeed_env, .dsfunc_env."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ class EnvFileError(ValueError):
 
 
 def parse_env_file(text: str, path: str) -> dict[str, str]:
-    """Parse ``KEY=VALUE`` lines (blank lines and ``#`` comment lines allowed; a value may be wrapped in one pair
+    """Parse ``KEY=VALUE`` lines (blank lines and ``#`` comment lines allowed; a value may be wrapped in one
+    pair
     of matching quotes, which are removed). A bad line raises :class:`EnvFileError` naming file and line."""
     values: dict[str, str] = {}
     for lineno, raw in enumerate(text.splitlines(), start=1):
@@ -28,7 +29,8 @@ def parse_env_file(text: str, path: str) -> dict[str, str]:
         key = key.strip()
         if not sep or not _KEY.fullmatch(key):
             raise EnvFileError(
-                f"{path}:{lineno}: expected KEY=VALUE (KEY made of letters, digits and '_'), got {raw.strip()!r}"
+                f"{path}:{lineno}: expected KEY=VALUE (KEY made of letters, digits and '_'), "
+                f"got {raw.strip()!r}"
             )
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":

@@ -1,6 +1,7 @@
 """Per-node agent: runs this node's ranks under PyTorch's elastic agent (``torch.distributed.run``).
 
-``python -m dsfunc.launcher.node --world_info=B64 (--node_rank=N | --node_host=H) --master_addr=A --master_port=P
+``python -m dsfunc.launcher.node --world_info=B64 (--node_rank=N | --node_host=H) --master_addr=A
+--master_port=P
 [--max_restarts=K] [--stop_on_stdin_eof] [--stop_on_parent_exit] -- [shim flags] TARGET [ARGS ...]``
 
 The multi-node runners start one of these per node (over ssh or pdsh); a single-node launch calls
@@ -38,7 +39,9 @@ def _error_time(failure) -> float:
     try:
         return os.stat(failure.error_file).st_mtime_ns / 1e9
     except OSError:
-        return float("inf")  # no error file: killed or exited without a Python exception, likely a consequence
+        return float(
+            "inf"
+        )  # no error file: killed or exited without a Python exception, likely a consequence
 
 
 def failure_report(failures: dict, host: str) -> str:
@@ -112,8 +115,13 @@ class _StoreKeeper:
 
         if self._store is None:
             try:
-                TCPStore(self._addr, self._port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
-                         multi_tenant=True).add(self._KEY, 1)
+                TCPStore(
+                    self._addr,
+                    self._port,
+                    is_master=False,
+                    timeout=datetime.timedelta(seconds=timeout_s),
+                    multi_tenant=True,
+                ).add(self._KEY, 1)
             except (RuntimeError, TimeoutError):
                 pass  # node 0 is gone already: nothing left to keep alive
             return
@@ -122,8 +130,14 @@ class _StoreKeeper:
             time.sleep(0.05)
 
 
-def run_node(world: Resources, node_rank: int, rank_args: list[str], master_addr: str, master_port: int,
-             max_restarts: int = 0) -> int:
+def run_node(
+    world: Resources,
+    node_rank: int,
+    rank_args: list[str],
+    master_addr: str,
+    master_port: int,
+    max_restarts: int = 0,
+) -> int:
     """Run node ``node_rank``'s ranks of ``world`` until they finish; return the exit code (0 on success,
     the first failing rank's code on failure, 128+signal when stopped by a signal).
 
@@ -140,10 +154,17 @@ def run_node(world: Resources, node_rank: int, rank_args: list[str], master_addr
     # DeepSpeed's launcher also tells each rank its node's index, the node count and the node's rank count.
     os.environ.update(CROSS_RANK=str(node_rank), CROSS_SIZE=str(len(hosts)), LOCAL_SIZE=str(len(slots)))
     argv = [
-        f"--nnodes={len(hosts)}", f"--node_rank={node_rank}", f"--nproc_per_node={len(slots)}",
-        f"--master_addr={master_addr}", f"--master_port={master_port}", "--rdzv_backend=static",
-        f"--max_restarts={max_restarts}", "--monitor_interval=0.1",
-        "--module", "dsfunc.launcher.shim", *rank_args,
+        f"--nnodes={len(hosts)}",
+        f"--node_rank={node_rank}",
+        f"--nproc_per_node={len(slots)}",
+        f"--master_addr={master_addr}",
+        f"--master_port={master_port}",
+        "--rdzv_backend=static",
+        f"--max_restarts={max_restarts}",
+        "--monitor_interval=0.1",
+        "--module",
+        "dsfunc.launcher.shim",
+        *rank_args,
     ]
     keeper = _StoreKeeper(master_addr, master_port, node_rank, len(hosts)) if len(hosts) > 1 else None
     try:
@@ -151,9 +172,10 @@ def run_node(world: Resources, node_rank: int, rank_args: list[str], master_addr
         if keeper is not None:
             keeper.finish()
     except ChildFailedError as e:
-        print(failure_report(e.failures, hosts[node_rank]), file=sys.stderr, flush=True)
-        first = min(e.failures, key=lambda r: (_error_time(e.failures[r]), r))
-        code = e.failures[first].exitcode
+        failures = e.failures
+        print(failure_report(failures, hosts[node_rank]), file=sys.stderr, flush=True)
+        first = min(failures, key=lambda r: (_error_time(failures[r]), r))
+        code = failures[first].exitcode
         return code if code > 0 else 128 + (-code or 1)
     except SignalException as e:
         return 128 + int(e.sigval)
@@ -172,10 +194,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--master_addr", required=True)
     parser.add_argument("--master_port", type=int, required=True)
     parser.add_argument("--max_restarts", type=int, default=0)
-    parser.add_argument("--stop_on_stdin_eof", action="store_true",
-                        help="stop every rank when stdin closes (the launcher's ssh went away or asked to stop)")
-    parser.add_argument("--stop_on_parent_exit", action="store_true",
-                        help="stop every rank when the parent process (the remote shell's sshd) exits")
+    parser.add_argument(
+        "--stop_on_stdin_eof",
+        action="store_true",
+        help="stop every rank when stdin closes (the launcher's ssh went away or asked to stop)",
+    )
+    parser.add_argument(
+        "--stop_on_parent_exit",
+        action="store_true",
+        help="stop every rank when the parent process (the remote shell's sshd) exits",
+    )
     parser.add_argument("rank_args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     rank_args = args.rank_args[1:] if args.rank_args[:1] == ["--"] else args.rank_args

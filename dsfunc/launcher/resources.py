@@ -117,8 +117,9 @@ def _check_known(pool: Resources, selection: dict[str, list[int] | None], flag: 
                 )
 
 
-def select(pool: Resources, include: str = "", exclude: str = "", num_nodes: int = -1,
-           num_gpus: int = -1) -> Resources:
+def select(
+    pool: Resources, include: str = "", exclude: str = "", num_nodes: int = -1, num_gpus: int = -1
+) -> Resources:
     """Apply DeepSpeed's filters to ``pool``: ``include`` keeps only the named hosts/slots, ``exclude`` drops
     them (the two are mutually exclusive), ``num_nodes`` keeps the first N hosts, ``num_gpus`` uses slots
     ``[0, N)`` of each host. Host order is kept; hosts left with no slot are dropped."""
@@ -162,8 +163,15 @@ def select(pool: Resources, include: str = "", exclude: str = "", num_nodes: int
     return active
 
 
-def resolve(hostfile: str, hostfile_given: bool, include: str, exclude: str, num_nodes: int, num_gpus: int,
-            gpu_count: int) -> tuple[Resources, bool]:
+def resolve(
+    hostfile: str,
+    hostfile_given: bool,
+    include: str,
+    exclude: str,
+    num_nodes: int,
+    num_gpus: int,
+    gpu_count: int,
+) -> tuple[Resources, bool]:
     """The active resources for a launch and whether they came from a hostfile.
 
     A missing default hostfile means "this machine only"; a missing hostfile named by --hostfile is an error.
@@ -180,7 +188,8 @@ def resolve(hostfile: str, hostfile_given: bool, include: str, exclude: str, num
         )
     if gpu_count == 0 and (include or exclude):
         raise ResourceError(
-            "no GPU found and no hostfile: --include/--exclude select GPUs; use --num_gpus N for N CPU processes"
+            "no GPU found and no hostfile: --include/--exclude select GPUs; "
+            "use --num_gpus N for N CPU processes"
         )
     pool = local_pool(num_gpus, gpu_count, os.environ.get("CUDA_VISIBLE_DEVICES"))
     return select(pool, include, exclude, num_nodes, num_gpus if gpu_count > 0 else -1), False

@@ -50,14 +50,17 @@ def _rank_args(args: argparse.Namespace) -> list[str]:
 def _ssh_reachable(ssh_args: list[str], hosts: list[str]) -> None:
     def probe(host: str) -> tuple[str, subprocess.CompletedProcess]:
         cmd = ["ssh", "-o", "PasswordAuthentication=no", "-o", "ConnectTimeout=10", *ssh_args, host, "true"]
-        return host, subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+        return host, subprocess.run(
+            cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, check=False
+        )
 
     with ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
         failed = [(h, r) for h, r in pool.map(probe, hosts) if r.returncode != 0]
     if failed:
         details = "; ".join(f"{h}: {r.stderr.strip() or f'exit code {r.returncode}'}" for h, r in failed)
         raise LauncherError(
-            f"cannot reach {', '.join(h for h, _ in failed)} with passwordless ssh ({details}). Set up ssh keys, "
+            f"cannot reach {', '.join(h for h, _ in failed)} with passwordless ssh ({details}). "
+            "Set up ssh keys, "
             "pass ssh options with --launcher_args (pdsh: PDSH_SSH_ARGS_APPEND), or skip this check with "
             "--no_ssh_check"
         )
@@ -65,8 +68,14 @@ def _ssh_reachable(ssh_args: list[str], hosts: list[str]) -> None:
 
 def infer_master_addr(ssh_args: list[str], host: str) -> str:
     """The first address ``hostname -I`` reports on ``host`` (reached over ssh), as DeepSpeed does."""
-    result = subprocess.run(["ssh", *ssh_args, host, "hostname -I"], stdin=subprocess.DEVNULL,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        ["ssh", *ssh_args, host, "hostname -I"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     if result.returncode != 0 or not result.stdout.split():
         raise LauncherError(
             f"could not find the address of the first node {host!r} (ssh {host} hostname -I: "
@@ -79,7 +88,9 @@ def _slurm_first_host() -> str | None:
     nodelist = os.environ.get("SLURM_JOB_NODELIST")
     if not nodelist:
         return None
-    result = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True)
+    result = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False
+    )
     names = result.stdout.split()
     return names[0] if result.returncode == 0 and names else None
 
@@ -91,7 +102,7 @@ class _Signals:
         self.received: int | None = None
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> "_Signals":
+    def __enter__(self) -> _Signals:  # noqa: PYI034 - a private class, never subclassed
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
@@ -116,10 +127,15 @@ def _wait_all(procs: list[subprocess.Popen], deadline: float) -> None:
             p.wait()
 
 
-def supervise_nodes(procs: list[subprocess.Popen], labels: list[str], ask_stop,
-                    node_failure: Callable[[], tuple[str, int] | None] = lambda: None) -> int:
-    """Wait for the runner processes (one per node, or one mpirun/srun/pdsh); when one fails, ``node_failure()``
-    reports a failed node (label, code), or a signal arrives, ``ask_stop(proc)`` the others and wait for them to
+def supervise_nodes(
+    procs: list[subprocess.Popen],
+    labels: list[str],
+    ask_stop,
+    node_failure: Callable[[], tuple[str, int] | None] = lambda: None,
+) -> int:
+    """Wait for the runner processes (one per node, or one mpirun/srun/pdsh); when one fails,
+    ``node_failure()`` reports a failed node (label, code), or a signal arrives, ``ask_stop(proc)`` the others
+    and wait for them to
     finish (killing them after :data:`STOP_GRACE_S`). Returns the job's exit code."""
     with _Signals() as signals:
         code = 0
@@ -213,8 +229,15 @@ def launch(args: argparse.Namespace) -> int:
     """Run the job described by the parsed launcher arguments; return its exit code."""
     if args.module and args.no_python:
         raise LauncherError("--module and --no_python cannot be used together")
-    resources, from_hostfile = resolve(args.hostfile, args.hostfile_given, args.include, args.exclude,
-                                       args.num_nodes, args.num_gpus, _gpu_count())
+    resources, from_hostfile = resolve(
+        args.hostfile,
+        args.hostfile_given,
+        args.include,
+        args.exclude,
+        args.num_nodes,
+        args.num_gpus,
+        _gpu_count(),
+    )
     runner = _choose_runner(args, len(resources))
     if args.max_restarts > 0 and (len(resources) > 1 or runner in ("openmpi", "slurm")):
         raise LauncherError(
@@ -242,17 +265,25 @@ def launch(args: argparse.Namespace) -> int:
         if runner in ("local", "openmpi") and len(resources) == 1:
             master_addr = "127.0.0.1"
         elif runner == "slurm":
-            master_addr = list(resources)[0] if from_hostfile else (_slurm_first_host() or "127.0.0.1")
+            master_addr = next(iter(resources)) if from_hostfile else (_slurm_first_host() or "127.0.0.1")
         else:
-            master_addr = infer_master_addr(ssh_args, list(resources)[0])
-    job = Launch(resources=resources, rank_args=_rank_args(args), master_addr=master_addr,
-                 master_port=args.master_port, exports=exports,
-                 launcher_args=ssh_args if runner == "ssh" else shlex.split(args.launcher_args),
-                 max_restarts=args.max_restarts, cwd=cwd)
+            master_addr = infer_master_addr(ssh_args, next(iter(resources)))
+    job = Launch(
+        resources=resources,
+        rank_args=_rank_args(args),
+        master_addr=master_addr,
+        master_port=args.master_port,
+        exports=exports,
+        launcher_args=ssh_args if runner == "ssh" else shlex.split(args.launcher_args),
+        max_restarts=args.max_restarts,
+        cwd=cwd,
+    )
     hosts = list(resources)
     layout = "; ".join(f"{h}: slots {','.join(map(str, s))}" for h, s in resources.items())
-    _say(f"{job.world_size} rank(s) on {len(hosts)} node(s) ({layout}) via {runner}, "
-         f"master {master_addr}:{args.master_port}")
+    _say(
+        f"{job.world_size} rank(s) on {len(hosts)} node(s) ({layout}) via {runner}, "
+        f"master {master_addr}:{args.master_port}"
+    )
     pid_file = f"/tmp/{os.getpid()}.dsfunc" if args.save_pid else None
     if pid_file:
         with open(pid_file, "w") as f:
@@ -273,8 +304,9 @@ def _dispatch(runner: str, job: Launch, args: argparse.Namespace, ssh_args: list
         if not args.no_ssh and len(hosts) > 1:
             raise LauncherError("internal: several nodes need a multi-node runner")
         os.environ.update(job.exports)
-        return run_node(job.resources, node_rank, job.rank_args, job.master_addr, job.master_port,
-                        job.max_restarts)
+        return run_node(
+            job.resources, node_rank, job.rank_args, job.master_addr, job.master_port, job.max_restarts
+        )
     if runner == "ssh":
         cmds = commands.ssh_commands(job)
         procs = [subprocess.Popen(c, stdin=subprocess.PIPE, start_new_session=True) for c in cmds]
@@ -287,6 +319,7 @@ def _dispatch(runner: str, job: Launch, args: argparse.Namespace, ssh_args: list
             hostfile.write(commands.mpi_hostfile_text(job.resources))
             hostfile.flush()
             return _run_single(runner, dict(os.environ), commands.openmpi_command(job, hostfile.name))
-    cmd, extra = commands.slurm_command(job, hosts_from_hostfile=args.hostfile_given or
-                                        os.path.isfile(args.hostfile))
+    cmd, extra = commands.slurm_command(
+        job, hosts_from_hostfile=args.hostfile_given or os.path.isfile(args.hostfile)
+    )
     return _run_single(runner, {**os.environ, **extra}, cmd)

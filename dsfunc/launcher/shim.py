@@ -2,8 +2,9 @@
 
 ``python -m dsfunc.launcher.shim [--no_local_rank] [--module | --no_python] TARGET [ARGS ...]``
 
-Under PyTorch's elastic agent the rank variables are already set. Under ``mpirun`` or ``srun`` they are derived
-from ``OMPI_COMM_WORLD_*`` or ``SLURM_*``, so every rank sees RANK, LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE
+Under PyTorch's elastic agent the rank variables are already set. Under ``mpirun`` or ``srun`` they are
+derived from ``OMPI_COMM_WORLD_*`` or ``SLURM_*``, so every rank sees RANK, LOCAL_RANK, WORLD_SIZE and
+LOCAL_WORLD_SIZE
 whatever launched it. With ``DSFUNC_RANK_LOG_DIR`` set, the rank's stdout and stderr go to
 ``<dir>/<DSFUNC_LAUNCH_STAMP>_rank<RANK>.log`` (DeepSpeed's ``--enable_each_rank_log`` layout).
 """
@@ -31,21 +32,25 @@ def _slurm_local_size(tasks_per_node: str, node_id: int) -> int:
 
 
 def rank_env_from_launcher(env: dict[str, str]) -> dict[str, str]:
-    """RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE derived from MPI's or slurm's variables ({} if already set)."""
+    """RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE from MPI's or slurm's variables ({} if RANK is set)."""
     if "RANK" in env:
         return {}
     if "OMPI_COMM_WORLD_RANK" in env:
         return {
-            "RANK": env["OMPI_COMM_WORLD_RANK"], "WORLD_SIZE": env["OMPI_COMM_WORLD_SIZE"],
-            "LOCAL_RANK": env["OMPI_COMM_WORLD_LOCAL_RANK"], "LOCAL_WORLD_SIZE": env["OMPI_COMM_WORLD_LOCAL_SIZE"],
+            "RANK": env["OMPI_COMM_WORLD_RANK"],
+            "WORLD_SIZE": env["OMPI_COMM_WORLD_SIZE"],
+            "LOCAL_RANK": env["OMPI_COMM_WORLD_LOCAL_RANK"],
+            "LOCAL_WORLD_SIZE": env["OMPI_COMM_WORLD_LOCAL_SIZE"],
         }
     if "SLURM_PROCID" in env:
         local_size = env.get("SLURM_NTASKS_PER_NODE") or str(
             _slurm_local_size(env["SLURM_TASKS_PER_NODE"], int(env.get("SLURM_NODEID", "0")))
         )
         return {
-            "RANK": env["SLURM_PROCID"], "WORLD_SIZE": env["SLURM_NTASKS"],
-            "LOCAL_RANK": env["SLURM_LOCALID"], "LOCAL_WORLD_SIZE": local_size,
+            "RANK": env["SLURM_PROCID"],
+            "WORLD_SIZE": env["SLURM_NTASKS"],
+            "LOCAL_RANK": env["SLURM_LOCALID"],
+            "LOCAL_WORLD_SIZE": local_size,
         }
     raise RuntimeError(
         "dsfunc.launcher.shim: RANK is not set and neither mpirun (OMPI_COMM_WORLD_RANK) nor srun "
@@ -55,7 +60,9 @@ def rank_env_from_launcher(env: dict[str, str]) -> dict[str, str]:
 
 def _redirect_output(log_dir: str, stamp: str, rank: str) -> None:
     os.makedirs(log_dir, exist_ok=True)
-    fd = os.open(os.path.join(log_dir, f"{stamp}_rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(
+        os.path.join(log_dir, f"{stamp}_rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
+    )
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
@@ -79,8 +86,12 @@ def _record_and_exit(error: Exception) -> None:
     sys.stderr.flush()
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
-        data = {"message": {"message": f"{type(error).__name__}: {error}",
-                            "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))}}}
+        data = {
+            "message": {
+                "message": f"{type(error).__name__}: {error}",
+                "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))},
+            }
+        }
         with open(path, "w") as f:
             json.dump(data, f)
     sys.exit(1)
@@ -116,10 +127,14 @@ def main(args: list[str] | None = None) -> None:
     target, user_args = args[0], args[1:]
     os.environ.update(rank_env_from_launcher(dict(os.environ)))
     if os.environ.get("DSFUNC_RANK_LOG_DIR"):
-        _redirect_output(os.environ["DSFUNC_RANK_LOG_DIR"], os.environ.get("DSFUNC_LAUNCH_STAMP", "run"),
-                         os.environ["RANK"])
+        _redirect_output(
+            os.environ["DSFUNC_RANK_LOG_DIR"],
+            os.environ.get("DSFUNC_LAUNCH_STAMP", "run"),
+            os.environ["RANK"],
+        )
     argv = [target] + ([f"--local_rank={os.environ['LOCAL_RANK']}"] if local_rank_flag else []) + user_args
     _run(mode, target, argv)
+
 
 if __name__ == "__main__":
     main()

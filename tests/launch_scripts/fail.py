@@ -1,6 +1,5 @@
 """Launched by the launcher tests: rank 1 raises while the other ranks wait in a collective (or sleep)."""
 
-import os
 import sys
 import time
 

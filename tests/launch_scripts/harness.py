@@ -26,8 +26,11 @@ def free_port() -> int:
 
 def cli_env(home: Path, **extra: str) -> dict[str, str]:
     """Environment for a launcher run: the repo importable, a private HOME, no inherited rank variables."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
+    }
     env.update(PYTHONPATH=str(REPO), HOME=str(home), OMP_NUM_THREADS="1", **extra)
     return env
 
@@ -36,8 +39,12 @@ def dsfunc_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "dsfunc.cli", *args]
 
 
-def run_dsfunc(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(dsfunc_cmd(*args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+def run_dsfunc(
+    args: list[str], cwd: Path, env: dict[str, str], timeout: float = 120
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        dsfunc_cmd(*args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
 
 
 def reports(out_dir: Path) -> dict[int, dict]:
@@ -56,7 +63,9 @@ def processes_with(token: str) -> list[tuple[int, str]]:
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            cmdline = (
+                Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            )
             state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
@@ -85,7 +94,9 @@ def wait_for_files(paths: list[Path], proc: subprocess.Popen, timeout: float = 9
         time.sleep(0.1)
 
 
-def interrupt_and_wait(proc: subprocess.Popen, sig: int = signal.SIGINT, timeout: float = 60) -> tuple[int, str]:
+def interrupt_and_wait(
+    proc: subprocess.Popen, sig: int = signal.SIGINT, timeout: float = 60
+) -> tuple[int, str]:
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=timeout)
     return proc.returncode, err
@@ -100,7 +111,9 @@ class Sshd:
         self.aliases = aliases
         self.port = free_port()
         for name in ("host_key", "id"):
-            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(workdir / name)], check=True)
+            subprocess.run(
+                ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(workdir / name)], check=True
+            )
         shutil.copy(workdir / "id.pub", workdir / "authorized_keys")
         (workdir / "sshd_config").write_text(
             f"Port {self.port}\nListenAddress 127.0.0.1\nHostKey {workdir / 'host_key'}\n"
@@ -109,16 +122,26 @@ class Sshd:
         )
         self.config = workdir / "ssh_config"
         self.config.write_text(
-            f"Host {' '.join(aliases)}\n  HostName 127.0.0.1\n  Port {self.port}\n  User {getpass.getuser()}\n"
+            f"Host {' '.join(aliases)}\n  HostName 127.0.0.1\n  Port {self.port}\n"
+            f"  User {getpass.getuser()}\n"
             f"  IdentityFile {workdir / 'id'}\n  IdentitiesOnly yes\n  StrictHostKeyChecking no\n"
             "  UserKnownHostsFile /dev/null\n  LogLevel ERROR\n  BatchMode yes\n"
         )
-        self._log = open(workdir / "sshd.log", "w")
-        self.proc = subprocess.Popen([shutil.which("sshd") or "/usr/sbin/sshd", "-D", "-e", "-f",
-                                      str(workdir / "sshd_config")], stderr=self._log)
+        self._log = open(workdir / "sshd.log", "w")  # noqa: SIM115 - sshd writes to it until stop()
+        self.proc = subprocess.Popen(
+            [shutil.which("sshd") or "/usr/sbin/sshd", "-D", "-e", "-f", str(workdir / "sshd_config")],
+            stderr=self._log,
+        )
         deadline = time.monotonic() + 20
-        while subprocess.run(["ssh", "-F", str(self.config), aliases[0], "true"],
-                             stdin=subprocess.DEVNULL, capture_output=True).returncode != 0:
+        while (
+            subprocess.run(
+                ["ssh", "-F", str(self.config), aliases[0], "true"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                check=False,
+            ).returncode
+            != 0
+        ):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(f"sshd did not start: {(workdir / 'sshd.log').read_text()}")

@@ -16,11 +16,29 @@ rank, world = dist.get_rank(), dist.get_world_size()
 total = torch.tensor([float(rank + 1)])
 dist.all_reduce(total)
 report = {
-    "rank": rank, "world_size": world, "local_rank": get_local_rank(), "sum": total.item(),
-    "argv": sys.argv[1:], "pid": os.getpid(), "host": socket.gethostname(),
-    "env": {k: v for k, v in os.environ.items()
-            if k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                     "CUDA_VISIBLE_DEVICES", "PYTHONPATH") or k.startswith(("DSFUNC_TEST", "NCCL", "UCX"))},
+    "rank": rank,
+    "world_size": world,
+    "local_rank": get_local_rank(),
+    "sum": total.item(),
+    "argv": sys.argv[1:],
+    "pid": os.getpid(),
+    "host": socket.gethostname(),
+    "env": {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        in (
+            "RANK",
+            "LOCAL_RANK",
+            "WORLD_SIZE",
+            "LOCAL_WORLD_SIZE",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "CUDA_VISIBLE_DEVICES",
+            "PYTHONPATH",
+        )
+        or k.startswith(("DSFUNC_TEST", "NCCL", "UCX"))
+    },
 }
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump(report, f)
