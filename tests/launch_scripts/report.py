@@ -13,7 +13,8 @@ from dsfunc.distributed import get_local_rank, init_distributed
 out_dir = sys.argv[-1]
 init_distributed()
 rank, world = dist.get_rank(), dist.get_world_size()
-total = torch.tensor([float(rank + 1)])
+device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+total = torch.tensor([float(rank + 1)], device=device)
 dist.all_reduce(total)
 report = {
     "rank": rank,
@@ -23,6 +24,9 @@ report = {
     "argv": sys.argv[1:],
     "pid": os.getpid(),
     "host": socket.gethostname(),
+    "device": device,
+    "backend": dist.get_backend(),
+    "torch": torch.__version__,
     "env": {
         k: v
         for k, v in os.environ.items()
