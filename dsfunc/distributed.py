@@ -7,6 +7,7 @@ and the process was started by an MPI launcher, they are discovered through mpi4
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -170,10 +171,17 @@ def init_distributed(
     if world_size >= 0:
         kwargs["world_size"] = world_size
     dist.init_process_group(backend, init_method=init_method or "env://", **kwargs)
+    atexit.register(_destroy_at_exit)
     if verbose:
         logger.info(
             "init_distributed: rank %d of %d, backend %s", dist.get_rank(), dist.get_world_size(), backend
         )
+
+
+def _destroy_at_exit() -> None:
+    """Tear down the group we created, so a script that simply ends does not abort in gloo/NCCL teardown."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def get_rank() -> int:

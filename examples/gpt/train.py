@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import pydoc_data.topics
@@ -53,7 +54,8 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher; unused")
     args = parser.parse_args()
 
-    dsfunc.init_distributed()
+    if "WORLD_SIZE" in os.environ:  # started by dsfunc, torchrun or mpirun
+        dsfunc.init_distributed()
     config = args.deepspeed_config or CONFIG
     data, chars = load_text()
     torch.manual_seed(0)
