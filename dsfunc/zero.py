@@ -253,6 +253,7 @@ class Binding:
     # -- per micro-batch -------------------------------------------------------------------------
     def begin_micro(self, index: int, count: int) -> None:
         self.micro_index, self.micro_count = index, count
+        self.program.workspace.session = self
         self.leaves = []
         self._leaf_of = {}
         self._views = {}
@@ -280,6 +281,12 @@ class Binding:
         self._views[unit.name] = views
         self.program.slots.bind_unit(unit.name, views)
 
+    def pre_forward(self, unit: Unit) -> None:
+        """Module hook before a lazily gathered unit runs (every unit is bound eagerly here)."""
+
+    def post_forward(self, unit: Unit, output: Any) -> None:
+        """Module hook after a lazily gathered unit ran."""
+
     def _on_grad(self, unit: Unit, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
         self.reduce(unit, grad)
@@ -291,6 +298,7 @@ class Binding:
 
     def end_micro(self) -> None:
         self.program.slots.restore()
+        self.program.workspace.session = None
 
     def finish(self) -> dict[str, torch.Tensor] | None:
         """Gradients after the last micro-batch (fp32); ``None`` for a unit nothing reached."""
@@ -323,7 +331,6 @@ class ShardedBinding(Binding):
     def begin_micro(self, index: int, count: int) -> None:
         self.reduced = set()
         self.order = []
-        self.workspace.session = self
         super().begin_micro(index, count)
 
     def compute_flat(self, unit: Unit) -> torch.Tensor:
@@ -390,7 +397,6 @@ class ShardedBinding(Binding):
 
     def end_micro(self) -> None:
         super().end_micro()
-        self.workspace.session = None
         for unit in self.plan.units:  # units no loss reached still join the collectives
             if unit.name not in self.reduced:
                 length = self.plan.padded_size(unit) if self.plan.stage >= 1 else unit.numel
@@ -442,12 +448,31 @@ class Workspace:
         return unit.numel if self.plan.stage == 0 else self.plan.padded_size(unit)
 
     # -- persistent copies -------------------------------------------------------------------------
+    def lowp_targets(self) -> dict[str, torch.Tensor]:
+        """Where an update may write this rank's new parameters in the compute dtype (persistent units,
+        when that dtype is 16-bit): the whole copy at stage 0, this rank's slice of it otherwise."""
+        if self.compute_dtype not in (torch.bfloat16, torch.float16):
+            return {}
+        out = {}
+        for unit in self.plan.units:
+            buf = self.buffers.get(unit.name)
+            if self.lazy(unit) or buf is None:
+                continue
+            size = self.plan.shard_size(unit)
+            out[unit.name] = buf if self.plan.stage == 0 else buf[self.plan.rank * size : (self.plan.rank + 1) * size]
+        return out
+
     @torch.no_grad()
-    def refresh(self, master: Mapping[str, torch.Tensor]) -> None:
-        """Rebuild every persistent copy from ``master`` (after an update, or for another state)."""
+    def refresh(self, master: Mapping[str, torch.Tensor], written: Iterable[str] = ()) -> None:
+        """Rebuild every persistent copy from ``master`` (after an update, or for another state).
+
+        ``written`` names units whose slice of the copy the update already wrote (:meth:`lowp_targets`):
+        those only need the all-gather.
+        """
         if self.aliases_master:
             self.synced_with = _signature(master)
             return
+        written = set(written)
         works = []
         for unit in self.plan.units:
             if self.lazy(unit):
@@ -456,9 +481,15 @@ class Workspace:
             if buf is None:
                 buf = self.buffers[unit.name] = torch.empty(
                     self._flat_len(unit), dtype=self.compute_dtype, device=self.device)
+            self.status[unit.name] = "ready"
+            if unit.name in written:
+                if self.plan.stage:
+                    size = self.plan.shard_size(unit)
+                    src = buf[self.plan.rank * size : (self.plan.rank + 1) * size]
+                    works.append((comm.all_gather_flat(buf, src, async_op=True), src))
+                continue
             src = master[unit.name].to(self.compute_dtype)
             works.append((comm.all_gather_flat(buf, src, async_op=True) if self.plan.stage else _copy(buf, src), src))
-            self.status[unit.name] = "ready"
         for work, _ in works:
             work.wait()
         self.synced_with = _signature(master)
