@@ -90,19 +90,22 @@ __device__ __forceinline__ void step_one(float* param, const float* grad, float*
   if constexpr (!std::is_same_v<Low, NoLowp>) lowp[i] = to_low(p, lowp);
 }
 
-// Vector path: every pointer 16-byte aligned (lowp 4*sizeof(Low)); grid-stride over float4 groups,
-// kVecUnroll groups loaded before any is used; the n % 4 tail is done by the first threads.
-template <typename Low>
+// Vector path: param, grad, exp_avg and exp_avg_sq are 16-byte aligned and hold n elements; the
+// `head` (< 4) elements just before them are done first. Grid-stride over float4 groups, kVecUnroll
+// groups loaded before any is used; the n % 4 tail is done last. lowp gets 8-byte stores when kLowVec
+// (lowp aligned to them), else one store per element.
+template <typename Low, bool kLowVec>
 __global__ void __launch_bounds__(kThreads)
     adam_vec_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ exp_avg,
-                    float* __restrict__ exp_avg_sq, Low* __restrict__ lowp, int64_t n,
+                    float* __restrict__ exp_avg_sq, Low* __restrict__ lowp, int64_t n, int head,
                     const float* __restrict__ grad_scale, const float* __restrict__ lr,
                     const float* __restrict__ step, const bool* __restrict__ skip, AdamHyper h) {
   if (*skip) return;
   const AdamScalars s = load_scalars(grad_scale, lr, step, h);
-  const int64_t n4 = n / 4;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if (tid < head) step_one(param, grad, exp_avg, exp_avg_sq, lowp, tid - head, h, s);
+  const int64_t n4 = n / 4;
   float4* p4 = reinterpret_cast<float4*>(param);
   const float4* g4 = reinterpret_cast<const float4*>(grad);
   float4* m4 = reinterpret_cast<float4*>(exp_avg);
@@ -131,9 +134,16 @@ __global__ void __launch_bounds__(kThreads)
         p4[i] = p[u];
         m4[i] = m[u];
         v4[i] = v[u];
-        if constexpr (!std::is_same_v<Low, NoLowp>) {
+        if constexpr (std::is_same_v<Low, NoLowp>) {
+        } else if constexpr (kLowVec) {
           reinterpret_cast<uint2*>(lowp)[i] =
               make_uint2(pack2(p[u].x, p[u].y, lowp), pack2(p[u].z, p[u].w, lowp));
+        } else {
+          Low* out = lowp + 4 * i;
+          out[0] = to_low(p[u].x, lowp);
+          out[1] = to_low(p[u].y, lowp);
+          out[2] = to_low(p[u].z, lowp);
+          out[3] = to_low(p[u].w, lowp);
         }
       }
     }
@@ -146,7 +156,7 @@ __global__ void __launch_bounds__(kThreads)
 template <typename Low>
 __global__ void __launch_bounds__(kThreads)
     adam_scalar_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ exp_avg,
-                       float* __restrict__ exp_avg_sq, Low* __restrict__ lowp, int64_t n,
+                       float* __restrict__ exp_avg_sq, Low* __restrict__ lowp, int64_t n, int /*head*/,
                        const float* __restrict__ grad_scale, const float* __restrict__ lr,
                        const float* __restrict__ step, const bool* __restrict__ skip, AdamHyper h) {
   if (*skip) return;
@@ -179,6 +189,29 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <auto Kernel>
+int cached_blocks_per_sm() {
+  static const int per_sm = blocks_per_sm(Kernel, kThreads);
+  return per_sm;
+}
+
+template <auto Kernel, typename Low>
+void launch_kernel(int64_t elems_per_thread, float* p, const float* g, float* m, float* v, Low* lowp, int64_t n,
+                   int head, const at::Tensor& grad_scale, const at::Tensor& lr, const at::Tensor& step,
+                   const at::Tensor& skip, const AdamHyper& h) {
+  const int64_t per_block = kThreads * elems_per_thread;
+  const int64_t wanted = (n + per_block - 1) / per_block;
+  const int64_t resident = int64_t{cached_blocks_per_sm<Kernel>()} * sm_count();
+  const int64_t blocks = std::max<int64_t>(1, std::min(wanted, resident));
+  Kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      p, g, m, v, lowp, n, head, grad_scale.data_ptr<float>(), lr.data_ptr<float>(),
+      step.data_ptr<float>(), skip.data_ptr<bool>(), h);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Chooses the path: the vector kernel when param, grad and the moments are equally misaligned
+// (a head of < 4 elements then aligns them all), with vector lowp stores when lowp follows suit;
+// otherwise the scalar kernel.
 template <typename Low>
 void launch(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
             const at::Tensor& exp_avg_sq, Low* lowp, const at::Tensor& grad_scale, const at::Tensor& lr,
@@ -188,18 +221,27 @@ void launch(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& e
   const float* g = grad.data_ptr<float>();
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
-  const bool vec = aligned_to(p, 16) && aligned_to(g, 16) && aligned_to(m, 16) && aligned_to(v, 16) &&
-                   (std::is_same_v<Low, NoLowp> || aligned_to(lowp, 4 * sizeof(Low)));
-  auto kernel = vec ? adam_vec_kernel<Low> : adam_scalar_kernel<Low>;
-  static const int per_sm[2] = {blocks_per_sm(adam_scalar_kernel<Low>, kThreads),
-                                blocks_per_sm(adam_vec_kernel<Low>, kThreads)};
-  const int64_t per_block = static_cast<int64_t>(kThreads) * (vec ? 4 * kVecUnroll : kScalarUnroll);
-  const int64_t wanted = (n + per_block - 1) / per_block;
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(wanted, int64_t{per_sm[vec]} * sm_count()));
-  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      p, g, m, v, lowp, n, grad_scale.data_ptr<float>(), lr.data_ptr<float>(), step.data_ptr<float>(),
-      skip.data_ptr<bool>(), h);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int head = static_cast<int>(
+      std::min<int64_t>(n, ((16 - reinterpret_cast<std::uintptr_t>(p) % 16) % 16) / sizeof(float)));
+  const bool vec = aligned_to(g + head, 16) && aligned_to(m + head, 16) && aligned_to(v + head, 16);
+  bool low_vec = true;
+  Low* low_body = lowp;
+  if constexpr (!std::is_same_v<Low, NoLowp>) {
+    low_body = lowp + head;
+    low_vec = aligned_to(low_body, 4 * sizeof(Low));
+  }
+  if (vec && low_vec) {
+    launch_kernel<adam_vec_kernel<Low, true>>(4 * kVecUnroll, p + head, g + head, m + head, v + head,
+                                              low_body, n - head, head, grad_scale, lr, step, skip, h);
+  } else if (vec) {
+    if constexpr (!std::is_same_v<Low, NoLowp>) {
+      launch_kernel<adam_vec_kernel<Low, false>>(4 * kVecUnroll, p + head, g + head, m + head, v + head,
+                                                 low_body, n - head, head, grad_scale, lr, step, skip, h);
+    }
+  } else {
+    launch_kernel<adam_scalar_kernel<Low>>(kScalarUnroll, p, g, m, v, lowp, n, 0, grad_scale, lr, step, skip,
+                                           h);
+  }
 }
 
 void check_flat(const at::Tensor& t, const char* name, const at::Tensor& param) {
