@@ -91,19 +91,22 @@ __device__ __forceinline__ void step_one(float* param, const float* grad, float*
 }
 
 // Vector path: param, grad, exp_avg and exp_avg_sq are 16-byte aligned and hold n elements; the
-// `head` (< 4) elements just before them are done first. Grid-stride over float4 groups, kVecUnroll
-// groups loaded before any is used; the n % 4 tail is done last. lowp gets 8-byte stores when kLowVec
-// (lowp aligned to them), else one store per element.
-template <typename Low, bool kLowVec>
+// `head` (< 32) elements just before them are done first. Grid-stride over float4 groups, kVecUnroll
+// groups loaded before any is used; the n % 4 tail is done last. lowp gets one 8-byte store per group:
+// when lowp is 8-byte aligned (kLowShuffle false) the group's own four values; otherwise the aligned
+// word starting `low_shift` (1-3) elements into the group, completed with the next lane's values
+// (a warp shuffle), the warp's two ends and the last group written element by element.
+template <typename Low, bool kLowShuffle>
 __global__ void __launch_bounds__(kThreads)
     adam_vec_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ exp_avg,
-                    float* __restrict__ exp_avg_sq, Low* __restrict__ lowp, int64_t n, int head,
+                    float* __restrict__ exp_avg_sq, Low* __restrict__ lowp, int64_t n, int head, int low_shift,
                     const float* __restrict__ grad_scale, const float* __restrict__ lr,
                     const float* __restrict__ step, const bool* __restrict__ skip, AdamHyper h) {
   if (*skip) return;
   const AdamScalars s = load_scalars(grad_scale, lr, step, h);
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int lane = threadIdx.x % 32;
   if (tid < head) step_one(param, grad, exp_avg, exp_avg_sq, lowp, tid - head, h, s);
   const int64_t n4 = n / 4;
   float4* p4 = reinterpret_cast<float4*>(param);
@@ -111,7 +114,8 @@ __global__ void __launch_bounds__(kThreads)
   float4* m4 = reinterpret_cast<float4*>(exp_avg);
   float4* v4 = reinterpret_cast<float4*>(exp_avg_sq);
 
-  for (int64_t base = tid; base < n4; base += stride * kVecUnroll) {
+  // `base - lane` is the same for the whole warp, so every lane runs every iteration (for the shuffle).
+  for (int64_t base = tid; base - lane < n4; base += stride * kVecUnroll) {
     float4 p[kVecUnroll], g[kVecUnroll], m[kVecUnroll], v[kVecUnroll];
 #pragma unroll
     for (int u = 0; u < kVecUnroll; ++u) {
@@ -126,6 +130,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kVecUnroll; ++u) {
       const int64_t i = base + u * stride;
+      uint64_t word = 0;
       if (i < n4) {
         adam_update(p[u].x, g[u].x, m[u].x, v[u].x, h, s);
         adam_update(p[u].y, g[u].y, m[u].y, v[u].y, h, s);
@@ -134,16 +139,25 @@ __global__ void __launch_bounds__(kThreads)
         p4[i] = p[u];
         m4[i] = m[u];
         v4[i] = v[u];
-        if constexpr (std::is_same_v<Low, NoLowp>) {
-        } else if constexpr (kLowVec) {
-          reinterpret_cast<uint2*>(lowp)[i] =
-              make_uint2(pack2(p[u].x, p[u].y, lowp), pack2(p[u].z, p[u].w, lowp));
-        } else {
-          Low* out = lowp + 4 * i;
-          out[0] = to_low(p[u].x, lowp);
-          out[1] = to_low(p[u].y, lowp);
-          out[2] = to_low(p[u].z, lowp);
-          out[3] = to_low(p[u].w, lowp);
+        if constexpr (!std::is_same_v<Low, NoLowp>) {
+          word = (uint64_t{pack2(p[u].z, p[u].w, lowp)} << 32) | pack2(p[u].x, p[u].y, lowp);
+          if constexpr (!kLowShuffle) reinterpret_cast<uint64_t*>(lowp)[i] = word;
+        }
+      }
+      if constexpr (kLowShuffle && !std::is_same_v<Low, NoLowp>) {
+        const uint64_t next = __shfl_down_sync(0xffffffffu, word, 1);
+        if (i < n4) {
+          const int bits = 16 * low_shift;
+          Low* group = lowp + 4 * i;
+          if (lane < 31 && i + 1 < n4) {
+            *reinterpret_cast<uint64_t*>(group + low_shift) = (word >> bits) | (next << (64 - bits));
+          }
+          const float vals[4] = {p[u].x, p[u].y, p[u].z, p[u].w};
+          const bool own_tail = !(lane < 31 && i + 1 < n4);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            if (k < low_shift ? lane == 0 : own_tail) group[k] = to_low(vals[k], lowp);
+          }
         }
       }
     }
@@ -157,7 +171,7 @@ template <typename Low>
 __global__ void __launch_bounds__(kThreads)
     adam_scalar_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ exp_avg,
                        float* __restrict__ exp_avg_sq, Low* __restrict__ lowp, int64_t n, int /*head*/,
-                       const float* __restrict__ grad_scale, const float* __restrict__ lr,
+                       int /*low_shift*/, const float* __restrict__ grad_scale, const float* __restrict__ lr,
                        const float* __restrict__ step, const bool* __restrict__ skip, AdamHyper h) {
   if (*skip) return;
   const AdamScalars s = load_scalars(grad_scale, lr, step, h);
@@ -197,21 +211,22 @@ int cached_blocks_per_sm() {
 
 template <auto Kernel, typename Low>
 void launch_kernel(int64_t elems_per_thread, float* p, const float* g, float* m, float* v, Low* lowp, int64_t n,
-                   int head, const at::Tensor& grad_scale, const at::Tensor& lr, const at::Tensor& step,
-                   const at::Tensor& skip, const AdamHyper& h) {
+                   int head, int low_shift, const at::Tensor& grad_scale, const at::Tensor& lr,
+                   const at::Tensor& step, const at::Tensor& skip, const AdamHyper& h) {
   const int64_t per_block = kThreads * elems_per_thread;
   const int64_t wanted = (n + per_block - 1) / per_block;
   const int64_t resident = int64_t{cached_blocks_per_sm<Kernel>()} * sm_count();
   const int64_t blocks = std::max<int64_t>(1, std::min(wanted, resident));
   Kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      p, g, m, v, lowp, n, head, grad_scale.data_ptr<float>(), lr.data_ptr<float>(),
+      p, g, m, v, lowp, n, head, low_shift, grad_scale.data_ptr<float>(), lr.data_ptr<float>(),
       step.data_ptr<float>(), skip.data_ptr<bool>(), h);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Chooses the path: the vector kernel when param, grad and the moments are equally misaligned
-// (a head of < 4 elements then aligns them all), with vector lowp stores when lowp follows suit;
-// otherwise the scalar kernel.
+// Chooses the path. A head of < 32 elements brings param to a 128-byte boundary (whole cache lines:
+// writes that straddle 32-byte sectors cost far more than their bytes); if grad and the moments are
+// then 16-byte aligned (equally misaligned views, as shards of flat buffers are), the vector kernel
+// runs, with lowp realigned by shuffles when it is not 8-byte aligned; otherwise the scalar kernel.
 template <typename Low>
 void launch(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
             const at::Tensor& exp_avg_sq, Low* lowp, const at::Tensor& grad_scale, const at::Tensor& lr,
@@ -222,25 +237,26 @@ void launch(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& e
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
   const int head = static_cast<int>(
-      std::min<int64_t>(n, ((16 - reinterpret_cast<std::uintptr_t>(p) % 16) % 16) / sizeof(float)));
+      std::min<int64_t>(n, ((128 - reinterpret_cast<std::uintptr_t>(p) % 128) % 128) / sizeof(float)));
   const bool vec = aligned_to(g + head, 16) && aligned_to(m + head, 16) && aligned_to(v + head, 16);
-  bool low_vec = true;
-  Low* low_body = lowp;
-  if constexpr (!std::is_same_v<Low, NoLowp>) {
-    low_body = lowp + head;
-    low_vec = aligned_to(low_body, 4 * sizeof(Low));
-  }
-  if (vec && low_vec) {
-    launch_kernel<adam_vec_kernel<Low, true>>(4 * kVecUnroll, p + head, g + head, m + head, v + head,
-                                              low_body, n - head, head, grad_scale, lr, step, skip, h);
-  } else if (vec) {
-    if constexpr (!std::is_same_v<Low, NoLowp>) {
-      launch_kernel<adam_vec_kernel<Low, false>>(4 * kVecUnroll, p + head, g + head, m + head, v + head,
-                                                 low_body, n - head, head, grad_scale, lr, step, skip, h);
-    }
-  } else {
-    launch_kernel<adam_scalar_kernel<Low>>(kScalarUnroll, p, g, m, v, lowp, n, 0, grad_scale, lr, step, skip,
+  if (!vec) {
+    launch_kernel<adam_scalar_kernel<Low>>(kScalarUnroll, p, g, m, v, lowp, n, 0, 0, grad_scale, lr, step, skip,
                                            h);
+    return;
+  }
+  if constexpr (std::is_same_v<Low, NoLowp>) {
+    launch_kernel<adam_vec_kernel<Low, false>>(4 * kVecUnroll, p + head, g + head, m + head, v + head, lowp,
+                                               n - head, head, 0, grad_scale, lr, step, skip, h);
+  } else {
+    Low* low = lowp + head;
+    const int misaligned = static_cast<int>(reinterpret_cast<std::uintptr_t>(low) % 8 / sizeof(Low));
+    if (misaligned == 0) {
+      launch_kernel<adam_vec_kernel<Low, false>>(4 * kVecUnroll, p + head, g + head, m + head, v + head, low,
+                                                 n - head, head, 0, grad_scale, lr, step, skip, h);
+    } else {
+      launch_kernel<adam_vec_kernel<Low, true>>(4 * kVecUnroll, p + head, g + head, m + head, v + head, low,
+                                                n - head, head, 4 - misaligned, grad_scale, lr, step, skip, h);
+    }
   }
 }
 

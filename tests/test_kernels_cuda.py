@@ -64,8 +64,8 @@ def _adam_case(n: int, seed: int, lowp_dtype, offsets: dict | None = None, nonfi
     dev = {}
     for name, t in cpu.items():
         off = (offsets or {}).get(name, 0)
-        buf = torch.empty(n + off, dtype=t.dtype, device="cuda")
-        dev[name] = buf[off:]
+        buf = torch.full((n + off + 8,), 7.0, dtype=t.dtype, device="cuda")  # 7: a guard outside the view
+        dev[name] = buf[off : off + n]
         dev[name].copy_(t)
     step = float(torch.randint(1, 2000, (1,), generator=gen))
     scalars = {
@@ -151,19 +151,23 @@ ALL = ("param", "grad", "exp_avg", "exp_avg_sq")
 @pytest.mark.parametrize(
     "offsets",
     [
-        {**dict.fromkeys(ALL, 1), "lowp": 1},  # vector path after a 3-element head
-        {**dict.fromkeys(ALL, 3), "lowp": 2},  # 1-element head, lowp by 2-byte stores
-        dict.fromkeys(ALL, 2),  # 2-element head, lowp by 2-byte stores
-        {"lowp": 1},  # lowp alone misaligned
+        {**dict.fromkeys(ALL, 1), "lowp": 1},  # 31-element head, then everything aligned
+        {**dict.fromkeys(ALL, 3), "lowp": 2},  # 29-element head, lowp realigned by 1 element
+        dict.fromkeys(ALL, 2),  # 30-element head, lowp realigned by 2 elements
+        {"lowp": 1},  # no head, lowp realigned by 3 elements
         {"grad": 1},  # grad misaligned against param: scalar path
         {"exp_avg_sq": 2, "lowp": 3},  # scalar path
     ],
 )
 @pytest.mark.parametrize("n", [5, 4097, 1_000_003])
-def test_adam_unaligned_views(n, offsets):
-    cpu, dev, scalars = _adam_case(n, seed=n + len(offsets), lowp_dtype=torch.bfloat16, offsets=offsets)
+@pytest.mark.parametrize("lowp_dtype", [torch.bfloat16, torch.float16])
+def test_adam_unaligned_views(n, offsets, lowp_dtype):
+    cpu, dev, scalars = _adam_case(n, seed=n + len(offsets), lowp_dtype=lowp_dtype, offsets=offsets)
     _run(cpu, scalars, "cpu", **HYPERS[0])
     _run(dev, scalars, "cuda", **HYPERS[0])
+    for name, view in dev.items():  # nothing written outside the views
+        off = offsets.get(name, 0)
+        assert (view._base[:off] == 7).all() and (view._base[off + n :] == 7).all(), name
     for name in ("param", "exp_avg", "exp_avg_sq"):
         _assert_rel_close(dev[name], cpu[name])
     _assert_lowp_is_param_cast(dev["lowp"], dev["param"])
