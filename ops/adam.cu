@@ -90,25 +90,32 @@ __device__ __forceinline__ void step_one(float* param, const float* grad, float*
   if constexpr (!std::is_same_v<Low, NoLowp>) lowp[i] = to_low(p, lowp);
 }
 
-// Vector path: every pointer 16-byte aligned (lowp 4*sizeof(Low)); grid-stride over float4 groups,
-// kVecUnroll groups loaded before any is used; the n % 4 tail is done by the first threads.
-template <typename Low>
+// Vector path: param, grad, exp_avg and exp_avg_sq are 16-byte aligned and hold n elements; the
+// `head` (< 32) elements just before them are done first. Grid-stride over float4 groups, kVecUnroll
+// groups loaded before any is used; the n % 4 tail is done last. lowp gets one 8-byte store per group:
+// when lowp is 8-byte aligned (kLowShuffle false) the group's own four values; otherwise the aligned
+// word starting `low_shift` (1-3) elements into the group, completed with the next lane's values
+// (a warp shuffle), the warp's two ends and the last group written element by element.
+template <typename Low, bool kLowShuffle>
 __global__ void __launch_bounds__(kThreads)
     adam_vec_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ exp_avg,
-                    float* __restrict__ exp_avg_sq, Low* __restrict__ lowp, int64_t n,
+                    float* __restrict__ exp_avg_sq, Low* __restrict__ lowp, int64_t n, int head, int low_shift,
                     const float* __restrict__ grad_scale, const float* __restrict__ lr,
                     const float* __restrict__ step, const bool* __restrict__ skip, AdamHyper h) {
   if (*skip) return;
   const AdamScalars s = load_scalars(grad_scale, lr, step, h);
-  const int64_t n4 = n / 4;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int lane = threadIdx.x % 32;
+  if (tid < head) step_one(param, grad, exp_avg, exp_avg_sq, lowp, tid - head, h, s);
+  const int64_t n4 = n / 4;
   float4* p4 = reinterpret_cast<float4*>(param);
   const float4* g4 = reinterpret_cast<const float4*>(grad);
   float4* m4 = reinterpret_cast<float4*>(exp_avg);
   float4* v4 = reinterpret_cast<float4*>(exp_avg_sq);
 
-  for (int64_t base = tid; base < n4; base += stride * kVecUnroll) {
+  // `base - lane` is the same for the whole warp, so every lane runs every iteration (for the shuffle).
+  for (int64_t base = tid; base - lane < n4; base += stride * kVecUnroll) {
     float4 p[kVecUnroll], g[kVecUnroll], m[kVecUnroll], v[kVecUnroll];
 #pragma unroll
     for (int u = 0; u < kVecUnroll; ++u) {
@@ -123,6 +130,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int u = 0; u < kVecUnroll; ++u) {
       const int64_t i = base + u * stride;
+      uint64_t word = 0;
       if (i < n4) {
         adam_update(p[u].x, g[u].x, m[u].x, v[u].x, h, s);
         adam_update(p[u].y, g[u].y, m[u].y, v[u].y, h, s);
@@ -132,8 +140,24 @@ __global__ void __launch_bounds__(kThreads)
         m4[i] = m[u];
         v4[i] = v[u];
         if constexpr (!std::is_same_v<Low, NoLowp>) {
-          reinterpret_cast<uint2*>(lowp)[i] =
-              make_uint2(pack2(p[u].x, p[u].y, lowp), pack2(p[u].z, p[u].w, lowp));
+          word = (uint64_t{pack2(p[u].z, p[u].w, lowp)} << 32) | pack2(p[u].x, p[u].y, lowp);
+          if constexpr (!kLowShuffle) reinterpret_cast<uint64_t*>(lowp)[i] = word;
+        }
+      }
+      if constexpr (kLowShuffle && !std::is_same_v<Low, NoLowp>) {
+        const uint64_t next = __shfl_down_sync(0xffffffffu, word, 1);
+        if (i < n4) {
+          const int bits = 16 * low_shift;
+          Low* group = lowp + 4 * i;
+          if (lane < 31 && i + 1 < n4) {
+            *reinterpret_cast<uint64_t*>(group + low_shift) = (word >> bits) | (next << (64 - bits));
+          }
+          const float vals[4] = {p[u].x, p[u].y, p[u].z, p[u].w};
+          const bool own_tail = !(lane < 31 && i + 1 < n4);
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            if (k < low_shift ? lane == 0 : own_tail) group[k] = to_low(vals[k], lowp);
+          }
         }
       }
     }
@@ -146,8 +170,8 @@ __global__ void __launch_bounds__(kThreads)
 template <typename Low>
 __global__ void __launch_bounds__(kThreads)
     adam_scalar_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ exp_avg,
-                       float* __restrict__ exp_avg_sq, Low* __restrict__ lowp, int64_t n,
-                       const float* __restrict__ grad_scale, const float* __restrict__ lr,
+                       float* __restrict__ exp_avg_sq, Low* __restrict__ lowp, int64_t n, int /*head*/,
+                       int /*low_shift*/, const float* __restrict__ grad_scale, const float* __restrict__ lr,
                        const float* __restrict__ step, const bool* __restrict__ skip, AdamHyper h) {
   if (*skip) return;
   const AdamScalars s = load_scalars(grad_scale, lr, step, h);
@@ -179,6 +203,30 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <auto Kernel>
+int cached_blocks_per_sm() {
+  static const int per_sm = blocks_per_sm(Kernel, kThreads);
+  return per_sm;
+}
+
+template <auto Kernel, typename Low>
+void launch_kernel(int64_t elems_per_thread, float* p, const float* g, float* m, float* v, Low* lowp, int64_t n,
+                   int head, int low_shift, const at::Tensor& grad_scale, const at::Tensor& lr,
+                   const at::Tensor& step, const at::Tensor& skip, const AdamHyper& h) {
+  const int64_t per_block = kThreads * elems_per_thread;
+  const int64_t wanted = (n + per_block - 1) / per_block;
+  const int64_t resident = int64_t{cached_blocks_per_sm<Kernel>()} * sm_count();
+  const int64_t blocks = std::max<int64_t>(1, std::min(wanted, resident));
+  Kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      p, g, m, v, lowp, n, head, low_shift, grad_scale.data_ptr<float>(), lr.data_ptr<float>(),
+      step.data_ptr<float>(), skip.data_ptr<bool>(), h);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Chooses the path. A head of < 32 elements brings param to a 128-byte boundary (whole cache lines:
+// writes that straddle 32-byte sectors cost far more than their bytes); if grad and the moments are
+// then 16-byte aligned (equally misaligned views, as shards of flat buffers are), the vector kernel
+// runs, with lowp realigned by shuffles when it is not 8-byte aligned; otherwise the scalar kernel.
 template <typename Low>
 void launch(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
             const at::Tensor& exp_avg_sq, Low* lowp, const at::Tensor& grad_scale, const at::Tensor& lr,
@@ -188,18 +236,28 @@ void launch(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& e
   const float* g = grad.data_ptr<float>();
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
-  const bool vec = aligned_to(p, 16) && aligned_to(g, 16) && aligned_to(m, 16) && aligned_to(v, 16) &&
-                   (std::is_same_v<Low, NoLowp> || aligned_to(lowp, 4 * sizeof(Low)));
-  auto kernel = vec ? adam_vec_kernel<Low> : adam_scalar_kernel<Low>;
-  static const int per_sm[2] = {blocks_per_sm(adam_scalar_kernel<Low>, kThreads),
-                                blocks_per_sm(adam_vec_kernel<Low>, kThreads)};
-  const int64_t per_block = static_cast<int64_t>(kThreads) * (vec ? 4 * kVecUnroll : kScalarUnroll);
-  const int64_t wanted = (n + per_block - 1) / per_block;
-  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(wanted, int64_t{per_sm[vec]} * sm_count()));
-  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      p, g, m, v, lowp, n, grad_scale.data_ptr<float>(), lr.data_ptr<float>(), step.data_ptr<float>(),
-      skip.data_ptr<bool>(), h);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int head = static_cast<int>(
+      std::min<int64_t>(n, ((128 - reinterpret_cast<std::uintptr_t>(p) % 128) % 128) / sizeof(float)));
+  const bool vec = aligned_to(g + head, 16) && aligned_to(m + head, 16) && aligned_to(v + head, 16);
+  if (!vec) {
+    launch_kernel<adam_scalar_kernel<Low>>(kScalarUnroll, p, g, m, v, lowp, n, 0, 0, grad_scale, lr, step, skip,
+                                           h);
+    return;
+  }
+  if constexpr (std::is_same_v<Low, NoLowp>) {
+    launch_kernel<adam_vec_kernel<Low, false>>(4 * kVecUnroll, p + head, g + head, m + head, v + head, lowp,
+                                               n - head, head, 0, grad_scale, lr, step, skip, h);
+  } else {
+    Low* low = lowp + head;
+    const int misaligned = static_cast<int>(reinterpret_cast<std::uintptr_t>(low) % 8 / sizeof(Low));
+    if (misaligned == 0) {
+      launch_kernel<adam_vec_kernel<Low, false>>(4 * kVecUnroll, p + head, g + head, m + head, v + head, low,
+                                                 n - head, head, 0, grad_scale, lr, step, skip, h);
+    } else {
+      launch_kernel<adam_vec_kernel<Low, true>>(4 * kVecUnroll, p + head, g + head, m + head, v + head, low,
+                                                n - head, head, 4 - misaligned, grad_scale, lr, step, skip, h);
+    }
+  }
 }
 
 void check_flat(const at::Tensor& t, const char* name, const at::Tensor& param) {

@@ -48,8 +48,8 @@ def _poison_nonfinite(t: torch.Tensor, gen: torch.Generator) -> None:
     t[-1] = float("-inf")
 
 
-def _adam_case(n: int, seed: int, lowp_dtype, offset: int = 0, lowp_offset: int = 0, nonfinite: bool = True):
-    """CPU inputs; device copies are views at `offset` elements into a larger buffer (alignment)."""
+def _adam_case(n: int, seed: int, lowp_dtype, offsets: dict | None = None, nonfinite: bool = True):
+    """CPU inputs, and device copies that are views `offsets[name]` elements into larger buffers."""
     gen = torch.Generator().manual_seed(seed)
     cpu = {
         "param": torch.randn(n, generator=gen),
@@ -63,9 +63,9 @@ def _adam_case(n: int, seed: int, lowp_dtype, offset: int = 0, lowp_offset: int 
         cpu["lowp"] = torch.randn(n, generator=gen).to(lowp_dtype)  # poison: every element must be written
     dev = {}
     for name, t in cpu.items():
-        off = lowp_offset if name == "lowp" else offset
-        buf = torch.empty(n + off, dtype=t.dtype, device="cuda")
-        dev[name] = buf[off:]
+        off = (offsets or {}).get(name, 0)
+        buf = torch.full((n + off + 8,), 7.0, dtype=t.dtype, device="cuda")  # 7: a guard outside the view
+        dev[name] = buf[off : off + n]
         dev[name].copy_(t)
     step = float(torch.randint(1, 2000, (1,), generator=gen))
     scalars = {
@@ -145,14 +145,29 @@ def _assert_lowp_is_param_cast(lowp: torch.Tensor, param: torch.Tensor) -> None:
     assert torch.equal(_bits(lowp)[~nan], _bits(want)[~nan])
 
 
-@pytest.mark.parametrize("offset, lowp_offset", [(1, 0), (0, 1), (3, 2), (2, 2)])
+ALL = ("param", "grad", "exp_avg", "exp_avg_sq")
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [
+        {**dict.fromkeys(ALL, 1), "lowp": 1},  # 31-element head, then everything aligned
+        {**dict.fromkeys(ALL, 3), "lowp": 2},  # 29-element head, lowp realigned by 1 element
+        dict.fromkeys(ALL, 2),  # 30-element head, lowp realigned by 2 elements
+        {"lowp": 1},  # no head, lowp realigned by 3 elements
+        {"grad": 1},  # grad misaligned against param: scalar path
+        {"exp_avg_sq": 2, "lowp": 3},  # scalar path
+    ],
+)
 @pytest.mark.parametrize("n", [5, 4097, 1_000_003])
-def test_adam_unaligned_views(n, offset, lowp_offset):
-    cpu, dev, scalars = _adam_case(
-        n, seed=n + offset, lowp_dtype=torch.bfloat16, offset=offset, lowp_offset=lowp_offset
-    )
+@pytest.mark.parametrize("lowp_dtype", [torch.bfloat16, torch.float16])
+def test_adam_unaligned_views(n, offsets, lowp_dtype):
+    cpu, dev, scalars = _adam_case(n, seed=n + len(offsets), lowp_dtype=lowp_dtype, offsets=offsets)
     _run(cpu, scalars, "cpu", **HYPERS[0])
     _run(dev, scalars, "cuda", **HYPERS[0])
+    for name, view in dev.items():  # nothing written outside the views
+        off = offsets.get(name, 0)
+        assert (view._base[:off] == 7).all() and (view._base[off + n :] == 7).all(), name
     for name in ("param", "exp_avg", "exp_avg_sq"):
         _assert_rel_close(dev[name], cpu[name])
     _assert_lowp_is_param_cast(dev["lowp"], dev["param"])
@@ -160,8 +175,9 @@ def test_adam_unaligned_views(n, offset, lowp_offset):
 
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("lowp_dtype", [None, torch.bfloat16, torch.float16])
-def test_adam_skip_leaves_every_byte_unchanged(n, lowp_dtype):
-    _, dev, scalars = _adam_case(n, seed=n, lowp_dtype=lowp_dtype, offset=n % 2)
+@pytest.mark.parametrize("offset", [0, 1])
+def test_adam_skip_leaves_every_byte_unchanged(n, lowp_dtype, offset):
+    _, dev, scalars = _adam_case(n, seed=n, lowp_dtype=lowp_dtype, offsets=dict.fromkeys(ALL, offset))
     scalars["skip"] = torch.tensor(True)
     before = {k: v.clone() for k, v in dev.items()}
     _run(dev, scalars, "cuda", **HYPERS[1])
