@@ -127,6 +127,7 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        leftover = torch.cuda.memory_allocated() / 2**30
         if system.startswith("dsfunc:"):
             stage = int(system.split(":")[1])
             elapsed, losses, model, note = run_dsfunc(cfg, stage, micro, args.warmup, args.steps, device)
@@ -138,6 +139,8 @@ def main() -> None:
         mfu = tokens / world * flops_per_token(cfg, model) / PEAK_FLOPS
         peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if leftover > 0.01:
+            note += f" ({leftover:.1f} GiB held before this run)"
         if dist.get_rank() == 0:
             print(f"| {args.model} | {world} | {name} | {tokens:,.0f} | {mfu:.3f} | {peak.item():.1f} | "
                   f"{losses[0]:.3f}->{losses[-1]:.3f} | {note} |", flush=True)

@@ -18,9 +18,10 @@ python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$out/gpus
 ngpu=$(nvidia-smi -L | wc -l)
 
 if [ "$part" = tests ] || [ "$part" = all ]; then
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-        tests/test_kernels_cuda.py tests/test_zero_cuda.py tests/test_optim.py tests/test_scaling.py \
-        tests/test_step.py 2>&1 | tail -25 | tee "$out/tests.txt"
+    for t in tests/test_kernels_cuda.py tests/test_zero_cuda.py "tests/test_optim.py tests/test_scaling.py" \
+             tests/test_step.py; do  # one process each: CUDA settings a test changes stay with it
+        timeout 150 python3 -m pytest -q -p no:cacheprovider $t 2>&1 | tail -40
+    done | tee "$out/tests.txt"
     timeout 60 python3 bench/bench_step_overhead.py --device cuda --steps 100 2>&1 | tee "$out/overhead.txt"
 fi
 run_zero() {  # model systems

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -274,7 +275,8 @@ class Binding:
             return
         flat = self.compute_flat(unit)
         leaf = flat.detach().requires_grad_()
-        leaf.register_post_accumulate_grad_hook(lambda t, u=unit: self._on_grad(u, t))
+        me = weakref.ref(self)  # the leaf outlives nothing: no cycle leaf -> hook -> binding -> leaf
+        leaf.register_post_accumulate_grad_hook(lambda t, u=unit: me()._on_grad(u, t))
         self._leaf_of[unit.name] = leaf
         self.leaves.append(leaf)
         views = unit_views(unit, leaf)
@@ -299,6 +301,7 @@ class Binding:
     def end_micro(self) -> None:
         self.program.slots.restore()
         self.program.workspace.session = None
+        self._leaf_of, self._views = {}, {}
 
     def finish(self) -> dict[str, torch.Tensor] | None:
         """Gradients after the last micro-batch (fp32); ``None`` for a unit nothing reached."""
@@ -324,6 +327,9 @@ class ShardedBinding(Binding):
         self.reduced: set[str] = set()
         self.grads: dict[str, torch.Tensor] = {}
         self.order: list[str] = []
+        # Reductions in flight during backward: each holds a full-size gradient until it finishes, so
+        # waiting on older ones as new ones start bounds that memory (the wait only orders streams on NCCL).
+        self.max_inflight = 2
 
     def binds_eagerly(self, unit: Unit) -> bool:
         return not self.workspace.lazy(unit)
@@ -348,7 +354,7 @@ class ShardedBinding(Binding):
         self.workspace.release(unit)
         tensors = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         for t in tensors:
-            t.register_hook(lambda g, u=unit: self._pre_backward(u, g))
+            t.register_hook(lambda g, u=unit, me=weakref.ref(self): me()._pre_backward(u, g))
 
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
         self.workspace.ensure(unit, self.master)
@@ -383,17 +389,19 @@ class ShardedBinding(Binding):
             out = torch.empty(self.plan.shard_size(unit), dtype=self.comm_dtype, device=full.device)
             work = comm.reduce_scatter_sum(out, full, async_op=True)
             self.pending.append((work, lambda u=unit, t=out, keep=full: self._store(u, t)))
+        self._drain(keep=self.max_inflight)
 
     def _store(self, unit: Unit, reduced: torch.Tensor) -> None:
         reduced = reduced.float()
         prev = self.grads.get(unit.name)
         self.grads[unit.name] = reduced if prev is None else prev.add_(reduced)
 
-    def _drain(self) -> None:
-        for work, store in self.pending:
+    def _drain(self, keep: int = 0) -> None:
+        """Finish all but the ``keep`` newest reductions (their full-size inputs are then freed)."""
+        while len(self.pending) > keep:
+            work, store = self.pending.pop(0)
             work.wait()
             store()
-        self.pending = []
 
     def end_micro(self) -> None:
         super().end_micro()
