@@ -20,13 +20,28 @@ from torch import nn
 from dsfunc import comm, kernels
 from dsfunc.config import Config
 from dsfunc.fused import FusedAdam
-from dsfunc.optim import apply_updates, clip_by_global_norm, current_lr, named_chain, optimizer_from_config
-from dsfunc.optim import scale_by_factor
+from dsfunc.optim import (
+    apply_updates,
+    clip_by_global_norm,
+    current_lr,
+    named_chain,
+    optimizer_from_config,
+    scale_by_factor,
+)
 from dsfunc.scaling import LossScaler, check_not_dead
 from dsfunc.schedules import momentum_schedule_from_config, schedule_from_config
 from dsfunc.state import FrozenDict, Metrics, TrainState
-from dsfunc.zero import ShardingPlan, Workspace, _Slots, flatten_unit, install_hooks, local_shard
-from dsfunc.zero import make_plan, segment_norm_fn, unit_views
+from dsfunc.zero import (
+    ShardingPlan,
+    Workspace,
+    _Slots,
+    flatten_unit,
+    install_hooks,
+    local_shard,
+    make_plan,
+    segment_norm_fn,
+    unit_views,
+)
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -272,7 +287,7 @@ def _install_input_cast(skeleton: nn.Module, workspace: Workspace, dtype: torch.
     def cast(module: nn.Module, args: Any, kwargs: Any) -> Any:
         if workspace.session is None:
             return None
-        f = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+        f = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
         return optree.tree_map(f, args), optree.tree_map(f, kwargs)
 
     skeleton.register_forward_pre_hook(cast, with_kwargs=True)

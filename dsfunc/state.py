@@ -124,7 +124,7 @@ class TrainState:
     buffers: FrozenDict
     rng: torch.Tensor
     metrics: Metrics
-    program: Any = static_field()
+    program: Any = static_field()  # noqa: RUF009 - returns a dataclasses.field
 
     def __getattribute__(self, name: str) -> Any:
         if name in _DATA_FIELDS and object.__getattribute__(self, "__dict__").get("_donated"):

@@ -15,7 +15,7 @@ optax-style :class:`~dsfunc.optim.Transform`. :func:`make_train_step` joins both
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree

@@ -354,8 +354,9 @@ class ShardedBinding(Binding):
     def post_forward(self, unit: Unit, output: Any) -> None:
         self.workspace.release(unit)
         tensors = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        me = weakref.ref(self)
         for t in tensors:
-            t.register_hook(lambda g, u=unit, me=weakref.ref(self): me()._pre_backward(u, g))
+            t.register_hook(lambda g, u=unit: me()._pre_backward(u, g))
 
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
         self.workspace.ensure(unit, self.master)

@@ -6,7 +6,8 @@ import io
 import os
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -35,7 +36,7 @@ def _child(fn, rank, world_size, port, args, queue, backend):
         buffer = io.BytesIO()
         torch.save(result, buffer)  # plain bytes: tensors in shared memory would die with this process
         queue.put((rank, "ok", buffer.getvalue()))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any failure is reported to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():

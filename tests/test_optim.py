@@ -8,8 +8,6 @@ import optree
 import pytest
 import torch
 
-from tests.cuda_sync import no_host_sync
-
 from dsfunc.optim import (
     EmptyState,
     ScaleByAdamState,
@@ -29,6 +27,7 @@ from dsfunc.optim import (
     sgd,
 )
 from dsfunc.schedules import one_cycle_momentum, warmup_lr
+from tests.cuda_sync import no_host_sync
 
 STEPS = 20
 SHAPES = {"w": (7, 5), "b": (5,), "nested": {"k": (2, 3, 4), "s": (1,)}}

@@ -8,9 +8,8 @@ import random
 import pytest
 import torch
 
-from tests.cuda_sync import no_host_sync
-
 from dsfunc.scaling import LossScaleError, LossScaler, LossScaleState, check_not_dead
+from tests.cuda_sync import no_host_sync
 
 
 class Died(Exception):

@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pydoc_data.topics
 import time
 
-import pydoc_data.topics
 import torch
 
 import dsfunc
