@@ -208,6 +208,14 @@ _TORCH_OPTIMIZERS: dict[type, tuple[str, tuple[str, ...]]] = {
 _IMPLEMENTATION_ONLY = ("foreach", "fused", "capturable", "differentiable")  # pick a kernel, not the math
 
 
+def _public_name(cls: type) -> str:
+    """``torch.optim.RMSprop`` rather than ``torch.optim.rmsprop.RMSprop``."""
+    module = cls.__module__
+    if module.startswith("torch.optim.") and module != "torch.optim.lr_scheduler":
+        module = "torch.optim"
+    return f"{module}.{cls.__qualname__}"
+
+
 def _plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.item()
@@ -226,12 +234,12 @@ def optimizer_section(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     kind = type(optimizer)
     if kind not in _TORCH_OPTIMIZERS:
         raise TypeError(
-            f"optimizer: a {kind.__module__}.{kind.__qualname__} cannot be translated to a dsfunc update; "
+            f"optimizer: a {_public_name(kind)} cannot be translated to a dsfunc update; "
             "pass a torch.optim.Adam, AdamW, SGD or Adagrad (or a callable returning one), or leave "
             'optimizer out and describe it in the config\'s "optimizer" section (Adam, AdamW, SGD, Lamb, Adagrad)'
         )
     name, hyper = _TORCH_OPTIMIZERS[kind]
-    if optimizer.state:
+    if _has_stepped(optimizer):
         raise ValueError(
             f"the client torch.optim.{name} has state (it has taken steps or loaded a state_dict); dsfunc "
             "starts the optimizer from scratch. Pass a fresh optimizer and resume with engine.load_checkpoint"
@@ -264,6 +272,11 @@ def optimizer_section(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {"type": name, "params": params}
 
 
+def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """True when a torch optimizer has taken a step (Adagrad creates its state, at step 0, up front)."""
+    return any("step" not in st or float(st["step"]) > 0 for st in optimizer.state.values())
+
+
 def _closed_form(sched: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``k -> lr / base_lr`` (float64 tensors) for torch schedulers with a closed form."""
     sch = torch.optim.lr_scheduler
@@ -294,7 +307,12 @@ def schedule_from_torch(sched: Any) -> Schedule:
     """
     sch = torch.optim.lr_scheduler
     kind = type(sched)
-    name = f"{kind.__module__}.{kind.__qualname__}"
+    name = _public_name(kind)
+    if kind is sch.ReduceLROnPlateau:
+        raise TypeError(
+            f"lr_scheduler: a {name} cannot be translated: it follows a validation metric, while dsfunc's lr "
+            "is a function of the step count. Use a step-based scheduler or a config \"scheduler\" section"
+        )
     if getattr(sched, "last_epoch", None) != 0:
         raise ValueError(
             f"lr_scheduler: the client {kind.__qualname__} has already been stepped (last_epoch="
@@ -460,7 +478,11 @@ def initialize(
 
 def _client_schedule(lr_scheduler: Any, client_opt: Any, raw: dict[str, Any], model: nn.Module) -> Schedule:
     scheduler = lr_scheduler
-    if callable(lr_scheduler) and not hasattr(lr_scheduler, "base_lrs"):
+    if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+        if not callable(lr_scheduler):
+            raise TypeError(
+                f"lr_scheduler must be a torch lr scheduler or a callable, got {type(lr_scheduler).__name__}"
+            )
         target = client_opt
         if target is None:  # a stand-in torch optimizer carrying the config's lr for the callable
             section = raw.get("optimizer")
@@ -470,8 +492,8 @@ def _client_schedule(lr_scheduler: Any, client_opt: Any, raw: dict[str, Any], mo
             target = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
         scheduler = lr_scheduler(target)
         client_opt = target
-    if not hasattr(scheduler, "base_lrs"):
-        raise TypeError(f"lr_scheduler must be a torch lr scheduler or a callable, got {type(scheduler).__name__}")
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise TypeError(f"the lr_scheduler callable returned a {type(scheduler).__name__}, not a torch lr scheduler")
     if client_opt is None or getattr(scheduler, "optimizer", None) is not client_opt:
         raise ValueError(
             "lr_scheduler was built on a torch optimizer the engine does not use; pass that optimizer as "
