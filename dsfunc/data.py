@@ -129,14 +129,15 @@ class DistributedLoader:
 
 
 def check_dataset(dataset: Any) -> None:
-    """Raise unless ``dataset`` is a map-style torch Dataset (DeepSpeed's message for non-datasets)."""
+    """Raise ``TypeError`` unless ``dataset`` is a map-style torch Dataset (DeepSpeed's words, which it raises as
+    a ValueError, for non-datasets)."""
     if not isinstance(dataset, Dataset):
-        raise ValueError(
+        raise TypeError(
             f"Training data must be a torch Dataset (torch.utils.data.Dataset), got {type(dataset).__name__}; "
             "wrap tensors in torch.utils.data.TensorDataset"
         )
     if isinstance(dataset, IterableDataset):
-        raise ValueError(
+        raise TypeError(
             "training_data is an IterableDataset: dsfunc's loader needs a map-style dataset (__getitem__ and "
             "__len__) to shard it across ranks and resume at a step. Iterate it yourself and pass each rank's "
             "micro-batches to the engine (or per-step batches to dsfunc.train_step)."

@@ -38,7 +38,6 @@ Where dsfunc differs from DeepSpeed (each is a clear error or documented here):
 from __future__ import annotations
 
 import argparse
-import bisect
 import inspect
 import itertools
 import logging
@@ -57,8 +56,15 @@ from dsfunc import comm
 from dsfunc.config import Config
 from dsfunc.data import DistributedLoader, check_dataset
 from dsfunc.monitor import Monitor, tokens_in
-from dsfunc.optim import ScheduleState, chain, clip_by_global_norm, current_lr, named_chain
-from dsfunc.optim import optimizer_from_config, scale_by_factor
+from dsfunc.optim import (
+    ScheduleState,
+    chain,
+    clip_by_global_norm,
+    current_lr,
+    named_chain,
+    optimizer_from_config,
+    scale_by_factor,
+)
 from dsfunc.program import full_params, init_state
 from dsfunc.schedules import Schedule, schedule_from_config
 from dsfunc.state import TrainState
@@ -89,7 +95,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--deepscale", default=False, action="store_true", help="deprecated: --deepspeed")
     group.add_argument("--deepscale_config", default=None, type=str, help="deprecated: --deepspeed_config")
     if not any(flag in parser._option_string_actions for flag in ("--local_rank", "--local-rank")):
-        group.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)),
+        group.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", "-1")),
                            help="local rank set by a launcher (tolerated; dsfunc reads LOCAL_RANK)")
     return parser
 
@@ -574,6 +580,12 @@ class Engine:
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
 
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16.enabled
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """True while the current micro-batch is the last of its optimizer step."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
@@ -909,8 +921,8 @@ def _merge_partial(kept: TrainState, loaded: TrainState, module_only: bool, opti
         wanted = scheduler_states if isinstance(fresh, ScheduleState) else optimizer_states
         return restored if wanted else fresh
 
-    is_schedule = lambda x: isinstance(x, ScheduleState)  # noqa: E731
-    opt_state = optree.tree_map(pick, kept.opt_state, loaded.opt_state, is_leaf=is_schedule)
+    opt_state = optree.tree_map(pick, kept.opt_state, loaded.opt_state,
+                                is_leaf=lambda x: isinstance(x, ScheduleState))
     return loaded.replace(opt_state=opt_state, scaler=loaded.scaler if optimizer_states else kept.scaler)
 
 

@@ -145,9 +145,11 @@ def startup_summary(state: Any) -> str:
         f"[dsfunc] ZeRO stage {plan.stage} over {plan.world_size} rank(s), {params:,} trainable parameters"
         + (f" ({frozen:,} frozen)" if frozen else "")
         + f" in {len(plan.units)} unit(s), compute dtype {str(program.compute_dtype).replace('torch.', '')}",
-        "[dsfunc] model states per rank (estimate, no activations): "
-        f"{mib['total']:.2f} MiB = fp32 master {mib['master']:.2f} + optimizer {mib['optimizer']:.2f} "
-        f"+ gradients {mib['gradients']:.2f} + compute copy {mib['compute']:.2f} + buffers {mib['buffers']:.2f}",
+        (
+            "[dsfunc] model states per rank (estimate, no activations): "
+            f"{mib['total']:.2f} MiB = fp32 master {mib['master']:.2f} + optimizer {mib['optimizer']:.2f} "
+            f"+ gradients {mib['gradients']:.2f} + compute copy {mib['compute']:.2f} + buffers {mib['buffers']:.2f}"
+        ),
     ]
     return "\n".join(lines)
 

@@ -103,6 +103,7 @@ def test_accessors_and_boundaries():
             engine.gradient_accumulation_steps()) == (6, 2, 3)
     assert (engine.local_rank, engine.global_rank, engine.world_size) == (0, 0, 1)
     assert engine.device == torch.device("cpu")
+    assert not engine.fp16_enabled() and not engine.bfloat16_enabled()
     x, y = mlp_batches(1, 2)[0]
     boundaries = []
     for _ in range(6):
@@ -162,9 +163,8 @@ def test_misuse_gives_clear_errors():
         engine.backward(torch.zeros(2, 4))
     with pytest.raises(ValueError, match="the loss has no graph"):
         engine.backward(loss.detach())
-    with pytest.raises(RuntimeError, match="evaluation forward.*waits for engine.backward"):
-        with torch.no_grad():
-            engine(x)
+    with pytest.raises(RuntimeError, match="evaluation forward.*waits for engine.backward"), torch.no_grad():
+        engine(x)
     engine.backward(loss)
     with pytest.raises(RuntimeError, match="already called for this forward"):
         engine.backward(loss)
@@ -299,7 +299,7 @@ def test_model_parameters_refusals():
     with pytest.raises(ValueError, match="not parameters of the model"):
         initialize(model=model, config=config(micro=2), model_parameters=[nn.Parameter(torch.zeros(3))])
     groups = [{"params": model.body.parameters()}, {"params": list(model.head.parameters())}]
-    engine, *_ = initialize(model=model, config=config(micro=2), model_parameters=groups)
+    initialize(model=model, config=config(micro=2), model_parameters=groups)
     assert not model.unused.weight.requires_grad
 
 
@@ -365,8 +365,8 @@ def test_client_torch_schedulers_are_honoured(name):
     expected, lrs = torch_run(model, make_opt, SCHEDULERS[name], batches)
     trained = copy.deepcopy(model)
     client = make_opt(trained.parameters())
-    engine, _, _, scheduler = initialize(model=trained, optimizer=client, lr_scheduler=SCHEDULERS[name](client),
-                                         config=config(micro=4))
+    engine, *_ = initialize(model=trained, optimizer=client, lr_scheduler=SCHEDULERS[name](client),
+                            config=config(micro=4))
     seen = []
     for x, y in batches:
         seen.append(engine.get_lr()[0])
