@@ -29,10 +29,12 @@ def engine_run(engine, batches, gas: int) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("gas", [1, 3])
-def test_engine_equals_functional_api_bitwise(gas):
+@pytest.mark.parametrize("gas, precision", [(1, None), (3, None), (2, "bf16"), (2, "fp16")])
+def test_engine_equals_functional_api_bitwise(gas, precision):
     batches = mlp_batches(6, 2 * gas)
     cfg = config(micro=2, gas=gas, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 4}})
+    if precision:
+        cfg[precision] = {"enabled": True}
     torch.manual_seed(0)
     state = dsfunc.init_state(MLP(dropout=0.3), cfg, seed=3)
     losses = []
