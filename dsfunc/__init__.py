@@ -6,6 +6,7 @@
 """
 
 from dsfunc.config import BF16Config, Config, ConfigError, FP16Config, OptimizerConfig, SchedulerConfig, ZeroConfig
+from dsfunc.distributed import get_local_rank, get_rank, get_world_size, init_distributed
 from dsfunc.optim import (
     Transform,
     adagrad,
@@ -86,6 +87,10 @@ __all__ = [
     "clip_by_global_norm",
     "default_grad_fn",
     "full_params",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
     "init_state",
     "lamb",
     "make_train_step",

@@ -17,8 +17,9 @@ import optree
 import torch
 from torch import nn
 
-from dsfunc import comm
+from dsfunc import comm, kernels
 from dsfunc.config import Config
+from dsfunc.fused import FusedAdam
 from dsfunc.optim import apply_updates, clip_by_global_norm, current_lr, named_chain, optimizer_from_config
 from dsfunc.optim import scale_by_factor
 from dsfunc.scaling import LossScaler, check_not_dead
@@ -48,6 +49,7 @@ class Program:
     persistent_buffers: tuple[str, ...]
     step_fn: Callable[..., TrainState]
     segment_norm: Callable[[Any], Any] | None = None
+    fused: FusedAdam | None = None
     _scaler_check: Any = None
 
     # -- pieces the step uses ----------------------------------------------------------------------
@@ -102,7 +104,7 @@ class Program:
         return loss.reshape(())
 
     def sum_of_squares(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.stack([t.float().pow(2).sum() for t in tensors]).sum()
+        return kernels.sum_of_squares(tensors)
 
     def apply_updates(self, params: Mapping[str, torch.Tensor], updates: Any) -> Any:
         return apply_updates(dict(params), updates)
@@ -206,7 +208,7 @@ def init_state(
 
     params, buffers = _materialize(model, skeleton, plan, device, seed, param_init_fn)
     scaler = LossScaler.from_config(cfg.fp16) if cfg.fp16.enabled else LossScaler.none()
-    update = optimizer or _optimizer_from(cfg)
+    update, fused = (optimizer, None) if optimizer is not None else _optimizer_from(cfg)
     workspace = Workspace(
         plan, compute_dtype=compute_dtype, device=device,
         persistence_threshold=zero.stage3_param_persistence_threshold,
@@ -222,7 +224,7 @@ def init_state(
         workspace=workspace, optimizer=update, scaler=scaler, loss_fn=loss_fn, device=device,
         compute_dtype=compute_dtype, comm_dtype=comm_dtype,
         persistent_buffers=tuple(k for k in model.state_dict() if k in buffers),
-        step_fn=make_train_step(), segment_norm=segment_norm_fn(plan, device),
+        step_fn=make_train_step(), segment_norm=segment_norm_fn(plan, device), fused=fused,
     )
     zero_scalar = torch.zeros((), device=device)
     state = TrainState(
@@ -241,7 +243,7 @@ def init_state(
     return state
 
 
-def _optimizer_from(cfg: Config) -> Any:
+def _optimizer_from(cfg: Config) -> tuple[Any, FusedAdam | None]:
     if cfg.optimizer is None:
         raise ValueError(
             'the config has no "optimizer" section; add one, e.g. '
@@ -254,11 +256,12 @@ def _optimizer_from(cfg: Config) -> Any:
         momentum = momentum_schedule_from_config(cfg.scheduler.type, cfg.scheduler.params)
     optimizer = optimizer_from_config(cfg.optimizer.type, cfg.optimizer.params, schedule,
                                       momentum_schedule=momentum)
-    return named_chain(
+    chain = named_chain(
         ("unscale", scale_by_factor("grad_scale")),
         ("clip", clip_by_global_norm(cfg.gradient_clipping)),
         ("optimizer", optimizer),
     )
+    return chain, FusedAdam.from_config(cfg, schedule, momentum)
 
 
 def _install_input_cast(skeleton: nn.Module, workspace: Workspace, dtype: torch.dtype) -> None:

@@ -218,7 +218,6 @@ def apply_gradients(
     scaler and the metrics (``skipped = 1``), on every rank alike.
     """
     program = state.program
-    optimizer = optimizer or program.optimizer
     params = state.params
     grads = {name: g if g is not None else torch.zeros_like(params[name]) for name, g in (grads or {}).items()}
     if grads.keys() != params.keys():
@@ -237,20 +236,26 @@ def apply_gradients(
     finite = torch.isfinite(sumsq)
     grad_norm = sumsq.sqrt() / scale
 
-    updates, new_opt_state = optimizer.update(
-        grads, state.opt_state, dict(params),
-        grad_scale=1.0 / scale, global_norm=grad_norm, segment_norm=program.segment_norm,
-    )
-    new_params = program.apply_updates(params, updates)
+    if optimizer is None and program.fused is not None:  # one in-place pass per unit
+        lowp = program.workspace.lowp_targets()
+        opt_state = program.fused.update(
+            params, grads, state.opt_state, loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=lowp,
+        )
+        program.workspace.refresh(params, written=lowp)
+    else:
+        updates, new_opt_state = (optimizer or program.optimizer).update(
+            grads, state.opt_state, dict(params),
+            grad_scale=1.0 / scale, global_norm=grad_norm, segment_norm=program.segment_norm,
+        )
+        new_params = program.apply_updates(params, updates)
 
-    def commit(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        old.copy_(torch.where(finite, new, old))
-        return old
+        def commit(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+            return torch.where(finite, new, old, out=old)
 
-    params = FrozenDict({k: commit(params[k], new_params[k]) for k in params})
-    opt_state = optree.tree_map(commit, state.opt_state, new_opt_state)
+        params = FrozenDict({k: commit(params[k], new_params[k]) for k in params})
+        opt_state = optree.tree_map(commit, state.opt_state, new_opt_state)
+        program.workspace.refresh(params)
     scaler = program.scaler.update(state.scaler, ~finite)
-    program.workspace.refresh(params)
     metrics = Metrics(
         loss=loss.detach(), grad_norm=grad_norm.detach(), loss_scale=scale.detach().clone(),
         lr=program.current_lr(opt_state), skipped=(~finite).to(torch.int32),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -253,6 +254,7 @@ class Binding:
     # -- per micro-batch -------------------------------------------------------------------------
     def begin_micro(self, index: int, count: int) -> None:
         self.micro_index, self.micro_count = index, count
+        self.program.workspace.session = self
         self.leaves = []
         self._leaf_of = {}
         self._views = {}
@@ -273,12 +275,19 @@ class Binding:
             return
         flat = self.compute_flat(unit)
         leaf = flat.detach().requires_grad_()
-        leaf.register_post_accumulate_grad_hook(lambda t, u=unit: self._on_grad(u, t))
+        me = weakref.ref(self)  # the leaf outlives nothing: no cycle leaf -> hook -> binding -> leaf
+        leaf.register_post_accumulate_grad_hook(lambda t, u=unit: me()._on_grad(u, t))
         self._leaf_of[unit.name] = leaf
         self.leaves.append(leaf)
         views = unit_views(unit, leaf)
         self._views[unit.name] = views
         self.program.slots.bind_unit(unit.name, views)
+
+    def pre_forward(self, unit: Unit) -> None:
+        """Module hook before a lazily gathered unit runs (every unit is bound eagerly here)."""
+
+    def post_forward(self, unit: Unit, output: Any) -> None:
+        """Module hook after a lazily gathered unit ran."""
 
     def _on_grad(self, unit: Unit, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
@@ -291,6 +300,8 @@ class Binding:
 
     def end_micro(self) -> None:
         self.program.slots.restore()
+        self.program.workspace.session = None
+        self._leaf_of, self._views = {}, {}
 
     def finish(self) -> dict[str, torch.Tensor] | None:
         """Gradients after the last micro-batch (fp32); ``None`` for a unit nothing reached."""
@@ -316,6 +327,9 @@ class ShardedBinding(Binding):
         self.reduced: set[str] = set()
         self.grads: dict[str, torch.Tensor] = {}
         self.order: list[str] = []
+        # Reductions in flight during backward: each holds a full-size gradient until it finishes, so
+        # waiting on older ones as new ones start bounds that memory (the wait only orders streams on NCCL).
+        self.max_inflight = 2
 
     def binds_eagerly(self, unit: Unit) -> bool:
         return not self.workspace.lazy(unit)
@@ -323,7 +337,6 @@ class ShardedBinding(Binding):
     def begin_micro(self, index: int, count: int) -> None:
         self.reduced = set()
         self.order = []
-        self.workspace.session = self
         super().begin_micro(index, count)
 
     def compute_flat(self, unit: Unit) -> torch.Tensor:
@@ -341,7 +354,7 @@ class ShardedBinding(Binding):
         self.workspace.release(unit)
         tensors = [t for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         for t in tensors:
-            t.register_hook(lambda g, u=unit: self._pre_backward(u, g))
+            t.register_hook(lambda g, u=unit, me=weakref.ref(self): me()._pre_backward(u, g))
 
     def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
         self.workspace.ensure(unit, self.master)
@@ -366,28 +379,32 @@ class ShardedBinding(Binding):
         local = self._local.pop(unit.name, None) if stage <= 1 else None
         if local is not None:
             full = full + local.to(self.comm_dtype)
-        if stage == 0:
-            work = comm.all_reduce_sum(full, async_op=True)
+        if stage == 0:  # all-reduce in chunks of at most reduce_bucket_size elements
+            chunks = full.split(self.program.config.zero_optimization.reduce_bucket_size)
+            for chunk in chunks[:-1]:
+                self.pending.append((comm.all_reduce_sum(chunk, async_op=True), lambda: None))
+            work = comm.all_reduce_sum(chunks[-1], async_op=True)
             self.pending.append((work, lambda u=unit, t=full: self._store(u, t)))
         else:
             out = torch.empty(self.plan.shard_size(unit), dtype=self.comm_dtype, device=full.device)
             work = comm.reduce_scatter_sum(out, full, async_op=True)
             self.pending.append((work, lambda u=unit, t=out, keep=full: self._store(u, t)))
+        self._drain(keep=self.max_inflight)
 
     def _store(self, unit: Unit, reduced: torch.Tensor) -> None:
         reduced = reduced.float()
         prev = self.grads.get(unit.name)
         self.grads[unit.name] = reduced if prev is None else prev.add_(reduced)
 
-    def _drain(self) -> None:
-        for work, store in self.pending:
+    def _drain(self, keep: int = 0) -> None:
+        """Finish all but the ``keep`` newest reductions (their full-size inputs are then freed)."""
+        while len(self.pending) > keep:
+            work, store = self.pending.pop(0)
             work.wait()
             store()
-        self.pending = []
 
     def end_micro(self) -> None:
         super().end_micro()
-        self.workspace.session = None
         for unit in self.plan.units:  # units no loss reached still join the collectives
             if unit.name not in self.reduced:
                 length = self.plan.padded_size(unit) if self.plan.stage >= 1 else unit.numel
@@ -439,12 +456,31 @@ class Workspace:
         return unit.numel if self.plan.stage == 0 else self.plan.padded_size(unit)
 
     # -- persistent copies -------------------------------------------------------------------------
+    def lowp_targets(self) -> dict[str, torch.Tensor]:
+        """Where an update may write this rank's new parameters in the compute dtype (persistent units,
+        when that dtype is 16-bit): the whole copy at stage 0, this rank's slice of it otherwise."""
+        if self.compute_dtype not in (torch.bfloat16, torch.float16):
+            return {}
+        out = {}
+        for unit in self.plan.units:
+            buf = self.buffers.get(unit.name)
+            if self.lazy(unit) or buf is None:
+                continue
+            size = self.plan.shard_size(unit)
+            out[unit.name] = buf if self.plan.stage == 0 else buf[self.plan.rank * size : (self.plan.rank + 1) * size]
+        return out
+
     @torch.no_grad()
-    def refresh(self, master: Mapping[str, torch.Tensor]) -> None:
-        """Rebuild every persistent copy from ``master`` (after an update, or for another state)."""
+    def refresh(self, master: Mapping[str, torch.Tensor], written: Iterable[str] = ()) -> None:
+        """Rebuild every persistent copy from ``master`` (after an update, or for another state).
+
+        ``written`` names units whose slice of the copy the update already wrote (:meth:`lowp_targets`):
+        those only need the all-gather.
+        """
         if self.aliases_master:
             self.synced_with = _signature(master)
             return
+        written = set(written)
         works = []
         for unit in self.plan.units:
             if self.lazy(unit):
@@ -453,9 +489,15 @@ class Workspace:
             if buf is None:
                 buf = self.buffers[unit.name] = torch.empty(
                     self._flat_len(unit), dtype=self.compute_dtype, device=self.device)
+            self.status[unit.name] = "ready"
+            if unit.name in written:
+                if self.plan.stage:
+                    size = self.plan.shard_size(unit)
+                    src = buf[self.plan.rank * size : (self.plan.rank + 1) * size]
+                    works.append((comm.all_gather_flat(buf, src, async_op=True), src))
+                continue
             src = master[unit.name].to(self.compute_dtype)
             works.append((comm.all_gather_flat(buf, src, async_op=True) if self.plan.stage else _copy(buf, src), src))
-            self.status[unit.name] = "ready"
         for work, _ in works:
             work.wait()
         self.synced_with = _signature(master)

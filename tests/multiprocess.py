@@ -1,4 +1,4 @@
-"""Run a function on N real processes joined in a gloo process group (the multi-process test harness)."""
+"""Run a function on N real processes joined in a process group (gloo, or NCCL on GPUs): the multi-process test harness."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, args, queue):
+def _child(fn, rank, world_size, port, args, queue, backend):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
@@ -28,7 +28,9 @@ def _child(fn, rank, world_size, port, args, queue):
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         buffer = io.BytesIO()
         torch.save(result, buffer)  # plain bytes: tensors in shared memory would die with this process
@@ -40,7 +42,8 @@ def _child(fn, rank, world_size, port, args, queue):
             dist.destroy_process_group()
 
 
-def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240) -> list[Any]:
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240,
+              backend: str = "gloo") -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank.
 
     ``fn`` must be importable (module level). A failure on any rank raises with that rank's traceback.
@@ -48,7 +51,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, args, queue, backend)) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -208,3 +208,41 @@ def test_metrics_are_device_tensors():
     m = state.metrics.to_dict()
     assert set(m) == {"loss", "grad_norm", "loss_scale", "lr", "skipped"}
     assert m["lr"] == pytest.approx(1e-3) and m["loss_scale"] == 1.0 and m["grad_norm"] > 0
+
+
+def test_fused_update_path_agrees_with_the_transform_chain():
+    """The config's AdamW runs as one fused op per unit; the same optimizer as a chain gives the same result."""
+    from dsfunc.program import _optimizer_from
+
+    torch.manual_seed(0)
+    model = MLP()
+    cfg = config(gradient_clipping=0.5, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5}})
+    fused = dsfunc.init_state(model, cfg)
+    assert fused.program.fused is not None
+    chain, _ = _optimizer_from(fused.program.config)
+    reference = dsfunc.init_state(model, cfg, optimizer=chain)
+    assert reference.program.fused is None
+    for batch in mlp_batches(8, 4):
+        fused = dsfunc.train_step(fused, batch)
+        reference = dsfunc.train_step(reference, batch)
+    assert relative_diff(dsfunc.full_params(fused), dsfunc.full_params(reference)) < 1e-6
+    assert fused.metrics.lr.item() == reference.metrics.lr.item()
+    a, b = optree.tree_leaves(fused.opt_state), optree.tree_leaves(reference.opt_state)
+    assert all(torch.allclose(x.float(), y.float(), rtol=1e-5, atol=1e-9) for x, y in zip(a, b))
+
+
+def test_overflow_at_the_minimum_loss_scale_is_a_clear_error_unless_told_to_keep_skipping():
+    torch.manual_seed(0)
+    fp16 = {"enabled": True, "initial_scale_power": 0, "min_loss_scale": 1, "hysteresis": 1}
+    x, y = mlp_batches(1, 4)[0]
+    nan = (torch.full_like(x, float("nan")), y)
+    state = dsfunc.init_state(MLP(), config(fp16=fp16))
+    state = dsfunc.train_step(state, nan)  # overflows at scale 1 == min_loss_scale
+    with pytest.raises(dsfunc.LossScaleError, match="bf16"):
+        dsfunc.train_step(state, (x, y))
+    keep = dsfunc.init_state(MLP(), config(fp16={**fp16, "raise_error_at_min_scale": False}))
+    for _ in range(3):
+        keep = dsfunc.train_step(keep, nan)
+    assert int(keep.metrics.skipped) == 1 and keep.scaler.scale.item() == 1.0
+    keep = dsfunc.train_step(keep, (x, y))
+    assert int(keep.metrics.skipped) == 0

@@ -129,3 +129,21 @@ def test_meta_model_trains_at_stage3_without_any_rank_holding_it():
     for largest, held, total in run_world(meta_stage3, 2):
         assert largest < total / 2  # at most one unit was ever materialised
         assert held <= total / 2 + 8
+
+
+def small_buckets(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    cfg = config(micro=2, world=world, stage=0, zero_optimization={"stage": 0, "reduce_bucket_size": 7})
+    state = dsfunc.init_state(MLP(width=10, depth=3), cfg)
+    for x, y in mlp_batches(3, 2 * world):
+        state = dsfunc.train_step(state, (x[rank * 2 : (rank + 1) * 2], y[rank * 2 : (rank + 1) * 2]))
+    return dsfunc.full_params(state)
+
+
+def test_stage0_all_reduce_in_small_buckets_gives_the_same_parameters():
+    a, b = run_world(small_buckets, 2)
+    torch.manual_seed(0)
+    state = dsfunc.init_state(MLP(width=10, depth=3), config(micro=2, gas=2))
+    for batch in mlp_batches(3, 4):
+        state = dsfunc.train_step(state, batch)
+    assert relative_diff(a, dsfunc.full_params(state)) < 1e-6 and relative_diff(a, b) == 0.0

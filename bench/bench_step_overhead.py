@@ -1,0 +1,94 @@
+"""Per-step overhead of dsfunc.train_step against a plain PyTorch loop (same model, same AdamW).
+
+    python bench/bench_step_overhead.py [--device cpu|cuda] [--steps 200]
+
+Prints milliseconds per step for a tiny model (where the step is all overhead) and a small GPT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dsfunc
+from dsfunc.models.gpt import GPT, GPTConfig, init_weights
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return F.cross_entropy(self.head(x), y)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def plain(model: nn.Module, batch, steps: int, device: torch.device) -> float:
+    model = copy.deepcopy(model).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
+    for i in range(steps + 10):
+        if i == 10:
+            sync(device)
+            start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        model(*batch).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    sync(device)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def functional(model: nn.Module, batch, steps: int, device: torch.device) -> float:
+    config = {
+        "train_micro_batch_size_per_gpu": batch[0].shape[0],
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+        "gradient_clipping": 1.0,
+    }
+    state = dsfunc.init_state(model, config, device=device)
+    for i in range(steps + 10):
+        if i == 10:
+            sync(device)
+            start = time.perf_counter()
+        state = dsfunc.train_step(state, batch)
+    sync(device)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    tiny = Tiny()
+    tiny_batch = (torch.randn(8, 32, device=device), torch.randint(0, 10, (8,), device=device))
+    gpt = GPT(GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=128))
+    gpt.apply(init_weights)
+    tokens = torch.randint(0, 256, (8, 65), device=device)
+    gpt_batch = (tokens[:, :-1], tokens[:, 1:])
+    print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps")
+    print("| model | params | plain PyTorch ms/step | dsfunc ms/step | overhead ms/step |")
+    print("|---|---|---|---|---|")
+    for name, model, batch in (("tiny MLP", tiny, tiny_batch), ("GPT 4x128", gpt, gpt_batch)):
+        n = sum(p.numel() for p in model.parameters())
+        a = plain(model, batch, args.steps, device)
+        b = functional(model, batch, args.steps, device)
+        print(f"| {name} | {n:,} | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The BENCH.md workload: dsfunc ZeRO stages against PyTorch FSDP2, in the same process group.
+
+    torchrun --nproc_per_node 2 bench/bench_zero.py --model 1.3b --systems dsfunc:2,dsfunc:3,fsdp2
+
+GPT-2 style model built on ``meta`` and initialised N(0, 0.02) on each rank's GPU, bf16 compute with fp32
+master weights, AdamW lr 3e-4, gradient clipping 1.0, random tokens, micro-batch 8 per GPU (4 for 6.7b),
+no accumulation. 8 warm-up steps, then 30 timed steps between ``torch.cuda.synchronize()``. Prints one
+Markdown row per system: tokens/s over all ranks, MFU and ``max_memory_allocated`` per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import dsfunc
+from dsfunc.models.gpt import GPT, GPTConfig, init_weights
+
+PEAK_FLOPS = 790e12  # bf16 matmul rate measured on these H200s (BENCH.md)
+
+
+def flops_per_token(cfg: GPTConfig, model: GPT) -> float:
+    n = sum(p.numel() for p in model.parameters()) - model.wte.weight.numel() - model.wpe.weight.numel()
+    return 6 * n + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
+
+
+def batches(cfg: GPTConfig, micro: int, count: int, device: torch.device):
+    g = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())
+    for _ in range(count):
+        tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len + 1), device=device, generator=g)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def run_dsfunc(cfg: GPTConfig, stage: int, micro: int, warmup: int, steps: int, device: torch.device):
+    with torch.device("meta"):
+        model = GPT(cfg)
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage},
+    }
+    state = dsfunc.init_state(model, config, param_init_fn=init_weights, device=device)
+    losses = []
+    start = None
+    for i, batch in enumerate(batches(cfg, micro, warmup + steps, device)):
+        if i == warmup:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        state = dsfunc.train_step(state, batch)
+        if i in (0, warmup + steps - 1):
+            losses.append(state.metrics.loss.item())
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    extra = f"max live units {state.program.workspace.stats.max_live_units}" if stage == 3 else ""
+    return elapsed, losses, model, extra
+
+
+def run_fsdp2(cfg: GPTConfig, micro: int, warmup: int, steps: int, device: torch.device):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    model.to_empty(device=device)
+    torch.manual_seed(0)
+    model.apply(init_weights)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+    losses = []
+    start = None
+    for i, (x, y) in enumerate(batches(cfg, micro, warmup + steps, device)):
+        if i == warmup:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i in (0, warmup + steps - 1):
+            losses.append(loss.item())
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    return elapsed, losses, model, ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="1.3b", choices=["124m", "1.3b", "6.7b", "tiny"])
+    parser.add_argument("--device", default="cuda", help="cpu runs a gloo smoke test of this script")
+    parser.add_argument("--systems", default="dsfunc:2,dsfunc:3,fsdp2")
+    parser.add_argument("--micro", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=30)
+    args = parser.parse_args()
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if args.device == "cuda":
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+        for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+            setattr(torch.cuda, name, lambda: None)
+        torch.cuda.max_memory_allocated = lambda: 0
+        torch.cuda.get_device_name = lambda: "CPU"
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    world = dist.get_world_size()
+    tiny = GPTConfig(vocab_size=512, seq_len=64, n_layer=2, n_head=2, d_model=64)
+    cfg = tiny if args.model == "tiny" else GPTConfig.preset(args.model)
+    micro = args.micro or (4 if args.model == "6.7b" else 8)
+    if dist.get_rank() == 0:
+        print(f"{args.model}: {world} x {torch.cuda.get_device_name()}, torch {torch.__version__}, micro {micro}")
+        print("| size | GPUs | system | tokens/s | MFU | peak GiB/rank | loss first->last | note |")
+        print("|---|---|---|---|---|---|---|---|")
+    for system in args.systems.split(","):
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        leftover = torch.cuda.memory_allocated() / 2**30
+        if system.startswith("dsfunc:"):
+            stage = int(system.split(":")[1])
+            elapsed, losses, model, note = run_dsfunc(cfg, stage, micro, args.warmup, args.steps, device)
+            name = f"dsfunc ZeRO-{stage}"
+        else:
+            elapsed, losses, model, note = run_fsdp2(cfg, micro, args.warmup, args.steps, device)
+            name = "PyTorch FSDP2"
+        tokens = micro * cfg.seq_len * args.steps * world / elapsed
+        mfu = tokens / world * flops_per_token(cfg, model) / PEAK_FLOPS
+        peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if leftover > 0.01:
+            note += f" ({leftover:.1f} GiB held before this run)"
+        if dist.get_rank() == 0:
+            print(f"| {args.model} | {world} | {name} | {tokens:,.0f} | {mfu:.3f} | {peak.item():.1f} | "
+                  f"{losses[0]:.3f}->{losses[-1]:.3f} | {note} |", flush=True)
+        del model
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Per-rank entry point: completes the rank variables, adds ``--local_rank=N`` and runs the user's program.
+
+``python -m dsfunc.launcher.shim [--no_local_rank] [--module | --no_python] TARGET [ARGS ...]``
+
+Under PyTorch's elastic agent the rank variables are already set. Under ``mpirun`` or ``srun`` they are
+derived from ``OMPI_COMM_WORLD_*`` or ``SLURM_*``, so every rank sees RANK, LOCAL_RANK, WORLD_SIZE and
+LOCAL_WORLD_SIZE
+whatever launched it. With ``DSFUNC_RANK_LOG_DIR`` set, the rank's stdout and stderr go to
+``<dir>/<DSFUNC_LAUNCH_STAMP>_rank<RANK>.log`` (DeepSpeed's ``--enable_each_rank_log`` layout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import runpy
+import sys
+import time
+import traceback
+
+
+def _slurm_local_size(tasks_per_node: str, node_id: int) -> int:
+    """Tasks on node ``node_id`` from ``SLURM_TASKS_PER_NODE`` syntax such as ``2(x3),1``."""
+    counts: list[int] = []
+    for item in tasks_per_node.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
+        if m is None:
+            raise RuntimeError(f"cannot parse SLURM_TASKS_PER_NODE={tasks_per_node!r}")
+        counts += [int(m[1])] * int(m[2] or 1)
+    return counts[node_id]
+
+
+def rank_env_from_launcher(env: dict[str, str]) -> dict[str, str]:
+    """RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE from MPI's or slurm's variables ({} if RANK is set)."""
+    if "RANK" in env:
+        return {}
+    if "OMPI_COMM_WORLD_RANK" in env:
+        return {
+            "RANK": env["OMPI_COMM_WORLD_RANK"],
+            "WORLD_SIZE": env["OMPI_COMM_WORLD_SIZE"],
+            "LOCAL_RANK": env["OMPI_COMM_WORLD_LOCAL_RANK"],
+            "LOCAL_WORLD_SIZE": env["OMPI_COMM_WORLD_LOCAL_SIZE"],
+        }
+    if "SLURM_PROCID" in env:
+        local_size = env.get("SLURM_NTASKS_PER_NODE") or str(
+            _slurm_local_size(env["SLURM_TASKS_PER_NODE"], int(env.get("SLURM_NODEID", "0")))
+        )
+        return {
+            "RANK": env["SLURM_PROCID"],
+            "WORLD_SIZE": env["SLURM_NTASKS"],
+            "LOCAL_RANK": env["SLURM_LOCALID"],
+            "LOCAL_WORLD_SIZE": local_size,
+        }
+    raise RuntimeError(
+        "dsfunc.launcher.shim: RANK is not set and neither mpirun (OMPI_COMM_WORLD_RANK) nor srun "
+        "(SLURM_PROCID) started this process; start it through the dsfunc launcher"
+    )
+
+
+def _redirect_output(log_dir: str, stamp: str, rank: str) -> None:
+    os.makedirs(log_dir, exist_ok=True)
+    fd = os.open(
+        os.path.join(log_dir, f"{stamp}_rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def _user_traceback(tb):
+    """``tb`` without the leading frames of this shim and of runpy, so the traceback starts in user code."""
+    launcher_files = (__file__, runpy.__file__, "<frozen runpy>")
+    while tb.tb_next is not None and tb.tb_frame.f_code.co_filename in launcher_files:
+        tb = tb.tb_next
+    return tb
+
+
+def _record_and_exit(error: Exception) -> None:
+    """Print the user's traceback and exit 1, as Python would; when PyTorch's elastic agent started this rank,
+    also write the error file (``TORCHELASTIC_ERROR_FILE``) from which the agent reports the failing rank."""
+    text = "".join(traceback.format_exception(type(error), error, _user_traceback(error.__traceback__)))
+    sys.stderr.write(text)
+    sys.stderr.flush()
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        data = {
+            "message": {
+                "message": f"{type(error).__name__}: {error}",
+                "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))},
+            }
+        }
+        with open(path, "w") as f:
+            json.dump(data, f)
+    sys.exit(1)
+
+
+def _run(mode: str, target: str, argv: list[str]) -> None:
+    if mode == "no_python":
+        os.execvp(target, argv)
+    sys.argv = argv
+    try:
+        if mode == "module":
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except Exception as error:  # noqa: BLE001 - reported like an uncaught exception
+        _record_and_exit(error)
+
+
+def main(args: list[str] | None = None) -> None:
+    """Run the rank described by ``args`` (see the module docstring)."""
+    args = list(sys.argv[1:] if args is None else args)
+    local_rank_flag = True
+    mode = "script"
+    while args and args[0] in ("--no_local_rank", "--module", "--no_python"):
+        flag = args.pop(0)
+        if flag == "--no_local_rank":
+            local_rank_flag = False
+        else:
+            mode = flag[2:]
+    if not args:
+        raise SystemExit("dsfunc.launcher.shim: no program to run")
+    target, user_args = args[0], args[1:]
+    os.environ.update(rank_env_from_launcher(dict(os.environ)))
+    if os.environ.get("DSFUNC_RANK_LOG_DIR"):
+        _redirect_output(
+            os.environ["DSFUNC_RANK_LOG_DIR"],
+            os.environ.get("DSFUNC_LAUNCH_STAMP", "run"),
+            os.environ["RANK"],
+        )
+    argv = [target] + ([f"--local_rank={os.environ['LOCAL_RANK']}"] if local_rank_flag else []) + user_args
+    _run(mode, target, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""The `dsfunc` launcher on one machine: real ranks under PyTorch's elastic agent, gloo on the CPU."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch_scripts.harness import (
+    SCRIPTS,
+    cli_env,
+    dsfunc_cmd,
+    free_port,
+    interrupt_and_wait,
+    processes_with,
+    reports,
+    run_dsfunc,
+    wait_for_files,
+    wait_gone,
+)
+
+REPORT = str(SCRIPTS / "report.py")
+
+
+@pytest.fixture
+def job(tmp_path: Path):
+    """(working dir, output dir, env) for one launch, with a private HOME."""
+    home, out = tmp_path / "home", tmp_path / "out"
+    home.mkdir()
+    out.mkdir()
+    return tmp_path, out, cli_env(home)
+
+
+def test_two_cpu_ranks_all_reduce(job):
+    cwd, out, env = job
+    (cwd / ".deepspeed_env").write_text("# comment\n\nDSFUNC_TEST_FROM_FILE=hello world\n")
+    env["NCCL_DEBUG_TEST"] = "forwarded"
+    port = free_port()
+    res = run_dsfunc(
+        ["--num_gpus", "2", "--master_port", str(port), REPORT, "--flag", "x", str(out)], cwd, env
+    )
+    assert res.returncode == 0, res.stderr
+    ranks = reports(out)
+    assert sorted(ranks) == [0, 1]
+    for rank, r in ranks.items():
+        assert r["sum"] == 3.0 and r["world_size"] == 2
+        assert r["argv"] == [f"--local_rank={rank}", "--flag", "x", str(out)]
+        e = r["env"]
+        assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == (
+            str(rank),
+            str(rank),
+            "2",
+            "2",
+        )
+        assert (e["MASTER_ADDR"], e["MASTER_PORT"]) == ("127.0.0.1", str(port))
+        assert e["DSFUNC_TEST_FROM_FILE"] == "hello world" and e["NCCL_DEBUG_TEST"] == "forwarded"
+        assert "CUDA_VISIBLE_DEVICES" not in e  # no GPU here: nothing to select
+
+
+def test_module_and_no_local_rank(job):
+    cwd, out, env = job
+    args = [
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--no_local_rank",
+        "--module",
+        "tests.launch_scripts.report",
+        str(out),
+    ]
+    res = run_dsfunc(args, cwd, env)
+    assert res.returncode == 0, res.stderr
+    ranks = reports(out)
+    assert sorted(ranks) == [0, 1] and all(r["argv"] == [str(out)] for r in ranks.values())
+
+
+def test_no_python_and_each_rank_log(job):
+    cwd, _, env = job
+    logs = cwd / "logs"
+    program = cwd / "rank.sh"
+    program.write_text('#!/bin/sh\necho "rank $RANK of $WORLD_SIZE args $*"\necho oops >&2\n')
+    program.chmod(0o755)
+    args = [
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--enable_each_rank_log",
+        str(logs),
+        "--no_python",
+        str(program),
+        "a b",
+    ]
+    res = run_dsfunc(args, cwd, env)
+    assert res.returncode == 0, res.stderr
+    files = sorted(logs.iterdir())
+    assert [f.name.split("_", 1)[1] for f in files] == ["rank0.log", "rank1.log"]
+    assert files[0].name[:14].isdigit()
+    assert files[1].read_text() == "rank 1 of 2 args --local_rank=1 a b\noops\n"
+
+
+def test_failing_rank_stops_job_and_is_reported(job):
+    cwd, _, env = job
+    start = time.monotonic()
+    res = run_dsfunc(
+        ["--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPTS / "fail.py"), "--sleep"],
+        cwd,
+        env,
+        timeout=60,
+    )
+    assert time.monotonic() - start < 30
+    assert res.returncode == 1
+    assert "dsfunc: rank 1 (local rank 1 on localhost) failed with exit code 1" in res.stderr
+    summary = res.stderr.split("dsfunc: rank 1 (local rank 1")[1]
+    assert "RuntimeError: boom from rank 1" in summary and 'fail.py", line' in summary
+    assert not processes_with(str(SCRIPTS / "fail.py"))
+
+
+def test_max_restarts_reruns_the_ranks(job):
+    cwd, out, env = job
+    script = cwd / "flaky.py"
+    script.write_text(
+        "import os, sys\n"
+        f"marker = {str(out)!r} + '/attempt' + os.environ['RANK']\n"
+        "if not os.path.exists(marker):\n"
+        "    open(marker, 'w').close()\n"
+        "    sys.exit(3)\n"
+        f"done = open({str(out)!r} + '/done' + os.environ['RANK'], 'w')\n"
+        "done.write(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+    )
+    res = run_dsfunc(
+        [
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--max_restarts",
+            "1",
+            "--no_local_rank",
+            str(script),
+        ],
+        cwd,
+        env,
+    )
+    assert res.returncode == 0, res.stderr
+    assert (out / "done0").read_text() == "1" and (out / "done1").read_text() == "1"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_every_rank(job, sig):
+    cwd, out, env = job
+    proc = subprocess.Popen(
+        dsfunc_cmd(
+            "--num_gpus",
+            "2",
+            "--master_port",
+            str(free_port()),
+            "--save_pid",
+            str(SCRIPTS / "sleeper.py"),
+            str(out),
+        ),
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_files([out / "ready0", out / "ready1"], proc)
+    rank_pids = [int((out / f"ready{r}").read_text()) for r in range(2)]
+    assert Path(f"/tmp/{proc.pid}.dsfunc").read_text() == str(proc.pid)
+    code, err = interrupt_and_wait(proc, sig)
+    assert code == 128 + sig, err
+    assert not wait_gone(str(out)), "processes of the job survived the launcher"
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in rank_pids)
+    assert not os.path.exists(f"/tmp/{proc.pid}.dsfunc")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--include", "localhost:0"], "no GPU found and no hostfile: --include/--exclude select GPUs"),
+        ([], "no GPU found and no hostfile: pass --num_gpus N"),
+        (["--num_gpus", "2", "--num_nodes", "2"], "--num_nodes 2 needs other nodes"),
+        (["--hostfile", "/nonexistent/hostfile"], "--hostfile /nonexistent/hostfile: no such file"),
+        (["--num_gpus", "2", "--module", "--no_python"], "--module and --no_python cannot be used together"),
+    ],
+)
+def test_bad_launch_is_a_clear_error(job, args, message):
+    cwd, _, env = job
+    res = run_dsfunc([*args, REPORT], cwd, env, timeout=60)
+    assert res.returncode == 2
+    assert message in res.stderr
+
+
+def test_bad_env_file_names_file_and_line(job):
+    cwd, _, env = job
+    (cwd / ".dsfunc_env").write_text("GOOD=1\n\nnot a pair\n")
+    res = run_dsfunc(["--num_gpus", "2", REPORT], cwd, env, timeout=60)
+    assert res.returncode == 2
+    assert f"{cwd / '.dsfunc_env'}:3: expected KEY=VALUE" in res.stderr
+
+
+def test_export_subcommand_is_dispatched(job):
+    cwd, _, env = job
+    res = run_dsfunc(["export", "--help"], cwd, env, timeout=60)
+    try:
+        import dsfunc.export  # noqa: F401
+    except ModuleNotFoundError:
+        assert (
+            res.returncode != 0 and "dsfunc export" in res.stderr and "dsfunc.export is missing" in res.stderr
+        )
+    else:
+        assert res.returncode == 0, res.stderr
+
+
+def test_no_ssh_nodes_started_by_hand_form_one_world(job):
+    cwd, out, env = job
+    hostfile = cwd / "hostfile"
+    hostfile.write_text("first slots=2\nsecond slots=1\n")  # uneven nodes: 2 + 1 ranks
+    base = [
+        "--hostfile",
+        str(hostfile),
+        "--no_ssh",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
+    procs = [
+        subprocess.Popen(
+            dsfunc_cmd(*base, "--node_rank", str(k), REPORT, str(out)),
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for k in (0, 1)
+    ]
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    ranks = reports(out)
+    assert sorted(ranks) == [0, 1, 2] and all(r["sum"] == 6.0 for r in ranks.values())
+    assert [(r["env"]["LOCAL_RANK"], r["env"]["LOCAL_WORLD_SIZE"]) for _, r in sorted(ranks.items())] == [
+        ("0", "2"),
+        ("1", "2"),
+        ("0", "1"),
+    ]
+    assert not any("Error waiting on exit barrier" in err for _, err in results)

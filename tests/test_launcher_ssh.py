@@ -1,0 +1,167 @@
+"""Multi-node launches over real ssh: a private sshd on a loopback port; two host aliases = two nodes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch_scripts.harness import (
+    SCRIPTS,
+    Sshd,
+    cli_env,
+    dsfunc_cmd,
+    free_port,
+    interrupt_and_wait,
+    reports,
+    run_dsfunc,
+    sshd_missing_reason,
+    wait_for_files,
+    wait_gone,
+)
+
+REPORT = str(SCRIPTS / "report.py")
+
+pytestmark = pytest.mark.skipif(sshd_missing_reason() is not None, reason=str(sshd_missing_reason()))
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    server = Sshd(tmp_path_factory.mktemp("sshd"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def job(tmp_path: Path, sshd: Sshd):
+    home, out = tmp_path / "home", tmp_path / "out"
+    home.mkdir()
+    out.mkdir()
+    base = [
+        "--hostfile",
+        str(sshd.hostfile()),
+        "--launcher_args",
+        f"-F {sshd.config}",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
+    return tmp_path, out, cli_env(home), base
+
+
+def test_world_of_four_over_ssh_with_env_file(job):
+    cwd, out, env, base = job
+    (cwd / ".deepspeed_env").write_text("DSFUNC_TEST_VAR=from env file\n")
+    env["UCX_TEST_VAR"] = "forwarded"
+    res = run_dsfunc([*base, REPORT, str(out)], cwd, env)
+    assert res.returncode == 0, res.stderr
+    ranks = reports(out)
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for rank, r in ranks.items():
+        assert r["sum"] == 10.0 and r["world_size"] == 4
+        e = r["env"]
+        assert (e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["WORLD_SIZE"]) == (str(rank % 2), "2", "4")
+        assert r["argv"][0] == f"--local_rank={rank % 2}"
+        assert e["DSFUNC_TEST_VAR"] == "from env file" and e["UCX_TEST_VAR"] == "forwarded"
+        assert e["PYTHONPATH"].split(":")[0] == str(cwd)
+    assert "Error waiting on exit barrier" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    "selection, expected",
+    [
+        (
+            ["--include", "node-a:1@node-b"],
+            {0: ("node-a", "0", "1"), 1: ("node-b", "0", "2"), 2: ("node-b", "1", "2")},
+        ),
+        (["--exclude", "node-a"], {0: ("node-b", "0", "2"), 1: ("node-b", "1", "2")}),
+    ],
+)
+def test_include_exclude_select_ranks(job, selection, expected):
+    cwd, out, env, base = job
+    script = cwd / "where.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "from dsfunc.distributed import init_distributed\n"
+        "import torch, torch.distributed as dist\n"
+        "init_distributed()\n"
+        "t = torch.ones(1); dist.all_reduce(t)\n"
+        f"open({str(out)!r} + '/r' + os.environ['RANK'], 'w').write(json.dumps([sys.argv[1:], "
+        "os.environ['CROSS_RANK'], os.environ['LOCAL_RANK'], os.environ['LOCAL_WORLD_SIZE'], t.item()]))\n"
+        "dist.destroy_process_group()\n"
+    )
+    res = run_dsfunc([*base, *selection, "--force_multi", str(script)], cwd, env)
+    assert res.returncode == 0, res.stderr
+    found = {int(p.name[1:]): json.loads(p.read_text()) for p in out.glob("r*")}
+    assert sorted(found) == sorted(expected)
+    hosts = sorted({h for h, _, _ in expected.values()})
+    assert f"{len(expected)} rank(s) on {len(hosts)} node(s)" in res.stderr
+    for rank, (host, local_rank, local_size) in expected.items():
+        argv, node, lr, lws, total = found[rank]
+        assert (hosts[int(node)], lr, lws, total) == (host, local_rank, local_size, float(len(expected)))
+        assert argv == [f"--local_rank={local_rank}"]
+
+
+def test_rank_failure_on_one_node_stops_all_nodes(job):
+    cwd, _, env, base = job
+    start = time.monotonic()
+    res = run_dsfunc([*base, str(SCRIPTS / "fail.py"), "--sleep"], cwd, env, timeout=90)
+    elapsed = time.monotonic() - start
+    assert res.returncode == 1, res.stderr
+    assert elapsed < 30, f"took {elapsed:.1f}s"
+    assert "dsfunc: rank 1 (local rank 1 on node-a) failed with exit code 1" in res.stderr
+    assert "RuntimeError: boom from rank 1" in res.stderr.split("failed with exit code 1")[1]
+    assert "node 0 (node-a) exited with code 1; stopping the other nodes" in res.stderr
+    assert not wait_gone(str(SCRIPTS / "fail.py"))
+
+
+def test_sigint_stops_every_node_without_orphans(job):
+    cwd, out, env, base = job
+    proc = subprocess.Popen(
+        dsfunc_cmd(*base, str(SCRIPTS / "sleeper.py"), str(out)),
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_files([out / f"ready{r}" for r in range(4)], proc)
+    code, err = interrupt_and_wait(proc)
+    assert code == 130, err
+    survivors = wait_gone(str(out), timeout=5)
+    assert not survivors, f"left behind: {survivors}"
+
+
+def test_unreachable_host_is_a_clear_error(job, sshd):
+    cwd, _, env, _ = job
+    hostfile = cwd / "hostfile"
+    hostfile.write_text("node-a slots=1\nno-such-host.invalid slots=1\n")
+    res = run_dsfunc(["--hostfile", str(hostfile), "--launcher_args", f"-F {sshd.config}", REPORT], cwd, env)
+    assert res.returncode == 2
+    assert "cannot reach no-such-host.invalid with passwordless ssh" in res.stderr
+
+
+@pytest.mark.skipif(shutil.which("pdsh") is None, reason="pdsh is not installed (apt-get install pdsh)")
+def test_pdsh_runner_world_and_failure(job, sshd):
+    cwd, out, env, base = job
+    env["PDSH_SSH_ARGS_APPEND"] = f"-F {sshd.config}"
+    pdsh_base = [a for a in base if a not in ("--launcher_args", f"-F {sshd.config}")] + [
+        "--launcher",
+        "pdsh",
+    ]
+    res = run_dsfunc([*pdsh_base, REPORT, str(out)], cwd, env)
+    assert res.returncode == 0, res.stderr
+    ranks = reports(out)
+    assert sorted(ranks) == [0, 1, 2, 3] and all(r["sum"] == 10.0 for r in ranks.values())
+
+    start = time.monotonic()
+    res = run_dsfunc([*pdsh_base, str(SCRIPTS / "fail.py"), "--sleep"], cwd, env, timeout=90)
+    assert res.returncode == 1 and time.monotonic() - start < 30, res.stderr
+    assert "node-a: dsfunc: rank 1 (local rank 1 on node-a) failed with exit code 1" in res.stderr
+    assert "dsfunc: node node-a exited with code 1; stopping every node" in res.stderr
+    assert not wait_gone(str(SCRIPTS / "fail.py"))

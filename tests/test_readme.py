@@ -1,0 +1,21 @@
+"""The README's code runs as written."""
+
+import re
+from pathlib import Path
+
+import torch
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_quickstart_and_composition_snippets_run():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+    assert len(blocks) >= 2
+    scope: dict = {}
+    exec(blocks[0], scope)
+    assert int(scope["state"].step) == 100
+    tokens = torch.randint(0, 256, (16, 65))
+    scope.update(loss_fn=lambda model, batch: model(*batch), batch=(tokens[:, :-1], tokens[:, 1:]))
+    exec(blocks[1], scope)
+    assert int(scope["state"].step) == 1
+    assert abs(scope["state"].metrics.lr.item() - 0.1) < 1e-7
