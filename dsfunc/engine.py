@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsfunc import comm
+from dsfunc import comm, distributed
 from dsfunc.config import Config
 from dsfunc.data import DistributedLoader, check_dataset
 from dsfunc.monitor import Monitor, tokens_in
@@ -128,18 +128,12 @@ def _config_source(args: Any, config: Any) -> Any:
 
 
 def _join_world(distributed_port: int) -> None:
-    """Initialise torch.distributed when the environment names a world of several ranks (torchrun, the
-    dsfunc launcher: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); a single process needs no group.
-
-    Stand-in until ``dsfunc.distributed.init_distributed`` (launcher branch) lands; then call that here.
-    """
-    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    """Join the process group the environment describes (started by dsfunc, torchrun or mpirun); a process
+    started alone needs none (world size 1)."""
+    if dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_PORT", str(distributed_port))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    if "WORLD_SIZE" in os.environ or any(k in os.environ for k in distributed._MPI_MARKERS):
+        distributed.init_distributed(distributed_port=distributed_port)
 
 
 def _local_rank(args: Any) -> int:

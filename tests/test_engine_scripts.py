@@ -23,14 +23,17 @@ CIFAR = os.path.join(ROOT, "examples", "cifar10", "train.py")
 CIFAR_CONFIG = os.path.join(ROOT, "examples", "cifar10", "ds_config.json")
 
 
-def run_script(script: str, world: int, *args: str, timeout: float = 240) -> str:
-    """Run ``script`` with ``import dsfunc as deepspeed`` on ``world`` processes; return the output."""
+def run_script(script: str, world: int, *args: str, launcher: str = "torchrun", timeout: float = 240) -> str:
+    """Run ``script`` with ``import dsfunc as deepspeed`` on ``world`` processes (through torch.distributed.run,
+    or the dsfunc launcher); return the output."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     launch = [sys.executable]
-    if world > 1:
+    if world > 1 and launcher == "torchrun":
         launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(free_port())]
+    elif world > 1:
+        launch += ["-m", "dsfunc.cli", "--num_gpus", str(world), "--master_port", str(free_port())]
     proc = subprocess.run(launch + [SHIM, script, *args], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
                           timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
@@ -89,8 +92,9 @@ def test_cifar10_example_on_digits_one_process():
     assert accuracy(out)[0] >= 80  # chance is 10 %
 
 
-def test_cifar10_example_on_two_gloo_ranks():
-    out = run_script(CIFAR, 2, "--deepspeed", "--deepspeed_config", CIFAR_CONFIG, "--data_dir", "/nonexistent")
+def test_cifar10_example_through_the_launcher_on_two_gloo_ranks():
+    out = run_script(CIFAR, 2, "--deepspeed", "--deepspeed_config", CIFAR_CONFIG, "--data_dir", "/nonexistent",
+                     launcher="dsfunc")
     assert "ZeRO stage 0 over 2 rank(s)" in out
     assert len(accuracy(out)) == 2 and min(accuracy(out)) >= 80
 

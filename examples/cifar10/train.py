@@ -94,7 +94,8 @@ class Net(nn.Module):
 
 def main():
     args = add_argument()
-    deepspeed.init_distributed()
+    if "WORLD_SIZE" in os.environ:  # started by dsfunc, torchrun or mpirun (initialize would also do it)
+        deepspeed.init_distributed()
     torch.manual_seed(0)
 
     data = load_cifar10(args.data_dir)

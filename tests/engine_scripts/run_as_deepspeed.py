@@ -1,9 +1,10 @@
 """Run a DeepSpeed-style script (``import dsfunc as deepspeed``) with the engine's names on ``dsfunc``.
 
-Until dsfunc/__init__.py re-exports ``initialize``, ``add_config_arguments`` and ``init_distributed``,
+Until dsfunc/__init__.py re-exports ``initialize`` and ``add_config_arguments`` (from dsfunc.engine),
 this adds them to the imported package (only in the test processes), then runs the script as __main__:
 
     python tests/engine_scripts/run_as_deepspeed.py SCRIPT [ARGS...]
+    dsfunc --num_gpus 2 tests/engine_scripts/run_as_deepspeed.py SCRIPT [ARGS...]
 """
 
 import os
@@ -18,8 +19,10 @@ import dsfunc.engine
 for name in ("initialize", "add_config_arguments"):
     if not hasattr(dsfunc, name):
         setattr(dsfunc, name, getattr(dsfunc.engine, name))
-if not hasattr(dsfunc, "init_distributed"):
-    dsfunc.init_distributed = lambda *args, **kwargs: dsfunc.engine._join_world(29500)
 
-script, sys.argv = sys.argv[1], sys.argv[1:]
+# a launcher puts --local_rank=N before the script's own arguments: keep it for the script
+args = sys.argv[1:]
+flags = [a for a in args if a.startswith(("--local_rank=", "--local-rank="))]
+script, *rest = [a for a in args if a not in flags]
+sys.argv = [script, *flags, *rest]
 runpy.run_path(script, run_name="__main__")
