@@ -420,6 +420,10 @@ def initialize(
     if dist_init_required is not False:
         _join_world(distributed_port)
     local_rank = _local_rank(args)
+    world = comm.world_size()
+    cfg = Config.load(source, world_size=world)
+    if training_data is not None:
+        check_dataset(training_data)
 
     chosen = _parameter_list(model_parameters) if model_parameters is not None else None
     client_opt = optimizer
@@ -429,28 +433,24 @@ def initialize(
         client_opt = optimizer(chosen if chosen is not None else [p for p in model.parameters() if p.requires_grad])
         if not isinstance(client_opt, torch.optim.Optimizer):
             raise TypeError(f"the optimizer callable returned a {type(client_opt).__name__}, not a torch optimizer")
+    raw = dict(cfg.raw)
     if client_opt is not None:
         in_opt = [p for g in client_opt.param_groups for p in g["params"]]
         if chosen is not None and {id(p) for p in chosen} != {id(p) for p in in_opt}:
             raise ValueError("model_parameters and the client optimizer's parameters differ; pass the same set")
         chosen = in_opt
-    if chosen is not None:
-        _freeze_all_but(model, chosen, "model_parameters" if client_opt is None else "the client optimizer")
-
-    world = comm.world_size()
-    cfg = Config.load(source, world_size=world)
-    raw = dict(cfg.raw)
-    if client_opt is not None:
+        raw["optimizer"] = optimizer_section(client_opt)
         if cfg.optimizer is not None:
             logger.warning("the client optimizer passed to initialize replaces the config's optimizer section")
-        raw["optimizer"] = optimizer_section(client_opt)
     client_schedule = None
     if lr_scheduler is not None:
+        client_schedule = _client_schedule(lr_scheduler, client_opt, cfg, model)
+        raw.pop("scheduler", None)
         if cfg.scheduler is not None:
             logger.warning("the client lr_scheduler passed to initialize replaces the config's scheduler section")
-        raw.pop("scheduler", None)
-        client_schedule = _client_schedule(lr_scheduler, client_opt, raw, model)
     cfg = Config.load(raw, world_size=world)
+    if chosen is not None:
+        _freeze_all_but(model, chosen, "model_parameters" if client_opt is None else "the client optimizer")
 
     base_lr = float(cfg.optimizer.params["lr"]) if cfg.optimizer is not None else None
     if cfg.optimizer is None:
@@ -464,7 +464,6 @@ def initialize(
 
     loader = None
     if training_data is not None:
-        check_dataset(training_data)
         cuda = state.program.device.type == "cuda"
         loader = DistributedLoader(
             training_data, cfg.train_micro_batch_size_per_gpu, rank=comm.rank(), world_size=world,
@@ -476,7 +475,7 @@ def initialize(
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-def _client_schedule(lr_scheduler: Any, client_opt: Any, raw: dict[str, Any], model: nn.Module) -> Schedule:
+def _client_schedule(lr_scheduler: Any, client_opt: Any, cfg: Config, model: nn.Module) -> Schedule:
     scheduler = lr_scheduler
     if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
         if not callable(lr_scheduler):
@@ -484,12 +483,10 @@ def _client_schedule(lr_scheduler: Any, client_opt: Any, raw: dict[str, Any], mo
                 f"lr_scheduler must be a torch lr scheduler or a callable, got {type(lr_scheduler).__name__}"
             )
         target = client_opt
-        if target is None:  # a stand-in torch optimizer carrying the config's lr for the callable
-            section = raw.get("optimizer")
-            if section is None:
+        if target is None:  # a stand-in torch optimizer carrying the config's lr, for the callable to use
+            if cfg.optimizer is None:
                 raise ValueError("a client lr_scheduler needs an optimizer: configure one or pass optimizer=")
-            lr = (section.get("params") or {}).get("lr", 1e-3)
-            target = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+            target = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.optimizer.params["lr"])
         scheduler = lr_scheduler(target)
         client_opt = target
         if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):

@@ -61,7 +61,15 @@ def test_batchnorm_buffers_follow_the_engine():
     assert relative_diff(dsfunc.full_params(engine.state), dsfunc.full_params(state)) == 0.0
 
 
-def ranks_engine_vs_functional(rank: int, world: int, stage: int, gas: int) -> dict:
+def ranks_engine_vs_functional(rank: int, world: int) -> dict:
+    out = {}
+    for stage in (0, 3):
+        for gas in (1, 2):
+            out[stage, gas] = engine_vs_functional(rank, world, stage, gas)
+    return out
+
+
+def engine_vs_functional(rank: int, world: int, stage: int, gas: int) -> dict:
     micro = 2
     cfg = config(micro=micro, gas=gas, world=world, stage=stage)
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every block gathered lazily
@@ -86,16 +94,16 @@ def ranks_engine_vs_functional(rank: int, world: int, stage: int, gas: int) -> d
     }
 
 
-@pytest.mark.parametrize("stage", [0, 3])
-def test_engine_equals_functional_on_two_ranks(stage):
-    for gas in (1, 2):
-        results = run_world(ranks_engine_vs_functional, 2, stage, gas)
-        for rank, r in enumerate(results):
+def test_engine_equals_functional_on_two_ranks_at_zero_stages_0_and_3():
+    results = run_world(ranks_engine_vs_functional, 2)
+    for (stage, gas), first in results[0].items():
+        for rank, per_case in enumerate(results):
+            r = per_case[stage, gas]
             assert relative_diff(r["engine"], r["functional"]) == 0.0, (stage, gas, rank)
             torch.testing.assert_close(r["evaluated"], r["expected"], rtol=1e-6, atol=1e-6)
             assert r["live_after_eval"] == set()
             assert (r["world"], r["rank"]) == (2, rank)
-        assert relative_diff(results[0]["engine"], results[1]["engine"]) == 0.0
+            assert relative_diff(r["engine"], first["engine"]) == 0.0
 
 
 def test_accessors_and_boundaries():
@@ -428,3 +436,25 @@ def test_module_is_the_users_model_with_current_weights_even_from_meta():
     engine.eval()
     assert not engine.module.training
     del real
+
+
+def test_a_callable_scheduler_without_client_optimizer_uses_the_config_lr():
+    torch.manual_seed(0)
+    model = MLP()
+    batches = mlp_batches(5, 4)
+    _, lrs = torch_run(model, lambda p: torch.optim.AdamW(p, lr=1e-3), SCHEDULERS["step"], batches)
+    engine, _, _, scheduler = initialize(model=model, lr_scheduler=SCHEDULERS["step"], config=config(micro=4))
+    seen = []
+    for x, y in batches:
+        seen.append(scheduler.get_lr()[0])
+        engine.backward(engine(x, y))
+        engine.step()
+    assert seen == pytest.approx(lrs, rel=1e-6)
+
+
+def test_a_bad_config_leaves_the_model_untouched():
+    model = TwoHeads()
+    with pytest.raises(dsfunc.ConfigError, match="train_batch_size"):
+        initialize(model=model, model_parameters=model.head.parameters(),
+                   config={"train_batch_size": 3, "train_micro_batch_size_per_gpu": 2})
+    assert all(p.requires_grad for p in model.parameters())
