@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsfunc import comm, distributed
+from dsfunc import checkpoint, comm, distributed
 from dsfunc.config import Config
 from dsfunc.data import DistributedLoader, check_dataset
 from dsfunc.monitor import Monitor, tokens_in
@@ -834,11 +834,9 @@ class Engine:
                 f"{self.gradient_accumulation_steps()}): its gradients would be lost; save after the "
                 "engine.step() that ends the step"
             )
-        from dsfunc.checkpoint import save_checkpoint
-
         client[ENGINE_KEY] = {"global_samples": self.global_samples, "skipped_steps": self.skipped_steps}
         self.monitor.flush()
-        save_checkpoint(self._state, save_dir, tag=tag, client_state=client, save_latest=save_latest)
+        checkpoint.save_checkpoint(self._state, save_dir, tag=tag, client_state=client, save_latest=save_latest)
         return True
 
     def load_checkpoint(
@@ -877,17 +875,10 @@ class Engine:
         if not os.path.isdir(path):
             logger.warning("Client provided checkpoint load path: %s does not exist ... skip checkpoint load", path)
             return None, None
-        from dsfunc.checkpoint import load_checkpoint
-
-        current = self._state
-        kept = None
-        if load_module_only or not load_optimizer_states or not load_lr_scheduler_states:
-            kept = optree.tree_map(lambda t: t.clone(), current)
-        loaded, client = load_checkpoint(load_dir, current, tag=str(tag))
+        loaded, client = _load_parts(load_dir, self._state, str(tag), load_module_only, load_optimizer_states,
+                                     load_lr_scheduler_states)
         client = dict(client or {})
         counters = client.pop(ENGINE_KEY, None)
-        if kept is not None:
-            loaded = _merge_partial(kept, loaded, load_module_only, load_optimizer_states, load_lr_scheduler_states)
         self._state = loaded
         self._module_step = None
         if not load_module_only:
@@ -901,20 +892,32 @@ class Engine:
         return path, client
 
 
-def _merge_partial(kept: TrainState, loaded: TrainState, module_only: bool, optimizer_states: bool,
-                   scheduler_states: bool) -> TrainState:
-    """``loaded`` with the parts not to be loaded taken from ``kept`` (a copy of the engine's state)."""
+def _load_parts(load_dir: Any, current: TrainState, tag: str, module_only: bool, optimizer_states: bool,
+                scheduler_states: bool) -> tuple[TrainState, Any]:
+    """Load a checkpoint into ``current`` (donated), keeping ``current``'s values for the parts not asked for:
+    everything but parameters and buffers (``module_only``), the optimizer state and loss scaler, the lr
+    schedule (its step count, inside the optimizer state)."""
+    def clone(tree: Any) -> Any:
+        return optree.tree_map(lambda t: t.clone(), tree)
+
+    kept = clone((current.step, current.scaler, current.rng, current.metrics))
+    mixed = not module_only and optimizer_states != scheduler_states
+    fresh_opt = clone(current.opt_state) if mixed else None
+    with_opt = not module_only and (optimizer_states or scheduler_states)
+    loaded, client = checkpoint.load_checkpoint(load_dir, current, tag=tag, load_optimizer_states=with_opt)
+    step, scaler, rng, metrics = kept
     if module_only:
-        return loaded.replace(step=kept.step, opt_state=kept.opt_state, scaler=kept.scaler, rng=kept.rng,
-                              metrics=kept.metrics)
+        return loaded.replace(step=step, scaler=scaler, rng=rng, metrics=metrics), client
+    if not optimizer_states:
+        loaded = loaded.replace(scaler=scaler)
+    if mixed:
+        def pick(fresh: Any, restored: Any) -> Any:
+            wanted = scheduler_states if isinstance(fresh, ScheduleState) else optimizer_states
+            return restored if wanted else fresh
 
-    def pick(fresh: Any, restored: Any) -> Any:
-        wanted = scheduler_states if isinstance(fresh, ScheduleState) else optimizer_states
-        return restored if wanted else fresh
-
-    opt_state = optree.tree_map(pick, kept.opt_state, loaded.opt_state,
-                                is_leaf=lambda x: isinstance(x, ScheduleState))
-    return loaded.replace(opt_state=opt_state, scaler=loaded.scaler if optimizer_states else kept.scaler)
+        opt_state = optree.tree_map(pick, fresh_opt, loaded.opt_state, is_leaf=lambda x: isinstance(x, ScheduleState))
+        loaded = loaded.replace(opt_state=opt_state)
+    return loaded, client
 
 
 def _schedule_count(opt_state: Any) -> torch.Tensor:

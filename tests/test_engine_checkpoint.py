@@ -37,7 +37,6 @@ def moments(state) -> list[torch.Tensor]:
 
 @pytest.fixture
 def saved(tmp_path):
-    pytest.importorskip("dsfunc.checkpoint", reason="dsfunc.checkpoint lands with branch `checkpoint`")
     engine = trained_engine(3)
     engine.save_checkpoint(str(tmp_path), tag="mine", client_state={"epoch": 1})
     return tmp_path, dsfunc.full_params(engine.state), [m.clone() for m in moments(engine.state)], engine
@@ -104,3 +103,19 @@ def test_save_checkpoint_argument_errors(tmp_path):
         engine.save_checkpoint(str(tmp_path))
     with pytest.raises(RuntimeError, match="load_checkpoint in the middle of an optimizer step"):
         engine.load_checkpoint(str(tmp_path))
+
+
+def test_load_module_only_from_a_run_with_another_optimizer(saved):
+    path, params, _, _ = saved
+    cfg = config(micro=2, gas=2)
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}
+    torch.manual_seed(1)
+    engine, *_ = initialize(model=MLP(), config=cfg)
+    _, client = engine.load_checkpoint(str(path), tag="mine", load_module_only=True)
+    assert client == {"epoch": 1}
+    assert relative_diff(dsfunc.full_params(engine.state), params) == 0.0 and engine.global_steps == 0
+    x, y = mlp_batches(1, 2)[0]
+    for _ in range(2):
+        engine.backward(engine(x, y))
+        engine.step()
+    assert engine.global_steps == 1

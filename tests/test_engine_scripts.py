@@ -55,7 +55,6 @@ def write_config(path, world: int, stage: int) -> str:
 
 @pytest.mark.parametrize("world, stage", [(1, 0), (2, 3)])
 def test_checkpointed_run_resumes_exactly(tmp_path, world, stage):
-    pytest.importorskip("dsfunc.checkpoint", reason="dsfunc.checkpoint lands with branch `checkpoint`")
     cfg = write_config(tmp_path / "ds.json", world, stage)
     ckpt = str(tmp_path / "ckpt")
     out = run_script(DS_TRAIN, world, "--deepspeed", "--deepspeed_config", cfg, "--steps", "7",
