@@ -59,7 +59,11 @@ def load_cifar10(folder):
 
 def load_digits():
     """scikit-learn's 1797 8x8 digits as 32x32 RGB images: 1437 to train, 360 to test."""
-    from sklearn.datasets import load_digits as sklearn_digits
+    try:
+        from sklearn.datasets import load_digits as sklearn_digits
+    except ImportError:
+        raise SystemExit("the digits fallback needs scikit-learn: `pip install scikit-learn`, or pass --data_dir "
+                         "with CIFAR-10's cifar-10-batches-py/ folder") from None
 
     digits = sklearn_digits()
     images = torch.tensor(digits.images, dtype=torch.float32) / 16
