@@ -1,0 +1,368 @@
+"""Progress lines, timings and event files for a training run (rank 0 writes; every rank may call).
+
+:class:`Monitor` reads what a run is configured to report from the DeepSpeed config in the state:
+
+* ``steps_per_print: N`` — every N optimizer steps, one progress line (DeepSpeed's ``step=..,
+  skipped=..`` and ``SamplesPerSec`` lines in one)::
+
+      [dsfunc] step=20, skipped=0, loss=1.2345, lr=[0.001], loss_scale=1, grad_norm=0.4321,
+      RunningAvgSamplesPerSec=812.3, CurrSamplesPerSec=830.1, MemAllocated=0.01GB, MaxMemAllocated=0.02GB
+
+  ``loss``/``lr``/``loss_scale``/``grad_norm`` are the printed step's own values (``lr`` is the lr
+  that step used), ``skipped`` counts overflowed steps so far, samples/s are global (all ranks), the
+  running average leaves out the first two steps (as DeepSpeed's throughput timer), ``TokensPerSec``
+  is added when the batch carries token ids (an integer tensor with a sequence dimension), and memory
+  is the CUDA allocator's (the process's resident set on a CPU run: ``RSS``/``MaxRSS``). At start-up
+  it also prints the effective config and the per-rank ZeRO memory estimate (:func:`memory_estimate`).
+* ``wall_clock_breakdown: true`` — a ``time (ms) | forward: .. | backward: .. | step: ..`` line with
+  the mean per optimizer step since the last print (the engine measures these; functional users pass
+  ``timings=``), and ``Train/Samples/elapsed_time_ms_{forward,backward,step}`` events.
+* ``csv_monitor`` / ``tensorboard`` (``enabled``, ``output_path``, ``job_name``) — events in
+  ``os.path.join(output_path, job_name)`` with x = global samples: ``Train/Samples/train_loss``,
+  ``Train/Samples/lr`` and, with fp16, ``Train/Samples/loss_scale``. CSV writes one file per event as
+  DeepSpeed does (``Train_Samples_lr.csv``, header ``step,lr``); TensorBoard needs the optional
+  ``tensorboard`` package.
+
+Reading a metric waits for the step, so the monitor keeps each step's values on the device and reads
+them in one go when it prints or flushes (every ``steps_per_print`` steps, else every 100 steps, and at
+:meth:`Monitor.close`). Functional use::
+
+    monitor = dsfunc.monitor.Monitor(state)
+    for batch in dsfunc.data.batches(dataset, state, steps=1000):
+        state = dsfunc.train_step(state, batch)
+        monitor.log(state, batch)
+    monitor.close()
+"""
+
+from __future__ import annotations
+
+import atexit
+import csv
+import json
+import os
+import resource
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import optree
+import torch
+
+TIMERS = ("forward", "backward", "step")
+THROUGHPUT_START_STEP = 2  # DeepSpeed's ThroughputTimer leaves out the first two steps
+
+
+class CsvMonitor:
+    """DeepSpeed's CSV monitor: ``<dir>/<event with / replaced by _>.csv`` with rows ``step,value``."""
+
+    def __init__(self, output_path: str, job_name: str) -> None:
+        self.log_dir = os.path.join(output_path, job_name)
+        os.makedirs(self.log_dir, exist_ok=True)
+
+    def write_events(self, events: list[tuple[str, float, int]]) -> None:
+        by_file: dict[str, list[tuple[int, float]]] = {}
+        for name, value, x in events:
+            by_file.setdefault(name, []).append((x, value))
+        for name, rows in by_file.items():
+            path = os.path.join(self.log_dir, name.replace("/", "_").replace(" ", "_") + ".csv")
+            new = not os.path.exists(path) or os.path.getsize(path) == 0
+            with open(path, "a", newline="") as f:
+                writer = csv.writer(f)
+                if new:
+                    writer.writerow(["step", name.split("/")[-1]])
+                writer.writerows(rows)
+
+    def close(self) -> None:
+        """Nothing stays open between writes."""
+
+
+class TensorBoardMonitor:
+    """Scalars through ``torch.utils.tensorboard.SummaryWriter`` (needs the ``tensorboard`` package)."""
+
+    def __init__(self, output_path: str, job_name: str) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ImportError(
+                'the config enables "tensorboard", but the tensorboard package is not installed: '
+                "`pip install tensorboard` (or dsfunc[tensorboard]), or set tensorboard.enabled to false"
+            ) from None
+        self.log_dir = os.path.join(output_path, job_name)
+        self.writer = SummaryWriter(log_dir=self.log_dir)
+
+    def write_events(self, events: list[tuple[str, float, int]]) -> None:
+        for name, value, x in events:
+            self.writer.add_scalar(name, value, x)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def memory_estimate(state: Any) -> dict[str, int]:
+    """Bytes each rank holds for the model states, by category, as the ZeRO stage lays them out.
+
+    ``master`` (fp32 weights: this rank's shard), ``optimizer`` (moments etc., measured in the state),
+    ``gradients`` (fp32: the full flat at stages 0-1, the shard at 2-3), ``compute`` (the compute-dtype
+    copy forward reads: none at stage 0 in fp32, where it aliases the master; the whole model at
+    stages 1-2; at stage 3 the persistent units plus the two largest gathered units), ``buffers``
+    (buffers and frozen parameters), and their ``total``. Activations are not included.
+    """
+    program = state.program
+    plan = program.plan
+    lazy = [u for u in plan.units if program.workspace.lazy(u)]
+    cbytes = torch.empty((), dtype=program.compute_dtype).element_size()
+    full = sum(u.numel for u in plan.units)
+    shard = sum(plan.shard_size(u) for u in plan.units)
+    if program.workspace.aliases_master:
+        compute = 0
+    else:
+        persistent = sum(plan.padded_size(u) for u in plan.units if u not in lazy)
+        largest = sorted((plan.padded_size(u) for u in lazy), reverse=True)[:2]
+        compute = (persistent + sum(largest)) * cbytes
+    out = {
+        "master": sum(p.numel() * p.element_size() for p in state.params.values()),
+        "optimizer": sum(t.numel() * t.element_size() for t in optree.tree_leaves(state.opt_state) if t.dim() > 0),
+        "gradients": 4 * (full if plan.stage <= 1 else shard),
+        "compute": compute,
+        "buffers": sum(t.numel() * t.element_size() for t in state.buffers.values()),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def startup_summary(state: Any) -> str:
+    """The effective config (resolved JSON) and the ZeRO memory estimate per rank, as printable text."""
+    program = state.program
+    plan = program.plan
+    est = memory_estimate(state)
+    mib = {k: v / 2**20 for k, v in est.items()}
+    params = sum(u.numel for u in plan.units)
+    frozen = sum(state.buffers[n].numel() for n in plan.frozen)
+    lines = [
+        "[dsfunc] effective config: " + json.dumps(program.config.to_dict(), sort_keys=True, default=str),
+        f"[dsfunc] ZeRO stage {plan.stage} over {plan.world_size} rank(s), {params:,} trainable parameters"
+        + (f" ({frozen:,} frozen)" if frozen else "")
+        + f" in {len(plan.units)} unit(s), compute dtype {str(program.compute_dtype).replace('torch.', '')}",
+        (
+            "[dsfunc] model states per rank (estimate, no activations): "
+            f"{mib['total']:.2f} MiB = fp32 master {mib['master']:.2f} + optimizer {mib['optimizer']:.2f} "
+            f"+ gradients {mib['gradients']:.2f} + compute copy {mib['compute']:.2f} + buffers {mib['buffers']:.2f}"
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def tokens_in(batch: Any) -> int:
+    """Token count of a batch: elements of its first integer tensor with a sequence dimension (``[B, T]``
+    token ids), else 0."""
+    for t in optree.tree_leaves(batch):
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and not t.is_floating_point() and not t.is_complex():
+            return t.numel()
+    return 0
+
+
+def memory_text(device: torch.device) -> str:
+    """``MemAllocated=..GB, MaxMemAllocated=..GB`` (CUDA), or the process's ``RSS=..GB, MaxRSS=..GB``."""
+    gb = 2**30
+    if device.type == "cuda":
+        return (f"MemAllocated={torch.cuda.memory_allocated(device) / gb:.2f}GB, "
+                f"MaxMemAllocated={torch.cuda.max_memory_allocated(device) / gb:.2f}GB")
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+    return f"RSS={rss / gb:.2f}GB, MaxRSS={max_rss / gb:.2f}GB"
+
+
+def _stdout(line: str) -> None:
+    print(line, file=sys.stdout, flush=True)
+
+
+class Monitor:
+    """Progress, timings, event files and an optional tqdm bar for a run; call :meth:`log` after each step.
+
+    Args:
+      state: the run's :class:`~dsfunc.TrainState` (config, rank and world size come from it).
+      progress_bar: show a tqdm bar on rank 0 (needs ``tqdm``); its postfix shows the loss at each flush.
+      total_steps: the bar's total.
+      skipped_steps: overflowed steps before this monitor started (when resuming).
+      write: where progress lines go (default: print to stdout).
+      flush_every: steps between reads of the buffered metrics (default: steps_per_print, else 100).
+    """
+
+    def __init__(
+        self,
+        state: Any,
+        *,
+        progress_bar: bool = False,
+        total_steps: int | None = None,
+        skipped_steps: int = 0,
+        write: Callable[[str], None] | None = None,
+        flush_every: int | None = None,
+    ) -> None:
+        program = state.program
+        config = program.config
+        self.device = program.device
+        self.rank = program.plan.rank
+        self.world_size = program.plan.world_size
+        self.train_batch_size = config.train_batch_size
+        self.steps_per_print = config.steps_per_print
+        self.wall_clock_breakdown = config.wall_clock_breakdown
+        self.log_loss_scale = config.fp16.enabled
+        self.flush_every = flush_every or self.steps_per_print or 100
+        self.write = write or _stdout
+        self.is_writer = self.rank == 0
+        self.writers: list[Any] = []
+        if self.is_writer:
+            if config.csv_monitor.enabled:
+                self.writers.append(CsvMonitor(config.csv_monitor.output_path, config.csv_monitor.job_name))
+            if config.tensorboard.enabled:
+                self.writers.append(TensorBoardMonitor(config.tensorboard.output_path, config.tensorboard.job_name))
+        self.bar = None
+        if progress_bar and self.is_writer:
+            try:
+                from tqdm.auto import tqdm
+            except ImportError:
+                raise ImportError("progress_bar=True needs tqdm: `pip install tqdm`") from None
+            self.bar = tqdm(total=total_steps, initial=int(state.step), unit="step", dynamic_ncols=True)
+        self._skipped = torch.tensor(skipped_steps, dtype=torch.int64, device=self.device)
+        self._pending: list[tuple[int, int, tuple[torch.Tensor, ...], dict[str, float]]] = []
+        self._timings: dict[str, float] = dict.fromkeys(TIMERS, 0.0)
+        self._timed_steps = 0
+        self._tokens = 0
+        self._last_step = int(state.step)
+        self._last_print = (self._last_step, time.perf_counter(), 0)  # (step, time, tokens)
+        self._start: tuple[int, float] | None = None
+        self._closed = False
+        if self.is_writer and self.steps_per_print is not None:
+            self.write(startup_summary(state))
+        if self.writers or self.bar is not None:
+            atexit.register(self.close)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for overflow (reading it waits for the last step)."""
+        return int(self._skipped)
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped.fill_(value)
+
+    def restart(self, state: Any, skipped_steps: int = 0) -> None:
+        """Continue from ``state`` (after loading a checkpoint): flush, then count from its step."""
+        self.flush()
+        self._skipped.fill_(skipped_steps)
+        self._last_step = int(state.step)
+        self._last_print = (self._last_step, time.perf_counter(), self._tokens)
+        self._start = None
+
+    def log(
+        self,
+        state: Any,
+        batch: Any = None,
+        *,
+        samples: int | None = None,
+        tokens: int | None = None,
+        timings: Mapping[str, float] | None = None,
+    ) -> None:
+        """Record the step ``state`` just took; print, write events or move the bar when it is time.
+
+        Args:
+          state: the state returned by the step.
+          batch: this rank's batch of that step (only its shapes are read, for tokens/s).
+          samples: global samples so far (default: ``state.step * train_batch_size``).
+          tokens: global tokens of this step (default: from ``batch``, times the world size).
+          timings: milliseconds this step spent in ``forward``/``backward``/``step`` (any subset).
+        """
+        step = int(state.step)
+        if step == self._last_step:
+            raise ValueError(
+                f"Monitor.log got the same step ({step}) twice: call it once after each optimizer step"
+            )
+        self._last_step = step
+        metrics = state.metrics
+        self._skipped += metrics.skipped
+        if tokens is None and batch is not None:
+            tokens = tokens_in(batch) * self.world_size
+        self._tokens += tokens or 0
+        for name, ms in (timings or {}).items():
+            if name not in self._timings:
+                raise ValueError(f"unknown timer {name!r}; timers are {list(TIMERS)}")
+            self._timings[name] += ms
+        self._timed_steps += 1 if timings else 0
+        if not self.is_writer:
+            return
+        if self._start is None and step >= THROUGHPUT_START_STEP:
+            self._sync()
+            self._start = (step, time.perf_counter())
+        samples = step * self.train_batch_size if samples is None else samples
+        if self.writers or self.bar is not None:
+            kept = (metrics.loss.clone(), metrics.lr.clone(), metrics.loss_scale.clone())
+            self._pending.append((step, samples, kept, dict(timings or {})))
+        if self.bar is not None:
+            self.bar.update(1)
+        if self.steps_per_print is not None and step % self.steps_per_print == 0:
+            self._print(state, step)
+        if len(self._pending) >= self.flush_every:
+            self.flush()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _print(self, state: Any, step: int) -> None:
+        m = state.metrics.to_dict()
+        skipped = self.skipped_steps
+        now = time.perf_counter()
+        last_step, last_time, last_tokens = self._last_print
+        parts = [
+            f"step={step}", f"skipped={skipped}", f"loss={m['loss']:.4f}", f"lr=[{m['lr']:.6g}]",
+            f"loss_scale={m['loss_scale']:g}", f"grad_norm={m['grad_norm']:.4f}",
+        ]
+        if self._start is not None and step > self._start[0]:
+            running = (step - self._start[0]) * self.train_batch_size / (now - self._start[1])
+            parts.append(f"RunningAvgSamplesPerSec={running:.2f}")
+        interval = now - last_time
+        if step > last_step and interval > 0:
+            parts.append(f"CurrSamplesPerSec={(step - last_step) * self.train_batch_size / interval:.2f}")
+            if self._tokens > last_tokens:
+                parts.append(f"TokensPerSec={(self._tokens - last_tokens) / interval:.2f}")
+        parts.append(memory_text(self.device))
+        self.write("[dsfunc] " + ", ".join(parts))
+        if self.wall_clock_breakdown and self._timed_steps:
+            means = " | ".join(f"{k}: {v / self._timed_steps:.2f}" for k, v in self._timings.items())
+            self.write(f"[dsfunc] time (ms) | {means}")
+        self._timings = dict.fromkeys(TIMERS, 0.0)
+        self._timed_steps = 0
+        self._last_print = (step, now, self._tokens)
+
+    def flush(self) -> None:
+        """Read the buffered metrics (one wait for the device) and write them to the event files and bar."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        values = torch.stack([torch.stack([v.float() for v in kept]) for _, _, kept, _ in pending]).tolist()
+        events: list[tuple[str, float, int]] = []
+        for (step, samples, _, timings), (loss, lr, scale) in zip(pending, values):
+            events.append(("Train/Samples/train_loss", loss, samples))
+            events.append(("Train/Samples/lr", lr, samples))
+            if self.log_loss_scale:
+                events.append(("Train/Samples/loss_scale", scale, samples))
+            if self.wall_clock_breakdown:
+                events.extend((f"Train/Samples/elapsed_time_ms_{k}", v, samples) for k, v in timings.items())
+        for writer in self.writers:
+            writer.write_events(events)
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{values[-1][0]:.4f}", refresh=False)
+
+    def close(self) -> None:
+        """Flush and close the event files and the bar (idempotent; also run at interpreter exit)."""
+        if self._closed:
+            return
+        self.flush()
+        for writer in self.writers:
+            writer.close()
+        if self.bar is not None:
+            self.bar.close()
+        self._closed = True

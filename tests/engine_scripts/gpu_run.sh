@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The engine on CUDA ranks (NCCL), for the GPU machine: engine vs functional API, an exact resume of a
+# DeepSpeed-API script at ZeRO-3 in bf16, and the CIFAR-10 example on stand-in CIFAR pickles.
+#   bash tests/engine_scripts/gpu_run.sh [NGPU]
+set -uo pipefail
+n=${1:-2}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+run() { timeout 200 python3 -m torch.distributed.run --nproc_per_node "$n" "$@" 2>&1 | grep -vE "^W1|OMP_NUM|\*{8}"; }
+shim=tests/engine_scripts/run_as_deepspeed.py
+tmp=$(mktemp -d)
+echo "== engine vs functional"; run tests/engine_scripts/gpu_check.py || echo "gpu_check FAILED"
+cat > "$tmp/ds.json" <<JSON
+{"train_batch_size": $((4 * n)), "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": true},
+ "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
+ "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 3}
+JSON
+echo "== resume (ZeRO-3, bf16)"
+run $shim tests/engine_scripts/ds_train.py --deepspeed_config "$tmp/ds.json" --steps 6 --out "$tmp/full" | grep "step="
+run $shim tests/engine_scripts/ds_train.py --deepspeed_config "$tmp/ds.json" --steps 3 --save_at 3 --save_dir "$tmp/ck" --out "$tmp/a" >/dev/null
+run $shim tests/engine_scripts/ds_train.py --deepspeed_config "$tmp/ds.json" --steps 6 --load_dir "$tmp/ck" --out "$tmp/b" >/dev/null
+python3 - "$tmp" "$n" <<'PY'
+import sys, torch
+tmp, n = sys.argv[1], int(sys.argv[2])
+for r in range(n):
+    full, b = torch.load(f"{tmp}/full.rank{r}.pt"), torch.load(f"{tmp}/b.rank{r}.pt")
+    same = all(torch.equal(v, b["params"][k]) for k, v in full["params"].items())
+    losses = all(full["losses"][k] == v for k, v in b["losses"].items())
+    print(f"rank {r}: resumed params equal {same}, losses equal {losses}, steps {sorted(b['losses'])}")
+PY
+echo "== cifar10 example"
+python3 - "$tmp" <<'PY'
+import os, pickle, sys, numpy as np
+root = os.path.join(sys.argv[1], "cifar-10-batches-py"); os.makedirs(root)
+rng = np.random.default_rng(0)
+for name, k in [(f"data_batch_{i}", 64) for i in range(1, 6)] + [("test_batch", 32)]:
+    with open(os.path.join(root, name), "wb") as f:
+        pickle.dump({b"data": rng.integers(0, 256, (k, 3072), dtype=np.uint8), b"labels": rng.integers(0, 10, k).tolist()}, f)
+PY
+run $shim examples/cifar10/train.py --deepspeed_config examples/cifar10/ds_config.json --data_dir "$tmp" --epochs 1 \
+    | grep -E "Accuracy of the network|Finished|Error|error" | sort | uniq -c
+rm -rf "$tmp"

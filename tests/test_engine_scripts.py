@@ -1,0 +1,112 @@
+"""DeepSpeed-style scripts (``import dsfunc as deepspeed``) run as processes: 1 rank, and 2 gloo ranks via
+torch.distributed.run. A checkpointed, resumed run continues exactly; the CIFAR-10 example learns."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tests.multiprocess import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIM = os.path.join(ROOT, "tests", "engine_scripts", "run_as_deepspeed.py")
+DS_TRAIN = os.path.join(ROOT, "tests", "engine_scripts", "ds_train.py")
+CIFAR = os.path.join(ROOT, "examples", "cifar10", "train.py")
+CIFAR_CONFIG = os.path.join(ROOT, "examples", "cifar10", "ds_config.json")
+
+
+def run_script(script: str, world: int, *args: str, launcher: str = "torchrun", timeout: float = 240) -> str:
+    """Run ``script`` with ``import dsfunc as deepspeed`` on ``world`` processes (through torch.distributed.run,
+    or the dsfunc launcher); return the output."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    launch = [sys.executable]
+    if world > 1 and launcher == "torchrun":
+        launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(free_port())]
+    elif world > 1:
+        launch += ["-m", "dsfunc.cli", "--num_gpus", str(world), "--master_port", str(free_port())]
+    proc = subprocess.run(launch + [SHIM, script, *args], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout + proc.stderr
+
+
+def write_config(path, world: int, stage: int) -> str:
+    cfg = {
+        "train_batch_size": 8,
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "steps_per_print": 2,
+    }
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize("world, stage", [(1, 0), (2, 3)])
+def test_checkpointed_run_resumes_exactly(tmp_path, world, stage):
+    cfg = write_config(tmp_path / "ds.json", world, stage)
+    ckpt = str(tmp_path / "ckpt")
+    out = run_script(DS_TRAIN, world, "--deepspeed", "--deepspeed_config", cfg, "--steps", "7",
+                     "--out", str(tmp_path / "full"))
+    assert re.search(r"\[dsfunc\] step=6, skipped=0, loss=", out)
+    run_script(DS_TRAIN, world, "--deepspeed_config", cfg, "--steps", "3", "--save_at", "3", "--save_dir", ckpt,
+               "--out", str(tmp_path / "first"))
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step3"
+    run_script(DS_TRAIN, world, "--deepspeed_config", cfg, "--steps", "7", "--load_dir", ckpt,
+               "--out", str(tmp_path / "resumed"))
+    for rank in range(world):
+        full = torch.load(tmp_path / f"full.rank{rank}.pt")
+        first = torch.load(tmp_path / f"first.rank{rank}.pt")
+        resumed = torch.load(tmp_path / f"resumed.rank{rank}.pt")
+        assert sorted(resumed["losses"]) == [4, 5, 6, 7]
+        assert {k: full["losses"][k] for k in range(1, 4)} == first["losses"]
+        assert {k: full["losses"][k] for k in range(4, 8)} == resumed["losses"]
+        for name, value in full["params"].items():
+            assert torch.equal(value, resumed["params"][name]), name
+        assert resumed["client_sd"] == {"step": 3, "note": "saved at 3"}
+        for key in ("global_steps", "global_samples", "skipped_steps", "lr", "lr_scheduler", "loader"):
+            assert resumed[key] == full[key], key
+        assert full["global_samples"] == 56 and full["lr_scheduler"] == {"last_batch_iteration": 6}
+
+
+def accuracy(output: str) -> list[int]:
+    return [int(a) for a in re.findall(r"Accuracy of the network on the \d+ test images: (\d+) %", output)]
+
+
+def test_cifar10_example_on_digits_one_process():
+    out = run_script(CIFAR, 1, "--deepspeed_config", CIFAR_CONFIG, "--data_dir", "/nonexistent", "--epochs", "1")
+    assert "CIFAR-10 not found" in out and "training on scikit-learn's 8x8 digits" in out
+    assert "Accuracy of the network on the 360 test images" in out
+    assert accuracy(out)[0] >= 80  # chance is 10 %
+
+
+def test_cifar10_example_through_the_launcher_on_two_gloo_ranks():
+    out = run_script(CIFAR, 2, "--deepspeed", "--deepspeed_config", CIFAR_CONFIG, "--data_dir", "/nonexistent",
+                     launcher="dsfunc")
+    assert "ZeRO stage 0 over 2 rank(s)" in out
+    assert len(accuracy(out)) == 2 and min(accuracy(out)) >= 80
+
+
+def test_cifar10_example_reads_the_python_pickle_format(tmp_path):
+    root = tmp_path / "cifar-10-batches-py"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    for name, n in [(f"data_batch_{i}", 8) for i in range(1, 6)] + [("test_batch", 12)]:
+        labels = rng.integers(0, 10, n)
+        data = rng.integers(0, 256, (n, 3072), dtype=np.uint8)
+        with open(root / name, "wb") as f:
+            pickle.dump({b"data": data, b"labels": labels.tolist()}, f)
+    out = run_script(CIFAR, 1, "--deepspeed_config", CIFAR_CONFIG, "--data_dir", str(tmp_path), "--epochs", "1")
+    assert "CIFAR-10 not found" not in out
+    assert "Accuracy of the network on the 12 test images" in out and "Finished Training" in out
