@@ -5,6 +5,16 @@
         state = dsfunc.train_step(state, batch)
 """
 
+from dsfunc.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointNotFoundError,
+    CheckpointTimeoutError,
+    export_fp32,
+    load_checkpoint,
+    save_checkpoint,
+)
 from dsfunc.config import (
     BF16Config,
     Config,
@@ -15,6 +25,7 @@ from dsfunc.config import (
     ZeroConfig,
 )
 from dsfunc.distributed import get_local_rank, get_rank, get_world_size, init_distributed
+from dsfunc.engine import Engine, add_config_arguments, initialize
 from dsfunc.optim import (
     Transform,
     adagrad,
@@ -59,6 +70,17 @@ from dsfunc.step import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
+    "Engine",
+    "add_config_arguments",
+    "export_fp32",
+    "initialize",
+    "load_checkpoint",
+    "save_checkpoint",
     "BF16Config",
     "Config",
     "ConfigError",
