@@ -70,11 +70,12 @@ def measure(stage: int, rank: int, steps: int = 2, micro: int = 8) -> dict:
     step = dsfunc.make_train_step(record_grads(dsfunc.default_grad_fn()))
     g = torch.Generator().manual_seed(rank)
     for _ in range(steps):
-        state = step(state, (torch.randn(micro, 16, generator=g), torch.randint(0, 10, (micro,), generator=g)))
-    workspace = state.program.workspace
+        x, y = torch.randn(micro, 16, generator=g), torch.randint(0, 10, (micro,), generator=g)
+        state = step(state, (x, y))
+    workspace = state.program.workspace  # the bf16 compute copy (stage 3: gathered blocks already freed)
     moments = [t for t in optree.tree_leaves(state.opt_state) if t.dim() > 0]  # counters are 0-d
     return {
-        "compute_params": nbytes(list(workspace.buffers.values())),  # bf16 copy (stage 3: gathered units freed)
+        "compute_params": nbytes(list(workspace.buffers.values())),
         "master_params": nbytes(list(state.params.values())),  # this rank's fp32 master shard
         "grads": grad_bytes[-1],
         "optimizer": nbytes(moments),
@@ -84,7 +85,9 @@ def measure(stage: int, rank: int, steps: int = 2, micro: int = 8) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="directory for the per-rank JSON files")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher; unused")
     args = parser.parse_args()
@@ -92,7 +95,11 @@ def main() -> None:
     if "WORLD_SIZE" in os.environ:
         dsfunc.init_distributed(verbose=False)
     rank, world = dsfunc.get_rank(), dsfunc.get_world_size()
-    result = {"rank": rank, "world_size": world, "stages": {stage: measure(stage, rank) for stage in range(4)}}
+    result = {
+        "rank": rank,
+        "world_size": world,
+        "stages": {stage: measure(stage, rank) for stage in range(4)},
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"world{world}_rank{rank}.json").write_text(json.dumps(result, indent=1))

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat", reason="the notebook tests need nbformat (pip install dsfunc[notebooks])")
-nbclient = pytest.importorskip("nbclient", reason="the notebook tests need nbclient (pip install dsfunc[notebooks])")
-pytest.importorskip("ipykernel", reason="the notebook tests need ipykernel (pip install dsfunc[notebooks])")
-pytest.importorskip("matplotlib", reason="the notebooks need matplotlib (pip install dsfunc[notebooks])")
+NEEDS = "the notebook tests need {} (pip install -e '.[notebooks]')"
+nbformat = pytest.importorskip("nbformat", reason=NEEDS.format("nbformat"))
+nbclient = pytest.importorskip("nbclient", reason=NEEDS.format("nbclient"))
+pytest.importorskip("ipykernel", reason=NEEDS.format("ipykernel"))
+pytest.importorskip("matplotlib", reason=NEEDS.format("matplotlib"))
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -49,7 +50,10 @@ def stderr_of(nb: nbformat.NotebookNode) -> list[str]:
 def test_notebook_runs_and_its_assertions_hold(name: str, kernel_env: None) -> None:
     nb = nbformat.read(NOTEBOOK_DIR / f"{name}.ipynb", as_version=4)
     client = nbclient.NotebookClient(
-        nb, timeout=CELL_TIMEOUT, kernel_name="python3", record_timing=False,
+        nb,
+        timeout=CELL_TIMEOUT,
+        kernel_name="python3",
+        record_timing=False,
         resources={"metadata": {"path": str(NOTEBOOK_DIR)}},
     )
     client.execute()  # raises CellExecutionError, with the cell and its traceback, on any failing cell
@@ -63,8 +67,11 @@ def test_notebook_is_kept_with_its_outputs(name: str) -> None:
     nbformat.validate(nb)
     code = [cell for cell in nb.cells if cell.cell_type == "code"]
     counts = [cell.execution_count for cell in code]
-    assert counts == list(range(1, len(code) + 1)), f"{name} was not saved after one run top to bottom: {counts}"
+    assert counts == list(range(1, len(code) + 1)), (
+        f"{name} was not saved after one run top to bottom: {counts}"
+    )
     images = [out for cell in code for out in cell.outputs if "image/png" in out.get("data", {})]
     assert images, f"{name} has no plot in its saved outputs"
     assert not stderr_of(nb), f"{name} was saved with stderr output:\n" + "\n".join(stderr_of(nb))
-    assert not any(out.output_type == "error" for cell in code for out in cell.outputs), f"{name} saved an error"
+    errors = [out for cell in code for out in cell.outputs if out.output_type == "error"]
+    assert not errors, f"{name} was saved with an error: {errors[0].get('ename')}"
