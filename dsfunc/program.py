@@ -288,6 +288,7 @@ class InitStats:
 INIT_STATS = InitStats()
 
 
+@torch.no_grad()
 def _materialize(
     model: nn.Module, skeleton: nn.Module, plan: ShardingPlan, device: torch.device, seed: int,
     param_init_fn: Callable[[nn.Module], None] | None,

@@ -154,6 +154,7 @@ def make_plan(
     return ShardingPlan(tuple(units), stage, world_size, rank, tuple(frozen))
 
 
+@torch.no_grad()
 def flatten_unit(unit: Unit, tensors: Mapping[str, torch.Tensor], padded: int) -> torch.Tensor:
     """One flat fp32 buffer of ``padded`` elements holding the unit's tensors in layout order."""
     first = tensors[unit.params[0].name]
@@ -603,27 +604,35 @@ def install_hooks(skeleton: nn.Module, workspace: Workspace) -> None:
 
 
 def segment_norm_fn(plan: ShardingPlan, device: torch.device) -> Callable[[Any], Any]:
-    """Per-parameter L2 norms over flat shards, broadcast back per element (Lamb's trust ratio)."""
+    """Per-parameter L2 norms over flat shards, broadcast back per element (Lamb's trust ratio).
+
+    The per-element segment index it needs is built on the first call, so optimizers that never ask
+    (Adam, SGD, ...) pay no memory for it.
+    """
     ids: dict[str, torch.Tensor] = {}
-    for unit in plan.units:
-        start, stop = plan.local_range(unit)
-        seg = torch.full((plan.shard_size(unit),), len(unit.params), dtype=torch.long)
-        for i, slot in enumerate(unit.params):
-            lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, stop)
-            if lo < hi:
-                seg[lo - start : hi - start] = i
-        ids[unit.name] = seg.to(device)
+
+    def segment_ids() -> dict[str, torch.Tensor]:
+        for unit in plan.units:
+            start, stop = plan.local_range(unit)
+            seg = torch.full((plan.shard_size(unit),), len(unit.params), dtype=torch.int32)
+            for i, slot in enumerate(unit.params):
+                lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, stop)
+                if lo < hi:
+                    seg[lo - start : hi - start] = i
+            ids[unit.name] = seg.to(device)
+        return ids
 
     def segment_norm(squares: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        seg = ids or segment_ids()
         sums = {
             name: torch.zeros(len(plan.unit(name).params) + 1, dtype=torch.float32, device=sq.device)
-            .index_add_(0, ids[name], sq.float())
+            .index_add_(0, seg[name], sq.float())
             for name, sq in squares.items()
         }
         if plan.ways > 1:
             packed = torch.cat(list(sums.values()))
             comm.all_reduce_sum(packed)
             sums = dict(zip(sums, packed.split([s.numel() for s in sums.values()])))
-        return {name: s.sqrt()[ids[name]].to(squares[name].dtype) for name, s in sums.items()}
+        return {name: s.sqrt()[seg[name]].to(squares[name].dtype) for name, s in sums.items()}
 
     return segment_norm

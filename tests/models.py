@@ -60,4 +60,5 @@ def config(micro: int = 4, gas: int = 1, world: int = 1, stage: int = 0, **extra
 
 def relative_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    a, b = ({k: v.detach().cpu() for k, v in d.items()} for d in (a, b))
     return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-12)).item() for k in a)

@@ -8,6 +8,8 @@ import optree
 import pytest
 import torch
 
+from tests.cuda_sync import no_host_sync
+
 from dsfunc.optim import (
     EmptyState,
     ScaleByAdamState,
@@ -418,14 +420,10 @@ def test_cuda_updates_never_sync_and_match_cpu():
         want, _ = run_ours(make(), params, grads, grad_scale=torch.tensor(0.5))
         tx, gparams, ggrads, scale = make(), cuda(params), [cuda(g) for g in grads], torch.tensor(0.5).cuda()
         state = tx.init(gparams)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")  # any device->host read raises
-        try:
+        with no_host_sync():  # any device->host read raises
             for g in ggrads:
                 updates, state = tx.update(g, state, gparams, grad_scale=scale)
                 gparams = apply_updates(gparams, updates)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         assert all(x.is_cuda for x in optree.tree_leaves(state))
         assert max_rel_diff(optree.tree_map(lambda x: x.cpu(), gparams), want) <= 1e-6
 

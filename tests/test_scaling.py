@@ -8,6 +8,8 @@ import random
 import pytest
 import torch
 
+from tests.cuda_sync import no_host_sync
+
 from dsfunc.scaling import LossScaleError, LossScaler, LossScaleState, check_not_dead
 
 
@@ -217,12 +219,8 @@ def test_cuda_update_never_syncs():
     overflows = [1, 0, 0, 0, 1, 1, 1, 1, 1, 1]
     flags = [torch.tensor(bool(o), device="cuda") for o in overflows]
     state = scaler.init("cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")  # any device->host read raises
-    try:
+    with no_host_sync():  # any device->host read raises
         for flag in flags:
             state = scaler.update(state, flag)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     want = run(scaler, overflows)[-1]
     assert as_tuple(state) + (state.dead.item(),) == want
