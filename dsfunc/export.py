@@ -1,0 +1,167 @@
+"""``dsfunc export CKPT_DIR OUT``: a checkpoint's weights as one consolidated fp32 ``state_dict`` file.
+
+Both formats are one file that plain PyTorch reads, written while no more than one unit's tensors are
+in memory:
+
+* ``safetensors`` (``safetensors.torch.load_file(out)``): the header (every name, dtype, shape and
+  offset) is known from the checkpoint's metadata, so it is written first and the tensor bytes are
+  appended one unit at a time. Tied parameters are stored under each of their names (safetensors has
+  no aliasing).
+* ``pt`` (``torch.load(out)``): the tensors are first streamed into a temporary safetensors file next to
+  ``out``, which is then memory-mapped and handed to ``torch.save`` (so the pages come from the page
+  cache, not the heap). Tied names share one tensor, as in ``model.state_dict()``. Needs the disk space
+  of the weights twice while it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import struct
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+Layout = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
+
+FORMATS = ("safetensors", "pt")
+_SUFFIXES = {".safetensors": "safetensors", ".pt": "pt", ".pth": "pt", ".bin": "pt"}
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def format_from_suffix(out: str | os.PathLike) -> str:
+    """``"safetensors"`` or ``"pt"`` from the output file's suffix, or an error asking for ``--format``."""
+    suffix = Path(out).suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise ValueError(
+            f"cannot tell the format from the file name {str(out)!r}: name it *.safetensors or *.pt "
+            f"(.pth, .bin), or pass format= / --format ({' or '.join(FORMATS)})"
+        )
+    return _SUFFIXES[suffix]
+
+
+def write_safetensors(out: str | os.PathLike, layout: Layout, tensors: Iterable[tuple[str, torch.Tensor]],
+                      order: Sequence[str] | None = None) -> None:
+    """Stream ``tensors`` (yielded in ``layout`` order) into a safetensors file at ``out``.
+
+    ``order`` is the order of names in the header (default: ``layout``'s); the data follows ``layout``.
+    The file appears at ``out`` only once complete.
+    """
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offsets, offset = {}, 0
+    for name, shape, dtype in layout:
+        size = _numel(shape) * _itemsize(dtype)
+        offsets[name] = {"dtype": _st_dtype(dtype, name), "shape": list(shape),
+                         "data_offsets": [offset, offset + size]}
+        offset += size
+    for name in order if order is not None else [n for n, _, _ in layout]:
+        header[name] = offsets[name]
+    if set(header) - {"__metadata__"} != set(offsets):
+        raise ValueError("write_safetensors: order must name every tensor of the layout exactly once")
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    tmp = Path(f"{out}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(struct.pack("<Q", len(encoded)))
+            f.write(encoded)
+            produced = iter(tensors)
+            for name, shape, dtype in layout:
+                got_name, t = next(produced)
+                if got_name != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                    raise ValueError(f"write_safetensors: expected {name} {tuple(shape)} {dtype}, "
+                                     f"got {got_name} {tuple(t.shape)} {t.dtype}")
+                f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_torch(out: str | os.PathLike, layout: Layout, tensors: Iterable[tuple[str, torch.Tensor]],
+                keys: Sequence[tuple[str, str]]) -> None:
+    """Stream ``tensors`` into a ``torch.save`` file at ``out`` holding ``{key: tensor[source]}`` for
+    ``(key, source)`` in ``keys`` (several keys may share a source: tied parameters)."""
+    staging = Path(f"{out}.staging-{os.getpid()}.safetensors")
+    tmp = Path(f"{out}.tmp-{os.getpid()}")
+    try:
+        write_safetensors(staging, layout, tensors)
+        _save_mapped(staging, layout, keys, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        staging.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+
+
+def _save_mapped(staging: Path, layout: Layout, keys: Sequence[tuple[str, str]], out: Path) -> None:
+    """``torch.save`` the tensors of a safetensors file, read through a memory map (freed on return)."""
+    with open(staging, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # writable view: no torch warning
+    (length,) = struct.unpack("<Q", mapped[:8])
+    header = json.loads(mapped[8 : 8 + length])
+    loaded = {}
+    for name, shape, dtype in layout:
+        begin, end = header[name]["data_offsets"]
+        if end == begin:
+            loaded[name] = torch.empty(shape, dtype=dtype)
+        else:
+            flat = torch.frombuffer(mapped, dtype=dtype, count=_numel(shape), offset=8 + length + begin)
+            loaded[name] = flat.view(shape)
+    torch.save({key: loaded[source] for key, source in keys}, out)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _st_dtype(dtype: torch.dtype, name: str) -> str:
+    if dtype not in _ST_DTYPES:
+        raise ValueError(f"{name}: safetensors cannot store dtype {dtype}")
+    return _ST_DTYPES[dtype]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``dsfunc export CKPT_DIR OUT [--tag T] [--format safetensors|pt] [--no-verify]``."""
+    from dsfunc.checkpoint import CheckpointError, export_fp32  # the checkpoint module imports this one
+
+    parser = argparse.ArgumentParser(
+        prog="dsfunc export",
+        description="Write a dsfunc checkpoint's weights as one consolidated fp32 state_dict file that "
+                    "plain model.load_state_dict accepts (no process group needed).",
+    )
+    parser.add_argument("ckpt_dir", help="the save_dir of dsfunc.save_checkpoint, or a checkpoint folder")
+    parser.add_argument("out", help="output file (*.safetensors, or *.pt/.pth/.bin)")
+    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one CKPT_DIR/latest names)")
+    parser.add_argument("--format", choices=FORMATS, default=None, help="default: from OUT's suffix")
+    parser.add_argument("--no-verify", action="store_true", help="skip checking the files' sha256")
+    args = parser.parse_args(argv)
+    try:
+        out = export_fp32(args.ckpt_dir, args.out, tag=args.tag, format=args.format,
+                          verify=not args.no_verify)
+    except (CheckpointError, ValueError, OSError) as e:
+        print(f"dsfunc export: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out} ({os.path.getsize(out) / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
