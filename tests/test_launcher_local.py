@@ -41,14 +41,15 @@ def test_two_cpu_ranks_all_reduce(job):
     env["NCCL_DEBUG_TEST"] = "forwarded"
     port = free_port()
     res = run_dsfunc(
-        ["--num_gpus", "2", "--master_port", str(port), REPORT, "--flag", "x", str(out)], cwd, env
+        # --log and --max abbreviate torchrun options: the script must still get them untouched
+        ["--num_gpus", "2", "--master_port", str(port), REPORT, "--log", "x", "--max", str(out)], cwd, env
     )
     assert res.returncode == 0, res.stderr
     ranks = reports(out)
     assert sorted(ranks) == [0, 1]
     for rank, r in ranks.items():
         assert r["sum"] == 3.0 and r["world_size"] == 2
-        assert r["argv"] == [f"--local_rank={rank}", "--flag", "x", str(out)]
+        assert r["argv"] == [f"--local_rank={rank}", "--log", "x", "--max", str(out)]
         e = r["env"]
         assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == (
             str(rank),

@@ -21,6 +21,7 @@ import threading
 import time
 
 from dsfunc.launcher.resources import Resources
+from dsfunc.launcher.shim import RANK_ARGS_VARIABLE
 
 _TAIL_LINES = 15
 
@@ -164,8 +165,10 @@ def run_node(
         "--monitor_interval=0.1",
         "--module",
         "dsfunc.launcher.shim",
-        *rank_args,
     ]
+    # The rank's own arguments travel in the environment: torchrun's parser would reject script flags that
+    # abbreviate one of its options (e.g. `--log`, `--max`).
+    os.environ[RANK_ARGS_VARIABLE] = json.dumps(list(rank_args))
     keeper = _StoreKeeper(master_addr, master_port, node_rank, len(hosts)) if len(hosts) > 1 else None
     try:
         torchrun.run(torchrun.parse_args(argv))

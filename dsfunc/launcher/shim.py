@@ -111,9 +111,14 @@ def _run(mode: str, target: str, argv: list[str]) -> None:
         _record_and_exit(error)
 
 
+RANK_ARGS_VARIABLE = "DSFUNC_RANK_ARGS"  # how the per-node agent passes this rank's arguments
+
+
 def main(args: list[str] | None = None) -> None:
     """Run the rank described by ``args`` (see the module docstring)."""
-    args = list(sys.argv[1:] if args is None else args)
+    if args is None:
+        args = json.loads(os.environ.pop(RANK_ARGS_VARIABLE)) if len(sys.argv) == 1 else sys.argv[1:]
+    args = list(args)
     local_rank_flag = True
     mode = "script"
     while args and args[0] in ("--no_local_rank", "--module", "--no_python"):
