@@ -13,7 +13,7 @@ def test_quickstart_and_composition_snippets_run():
     assert len(blocks) >= 2
     scope: dict = {}
     exec(blocks[0], scope)  # noqa: S102 - the README is ours
-    assert int(scope["state"].step) == 100
+    assert int(scope["state"].step) == 20
     tokens = torch.randint(0, 256, (16, 65))
     scope.update(loss_fn=lambda model, batch: model(*batch), batch=(tokens[:, :-1], tokens[:, 1:]))
     exec(blocks[1], scope)  # noqa: S102
