@@ -276,7 +276,7 @@ class Binding:
             return
         flat = self.compute_flat(unit)
         leaf = flat.detach().requires_grad_()
-        me = weakref.ref(self)  # the leaf outlives nothing: no cycle leaf -> hook -> binding -> leaf
+        me = weakref.ref(self)  # weak: a cycle leaf -> hook -> binding -> leaf would keep whole states alive
         leaf.register_post_accumulate_grad_hook(lambda t, u=unit: me()._on_grad(u, t))
         self._leaf_of[unit.name] = leaf
         self.leaves.append(leaf)
