@@ -116,7 +116,8 @@ def save_checkpoint(
       save_dir: the checkpoint directory (created if needed; shared by all ranks).
       tag: the checkpoint's folder name (default ``global_step<N>``, N = ``int(state.step)``). Saving
         over an existing tag replaces it only once the new checkpoint is complete.
-      client_state: anything ``torch.save`` can pickle (rank 0's is kept), returned by the load.
+      client_state: anything ``torch.save`` can pickle (rank 0's is kept, as it is at this call),
+        returned by the load.
       save_latest: also point ``save_dir/latest`` at this tag.
       async_save: copy the state to host memory, return, and write in a background thread while
         training continues. One save is in flight at most: the next save or load (or
@@ -171,7 +172,8 @@ def load_checkpoint(
       timeout: seconds to wait for every rank to arrive before raising :class:`CheckpointTimeoutError`.
 
     Returns:
-      ``(new_state, client_state)``.
+      ``(new_state, client_state)``. The client state is unpickled: load only checkpoints you trust,
+      as with ``torch.load``.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"load_checkpoint expects a TrainState from dsfunc.init_state, got "
@@ -198,7 +200,10 @@ def load_checkpoint(
 
 
 def wait_for_checkpoint() -> str | None:
-    """Wait for the asynchronous save in flight, if any; return its folder, or raise why it failed."""
+    """Wait for the asynchronous save in flight, if any; return its folder, or raise why it failed.
+
+    Every rank should call it before ``destroy_process_group`` (the save's ranks talk to each other).
+    """
     global _PENDING
     pending, _PENDING = _PENDING, None
     return None if pending is None else pending.result()
@@ -236,17 +241,19 @@ def export_fp32(ckpt_dir: PathLike, out: PathLike, tag: str | None = None, *,
     from dsfunc import export  # export's CLI imports this module
 
     fmt = format or export.format_from_suffix(out)
+    if fmt not in export.FORMATS:
+        raise ValueError(f"format must be one of {export.FORMATS}, got {fmt!r}")
     folder = _resolve(Path(ckpt_dir), tag)
     meta = _read_meta(folder)
     _verify_files(folder, meta, share=(0, 1) if verify else None)
-    canonical = _export_layout(meta, with_aliases=fmt == "safetensors")
-    tensors = _export_tensors(folder, meta, with_aliases=fmt == "safetensors")
+    aliases = fmt == "safetensors"  # safetensors stores tied names separately; torch.save shares them
+    layout = _export_layout(meta, with_aliases=aliases)
+    tensors = _export_tensors(folder, meta, with_aliases=aliases)
     if fmt == "safetensors":
-        order = [name for name, _, _ in meta["state_dict"]]
-        export.write_safetensors(out, canonical, tensors, order=order)
+        export.write_safetensors(out, layout, tensors, order=[name for name, _, _ in meta["state_dict"]])
     else:
         keys = [(name, source) for name, _, source in meta["state_dict"]]
-        export.write_torch(out, canonical, tensors, keys=keys)
+        export.write_torch(out, layout, tensors, keys=keys)
     return str(out)
 
 
@@ -736,7 +743,9 @@ def _dcp_save(tensors: dict[str, Any], folder: Path) -> None:
     if comm.is_distributed():
         dcp.save(tensors, storage_writer=_make_writer(folder), process_group=_group())
         return
-    with warnings.catch_warnings():  # one process: DCP warns that it assumes so
+    # One process: DCP warns that it assumes so. catch_warnings swaps the process-wide filters; in the
+    # save thread of an async save that is racy only against the main thread changing filters meanwhile.
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         dcp.save(tensors, storage_writer=_make_writer(folder), no_dist=True)
 
