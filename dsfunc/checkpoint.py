@@ -183,8 +183,7 @@ def load_checkpoint(
     _arrive("load_checkpoint", None if tag is None else str(tag), timeout)
     folder, meta, client = _collective(
         lambda: _open(Path(load_dir), tag, state, load_optimizer_states, verify))
-    load_scaler = _scaler_compatible(meta, state)
-    targets = _load_dict(state, optimizer=load_optimizer_states, scaler=load_scaler)
+    targets = _load_dict(state, _wanted(meta, state, load_optimizer_states))
     try:
         _dcp_load(targets, folder)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
@@ -327,12 +326,12 @@ def _save_dict(state: TrainState, *, staged: bool) -> dict[str, Any]:
     return out
 
 
-def _load_dict(state: TrainState, *, optimizer: bool, scaler: bool) -> dict[str, Any]:
+def _load_dict(state: TrainState, wanted: set[str]) -> dict[str, Any]:
     """DCP targets that are views of the template's own tensors, so the load fills them in place."""
     plan = state.program.plan
     out: dict[str, Any] = {}
     for e in _entries(state):
-        if (e.key.startswith("optim/") and not optimizer) or (e.key.startswith("scaler/") and not scaler):
+        if e.key not in wanted:
             continue
         if e.unit is None or plan.ways == 1:
             out[e.key] = e.tensor
@@ -558,6 +557,21 @@ def _open(load_dir: Path, tag: Any, state: TrainState, load_optimizer: bool,
     return folder, meta, client
 
 
+def _wanted(meta: dict[str, Any], state: TrainState, load_optimizer: bool) -> set[str]:
+    """The template's keys to read: all, but the optimizer state only if asked, the loss-scaler state only
+    for the same precision and kind of scaler, and metrics only those the checkpoint has."""
+    same_precision = meta["precision"] == _precision(state)
+    load_scaler = same_precision and meta["scaler"]["dynamic"] == state.program.scaler.dynamic
+    wanted = set()
+    for e in _entries(state):
+        skip = ((e.key.startswith("optim/") and not load_optimizer)
+                or (e.key.startswith("scaler/") and not load_scaler)
+                or (e.key.startswith("metrics/") and e.key not in meta["tensors"]))
+        if not skip:
+            wanted.add(e.key)
+    return wanted
+
+
 def _resolve(load_dir: Path, tag: Any) -> Path:
     """The folder of a complete checkpoint, or an error that lists what is there."""
     if tag is None and (load_dir / META_FILE).is_file():
@@ -653,8 +667,6 @@ def _check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, loa
             f"state into {[n for n, _ in my_units]}: pass the unit_modules the saving run used to "
             "dsfunc.init_state"
         )
-    if not load_optimizer:
-        return
 
     def describe(unit: str | None, shape: Any) -> str:
         return f"unit {unit}" if unit else f"shape {tuple(shape)}"
@@ -664,7 +676,7 @@ def _check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, loa
     mine_opt = {e.key[6:]: describe(e.unit, e.tensor.shape)
                 for e in _entries(state) if e.key.startswith("optim/")}
     lines = _differences(saved_opt, mine_opt, "this state's optimizer")
-    if lines:
+    if lines and load_optimizer:
         cfg = state.program.config
         mine_type = cfg.optimizer.type if cfg.optimizer is not None else "a custom transform"
         raise CheckpointMismatchError(
@@ -672,6 +684,12 @@ def _check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, loa
             f"optimizer ({mine_type!r}):\n" + "\n".join(lines) + "\nUse the optimizer the checkpoint was "
             "saved with, or pass load_optimizer_states=False to load everything else and start this "
             "optimizer fresh (its LR schedule restarts too)."
+        )
+    absent = sorted(_wanted(meta, state, load_optimizer) - meta["tensors"].keys())
+    if absent:
+        raise CheckpointMismatchError(
+            f"the checkpoint {folder} (written by dsfunc {meta.get('dsfunc_version')}) has no "
+            f"{', '.join(absent)}, which this state needs"
         )
 
 
@@ -689,12 +707,6 @@ def _differences(saved: Mapping[str, Any], mine: Mapping[str, Any], what: str, l
         lines.append("  different: " + listed([f"{k} (checkpoint {saved[k]}, {what} {mine[k]})"
                                                 for k in changed]))
     return lines
-
-
-def _scaler_compatible(meta: dict[str, Any], state: TrainState) -> bool:
-    """Keep the saved loss-scaler state only for the same precision and kind of scaler."""
-    same_precision = meta["precision"] == _precision(state)
-    return same_precision and meta["scaler"]["dynamic"] == state.program.scaler.dynamic
 
 
 # --------------------------------------------------------------------------------------------------
