@@ -116,7 +116,8 @@ def save_checkpoint(
       save_dir: the checkpoint directory (created if needed; shared by all ranks).
       tag: the checkpoint's folder name (default ``global_step<N>``, N = ``int(state.step)``). Saving
         over an existing tag replaces it only once the new checkpoint is complete.
-      client_state: anything ``torch.save`` can pickle (rank 0's is kept), returned by the load.
+      client_state: anything ``torch.save`` can pickle (rank 0's is kept, as it is at this call),
+        returned by the load.
       save_latest: also point ``save_dir/latest`` at this tag.
       async_save: copy the state to host memory, return, and write in a background thread while
         training continues. One save is in flight at most: the next save or load (or
@@ -171,7 +172,8 @@ def load_checkpoint(
       timeout: seconds to wait for every rank to arrive before raising :class:`CheckpointTimeoutError`.
 
     Returns:
-      ``(new_state, client_state)``.
+      ``(new_state, client_state)``. The client state is unpickled: load only checkpoints you trust,
+      as with ``torch.load``.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"load_checkpoint expects a TrainState from dsfunc.init_state, got "
@@ -181,8 +183,7 @@ def load_checkpoint(
     _arrive("load_checkpoint", None if tag is None else str(tag), timeout)
     folder, meta, client = _collective(
         lambda: _open(Path(load_dir), tag, state, load_optimizer_states, verify))
-    load_scaler = _scaler_compatible(meta, state)
-    targets = _load_dict(state, optimizer=load_optimizer_states, scaler=load_scaler)
+    targets = _load_dict(state, _wanted(meta, state, load_optimizer_states))
     try:
         _dcp_load(targets, folder)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
@@ -198,7 +199,10 @@ def load_checkpoint(
 
 
 def wait_for_checkpoint() -> str | None:
-    """Wait for the asynchronous save in flight, if any; return its folder, or raise why it failed."""
+    """Wait for the asynchronous save in flight, if any; return its folder, or raise why it failed.
+
+    Every rank should call it before ``destroy_process_group`` (the save's ranks talk to each other).
+    """
     global _PENDING
     pending, _PENDING = _PENDING, None
     return None if pending is None else pending.result()
@@ -236,17 +240,19 @@ def export_fp32(ckpt_dir: PathLike, out: PathLike, tag: str | None = None, *,
     from dsfunc import export  # export's CLI imports this module
 
     fmt = format or export.format_from_suffix(out)
+    if fmt not in export.FORMATS:
+        raise ValueError(f"format must be one of {export.FORMATS}, got {fmt!r}")
     folder = _resolve(Path(ckpt_dir), tag)
     meta = _read_meta(folder)
     _verify_files(folder, meta, share=(0, 1) if verify else None)
-    canonical = _export_layout(meta, with_aliases=fmt == "safetensors")
-    tensors = _export_tensors(folder, meta, with_aliases=fmt == "safetensors")
+    aliases = fmt == "safetensors"  # safetensors stores tied names separately; torch.save shares them
+    layout = _export_layout(meta, with_aliases=aliases)
+    tensors = _export_tensors(folder, meta, with_aliases=aliases)
     if fmt == "safetensors":
-        order = [name for name, _, _ in meta["state_dict"]]
-        export.write_safetensors(out, canonical, tensors, order=order)
+        export.write_safetensors(out, layout, tensors, order=[name for name, _, _ in meta["state_dict"]])
     else:
         keys = [(name, source) for name, _, source in meta["state_dict"]]
-        export.write_torch(out, canonical, tensors, keys=keys)
+        export.write_torch(out, layout, tensors, keys=keys)
     return str(out)
 
 
@@ -320,12 +326,12 @@ def _save_dict(state: TrainState, *, staged: bool) -> dict[str, Any]:
     return out
 
 
-def _load_dict(state: TrainState, *, optimizer: bool, scaler: bool) -> dict[str, Any]:
+def _load_dict(state: TrainState, wanted: set[str]) -> dict[str, Any]:
     """DCP targets that are views of the template's own tensors, so the load fills them in place."""
     plan = state.program.plan
     out: dict[str, Any] = {}
     for e in _entries(state):
-        if (e.key.startswith("optim/") and not optimizer) or (e.key.startswith("scaler/") and not scaler):
+        if e.key not in wanted:
             continue
         if e.unit is None or plan.ways == 1:
             out[e.key] = e.tensor
@@ -551,6 +557,21 @@ def _open(load_dir: Path, tag: Any, state: TrainState, load_optimizer: bool,
     return folder, meta, client
 
 
+def _wanted(meta: dict[str, Any], state: TrainState, load_optimizer: bool) -> set[str]:
+    """The template's keys to read: all, but the optimizer state only if asked, the loss-scaler state only
+    for the same precision and kind of scaler, and metrics only those the checkpoint has."""
+    same_precision = meta["precision"] == _precision(state)
+    load_scaler = same_precision and meta["scaler"]["dynamic"] == state.program.scaler.dynamic
+    wanted = set()
+    for e in _entries(state):
+        skip = ((e.key.startswith("optim/") and not load_optimizer)
+                or (e.key.startswith("scaler/") and not load_scaler)
+                or (e.key.startswith("metrics/") and e.key not in meta["tensors"]))
+        if not skip:
+            wanted.add(e.key)
+    return wanted
+
+
 def _resolve(load_dir: Path, tag: Any) -> Path:
     """The folder of a complete checkpoint, or an error that lists what is there."""
     if tag is None and (load_dir / META_FILE).is_file():
@@ -646,8 +667,6 @@ def _check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, loa
             f"state into {[n for n, _ in my_units]}: pass the unit_modules the saving run used to "
             "dsfunc.init_state"
         )
-    if not load_optimizer:
-        return
 
     def describe(unit: str | None, shape: Any) -> str:
         return f"unit {unit}" if unit else f"shape {tuple(shape)}"
@@ -657,7 +676,7 @@ def _check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, loa
     mine_opt = {e.key[6:]: describe(e.unit, e.tensor.shape)
                 for e in _entries(state) if e.key.startswith("optim/")}
     lines = _differences(saved_opt, mine_opt, "this state's optimizer")
-    if lines:
+    if lines and load_optimizer:
         cfg = state.program.config
         mine_type = cfg.optimizer.type if cfg.optimizer is not None else "a custom transform"
         raise CheckpointMismatchError(
@@ -665,6 +684,12 @@ def _check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, loa
             f"optimizer ({mine_type!r}):\n" + "\n".join(lines) + "\nUse the optimizer the checkpoint was "
             "saved with, or pass load_optimizer_states=False to load everything else and start this "
             "optimizer fresh (its LR schedule restarts too)."
+        )
+    absent = sorted(_wanted(meta, state, load_optimizer) - meta["tensors"].keys())
+    if absent:
+        raise CheckpointMismatchError(
+            f"the checkpoint {folder} (written by dsfunc {meta.get('dsfunc_version')}) has no "
+            f"{', '.join(absent)}, which this state needs"
         )
 
 
@@ -682,12 +707,6 @@ def _differences(saved: Mapping[str, Any], mine: Mapping[str, Any], what: str, l
         lines.append("  different: " + listed([f"{k} (checkpoint {saved[k]}, {what} {mine[k]})"
                                                 for k in changed]))
     return lines
-
-
-def _scaler_compatible(meta: dict[str, Any], state: TrainState) -> bool:
-    """Keep the saved loss-scaler state only for the same precision and kind of scaler."""
-    same_precision = meta["precision"] == _precision(state)
-    return same_precision and meta["scaler"]["dynamic"] == state.program.scaler.dynamic
 
 
 # --------------------------------------------------------------------------------------------------
@@ -736,7 +755,9 @@ def _dcp_save(tensors: dict[str, Any], folder: Path) -> None:
     if comm.is_distributed():
         dcp.save(tensors, storage_writer=_make_writer(folder), process_group=_group())
         return
-    with warnings.catch_warnings():  # one process: DCP warns that it assumes so
+    # One process: DCP warns that it assumes so. catch_warnings swaps the process-wide filters; in the
+    # save thread of an async save that is racy only against the main thread changing filters meanwhile.
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
         dcp.save(tensors, storage_writer=_make_writer(folder), no_dist=True)
 

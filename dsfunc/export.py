@@ -8,9 +8,10 @@ in memory:
   appended one unit at a time. Tied parameters are stored under each of their names (safetensors has
   no aliasing).
 * ``pt`` (``torch.load(out)``): the tensors are first streamed into a temporary safetensors file next to
-  ``out``, which is then memory-mapped and handed to ``torch.save`` (so the pages come from the page
-  cache, not the heap). Tied names share one tensor, as in ``model.state_dict()``. Needs the disk space
-  of the weights twice while it runs.
+  ``out``, which is then memory-mapped and handed to ``torch.save``: the bytes come from the page cache,
+  not the heap (the mapped pages do count in the process's resident size while ``torch.save`` reads
+  them; the kernel reclaims them as needed). Tied names share one tensor, as in ``model.state_dict()``.
+  Needs the disk space of the weights twice while it runs.
 """
 
 from __future__ import annotations

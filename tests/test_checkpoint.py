@@ -215,6 +215,22 @@ def test_model_mismatch_lists_parameters(tmp_path):
         ckpt.load_checkpoint(tmp_path, other_units)
 
 
+def test_entries_the_checkpoint_lacks_are_named_before_the_template_is_touched(tmp_path):
+    ckpt.save_checkpoint(dsfunc.init_state(MLP(), config()), tmp_path)
+    meta_file = tmp_path / "global_step0" / ckpt.META_FILE
+    meta = json.loads(meta_file.read_text())
+    del meta["tensors"]["metrics/lr"]  # as if saved by a dsfunc that did not record this metric yet
+    meta_file.write_text(json.dumps(meta))
+    loaded, _ = ckpt.load_checkpoint(tmp_path, dsfunc.init_state(MLP(), config()))  # metrics are optional
+    assert int(loaded.step) == 0
+    del meta["tensors"]["rng"]
+    meta_file.write_text(json.dumps(meta))
+    template = dsfunc.init_state(MLP(), config())
+    with pytest.raises(ckpt.CheckpointMismatchError, match=r"has no rng, which this state needs"):
+        ckpt.load_checkpoint(tmp_path, template)
+    assert not template.donated
+
+
 def test_another_optimizer_is_named_and_can_start_fresh(tmp_path):
     torch.manual_seed(0)
     state = trained(MLP(), config(), mlp_batches(2, 4), 2)

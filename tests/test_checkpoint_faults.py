@@ -27,11 +27,15 @@ from tests.multiprocess import free_port, run_world
 BATCHES = mlp_batches(3, 8)
 
 
-def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _child(fn: Callable[..., Any], rank: int, world: int, port: int, backend: str, args: tuple,
+           queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         buffer = io.BytesIO()
         torch.save(fn(rank, world, *args), buffer)
         queue.put((rank, buffer.getvalue()))
@@ -39,12 +43,15 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
         queue.put((rank, traceback.format_exc().encode()))
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[tuple[int, Any]]:
-    """Like ``run_world``, but ranks may die: ``(exit code, fn's result or traceback)`` for each rank."""
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120,
+              backend: str = "gloo") -> list[tuple[int, Any]]:
+    """Like ``run_world``, but ranks may die: ``(exit code, fn's result or traceback)`` for each rank.
+    With ``backend="nccl"`` rank r uses GPU r."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, backend, args, queue))
+             for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
