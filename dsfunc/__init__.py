@@ -14,6 +14,7 @@ from dsfunc.checkpoint import (
     export_fp32,
     load_checkpoint,
     save_checkpoint,
+    wait_for_checkpoint,
 )
 from dsfunc.config import (
     BF16Config,
@@ -129,6 +130,7 @@ __all__ = [
     "shard",
     "train_step",
     "value_and_grad",
+    "wait_for_checkpoint",
     "warmup_cosine_lr",
     "warmup_decay_lr",
     "warmup_lr",
