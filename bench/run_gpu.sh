@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything dsfunc measures on the GPU machine, in one go: GPU tests, then the benchmarks.
-#   bash bench/run_gpu.sh [OUTDIR] [PART]     PART: tests | zero13 | zero67 | all (default)
+#   bash bench/run_gpu.sh [OUTDIR] [PART]     PART: tests | engine | zero13 | zero67 | all (default)
 # Needs optree (pip install, or the wheels in .whl/). Logs go to OUTDIR (default ./gpu-logs).
 set -uo pipefail
 out=${1:-gpu-logs}
@@ -23,6 +23,11 @@ if [ "$part" = tests ] || [ "$part" = all ]; then
         timeout 150 python3 -m pytest -q -p no:cacheprovider $t 2>&1 | tail -40
     done | tee "$out/tests.txt"
     timeout 60 python3 bench/bench_step_overhead.py --device cuda --steps 100 2>&1 | tee "$out/overhead.txt"
+fi
+if [ "$part" = engine ] || [ "$part" = all ]; then  # checkpoints and the engine on NCCL ranks
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_checkpoint_dist.py -k cuda 2>&1 | tail -30 \
+        | tee "$out/checkpoint-cuda.txt"
+    timeout 300 bash tests/engine_scripts/gpu_run.sh "$ngpu" 2>&1 | tail -40 | tee "$out/engine-cuda.txt"
 fi
 run_zero() {  # model systems
     timeout 150 python3 -m torch.distributed.run --nproc_per_node "$ngpu" bench/bench_zero.py \
