@@ -183,9 +183,12 @@ def load_checkpoint(
     _arrive("load_checkpoint", None if tag is None else str(tag), timeout)
     folder, meta, client = _collective(
         lambda: _open(Path(load_dir), tag, state, load_optimizer_states, verify))
-    targets = _load_dict(state, _wanted(meta, state, load_optimizer_states))
+    targets, copy_back = _load_dict(state, _wanted(meta, state, load_optimizer_states))
     try:
         _dcp_load(targets, folder)
+        with torch.no_grad():
+            for device_view, host in copy_back:
+                device_view.copy_(host)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         state.mark_donated()
         raise CheckpointError(
@@ -304,10 +307,12 @@ def _chunk(numel: int, world: int, rank: int) -> tuple[int, int]:
 def _save_dict(state: TrainState, *, staged: bool) -> dict[str, Any]:
     """What this rank hands to DCP: its slice of every unit-shaped tensor, and (rank 0) the rest.
 
-    ``staged`` copies everything to host memory so training may go on while a thread writes it.
+    ``staged`` copies everything to host memory so training may go on while a thread writes it. GPU
+    tensors always go through host memory: DCP then coordinates on the gloo side group with CPU
+    tensors only.
     """
     plan, world, rank = state.program.plan, comm.world_size(), comm.rank()
-    copy = (lambda t: t.detach().to("cpu", copy=True)) if staged else (lambda t: t.detach())
+    copy = (lambda t: t.detach().to("cpu", copy=True)) if staged else (lambda t: t.detach().cpu())
     out: dict[str, Any] = {}
     for e in _entries(state):
         if e.unit is None:
@@ -326,22 +331,34 @@ def _save_dict(state: TrainState, *, staged: bool) -> dict[str, Any]:
     return out
 
 
-def _load_dict(state: TrainState, wanted: set[str]) -> dict[str, Any]:
-    """DCP targets that are views of the template's own tensors, so the load fills them in place."""
+def _load_dict(
+    state: TrainState, wanted: set[str]
+) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """DCP targets that are views of the template's own CPU tensors, so the load fills them in place;
+    GPU tensors get a host buffer, returned as ``(device view, host buffer)`` pairs to copy back."""
     plan = state.program.plan
     out: dict[str, Any] = {}
+    copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def on_host(view: torch.Tensor) -> torch.Tensor:
+        if view.device.type == "cpu":
+            return view
+        host = torch.empty_like(view, device="cpu")
+        copy_back.append((view, host))
+        return host
+
     for e in _entries(state):
         if e.key not in wanted:
             continue
         if e.unit is None or plan.ways == 1:
-            out[e.key] = e.tensor
+            out[e.key] = on_host(e.tensor)
             continue
         unit = plan.unit(e.unit)
         start, stop = plan.local_range(unit)
         e.tensor[stop - start:].zero_()  # the padding tail stays zero
-        out[e.key] = DTensor.from_local(e.tensor[: stop - start], _mesh(e.tensor.device.type), [Shard(0)],
+        out[e.key] = DTensor.from_local(on_host(e.tensor[: stop - start]), _mesh("cpu"), [Shard(0)],
                                         shape=(unit.numel,), stride=(1,), run_check=False)
-    return out
+    return out, copy_back
 
 
 def _describe(state: TrainState, tag: str) -> dict[str, Any]:
