@@ -227,8 +227,8 @@ def init_state(
     workspace = Workspace(
         plan, compute_dtype=compute_dtype, device=device,
         persistence_threshold=zero.stage3_param_persistence_threshold,
-        prefetch_elements=zero.stage3_prefetch_bucket_size if zero.overlap_comm else 0,
-        max_live_elements=zero.stage3_max_live_parameters, prefetch=zero.overlap_comm,
+        max_live_elements=zero.stage3_max_live_parameters,
+        prefetch=zero.overlap_comm and zero.stage3_prefetch_bucket_size > 0,
     )
     install_hooks(skeleton, workspace)
     _install_input_cast(skeleton, workspace, compute_dtype)

@@ -431,12 +431,10 @@ class Workspace:
     """
 
     def __init__(self, plan: ShardingPlan, *, compute_dtype: torch.dtype, device: torch.device,
-                 persistence_threshold: int, prefetch_elements: int, max_live_elements: int,
-                 prefetch: bool) -> None:
+                 persistence_threshold: int, max_live_elements: int, prefetch: bool) -> None:
         self.plan = plan
         self.compute_dtype = compute_dtype
         self.device = device
-        self.prefetch_elements = prefetch_elements
         self.max_live_elements = max_live_elements
         self.prefetch_enabled = prefetch
         self.stats = ZeroStats()
@@ -561,7 +559,7 @@ class Workspace:
         """The lazy unit after ``unit``: one unit of lookahead keeps at most two units gathered."""
         units = [u for u in self.plan.units if self.lazy(u)]
         i = units.index(unit)
-        return units[i + 1 : i + 2] if self.prefetch_elements > 0 else []
+        return units[i + 1 : i + 2]
 
     def prefetch(self, units: Iterable[Unit], master: Mapping[str, torch.Tensor]) -> None:
         """Start gathering ``units`` now, within the prefetch and live-parameter budgets."""
