@@ -79,7 +79,7 @@ def main() -> None:
                     sync(device)
                     blocks[mode].append(time.perf_counter() - start)
                 for _ in range(args.every):
-                    pending = checkpoint._PENDING
+                    pending = checkpoint.api._PENDING
                     writing = pending is not None and not pending.done()
                     t = time.perf_counter()
                     state = dsfunc.train_step(state, batch)

@@ -25,7 +25,7 @@ from dsfunc.config import (
     SchedulerConfig,
     ZeroConfig,
 )
-from dsfunc.distributed import get_local_rank, get_rank, get_world_size, init_distributed
+from dsfunc.dist import get_local_rank, get_rank, get_world_size, init_distributed
 from dsfunc.engine import Engine, add_config_arguments, initialize
 from dsfunc.optim import (
     Transform,

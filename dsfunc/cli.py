@@ -120,21 +120,13 @@ def parse_launcher_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _export(argv: list[str]) -> int:
-    try:
-        from dsfunc.export import main as export_main
-    except ModuleNotFoundError as e:
-        if e.name != "dsfunc.export":
-            raise
-        raise SystemExit("dsfunc export: this dsfunc build has no export command (dsfunc.export is missing)")
-    return export_main(argv) or 0
-
-
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``dsfunc`` console script; exits with the job's exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["export"]:
-        sys.exit(_export(argv[1:]))
+        from dsfunc.checkpoint.export import main as export_main
+
+        sys.exit(export_main(argv[1:]))
     from dsfunc.launcher.commands import LauncherError
     from dsfunc.launcher.environment import EnvFileError
     from dsfunc.launcher.resources import ResourceError

@@ -29,7 +29,7 @@ import optree
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from dsfunc import comm
+from dsfunc.dist import comm
 
 
 class DistributedLoader:

@@ -52,9 +52,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsfunc import checkpoint, comm, distributed
+from dsfunc import checkpoint
 from dsfunc.config import Config
 from dsfunc.data import DistributedLoader, check_dataset
+from dsfunc.dist import comm
+from dsfunc.dist import init as distributed
 from dsfunc.monitor import Monitor, tokens_in
 from dsfunc.optim import (
     ScheduleState,

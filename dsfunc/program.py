@@ -17,8 +17,9 @@ import optree
 import torch
 from torch import nn
 
-from dsfunc import comm, kernels
+from dsfunc import kernels
 from dsfunc.config import Config
+from dsfunc.dist import comm
 from dsfunc.fused import FusedAdam
 from dsfunc.optim import (
     apply_updates,

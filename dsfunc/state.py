@@ -11,57 +11,18 @@ consumed; touching a consumed state raises :class:`DonatedStateError`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar
 
 import optree
 import torch
 
+from dsfunc.frozen import GLOBAL_NAMESPACE, FrozenDict
+
 T = TypeVar("T")
-GLOBAL_NAMESPACE = getattr(optree.registry, "__GLOBAL_NAMESPACE")  # registrations visible to plain tree_map
 
 
 class DonatedStateError(RuntimeError):
     """A state that ``train_step`` consumed (donated) was used again."""
-
-
-class FrozenDict(Mapping):
-    """An insertion-ordered, immutable mapping registered as an optree node (keys are static)."""
-
-    __slots__ = ("_data",)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        object.__setattr__(self, "_data", dict(*args, **kwargs))
-
-    def __getitem__(self, key: str) -> Any:
-        return self._data[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        raise TypeError(
-            f"this mapping is part of an immutable TrainState: cannot set [{key!r}]. "
-            "Build a new dict and use state.replace(...), e.g. "
-            "state.replace(params={**state.params, key: value})."
-        )
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise TypeError("FrozenDict is immutable")
-
-    def __repr__(self) -> str:
-        return f"FrozenDict({self._data!r})"
-
-
-optree.register_pytree_node(
-    FrozenDict,
-    lambda d: (tuple(d._data.values()), tuple(d._data.keys()), tuple(d._data.keys())),
-    lambda keys, values: FrozenDict(zip(keys, values)),
-    namespace=GLOBAL_NAMESPACE,
-)
 
 
 def static_field(**kwargs: Any) -> Any:

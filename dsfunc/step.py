@@ -21,7 +21,7 @@ from typing import Any
 import optree
 import torch
 
-from dsfunc import comm
+from dsfunc.dist import comm
 from dsfunc.state import FrozenDict, Metrics, TrainState
 from dsfunc.zero import Binding, ShardedBinding
 

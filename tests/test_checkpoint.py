@@ -17,7 +17,7 @@ from torch import nn
 
 import dsfunc
 from dsfunc import checkpoint as ckpt
-from dsfunc import export
+from dsfunc.checkpoint import export
 from tests.models import MLP, ConvBN, config, mlp_batches
 
 FP16 = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 2}

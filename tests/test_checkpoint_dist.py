@@ -13,7 +13,7 @@ from torch import nn
 
 import dsfunc
 from dsfunc import checkpoint as ckpt
-from dsfunc import comm
+from dsfunc.dist import comm
 from tests.models import MLP, config, mlp_batches
 from tests.multiprocess import run_world
 from tests.test_checkpoint_faults import run_ranks

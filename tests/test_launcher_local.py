@@ -207,14 +207,8 @@ def test_bad_env_file_names_file_and_line(job):
 def test_export_subcommand_is_dispatched(job):
     cwd, _, env = job
     res = run_dsfunc(["export", "--help"], cwd, env, timeout=60)
-    try:
-        import dsfunc.export  # noqa: F401
-    except ModuleNotFoundError:
-        assert (
-            res.returncode != 0 and "dsfunc export" in res.stderr and "dsfunc.export is missing" in res.stderr
-        )
-    else:
-        assert res.returncode == 0, res.stderr
+    assert res.returncode == 0, res.stderr
+    assert "usage: dsfunc export" in res.stdout
 
 
 def test_no_ssh_nodes_started_by_hand_form_one_world(job):

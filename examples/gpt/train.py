@@ -63,7 +63,7 @@ def main() -> None:
     model.apply(init_weights)
     state = dsfunc.init_state(model, config)
     cfg = state.program.config
-    rank, per_rank = dsfunc.comm.rank(), cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
+    rank, per_rank = dsfunc.get_rank(), cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
     if rank == 0:
         print(f"dsfunc {dsfunc.__version__}: {sum(p.numel() for p in model.parameters()):,} parameters, "
               f"{len(data):,} characters, world size {cfg.world_size}, ZeRO stage {cfg.zero_optimization.stage}, "

@@ -15,7 +15,7 @@ from dsfunc.engine import initialize
 from tests.models import MLP, config, mlp_batches, relative_diff
 
 dsfunc.init_distributed()
-rank, world = dsfunc.comm.rank(), dsfunc.comm.world_size()
+rank, world = dsfunc.get_rank(), dsfunc.get_world_size()
 failures = 0
 for precision in (None, "bf16"):
     for stage in (0, 3):

@@ -8,7 +8,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dsfunc.distributed import get_local_rank, init_distributed
+from dsfunc.dist import get_local_rank, init_distributed
 
 out_dir = sys.argv[-1]
 init_distributed()

@@ -141,7 +141,7 @@ def _st_dtype(dtype: torch.dtype, name: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``dsfunc export CKPT_DIR OUT [--tag T] [--format safetensors|pt] [--no-verify]``."""
-    from dsfunc.checkpoint import CheckpointError, export_fp32  # the checkpoint module imports this one
+    from dsfunc.checkpoint.api import CheckpointError, export_fp32  # the api module imports this one
 
     parser = argparse.ArgumentParser(
         prog="dsfunc export",

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from dsfunc import comm
+from dsfunc.dist import comm
 from dsfunc.state import TrainState
 
 T = TypeVar("T")
@@ -240,7 +240,7 @@ def export_fp32(ckpt_dir: PathLike, out: PathLike, tag: str | None = None, *,
     Returns:
       ``out`` as a string.
     """
-    from dsfunc import export  # export's CLI imports this module
+    from dsfunc.checkpoint import export  # export's CLI imports this module
 
     fmt = format or export.format_from_suffix(out)
     if fmt not in export.FORMATS:

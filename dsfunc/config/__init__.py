@@ -55,6 +55,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from dsfunc.frozen import FrozenDict, freeze, thaw
+
 __all__ = [
     "BF16Config",
     "Config",
@@ -72,44 +74,6 @@ class ConfigError(ValueError):
     """A problem in a DeepSpeed/dsfunc config; the message names the key path and what is allowed."""
 
 
-class FrozenDict(dict):
-    """An immutable, hashable ``dict`` (still JSON-serialisable, picklable and usable as ``**kwargs``)."""
-
-    __slots__ = ()
-
-    def _immutable(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("FrozenDict is immutable; build a new dict instead")
-
-    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _immutable
-
-    def __hash__(self) -> int:  # type: ignore[override]
-        return hash(frozenset(self.items()))
-
-    def __reduce__(self) -> tuple:
-        return (type(self), (dict(self),))
-
-    def __repr__(self) -> str:
-        return f"FrozenDict({dict.__repr__(self)})"
-
-
-def _freeze(value: Any) -> Any:
-    """Mappings become FrozenDicts and lists tuples, recursively."""
-    if isinstance(value, Mapping):
-        return FrozenDict({k: _freeze(v) for k, v in value.items()})
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
-def _thaw(value: Any) -> Any:
-    """The inverse of ``_freeze``: plain dicts and lists, ready for ``json.dumps``."""
-    if isinstance(value, Mapping):
-        return {k: _thaw(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_thaw(v) for v in value]
-    return value
-
-
 # ----------------------------------------------------------------------------------------------------
 # Messages
 
@@ -122,7 +86,7 @@ _AUTO_HELP = (
 def _show(value: Any) -> str:
     """A value as it would appear in the JSON file."""
     try:
-        return json.dumps(_thaw(value))
+        return json.dumps(thaw(value))
     except (TypeError, ValueError):
         return repr(value)
 
@@ -495,7 +459,7 @@ class OptimizerConfig:
     params: Mapping[str, Any]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "params", _freeze(self.params))
+        object.__setattr__(self, "params", freeze(self.params))
 
 
 _OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "lamb": "Lamb", "adagrad": "Adagrad"}
@@ -592,7 +556,7 @@ class SchedulerConfig:
     params: Mapping[str, Any]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "params", _freeze(self.params))
+        object.__setattr__(self, "params", freeze(self.params))
 
 
 _SCHEDULER_NAMES = {
@@ -943,7 +907,7 @@ class Config:
     raw: Mapping[str, Any] = FrozenDict()  # the user's dict as given
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "raw", _freeze(self.raw))
+        object.__setattr__(self, "raw", freeze(self.raw))
         t, m, g, w = (
             self.train_batch_size,
             self.train_micro_batch_size_per_gpu,
@@ -1010,7 +974,7 @@ class Config:
         }
         for name in ("optimizer", "scheduler"):
             section = getattr(self, name)
-            out[name] = None if section is None else {"type": section.type, "params": _thaw(section.params)}
+            out[name] = None if section is None else {"type": section.type, "params": thaw(section.params)}
         for name in ("fp16", "bf16", "zero_optimization", "tensorboard", "csv_monitor"):
             out[name] = dataclasses.asdict(getattr(self, name))
         for f in dataclasses.fields(self):

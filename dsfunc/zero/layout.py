@@ -1,0 +1,172 @@
+"""The ZeRO layout: parameters grouped into units, each a flat buffer split over ranks like ``torch.chunk``.
+
+Parameters are grouped into **units** (default: each block of the model's largest ``nn.ModuleList``, plus
+a root unit for everything else). A unit's parameters live in one flat buffer in a fixed order that does
+not depend on the world size; the buffer is split like ``torch.chunk``: ``S = ceil(N / W)`` elements per
+rank, padding only at the tail. That is why a checkpoint saved at one world size loads at another.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+ROOT = "root"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSlot:
+    """One trainable parameter inside a unit's flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    aliases: tuple[str, ...]  # every name the tensor is registered under (tied weights), canonical first
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """A group of parameters gathered, freed and reduced together."""
+
+    name: str
+    module: str | None  # the module whose forward brackets this unit's use; None for the root unit
+    params: tuple[ParamSlot, ...]
+
+    @property
+    def numel(self) -> int:
+        last = self.params[-1]
+        return last.offset + last.numel
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingPlan:
+    """Units plus how this rank holds them. The flat layout is independent of ``world_size``."""
+
+    units: tuple[Unit, ...]
+    stage: int
+    world_size: int
+    rank: int
+    frozen: tuple[str, ...] = ()  # parameters that do not train: kept replicated, like buffers
+
+    @property
+    def ways(self) -> int:
+        """Ranks the master weights and optimizer state are split over (1 at stage 0)."""
+        return self.world_size if self.stage >= 1 else 1
+
+    def unit(self, name: str) -> Unit:
+        for u in self.units:
+            if u.name == name:
+                return u
+        raise KeyError(f"no unit named {name!r}; units are {[u.name for u in self.units]}")
+
+    def shard_size(self, unit: Unit) -> int:
+        return -(-unit.numel // self.ways)
+
+    def padded_size(self, unit: Unit) -> int:
+        return self.shard_size(unit) * self.ways
+
+    def local_range(self, unit: Unit) -> tuple[int, int]:
+        """This rank's ``[start, stop)`` in the unpadded flat buffer (may be empty)."""
+        return chunk_range(unit.numel, self.ways, self.rank)
+
+
+def chunk_range(numel: int, parts: int, index: int) -> tuple[int, int]:
+    """Part ``index``'s ``[start, stop)`` of ``numel`` elements split like ``torch.chunk`` into ``parts``
+    (``ceil(numel / parts)`` each, the last ones short or empty)."""
+    size = -(-numel // parts)
+    start = min(index * size, numel)
+    return start, min(start + size, numel)
+
+
+def find_unit_modules(model: nn.Module) -> list[str]:
+    """Paths of the blocks of the model's largest ``nn.ModuleList`` (by parameter count)."""
+    best, best_size = None, 0
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1:
+            size = sum(p.numel() for p in module.parameters())
+            if size > best_size:
+                best, best_size = path, size
+    if best is None:
+        return []
+    return [f"{best}.{i}" if best else str(i) for i in range(len(model.get_submodule(best)))]
+
+
+def make_plan(
+    model: nn.Module,
+    *,
+    stage: int,
+    world_size: int,
+    rank: int,
+    unit_modules: Sequence[str] | None = None,
+) -> ShardingPlan:
+    """Group ``model``'s trainable parameters into units (``unit_modules`` overrides the default)."""
+    modules = list(find_unit_modules(model) if unit_modules is None else unit_modules)
+    for path in modules:
+        model.get_submodule(path)  # raises AttributeError naming the bad path
+    names_of: dict[int, list[str]] = {}
+    tensors: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(name)
+        tensors[id(p)] = p
+
+    def owner(name: str) -> str:
+        for path in modules:
+            if name.startswith(path + "."):
+                return path
+        return ROOT
+
+    members: dict[str, list[tuple[str, tuple[str, ...], torch.Size]]] = {ROOT: [], **{m: [] for m in modules}}
+    frozen = []
+    for pid, names in names_of.items():
+        p = tensors[pid]
+        if not p.requires_grad:
+            frozen.append(names[0])
+            continue
+        owners = {owner(n) for n in names}
+        members[owners.pop() if len(owners) == 1 else ROOT].append((names[0], tuple(names), p.shape))
+    units = []
+    for uname, params in members.items():
+        if not params:
+            continue
+        slots, offset = [], 0
+        for name, aliases, shape in params:
+            slots.append(ParamSlot(name, tuple(shape), offset, aliases))
+            offset += math.prod(shape)
+        units.append(Unit(name=uname, module=None if uname == ROOT else uname, params=tuple(slots)))
+    if not units:
+        raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+    return ShardingPlan(tuple(units), stage, world_size, rank, tuple(frozen))
+
+
+@torch.no_grad()
+def flatten_unit(unit: Unit, tensors: Mapping[str, torch.Tensor], padded: int) -> torch.Tensor:
+    """One flat fp32 buffer of ``padded`` elements holding the unit's tensors in layout order."""
+    first = tensors[unit.params[0].name]
+    flat = torch.zeros(padded, dtype=torch.float32, device=first.device)
+    for slot in unit.params:
+        flat[slot.offset : slot.offset + slot.numel].copy_(tensors[slot.name].reshape(-1))
+    return flat
+
+
+def unit_views(unit: Unit, flat: torch.Tensor) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like the unit's parameters (autograd: one ``cat`` in backward)."""
+    sizes = [slot.numel for slot in unit.params]
+    pad = flat.numel() - unit.numel
+    pieces = flat.split(sizes + [pad] if pad else sizes)
+    return [piece.view(slot.shape) for piece, slot in zip(pieces, unit.params)]
+
+
+def local_shard(plan: ShardingPlan, unit: Unit, flat: torch.Tensor) -> torch.Tensor:
+    """This rank's shard (a copy) of a padded flat buffer."""
+    size = plan.shard_size(unit)
+    return flat[plan.rank * size : (plan.rank + 1) * size].clone()
+
+
