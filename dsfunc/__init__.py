@@ -3,6 +3,9 @@
     state = dsfunc.init_state(model, "ds_config.json", loss_fn=loss_fn)
     for batch in loader:
         state = dsfunc.train_step(state, batch)
+
+The functional core comes first below; the DeepSpeed surface (``initialize``, the engine, the
+launcher's ``init_distributed``) is re-exported so that ``import dsfunc as deepspeed`` works.
 """
 
 from dsfunc.checkpoint import (
@@ -25,8 +28,19 @@ from dsfunc.config import (
     SchedulerConfig,
     ZeroConfig,
 )
+from dsfunc.deepspeed import Engine, add_config_arguments, initialize
 from dsfunc.dist import get_local_rank, get_rank, get_world_size, init_distributed
-from dsfunc.engine import Engine, add_config_arguments, initialize
+from dsfunc.errors import Error, InputError, InputTypeError, UsageError
+from dsfunc.grad import (
+    GradContext,
+    GradResult,
+    accumulate,
+    default_grad_fn,
+    scale_loss,
+    shard,
+    value_and_grad,
+)
+from dsfunc.init import full_params, init_state
 from dsfunc.optim import (
     Transform,
     adagrad,
@@ -42,84 +56,49 @@ from dsfunc.optim import (
     scale_by_factor,
     scale_by_learning_rate,
     scale_by_schedule,
+    schedule_from_config,
     sgd,
 )
-from dsfunc.program import full_params, init_state
 from dsfunc.scaling import LossScaleError, LossScaler, LossScaleState
-from dsfunc.schedules import (
-    lr_range_test,
-    one_cycle,
-    schedule_from_config,
-    warmup_cosine_lr,
-    warmup_decay_lr,
-    warmup_lr,
-)
+from dsfunc.schedules import lr_range_test, one_cycle, warmup_cosine_lr, warmup_decay_lr, warmup_lr
 from dsfunc.state import DonatedStateError, FrozenDict, Metrics, TrainState
-from dsfunc.step import (
-    GradContext,
-    GradResult,
-    accumulate,
-    apply_gradients,
-    default_grad_fn,
-    make_train_step,
-    scale_loss,
-    shard,
-    train_step,
-    value_and_grad,
-)
+from dsfunc.step import apply_gradients, make_train_step, train_step
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BF16Config",
-    "CheckpointCorruptError",
-    "CheckpointError",
-    "CheckpointMismatchError",
-    "CheckpointNotFoundError",
-    "CheckpointTimeoutError",
-    "Config",
-    "ConfigError",
+__all__ = [  # noqa: RUF022 - grouped by layer, as the imports above
+    # functional core
     "DonatedStateError",
-    "Engine",
-    "FP16Config",
+    "Error",
     "FrozenDict",
     "GradContext",
     "GradResult",
+    "InputError",
+    "InputTypeError",
     "LossScaleError",
     "LossScaleState",
     "LossScaler",
     "Metrics",
-    "OptimizerConfig",
-    "SchedulerConfig",
     "TrainState",
     "Transform",
-    "ZeroConfig",
+    "UsageError",
     "accumulate",
     "adagrad",
     "adam",
     "adamw",
-    "add_config_arguments",
     "apply_gradients",
     "apply_updates",
     "chain",
     "clip_by_global_norm",
     "current_lr",
     "default_grad_fn",
-    "export_fp32",
     "full_params",
-    "get_local_rank",
-    "get_rank",
-    "get_world_size",
-    "init_distributed",
     "init_state",
-    "initialize",
     "lamb",
-    "load_checkpoint",
     "lr_range_test",
     "make_train_step",
     "named_chain",
     "one_cycle",
-    "save_checkpoint",
     "scale_by_adam",
     "scale_by_factor",
     "scale_by_learning_rate",
@@ -130,8 +109,32 @@ __all__ = [
     "shard",
     "train_step",
     "value_and_grad",
-    "wait_for_checkpoint",
     "warmup_cosine_lr",
     "warmup_decay_lr",
     "warmup_lr",
+    # configs, checkpoints, processes
+    "BF16Config",
+    "CheckpointCorruptError",
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "CheckpointNotFoundError",
+    "CheckpointTimeoutError",
+    "Config",
+    "ConfigError",
+    "FP16Config",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "ZeroConfig",
+    "export_fp32",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "load_checkpoint",
+    "save_checkpoint",
+    "wait_for_checkpoint",
+    # the DeepSpeed surface
+    "Engine",
+    "add_config_arguments",
+    "initialize",
 ]

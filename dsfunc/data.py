@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
 from dsfunc.dist import comm
+from dsfunc.errors import InputError, InputTypeError
 
 
 class DistributedLoader:
@@ -65,7 +66,7 @@ class DistributedLoader:
     ) -> None:
         check_dataset(dataset)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+            raise InputError(f"batch_size must be a positive integer, got {batch_size!r}")
         self.dataset = dataset
         self.batch_size = batch_size
         self.rank = comm.rank() if rank is None else rank
@@ -95,9 +96,9 @@ class DistributedLoader:
         After resuming at optimizer step ``k`` with ``g`` accumulation steps, ``skip_to(k * g)``.
         """
         if isinstance(position, bool) or not isinstance(position, int) or position < 0:
-            raise ValueError(f"skip_to needs a number of micro-batches >= 0, got {position!r}")
+            raise InputError(f"skip_to needs a number of micro-batches >= 0, got {position!r}")
         if len(self) == 0:
-            raise ValueError(
+            raise InputError(
                 f"the dataset gives this rank no complete micro-batch ({len(self.sampler)} samples per rank, "
                 f"batch size {self.batch_size}, drop_last={self.drop_last})"
             )
@@ -120,7 +121,7 @@ class DistributedLoader:
     def stream(self) -> Iterator[Any]:
         """Micro-batches forever, epoch after epoch, from the current position."""
         if len(self) == 0:
-            raise ValueError(
+            raise InputError(
                 f"the dataset gives this rank no complete micro-batch ({len(self.sampler)} samples per rank, "
                 f"batch size {self.batch_size}, drop_last={self.drop_last})"
             )
@@ -132,12 +133,12 @@ def check_dataset(dataset: Any) -> None:
     """Raise ``TypeError`` unless ``dataset`` is a map-style torch Dataset (DeepSpeed's words, which it raises as
     a ValueError, for non-datasets)."""
     if not isinstance(dataset, Dataset):
-        raise TypeError(
+        raise InputTypeError(
             f"Training data must be a torch Dataset (torch.utils.data.Dataset), got {type(dataset).__name__}; "
             "wrap tensors in torch.utils.data.TensorDataset"
         )
     if isinstance(dataset, IterableDataset):
-        raise TypeError(
+        raise InputTypeError(
             "training_data is an IterableDataset: dsfunc's loader needs a map-style dataset (__getitem__ and "
             "__len__) to shard it across ranks and resume at a step. Iterate it yourself and pass each rank's "
             "micro-batches to the engine (or per-step batches to dsfunc.train_step)."
@@ -189,7 +190,7 @@ def batches(
 def _concatenate(micros: list[Any]) -> Any:
     def cat(*parts: Any) -> Any:
         if not all(isinstance(p, torch.Tensor) for p in parts):
-            raise TypeError(
+            raise InputTypeError(
                 "dsfunc.data.batches concatenates micro-batches along dim 0, but the collated batch holds a "
                 f"{type(parts[0]).__name__}; make collate_fn return tensors only"
             )

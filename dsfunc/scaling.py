@@ -26,15 +26,17 @@ step still skips overflowing updates. The step checks ``dead`` on the host when 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
+from dsfunc.config import FP16Config
+from dsfunc.errors import Error, InputError
 
-class LossScaleError(RuntimeError):
+
+class LossScaleError(Error, RuntimeError):
     """The fp16 loss scale is at its minimum and gradients still overflow."""
 
 
@@ -46,12 +48,6 @@ class LossScaleState(NamedTuple):
     last_overflow_iter: Tensor  # int64: cur_iter of the last overflow, -1 before any
     cur_hysteresis: Tensor  # int64: overflows still tolerated before the scale halves
     dead: Tensor  # bool: overflowed again at min_scale with raise_error_at_min_scale (sticky)
-
-
-def _field(cfg: Any, name: str, default: Any) -> Any:
-    if isinstance(cfg, Mapping):
-        return cfg.get(name, default)
-    return getattr(cfg, name, default)
 
 
 @dataclass(frozen=True)
@@ -68,15 +64,15 @@ class LossScaler:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.init_scale) and self.init_scale > 0):
-            raise ValueError(f"loss scale must be a finite number > 0, got {self.init_scale!r}")
+            raise InputError(f"loss scale must be a finite number > 0, got {self.init_scale!r}")
         if not self.dynamic:
             return
         if isinstance(self.scale_window, bool) or not isinstance(self.scale_window, int) or self.scale_window <= 0:
-            raise ValueError(f"fp16.loss_scale_window must be an integer > 0, got {self.scale_window!r}")
+            raise InputError(f"fp16.loss_scale_window must be an integer > 0, got {self.scale_window!r}")
         if isinstance(self.delayed_shift, bool) or not isinstance(self.delayed_shift, int) or self.delayed_shift < 1:
-            raise ValueError(f"fp16.hysteresis must be an integer >= 1, got {self.delayed_shift!r}")
+            raise InputError(f"fp16.hysteresis must be an integer >= 1, got {self.delayed_shift!r}")
         if not (math.isfinite(self.min_scale) and self.min_scale > 0):
-            raise ValueError(f"fp16.min_loss_scale must be a finite number > 0, got {self.min_scale!r}")
+            raise InputError(f"fp16.min_loss_scale must be a finite number > 0, got {self.min_scale!r}")
 
     @classmethod
     def none(cls) -> LossScaler:
@@ -89,23 +85,18 @@ class LossScaler:
         return cls(dynamic=False, init_scale=float(scale))
 
     @classmethod
-    def from_config(cls, fp16_cfg: Any) -> LossScaler:
-        """From DeepSpeed's ``fp16`` section (a mapping or an object with its field names); a disabled section
-        gives :meth:`none`, ``loss_scale > 0`` a static scale, ``loss_scale == 0`` the dynamic rule with
-        ``2 ** initial_scale_power``, ``loss_scale_window``, ``hysteresis``, ``consecutive_hysteresis``,
-        ``min_loss_scale`` and ``raise_error_at_min_scale``."""
-        if fp16_cfg is None or not _field(fp16_cfg, "enabled", False):
+    def from_config(cls, fp16: FP16Config) -> LossScaler:
+        """From DeepSpeed's validated ``fp16`` section: disabled gives :meth:`none`, ``loss_scale > 0`` a
+        static scale, ``loss_scale == 0`` the dynamic rule with ``2 ** initial_scale_power``,
+        ``loss_scale_window``, ``hysteresis``, ``consecutive_hysteresis``, ``min_loss_scale`` and
+        ``raise_error_at_min_scale``."""
+        if not fp16.enabled:
             return cls.none()
-        loss_scale = _field(fp16_cfg, "loss_scale", 0)
-        if loss_scale > 0:
-            return cls.static(loss_scale)
-        return cls(dynamic=True,
-                   init_scale=2.0 ** _field(fp16_cfg, "initial_scale_power", 16),
-                   scale_window=_field(fp16_cfg, "loss_scale_window", 1000),
-                   delayed_shift=_field(fp16_cfg, "hysteresis", 2),
-                   consecutive_hysteresis=bool(_field(fp16_cfg, "consecutive_hysteresis", False)),
-                   min_scale=float(_field(fp16_cfg, "min_loss_scale", 1)),
-                   raise_error_at_min_scale=bool(_field(fp16_cfg, "raise_error_at_min_scale", True)))
+        if fp16.loss_scale > 0:
+            return cls.static(fp16.loss_scale)
+        return cls(dynamic=True, init_scale=2.0 ** fp16.initial_scale_power, scale_window=fp16.loss_scale_window,
+                   delayed_shift=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis,
+                   min_scale=float(fp16.min_loss_scale), raise_error_at_min_scale=fp16.raise_error_at_min_scale)
 
     def init(self, device: torch.device | str | None = None) -> LossScaleState:
         """The state before the first step, on ``device``."""
@@ -152,3 +143,26 @@ def check_not_dead(scaler: LossScaler, state: LossScaleState) -> None:
             f"bf16 (\"bf16\": {{\"enabled\": true}}), which needs no loss scaling; set a static \"loss_scale\" in "
             f"the fp16 section; lower \"min_loss_scale\"; or set \"raise_error_at_min_scale\": false in the fp16 "
             f"section to keep skipping overflowing steps.")
+
+
+class MinScaleCheck:
+    """The host's view of a state's ``scaler.dead`` flag, copied without stalling the device.
+
+    On CUDA the flag is copied into pinned memory behind an event; :meth:`raise_if_dead` looks only once
+    the event has completed, so the step that asks never waits (a later one reports it: ``dead`` is sticky).
+    """
+
+    def __init__(self, dead: Tensor) -> None:
+        if dead.device.type == "cuda":
+            self.flag = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.flag.copy_(dead, non_blocking=True)
+            self.event: Any = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.flag, self.event = dead.clone(), None
+
+    def raise_if_dead(self, scaler: LossScaler, state: LossScaleState) -> None:
+        if self.event is not None and not self.event.query():
+            return
+        if bool(self.flag):
+            check_not_dead(scaler, state)

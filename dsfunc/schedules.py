@@ -16,19 +16,19 @@ Counting convention (the same as DeepSpeed's engine):
   steps applied before this one.
 
 The factories take DeepSpeed's parameter names and defaults (``deepspeed/runtime/lr_schedules.py``);
-:func:`schedule_from_config` builds one from a ``scheduler`` config section. Unlike DeepSpeed, an unknown
+:func:`dsfunc.optim.from_config.schedule_from_config` builds one from a ``scheduler`` config section. Unlike DeepSpeed, an unknown
 ``warmup_type`` is an error instead of a warning that falls back to ``"log"``.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from dsfunc.errors import InputError
 
 Schedule = Callable[[Tensor], Tensor]
 """``t`` (int64 0-d tensor, DeepSpeed's last_batch_iteration, may be -1) -> lr (float32 0-d tensor)."""
@@ -46,25 +46,25 @@ def _f32(x: Tensor) -> Tensor:
 
 def _warmup_steps(warmup_num_steps: int, where: str) -> int:
     if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps <= 0:
-        raise ValueError(f"{where}: warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
+        raise InputError(f"{where}: warmup_num_steps must be a positive integer, got {warmup_num_steps!r}")
     return max(2, warmup_num_steps)  # DeepSpeed clamps to 2 so that log(N) > 0
 
 
 def _check_warmup_type(warmup_type: str, where: str) -> None:
     if warmup_type not in WARMUP_TYPES:
-        raise ValueError(f"{where}: warmup_type must be one of {WARMUP_TYPES}, got {warmup_type!r}")
+        raise InputError(f"{where}: warmup_type must be one of {WARMUP_TYPES}, got {warmup_type!r}")
 
 
 def _check_total_steps(total_num_steps: int, where: str) -> None:
     if isinstance(total_num_steps, bool) or not isinstance(total_num_steps, int) or total_num_steps < 0:
-        raise ValueError(f"{where}: total_num_steps must be a non-negative integer, got {total_num_steps!r}")
+        raise InputError(f"{where}: total_num_steps must be a non-negative integer, got {total_num_steps!r}")
 
 
 def _max_lr(warmup_max_lr: float | None, base_lr: float | None, where: str) -> float:
     if warmup_max_lr is not None:
         return float(warmup_max_lr)
     if base_lr is None:
-        raise ValueError(f"{where}: warmup_max_lr is None, which means 'the optimizer's lr', but no base_lr was "
+        raise InputError(f"{where}: warmup_max_lr is None, which means 'the optimizer's lr', but no base_lr was "
                          f"given; pass base_lr=<optimizer lr> or set warmup_max_lr")
     return float(base_lr)
 
@@ -159,16 +159,16 @@ class _CycleShape:
     def __init__(self, first_step_size: float, second_step_size: float | None, first_stair_count: int,
                  second_stair_count: int | None, decay_step_size: float):
         if not first_step_size > 0:
-            raise ValueError(f"OneCycle: cycle_first_step_size must be > 0, got {first_step_size!r}")
+            raise InputError(f"OneCycle: cycle_first_step_size must be > 0, got {first_step_size!r}")
         if second_step_size is not None and not second_step_size > 0:
-            raise ValueError(f"OneCycle: cycle_second_step_size must be > 0 (or null = first), "
+            raise InputError(f"OneCycle: cycle_second_step_size must be > 0 (or null = first), "
                              f"got {second_step_size!r}")
         for name, count in (("cycle_first_stair_count", first_stair_count),
                             ("cycle_second_stair_count", second_stair_count)):
             if count is not None and count < 0:
-                raise ValueError(f"OneCycle: {name} must be >= 0 (0 = no staircase), got {count!r}")
+                raise InputError(f"OneCycle: {name} must be >= 0 (0 = no staircase), got {count!r}")
         if decay_step_size < 0:
-            raise ValueError(f"OneCycle: decay_step_size must be >= 0 (0 = no decay), got {decay_step_size!r}")
+            raise InputError(f"OneCycle: decay_step_size must be >= 0 (0 = no decay), got {decay_step_size!r}")
         self.first = float(first_step_size)
         self.second = float(second_step_size) if second_step_size is not None else self.first
         self.total = self.first + self.second
@@ -237,7 +237,7 @@ def one_cycle_momentum(cycle_min_lr: float | None = None, cycle_max_lr: float | 
     ``t = -1`` gives ``cycle_min_mom``: DeepSpeed's constructor writes the *minimum* before the first step, while its
     formula at the cycle start gives the maximum. DeepSpeed also sets ``betas[1] = 0.99`` whenever it cycles
     momentum; :func:`dsfunc.optim.optimizer_from_config` reproduces that. ``cycle_momentum`` is accepted for config
-    pass-through; whether to cycle is the caller's choice (see :func:`momentum_schedule_from_config`).
+    pass-through; whether to cycle is the caller's choice (see :func:`dsfunc.optim.momentum_schedule_from_config`).
     """
     shape = _CycleShape(cycle_first_step_size, cycle_second_step_size, cycle_first_stair_count,
                         cycle_second_stair_count, decay_step_size)
@@ -260,7 +260,7 @@ def lr_range_test(lr_range_test_min_lr: float = 1e-3, lr_range_test_step_size: f
     """DeepSpeed ``LRRangeTest``: ``min_lr * (1 + step_rate * i)``, ``i = (t + 1) / step_size`` (floored when
     ``lr_range_test_staircase``)."""
     if not lr_range_test_step_size > 0:
-        raise ValueError(f"LRRangeTest: lr_range_test_step_size must be > 0, got {lr_range_test_step_size!r}")
+        raise InputError(f"LRRangeTest: lr_range_test_step_size must be > 0, got {lr_range_test_step_size!r}")
     min_lr, rate, size = float(lr_range_test_min_lr), float(lr_range_test_step_rate), lr_range_test_step_size
 
     def schedule(t: Tensor) -> Tensor:
@@ -270,64 +270,3 @@ def lr_range_test(lr_range_test_min_lr: float = 1e-3, lr_range_test_step_size: f
         return _f32(min_lr * (1 + rate * interval))
 
     return schedule
-
-
-_FACTORIES: dict[str, Callable[..., Schedule]] = {
-    "WarmupLR": warmup_lr,
-    "WarmupDecayLR": warmup_decay_lr,
-    "WarmupCosineLR": warmup_cosine_lr,
-    "OneCycle": one_cycle,
-    "LRRangeTest": lr_range_test,
-}
-
-
-def _kwargs(type: str, params: Mapping[str, Any], factory: Callable[..., Any]) -> dict[str, Any]:
-    signature = {n: p for n, p in inspect.signature(factory).parameters.items() if n != "base_lr"}
-    kwargs = {k: v for k, v in params.items() if k != "last_batch_iteration"}
-    unknown = sorted(set(kwargs) - set(signature))
-    if unknown:
-        raise ValueError(f"scheduler {type!r}: unknown parameter(s) {unknown}; valid parameters are "
-                         f"{list(signature) + ['last_batch_iteration']}")
-    missing = [n for n, p in signature.items() if p.default is inspect.Parameter.empty and n not in kwargs]
-    if missing:
-        raise ValueError(f"scheduler {type!r}: missing required parameter(s) {missing}")
-    return kwargs
-
-
-def _check_fresh(type: str, params: Mapping[str, Any]) -> None:
-    last = params.get("last_batch_iteration", -1)
-    if last != -1:
-        raise ValueError(f"scheduler {type!r}: last_batch_iteration={last!r} is not supported; dsfunc keeps the "
-                         f"schedule's position in the training state, so resume with dsfunc.load_checkpoint and "
-                         f"leave last_batch_iteration at -1")
-
-
-def schedule_from_config(type: str, params: Mapping[str, Any], base_lr: float) -> Schedule:
-    """Build the lr schedule of a DeepSpeed ``scheduler`` section.
-
-    Args:
-        type: one of "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest".
-        params: the section's ``params`` with DeepSpeed's names (missing ones take DeepSpeed's defaults).
-        base_lr: the optimizer's configured lr (used by WarmupCosineLR, and by warmup_max_lr=None).
-
-    Returns:
-        The schedule. ``last_batch_iteration`` must be -1 (its default): resuming is done by the checkpoint.
-    """
-    if type not in _FACTORIES:
-        raise ValueError(f"unknown scheduler type {type!r}; dsfunc supports {sorted(_FACTORIES)}")
-    factory = _FACTORIES[type]
-    kwargs = _kwargs(type, params, factory)
-    if "base_lr" in inspect.signature(factory).parameters:
-        kwargs["base_lr"] = base_lr
-    _check_fresh(type, params)
-    return factory(**kwargs)
-
-
-def momentum_schedule_from_config(type: str, params: Mapping[str, Any]) -> Schedule | None:
-    """The ``betas[0]`` schedule a DeepSpeed ``scheduler`` section implies: OneCycle with ``cycle_momentum``
-    (DeepSpeed's default) cycles momentum; every other case returns None."""
-    if type != "OneCycle" or not params.get("cycle_momentum", True):
-        return None
-    kwargs = _kwargs(type, params, one_cycle_momentum)
-    _check_fresh(type, params)
-    return one_cycle_momentum(**kwargs)

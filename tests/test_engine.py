@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dsfunc
-from dsfunc.engine import add_config_arguments, initialize
+from dsfunc.deepspeed import add_config_arguments, initialize
 from tests.models import MLP, ConvBN, config, mlp_batches, relative_diff
 from tests.multiprocess import run_world
 

@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 import dsfunc
-from dsfunc.engine import initialize
+from dsfunc.deepspeed import initialize
 from dsfunc.optim import ScheduleState
 from tests.models import MLP, config, mlp_batches, relative_diff
 

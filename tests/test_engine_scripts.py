@@ -17,7 +17,6 @@ import torch
 from tests.multiprocess import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIM = os.path.join(ROOT, "tests", "engine_scripts", "run_as_deepspeed.py")
 DS_TRAIN = os.path.join(ROOT, "tests", "engine_scripts", "ds_train.py")
 CIFAR = os.path.join(ROOT, "examples", "cifar10", "train.py")
 CIFAR_CONFIG = os.path.join(ROOT, "examples", "cifar10", "ds_config.json")
@@ -28,13 +27,13 @@ def run_script(script: str, world: int, *args: str, launcher: str = "torchrun", 
     or the dsfunc launcher); return the output."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     launch = [sys.executable]
     if world > 1 and launcher == "torchrun":
         launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(free_port())]
     elif world > 1:
         launch += ["-m", "dsfunc.cli", "--num_gpus", str(world), "--master_port", str(free_port())]
-    proc = subprocess.run(launch + [SHIM, script, *args], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+    proc = subprocess.run(launch + [script, *args], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
                           timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     return proc.stdout + proc.stderr

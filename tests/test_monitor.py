@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import dsfunc
-from dsfunc.engine import initialize
+from dsfunc.deepspeed import initialize
 from dsfunc.monitor import Monitor, memory_estimate, startup_summary, tokens_in
 from tests.models import MLP, config, mlp_batches
 from tests.multiprocess import run_world

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from dsfunc.config import Config, FP16Config
 from dsfunc.scaling import LossScaleError, LossScaler, LossScaleState, check_not_dead
 from tests.cuda_sync import no_host_sync
 
@@ -166,23 +167,21 @@ def test_check_not_dead_message():
 
 
 def test_from_config():
-    assert LossScaler.from_config({"enabled": False, "loss_scale": 0}) == LossScaler.none()
-    assert LossScaler.from_config(None) == LossScaler.none()
-    assert LossScaler.from_config({"enabled": True, "loss_scale": 512}) == LossScaler.static(512.0)
-    assert LossScaler.from_config({"enabled": True}) == LossScaler(
+    assert LossScaler.from_config(FP16Config(enabled=False, loss_scale=0)) == LossScaler.none()
+    assert LossScaler.from_config(FP16Config()) == LossScaler.none()
+    assert LossScaler.from_config(FP16Config(enabled=True, loss_scale=512)) == LossScaler.static(512.0)
+    assert LossScaler.from_config(FP16Config(enabled=True)) == LossScaler(
         dynamic=True, init_scale=65536.0, scale_window=1000, delayed_shift=2, consecutive_hysteresis=False,
         min_scale=1.0, raise_error_at_min_scale=True)
-    cfg = {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 50,
-           "hysteresis": 4, "consecutive_hysteresis": True, "min_loss_scale": 0.25,
-           "raise_error_at_min_scale": False}
+    cfg = FP16Config(enabled=True, loss_scale=0, initial_scale_power=12, loss_scale_window=50, hysteresis=4,
+                     consecutive_hysteresis=True, min_loss_scale=0.25, raise_error_at_min_scale=False)
     scaler = LossScaler.from_config(cfg)
     assert scaler == LossScaler(True, 4096.0, 50, 4, True, 0.25, False)
-
-    class Section:  # an attribute-style config object works too
-        enabled, loss_scale, initial_scale_power, loss_scale_window = True, 0, 12, 50
-        hysteresis, consecutive_hysteresis, min_loss_scale, raise_error_at_min_scale = 4, True, 0.25, False
-
-    assert LossScaler.from_config(Section()) == scaler
+    parsed = Config.load({"train_batch_size": 1, "fp16": {"enabled": True, "initial_scale_power": 12,
+                                                          "loss_scale_window": 50, "hysteresis": 4,
+                                                          "consecutive_hysteresis": True, "min_loss_scale": 0.25,
+                                                          "raise_error_at_min_scale": False}})
+    assert LossScaler.from_config(parsed.fp16) == scaler
     state = scaler.init()
     assert (state.scale.dtype, state.cur_iter.dtype, state.cur_hysteresis.dtype, state.dead.dtype) == (
         torch.float32, torch.int64, torch.int64, torch.bool)

@@ -112,7 +112,7 @@ def test_inf_on_one_rank_makes_every_rank_skip(stage):
 
 
 def meta_stage3(rank: int, world: int) -> tuple[int, int, float]:
-    from dsfunc.program import INIT_STATS
+    from dsfunc.zero.materialize import INIT_STATS
 
     with torch.device("meta"):
         model = MLP(width=16, depth=4)

@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 
 import dsfunc
-from dsfunc.engine import initialize
+from dsfunc.deepspeed import initialize
 from tests.models import MLP, config, mlp_batches, relative_diff
 
 dsfunc.init_distributed()

@@ -7,7 +7,6 @@ n=${1:-2}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 run() { timeout 200 python3 -m torch.distributed.run --nproc_per_node "$n" "$@" 2>&1 | grep -vE "^W1|OMP_NUM|\*{8}"; }
-shim=tests/engine_scripts/run_as_deepspeed.py
 tmp=$(mktemp -d)
 echo "== engine vs functional"; run tests/engine_scripts/gpu_check.py || echo "gpu_check FAILED"
 cat > "$tmp/ds.json" <<JSON
@@ -16,9 +15,9 @@ cat > "$tmp/ds.json" <<JSON
  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 3}
 JSON
 echo "== resume (ZeRO-3, bf16)"
-run $shim tests/engine_scripts/ds_train.py --deepspeed_config "$tmp/ds.json" --steps 6 --out "$tmp/full" | grep "step="
-run $shim tests/engine_scripts/ds_train.py --deepspeed_config "$tmp/ds.json" --steps 3 --save_at 3 --save_dir "$tmp/ck" --out "$tmp/a" >/dev/null
-run $shim tests/engine_scripts/ds_train.py --deepspeed_config "$tmp/ds.json" --steps 6 --load_dir "$tmp/ck" --out "$tmp/b" >/dev/null
+run tests/engine_scripts/ds_train.py --deepspeed_config "$tmp/ds.json" --steps 6 --out "$tmp/full" | grep "step="
+run tests/engine_scripts/ds_train.py --deepspeed_config "$tmp/ds.json" --steps 3 --save_at 3 --save_dir "$tmp/ck" --out "$tmp/a" >/dev/null
+run tests/engine_scripts/ds_train.py --deepspeed_config "$tmp/ds.json" --steps 6 --load_dir "$tmp/ck" --out "$tmp/b" >/dev/null
 python3 - "$tmp" "$n" <<'PY'
 import sys, torch
 tmp, n = sys.argv[1], int(sys.argv[2])
@@ -37,6 +36,6 @@ for name, k in [(f"data_batch_{i}", 64) for i in range(1, 6)] + [("test_batch", 
     with open(os.path.join(root, name), "wb") as f:
         pickle.dump({b"data": rng.integers(0, 256, (k, 3072), dtype=np.uint8), b"labels": rng.integers(0, 10, k).tolist()}, f)
 PY
-run $shim examples/cifar10/train.py --deepspeed_config examples/cifar10/ds_config.json --data_dir "$tmp" --epochs 1 \
+run examples/cifar10/train.py --deepspeed_config examples/cifar10/ds_config.json --data_dir "$tmp" --epochs 1 \
     | grep -E "Accuracy of the network|Finished|Error|error" | sort | uniq -c
 rm -rf "$tmp"

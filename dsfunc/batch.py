@@ -1,0 +1,59 @@
+"""A step's batch: ``micro x accumulation`` samples along dim 0, or a list of micro-batches.
+
+``batch`` is this rank's data for one optimizer step: any pytree of tensors whose leaves share dim 0
+(a tuple, a dict), or a list of ``gradient_accumulation_steps`` micro-batches. Anything else is an
+error that names the sizes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+from dsfunc.errors import InputError, InputTypeError
+
+Batch = Any
+
+
+def split_batch(batch: Batch, count: int, micro_size: int | None) -> list[Batch]:
+    """``count`` micro-batches from a step's batch (a pytree split on dim 0, or a list of micro-batches)."""
+    if isinstance(batch, list) and batch and not any(isinstance(b, torch.Tensor) for b in batch):
+        if len(batch) != count:
+            raise InputError(
+                f"got a list of {len(batch)} micro-batches, but gradient_accumulation_steps is {count}"
+            )
+        for micro in batch:
+            split_batch(micro, 1, micro_size)
+        return batch
+    leaves = [t for t in optree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    if not leaves:
+        raise InputTypeError(
+            f"the batch holds no tensors (got {type(batch).__name__}); pass a tensor, a tuple or dict of "
+            "tensors with samples along dim 0, or a list of gradient_accumulation_steps micro-batches"
+        )
+    sizes = {tuple(t.shape[:1]) for t in leaves}
+    if len(sizes) != 1 or not next(iter(sizes)):
+        raise InputError(
+            "every tensor in the batch must have the same number of samples along dim 0; got shapes "
+            f"{[tuple(t.shape) for t in leaves]}"
+        )
+    total = leaves[0].shape[0]
+    expected = None if micro_size is None else micro_size * count
+    if (expected is not None and total != expected) or total % count:
+        raise InputError(
+            f"the batch has {total} samples along dim 0, but one optimizer step on this rank takes "
+            f"train_micro_batch_size_per_gpu ({micro_size}) x gradient_accumulation_steps ({count}) = "
+            f"{expected} samples. Pass a batch of {expected} samples (or a list of {count} micro-batches), "
+            "or change the config's batch sizes."
+            if expected is not None
+            else f"the batch has {total} samples, not divisible into {count} micro-batches"
+        )
+    if count == 1:
+        return [batch]
+    size = total // count
+    return [
+        optree.tree_map(lambda t, i=i: t[i * size : (i + 1) * size] if isinstance(t, torch.Tensor) else t, batch)
+        for i in range(count)
+    ]

@@ -1,0 +1,213 @@
+"""``deepspeed.initialize``: build the engine for a model from a DeepSpeed config.
+
+It joins the process group the environment describes, reads the config (``config=`` or
+``args.deepspeed_config``), translates a client torch optimizer and scheduler, freezes the parameters
+left out of ``model_parameters``, builds the state with :func:`dsfunc.init_state` and wraps it in the
+:class:`~dsfunc.deepspeed.engine.Engine`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dsfunc.config import Config
+from dsfunc.data import DistributedLoader, check_dataset
+from dsfunc.deepspeed.arguments import config_source
+from dsfunc.deepspeed.engine import Engine
+from dsfunc.deepspeed.translate import client_schedule, optimizer_section
+from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer
+from dsfunc.dist import comm
+from dsfunc.dist import init as distributed
+from dsfunc.errors import InputError, InputTypeError
+from dsfunc.init import init_state
+from dsfunc.optim.base import chain
+from dsfunc.optim.from_config import lr_schedule, update_from_config
+
+logger = logging.getLogger("dsfunc")
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+    *,
+    seed: int = 0,
+    progress_bar: bool = False,
+    total_steps: int | None = None,
+) -> tuple[Engine, EngineOptimizer | None, DistributedLoader | None, EngineLRScheduler | None]:
+    """DeepSpeed's ``deepspeed.initialize``: build the engine for ``model``.
+
+    Args:
+      args: an ``argparse.Namespace``; its ``deepspeed_config`` (from :func:`add_config_arguments`) is
+        the config unless ``config`` is given (giving both, or neither, is an error).
+      model: the ``nn.Module`` to train (it may live on ``meta``; see :func:`dsfunc.init_state`).
+      optimizer: a fresh ``torch.optim`` Adam/AdamW/SGD/Adagrad, or a callable ``f(params) -> optimizer``;
+        it replaces the config's ``optimizer`` section. None uses the config's.
+      model_parameters: the parameters to train (a list, generator or filter); the model's other
+        parameters are frozen. None trains every parameter with ``requires_grad``.
+      training_data: a map-style ``torch.utils.data.Dataset``; the engine then returns a
+        :class:`~dsfunc.data.DistributedLoader` of this rank's micro-batches.
+      lr_scheduler: a fresh torch lr scheduler built on ``optimizer``, or a callable ``f(optimizer)``;
+        it replaces the config's ``scheduler`` section.
+      distributed_port: MASTER_PORT when the environment does not set one.
+      mpu, mesh_param: model/sequence parallelism; not supported (must be None).
+      dist_init_required: False skips joining the process group.
+      collate_fn: builds micro-batches from samples of ``training_data``.
+      config, config_params: the DeepSpeed config (dict, JSON path, base64 JSON, or ``dsfunc.Config``).
+      seed: dropout seed (kept in the state across checkpoints).
+      progress_bar, total_steps: a tqdm bar on rank 0 (see :class:`dsfunc.monitor.Monitor`).
+
+    Returns:
+      ``(engine, optimizer, training_dataloader, lr_scheduler)``: the optimizer and scheduler are views
+      of the engine's (None when there is none), the loader None without ``training_data``.
+    """
+    if model is None:
+        raise InputError("initialize needs the model to train: deepspeed.initialize(model=net, ...)")
+    if not isinstance(model, nn.Module):
+        raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if mpu is not None or mesh_param is not None:
+        raise InputError("model/sequence parallelism (mpu=, mesh_param=) is not supported by dsfunc; pass None")
+    if config is not None and config_params is not None:
+        raise InputError("pass the config as config= only (config_params= is its deprecated name)")
+    source = config_source(args, config if config is not None else config_params)
+    if dist_init_required is not False:
+        _join_world(distributed_port)
+    local_rank = _local_rank(args)
+    world = comm.world_size()
+    cfg = Config.load(source, world_size=world)
+    if training_data is not None:
+        check_dataset(training_data)
+
+    chosen = _parameter_list(model_parameters) if model_parameters is not None else None
+    client_opt = optimizer
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        if not callable(optimizer):
+            raise InputTypeError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}")
+        client_opt = optimizer(chosen if chosen is not None else [p for p in model.parameters() if p.requires_grad])
+        if not isinstance(client_opt, torch.optim.Optimizer):
+            raise InputTypeError(f"the optimizer callable returned a {type(client_opt).__name__}, not a torch optimizer")
+    raw = dict(cfg.raw)
+    if client_opt is not None:
+        in_opt = [p for g in client_opt.param_groups for p in g["params"]]
+        if chosen is not None and {id(p) for p in chosen} != {id(p) for p in in_opt}:
+            raise InputError("model_parameters and the client optimizer's parameters differ; pass the same set")
+        chosen = in_opt
+        raw["optimizer"] = optimizer_section(client_opt)
+        if cfg.optimizer is not None:
+            logger.warning("the client optimizer passed to initialize replaces the config's optimizer section")
+    client_lr = None
+    if lr_scheduler is not None:
+        client_lr = client_schedule(lr_scheduler, client_opt, cfg, model)
+        raw.pop("scheduler", None)
+        if cfg.scheduler is not None:
+            logger.warning("the client lr_scheduler passed to initialize replaces the config's scheduler section")
+    cfg = Config.load(raw, world_size=world)
+    if chosen is not None:
+        _freeze_all_but(model, chosen, "model_parameters" if client_opt is None else "the client optimizer")
+
+    base_lr = float(cfg.optimizer.params["lr"]) if cfg.optimizer is not None else None
+    if cfg.optimizer is None:
+        update, schedule = chain(), None  # an engine without optimizer only evaluates
+    else:
+        schedule = client_lr if client_lr is not None else lr_schedule(cfg)
+        update = update_from_config(cfg, schedule=client_lr) if client_lr is not None else None
+    state = init_state(model, cfg, optimizer=update, seed=seed)
+
+    loader = None
+    if training_data is not None:
+        cuda = state.program.device.type == "cuda"
+        loader = DistributedLoader(
+            training_data, cfg.train_micro_batch_size_per_gpu, rank=comm.rank(), world_size=world,
+            drop_last=cfg.dataloader_drop_last, collate_fn=collate_fn, num_workers=2 if cuda else 0,
+            pin_memory=cuda,
+        )
+    engine = Engine(state, model=model, local_rank=local_rank, schedule=schedule, base_lr=base_lr,
+                    training_dataloader=loader, progress_bar=progress_bar, total_steps=total_steps)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _join_world(distributed_port: int) -> None:
+    """Join the process group the environment describes (started by dsfunc, torchrun or mpirun); a process
+    started alone needs none (world size 1)."""
+    if dist.is_initialized():
+        return
+    if "WORLD_SIZE" in os.environ or any(k in os.environ for k in distributed._MPI_MARKERS):
+        distributed.init_distributed(distributed_port=distributed_port)
+
+
+def _local_rank(args: Any) -> int:
+    """``LOCAL_RANK`` from the environment, checked against (and written to) ``args.local_rank``."""
+    env = os.environ.get("LOCAL_RANK")
+    given = getattr(args, "local_rank", None) if args is not None else None
+    if env is not None and isinstance(given, int) and given >= 0 and given != int(env):
+        raise InputError(f"Mismatch in local rank setting, args.local_rank={given} but env['LOCAL_RANK']={env}")
+    local = int(env) if env is not None else (given if isinstance(given, int) and given >= 0 else 0)
+    if args is not None and hasattr(args, "local_rank"):
+        args.local_rank = local
+    return local
+
+
+# --------------------------------------------------------------------------------------------------
+# which parameters train
+
+
+def _parameter_list(model_parameters: Any) -> list[torch.Tensor]:
+    """Flatten ``model_parameters`` (tensors, or param-group dicts without options) to a list."""
+    out: list[torch.Tensor] = []
+    for i, item in enumerate(model_parameters):
+        if isinstance(item, dict):
+            if "params" not in item:
+                raise InputError(f"model_parameters[{i}] is a dict without a 'params' entry")
+            options = sorted(k for k in item if k != "params")
+            if options:
+                raise InputError(
+                    f"model_parameters[{i}] is a parameter group with its own options {options}; dsfunc "
+                    "trains all parameters with the one optimizer configuration (per-group options are "
+                    "not supported). Pass a flat list of parameters; leave out the ones that should not train."
+                )
+            params = item["params"]
+            out.extend([params] if isinstance(params, torch.Tensor) else list(params))
+        elif isinstance(item, torch.Tensor):
+            out.append(item)
+        else:
+            hint = " (model.named_parameters() gives (name, tensor) pairs; pass model.parameters())" \
+                if isinstance(item, tuple) else ""
+            raise InputTypeError(f"model_parameters[{i}] is a {type(item).__name__}, not a parameter{hint}")
+    return out
+
+
+def _freeze_all_but(model: nn.Module, trainable: list[torch.Tensor], what: str) -> None:
+    """Set ``requires_grad=False`` on the model's parameters that are not in ``trainable``."""
+    ids = {id(p) for p in trainable}
+    named = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+    strangers = [p for p in trainable if id(p) not in named]
+    if strangers:
+        raise InputError(
+            f"{what} holds {len(strangers)} tensor(s) that are not parameters of the model "
+            f"(shapes {[tuple(p.shape) for p in strangers[:4]]}); pass parameters of the model you train"
+        )
+    frozen = [name for name, p in model.named_parameters() if id(p) not in ids and p.requires_grad]
+    for name, p in model.named_parameters():
+        if id(p) not in ids:
+            p.requires_grad_(False)
+    if frozen:
+        logger.info("%s leaves out %d parameter(s); they are frozen: %s", what, len(frozen), frozen[:8])
+
+

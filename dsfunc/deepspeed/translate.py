@@ -1,0 +1,190 @@
+"""Translating a client ``torch.optim`` optimizer and lr scheduler into dsfunc's update and schedule.
+
+``deepspeed.initialize(optimizer=..., lr_scheduler=...)`` takes torch objects; dsfunc trains with its
+own update, so a fresh torch Adam/AdamW/SGD/Adagrad becomes the equivalent DeepSpeed ``optimizer``
+section, and a fresh StepLR/MultiStepLR/ExponentialLR/LinearLR/ConstantLR/CosineAnnealingLR/LambdaLR the
+equivalent :data:`~dsfunc.schedules.Schedule`. Anything else is refused with a message.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsfunc.config import Config
+from dsfunc.deepspeed.views import plain
+from dsfunc.errors import InputError, InputTypeError
+from dsfunc.schedules import Schedule
+
+_TORCH_OPTIMIZERS: dict[type, tuple[str, tuple[str, ...]]] = {
+    torch.optim.Adam: ("Adam", ("lr", "betas", "eps", "weight_decay")),
+    torch.optim.AdamW: ("AdamW", ("lr", "betas", "eps", "weight_decay")),
+    torch.optim.SGD: ("SGD", ("lr", "momentum", "dampening", "weight_decay", "nesterov")),
+    torch.optim.Adagrad: ("Adagrad", ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")),
+}
+_IMPLEMENTATION_ONLY = ("foreach", "fused", "capturable", "differentiable")  # pick a kernel, not the math
+
+
+def _public_name(cls: type) -> str:
+    """``torch.optim.RMSprop`` rather than ``torch.optim.rmsprop.RMSprop``."""
+    module = cls.__module__
+    if module.startswith("torch.optim.") and module != "torch.optim.lr_scheduler":
+        module = "torch.optim"
+    return f"{module}.{cls.__qualname__}"
+
+
+def optimizer_section(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The DeepSpeed ``optimizer`` config section equivalent to a fresh torch optimizer.
+
+    Maps ``torch.optim.Adam`` (L2, or decoupled with ``decoupled_weight_decay``), ``AdamW``, ``SGD`` and
+    ``Adagrad``; options that only choose an implementation (``foreach``, ``fused``, ...) are ignored;
+    any other option away from torch's default (``amsgrad``, ``maximize``, ...) is refused.
+    """
+    kind = type(optimizer)
+    if kind not in _TORCH_OPTIMIZERS:
+        raise InputTypeError(
+            f"optimizer: a {_public_name(kind)} cannot be translated to a dsfunc update; "
+            "pass a torch.optim.Adam, AdamW, SGD or Adagrad (or a callable returning one), or leave "
+            'optimizer out and describe it in the config\'s "optimizer" section (Adam, AdamW, SGD, Lamb, Adagrad)'
+        )
+    name, hyper = _TORCH_OPTIMIZERS[kind]
+    if _has_stepped(optimizer):
+        raise InputError(
+            f"the client torch.optim.{name} has state (it has taken steps or loaded a state_dict); dsfunc "
+            "starts the optimizer from scratch. Pass a fresh optimizer and resume with engine.load_checkpoint"
+        )
+    groups = [{k: plain(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    for i, group in enumerate(groups[1:], 1):
+        differ = sorted(k for k in set(group) | set(groups[0]) if group.get(k) != groups[0].get(k))
+        if differ:
+            raise InputError(
+                f"the client torch.optim.{name}'s param_groups differ in {differ} (group 0 vs group {i}); "
+                "dsfunc trains all parameters with one set of hyper-parameters. Use a single group; freeze "
+                "parameters that should not train (requires_grad=False)"
+            )
+    group = groups[0]
+    defaults = {n: plain(p.default) for n, p in inspect.signature(kind.__init__).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    params: dict[str, Any] = {"lr": group.get("initial_lr", group["lr"])}
+    if name == "Adam":
+        params["adam_w_mode"] = bool(group.get("decoupled_weight_decay", False))
+    for key, value in group.items():
+        if key in hyper:
+            params.setdefault(key, value)
+        elif key in _IMPLEMENTATION_ONLY or key in ("initial_lr", "decoupled_weight_decay"):
+            continue
+        elif key not in defaults or value != defaults[key]:
+            raise InputError(
+                f"torch.optim.{name}({key}={value!r}) has no dsfunc equivalent; drop that option or describe "
+                'the optimizer in the config\'s "optimizer" section'
+            )
+    return {"type": name, "params": params}
+
+
+def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
+    """True when a torch optimizer has taken a step (Adagrad creates its state, at step 0, up front)."""
+    return any("step" not in st or float(st["step"]) > 0 for st in optimizer.state.values())
+
+
+def _closed_form(sched: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``k -> lr / base_lr`` (float64 tensors) for torch schedulers with a closed form."""
+    sch = torch.optim.lr_scheduler
+    kind = type(sched)
+    if kind is sch.StepLR:
+        return lambda k: sched.gamma ** torch.div(k, sched.step_size, rounding_mode="floor")
+    if kind is sch.MultiStepLR:
+        milestones = sorted(sched.milestones.elements())
+        return lambda k: sched.gamma ** sum((k >= m).to(torch.float64) for m in milestones) \
+            if milestones else torch.ones_like(k)
+    if kind is sch.ExponentialLR:
+        return lambda k: sched.gamma ** k
+    if kind is sch.LinearLR:
+        start, end, total = sched.start_factor, sched.end_factor, sched.total_iters
+        return lambda k: start + (end - start) * k.clamp(max=total) / total
+    if kind is sch.ConstantLR:
+        return lambda k: torch.where(k >= sched.total_iters, 1.0, sched.factor).to(torch.float64)
+    return None
+
+
+def schedule_from_torch(sched: Any) -> Schedule:
+    """A dsfunc lr :data:`~dsfunc.schedules.Schedule` equal to a freshly built torch lr scheduler.
+
+    ``t`` is DeepSpeed's counter (the k-th applied step uses ``schedule(k - 1)``), so the k-th step
+    uses the lr torch's scheduler would give after ``k`` calls of ``step()``. Supports LambdaLR (one
+    function for every group; it runs on the host, a sync per step on GPU), StepLR, MultiStepLR,
+    ExponentialLR, CosineAnnealingLR, LinearLR and ConstantLR (their closed forms).
+    """
+    sch = torch.optim.lr_scheduler
+    kind = type(sched)
+    name = _public_name(kind)
+    if kind is sch.ReduceLROnPlateau:
+        raise InputTypeError(
+            f"lr_scheduler: a {name} cannot be translated: it follows a validation metric, while dsfunc's lr "
+            "is a function of the step count. Use a step-based scheduler or a config \"scheduler\" section"
+        )
+    if getattr(sched, "last_epoch", None) != 0:
+        raise InputError(
+            f"lr_scheduler: the client {kind.__qualname__} has already been stepped (last_epoch="
+            f"{getattr(sched, 'last_epoch', None)}); pass a fresh one and resume with engine.load_checkpoint"
+        )
+    bases = list(sched.base_lrs)
+    if any(b != bases[0] for b in bases):
+        raise InputError(f"lr_scheduler: base learning rates differ between param groups ({bases}); use one group")
+    base = float(bases[0])
+    if kind is sch.LambdaLR:
+        fns = sched.lr_lambdas
+        if any(f is not fns[0] for f in fns):
+            raise InputError("lr_scheduler: LambdaLR with a different function per param group; use one function")
+        fn = fns[0]
+
+        def lambda_schedule(t: torch.Tensor) -> torch.Tensor:
+            return torch.tensor(base * fn(int(t) + 1), dtype=torch.float32, device=t.device)
+
+        return lambda_schedule
+    if kind is sch.CosineAnnealingLR:
+        t_max, eta_min = sched.T_max, sched.eta_min
+
+        def cosine(t: torch.Tensor) -> torch.Tensor:
+            k = (t + 1).to(torch.float64)
+            return (eta_min + (base - eta_min) * (1 + torch.cos(math.pi * k / t_max)) / 2).to(torch.float32)
+
+        return cosine
+    factor = _closed_form(sched)
+    if factor is None:
+        raise InputTypeError(
+            f"lr_scheduler: a {name} cannot be translated to a dsfunc schedule; use LambdaLR, StepLR, "
+            "MultiStepLR, ExponentialLR, CosineAnnealingLR, LinearLR or ConstantLR, or a config "
+            '"scheduler" section (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)'
+        )
+    return lambda t: (base * factor((t + 1).to(torch.float64))).to(torch.float32)
+
+
+def client_schedule(lr_scheduler: Any, client_opt: Any, cfg: Config, model: nn.Module) -> Schedule:
+    scheduler = lr_scheduler
+    if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+        if not callable(lr_scheduler):
+            raise InputTypeError(
+                f"lr_scheduler must be a torch lr scheduler or a callable, got {type(lr_scheduler).__name__}"
+            )
+        target = client_opt
+        if target is None:  # a stand-in torch optimizer carrying the config's lr, for the callable to use
+            if cfg.optimizer is None:
+                raise InputError("a client lr_scheduler needs an optimizer: configure one or pass optimizer=")
+            target = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.optimizer.params["lr"])
+        scheduler = lr_scheduler(target)
+        client_opt = target
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise InputTypeError(f"the lr_scheduler callable returned a {type(scheduler).__name__}, not a torch lr scheduler")
+    if client_opt is None or getattr(scheduler, "optimizer", None) is not client_opt:
+        raise InputError(
+            "lr_scheduler was built on a torch optimizer the engine does not use; pass that optimizer as "
+            "optimizer= too, or pass a callable lr_scheduler(optimizer)"
+        )
+    return schedule_from_torch(scheduler)
+
+

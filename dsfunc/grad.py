@@ -1,0 +1,164 @@
+"""Gradient transforms: composable pieces that turn a loss function into a step's gradients.
+
+A **gradient function** maps ``(GradContext, batch) -> GradResult``. Gradient transforms wrap one:
+
+* :func:`value_and_grad` — forward through the model bound to the state's parameters, then backward;
+* :func:`accumulate` — split the step's batch into micro-batches; gradients are their mean;
+* :func:`scale_loss` — multiply the loss by the loss scale before backward (fp16);
+* :func:`shard` — ZeRO: reduce gradients over the ranks into this rank's shard (their mean).
+
+The default composition is ``scale_loss(shard(accumulate(value_and_grad(loss_fn))))``. Each runs its
+micro-batches through one :class:`~dsfunc.zero.runtime.MicroBatchRuntime`, carried in the context:
+``shard`` creates it, and ``accumulate`` or ``value_and_grad`` create a local one when nothing outside
+them did; whoever created it returns its reduced gradients, the others return ``grads=None``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsfunc.batch import Batch, split_batch
+from dsfunc.errors import InputError, UsageError
+from dsfunc.state import TrainState
+from dsfunc.zero.runtime import MicroBatchRuntime, local_runtime, zero_runtime
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class GradContext:
+    """What a gradient function needs besides the batch.
+
+    ``cotangent`` multiplies the loss before backward (the loss scale, set by :func:`scale_loss`); the
+    runtime adds the means over ranks and micro-batches. ``runtime`` runs the micro-batches (set by an
+    outer :func:`shard` or :func:`accumulate`, which then owns the gradients); ``micro`` is
+    ``(index, count)`` inside :func:`accumulate`.
+    """
+
+    state: TrainState
+    cotangent: torch.Tensor | float = 1.0
+    runtime: MicroBatchRuntime | None = None
+    micro: tuple[int, int] = (0, 1)
+
+    def replace(self, **changes: Any) -> GradContext:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradResult:
+    """Mean loss (detached), gradients by unit (``None`` where an outer transform owns them)."""
+
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor | None] | None
+
+
+GradFn = Callable[[GradContext, Batch], GradResult]
+GradTransform = Callable[[GradFn], GradFn]
+
+
+def value_and_grad(loss_fn: LossFn | None = None) -> GradFn:
+    """Loss and gradients of one micro-batch, through the state's model skeleton.
+
+    Args:
+      loss_fn: ``loss_fn(model, batch) -> scalar``; ``model`` is the module bound to the current
+        parameters. ``None`` uses the program's loss function (the module itself returns the loss when
+        none was given to :func:`dsfunc.init_state`).
+    """
+
+    def grad_fn(ctx: GradContext, batch: Batch) -> GradResult:
+        runtime = ctx.runtime or local_runtime(ctx.state)
+        fn = loss_fn or ctx.state.program.loss_fn
+        loss = runtime.forward(lambda model, b: compute_loss(fn, model, b), batch, micro=ctx.micro)
+        runtime.backward(loss, ctx.cotangent)
+        runtime.end()
+        if ctx.runtime is not None:
+            return GradResult(loss.detach().float(), None)
+        return GradResult(*runtime.finish())
+
+    return grad_fn
+
+
+def accumulate(steps: int | None = None) -> GradTransform:
+    """Split the batch into ``steps`` micro-batches (default: the config's gradient_accumulation_steps);
+    the loss and gradients are the mean over micro-batches (summed in fp32)."""
+
+    def transform(inner: GradFn) -> GradFn:
+        def grad_fn(ctx: GradContext, batch: Batch) -> GradResult:
+            config = ctx.state.program.config
+            n = steps or config.gradient_accumulation_steps
+            micros = split_batch(batch, n, config.train_micro_batch_size_per_gpu if steps is None else None)
+            runtime = ctx.runtime or local_runtime(ctx.state)
+            for i, micro in enumerate(micros):
+                inner(ctx.replace(runtime=runtime, micro=(i, n)), micro)
+            if ctx.runtime is not None:
+                return GradResult(runtime.mean_loss(), None)
+            return GradResult(*runtime.finish())
+
+        return grad_fn
+
+    return transform
+
+
+def scale_loss() -> GradTransform:
+    """Multiply the loss by the current loss scale (``state.scaler.scale``) before backward; gradients
+    stay scaled and the update unscales them."""
+
+    def transform(inner: GradFn) -> GradFn:
+        def grad_fn(ctx: GradContext, batch: Batch) -> GradResult:
+            return inner(ctx.replace(cotangent=ctx.cotangent * ctx.state.scaler.scale), batch)
+
+        return grad_fn
+
+    return transform
+
+
+def shard() -> GradTransform:
+    """ZeRO data parallelism at the plan's stage: compute parameters come from the sharded fp32 master
+    (gathered per unit at stage 3), and gradients are reduced over ranks into this rank's shard (the
+    full gradient at stage 0) as backward produces them. Gradients are the mean over ranks."""
+
+    def transform(inner: GradFn) -> GradFn:
+        def grad_fn(ctx: GradContext, batch: Batch) -> GradResult:
+            if ctx.runtime is not None or ctx.micro[1] != 1:
+                raise UsageError(
+                    "shard() must be outside accumulate() and value_and_grad(): compose "
+                    "shard()(accumulate()(value_and_grad(loss_fn))) so one reduction covers every micro-batch"
+                )
+            runtime = zero_runtime(ctx.state)
+            inner(ctx.replace(runtime=runtime), batch)
+            return GradResult(*runtime.finish())
+
+        return grad_fn
+
+    return transform
+
+
+def default_grad_fn(loss_fn: LossFn | None = None) -> GradFn:
+    """``scale_loss(shard(accumulate(value_and_grad(loss_fn))))``: what the config describes."""
+    return scale_loss()(shard()(accumulate()(value_and_grad(loss_fn))))
+
+
+def compute_loss(loss_fn: LossFn | None, model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The scalar loss of ``batch``: ``loss_fn(model, batch)``, or the model's own output (a tensor, or a
+    mapping/object with a ``loss``) called with the batch's tuple or dict."""
+    if loss_fn is not None:
+        out = loss_fn(model, batch)
+    elif isinstance(batch, Mapping):
+        out = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        out = model(*batch)
+    else:
+        out = model(batch)
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", out)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"a tensor of shape {tuple(loss.shape)}"
+        raise InputError(
+            f"the loss must be a scalar floating-point tensor, got {what}. Pass loss_fn=lambda model, "
+            "batch: ... to dsfunc.init_state, or make the model return the loss (or an object with .loss)"
+        )
+    return loss.reshape(())

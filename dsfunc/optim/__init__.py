@@ -1,0 +1,83 @@
+"""Update transforms: optimizers, clipping and learning rates as pure ``(init, update)`` pairs (the optax
+pattern), and the updates a step applies (:mod:`~dsfunc.optim.update`, :mod:`~dsfunc.optim.fused`).
+
+Modules: :mod:`~dsfunc.optim.base` (``Transform``, ``chain``, ``named_chain``), ``transforms`` (the small
+factories), ``aliases`` (``adam``, ``adamw``, ``sgd``, ``lamb``, ``adagrad``), ``from_config`` (the one
+place a DeepSpeed config becomes an update), ``update`` and ``fused`` (applying an update to a state).
+"""
+
+from dsfunc.optim.aliases import adagrad, adam, adamw, lamb, sgd
+from dsfunc.optim.base import (
+    EmptyState,
+    ScaleByAdamState,
+    ScaleByRssState,
+    ScaleByScheduleState,
+    ScheduleState,
+    TraceState,
+    Transform,
+    apply_updates,
+    chain,
+    current_lr,
+    identity,
+    named_chain,
+    stateless,
+)
+from dsfunc.optim.from_config import (
+    lr_schedule,
+    momentum_schedule_from_config,
+    optimizer_from_config,
+    schedule_from_config,
+    update_from_config,
+)
+from dsfunc.optim.fused import FusedAdam
+from dsfunc.optim.transforms import (
+    add_decayed_weights,
+    clip_by_global_norm,
+    global_norm,
+    scale_by_adam,
+    scale_by_factor,
+    scale_by_learning_rate,
+    scale_by_rss,
+    scale_by_schedule,
+    scale_by_trust_ratio,
+    trace,
+)
+from dsfunc.optim.update import ChainUpdate
+
+__all__ = [
+    "ChainUpdate",
+    "EmptyState",
+    "FusedAdam",
+    "ScaleByAdamState",
+    "ScaleByRssState",
+    "ScaleByScheduleState",
+    "ScheduleState",
+    "TraceState",
+    "Transform",
+    "adagrad",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "current_lr",
+    "global_norm",
+    "identity",
+    "lamb",
+    "lr_schedule",
+    "momentum_schedule_from_config",
+    "named_chain",
+    "optimizer_from_config",
+    "scale_by_adam",
+    "scale_by_factor",
+    "scale_by_learning_rate",
+    "scale_by_rss",
+    "scale_by_schedule",
+    "scale_by_trust_ratio",
+    "schedule_from_config",
+    "sgd",
+    "stateless",
+    "trace",
+    "update_from_config",
+]

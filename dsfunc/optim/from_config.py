@@ -1,0 +1,135 @@
+"""The one place a DeepSpeed config becomes an update: lr schedule, optimizer chain, fused or not.
+
+``update_from_config(cfg)`` is what :func:`dsfunc.init_state` and the DeepSpeed engine train with:
+unscale, clip by the global norm, then the configured optimizer under the configured lr schedule; the
+config's Adam/AdamW runs as dsfunc's fused op instead (:mod:`dsfunc.optim.fused`), with the same state.
+The sections are validated by :mod:`dsfunc.config` (the one table of DeepSpeed's keys); the functions
+here that take a raw section validate it there too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dsfunc.config import Config, ConfigError, OptimizerConfig, SchedulerConfig, _optimizer, _scheduler
+from dsfunc.errors import InputError
+from dsfunc.optim.aliases import adagrad, adam, adamw, lamb, sgd
+from dsfunc.optim.base import Transform, named_chain
+from dsfunc.optim.fused import FusedAdam
+from dsfunc.optim.transforms import clip_by_global_norm, scale_by_factor
+from dsfunc.optim.update import ChainUpdate
+from dsfunc.schedules import (
+    Schedule,
+    lr_range_test,
+    one_cycle,
+    one_cycle_momentum,
+    warmup_cosine_lr,
+    warmup_decay_lr,
+    warmup_lr,
+)
+
+_SCHEDULES = {
+    "WarmupLR": warmup_lr,
+    "WarmupDecayLR": warmup_decay_lr,
+    "WarmupCosineLR": warmup_cosine_lr,
+    "OneCycle": one_cycle,
+    "LRRangeTest": lr_range_test,
+}
+_OPTIMIZERS = {"adam": adam, "adamw": adamw, "lamb": lamb, "sgd": sgd, "adagrad": adagrad}
+_NO_EFFECT = ("torch_adam",)  # picks DeepSpeed's implementation (torch vs fused Adam); the math is the same
+
+
+def update_from_config(cfg: Config, schedule: Schedule | None = None) -> ChainUpdate | FusedAdam:
+    """The update ``cfg`` describes; ``schedule`` replaces the config's lr schedule when given."""
+    if cfg.optimizer is None:
+        raise InputError(
+            'the config has no "optimizer" section; add one, e.g. '
+            '"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, or pass optimizer=... to init_state'
+        )
+    momentum = None
+    if schedule is None:
+        schedule = lr_schedule(cfg)
+        momentum = _momentum_schedule(cfg.scheduler) if cfg.scheduler is not None else None
+    chain = named_chain(
+        ("unscale", scale_by_factor("grad_scale")),
+        ("clip", clip_by_global_norm(cfg.gradient_clipping)),
+        ("optimizer", _optimizer_chain(cfg.optimizer, schedule, momentum)),
+    )
+    fused = FusedAdam.from_config(cfg, chain, schedule) if momentum is None else None
+    return fused if fused is not None else ChainUpdate(chain)
+
+
+def lr_schedule(cfg: Config) -> Schedule | None:
+    """The config's lr schedule (``None`` without a scheduler section: the optimizer's constant lr)."""
+    if cfg.scheduler is None:
+        return None
+    base_lr = float(cfg.optimizer.params["lr"]) if cfg.optimizer is not None else None
+    return _schedule(cfg.scheduler, base_lr)
+
+
+def optimizer_from_config(opt_cfg_type: str, params: Mapping[str, Any], schedule: Schedule | None,
+                          *, momentum_schedule: Schedule | None = None) -> Transform:
+    """A named optimizer from a DeepSpeed ``optimizer`` section's ``type`` and ``params``.
+
+    Args:
+        opt_cfg_type: "Adam", "AdamW", "SGD", "Lamb" or "Adagrad" (case-insensitive). "Adam" follows
+            ``adam_w_mode`` (default True = decoupled); "AdamW" is always decoupled, as in DeepSpeed.
+        params: the section's ``params`` with DeepSpeed's names (validated as the config validates them);
+            missing ones take DeepSpeed's defaults.
+        schedule: the lr schedule, which replaces ``params["lr"]``; None keeps the constant lr.
+        momentum_schedule: a ``betas[0]`` schedule (:func:`momentum_schedule_from_config`). For
+            optimizers with betas it replaces beta1 and, as DeepSpeed's OneCycle does, sets beta2 to 0.99;
+            others ignore it (DeepSpeed disables momentum cycling when the optimizer has no betas).
+    """
+    section = _optimizer({"type": opt_cfg_type, "params": dict(params)}, "optimizer")
+    return _optimizer_chain(section, schedule, momentum_schedule)
+
+
+def schedule_from_config(type: str, params: Mapping[str, Any], base_lr: float) -> Schedule:
+    """The lr schedule of a DeepSpeed ``scheduler`` section (validated as the config validates it).
+
+    Args:
+        type: one of "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest".
+        params: the section's ``params`` with DeepSpeed's names (missing ones take DeepSpeed's defaults).
+        base_lr: the optimizer's configured lr (used by WarmupCosineLR, and by warmup_max_lr=None).
+    """
+    return _schedule(_scheduler({"type": type, "params": dict(params)}, "scheduler"), base_lr)
+
+
+def momentum_schedule_from_config(type: str, params: Mapping[str, Any]) -> Schedule | None:
+    """The ``betas[0]`` schedule a DeepSpeed ``scheduler`` section implies: OneCycle with ``cycle_momentum``
+    (DeepSpeed's default) cycles momentum; every other case returns None."""
+    return _momentum_schedule(_scheduler({"type": type, "params": dict(params)}, "scheduler"))
+
+
+def _optimizer_chain(section: OptimizerConfig, schedule: Schedule | None,
+                     momentum: Schedule | None) -> Transform:
+    kwargs = {k: v for k, v in section.params.items() if k not in _NO_EFFECT}
+    if schedule is not None:
+        kwargs["lr"] = schedule
+    if momentum is not None and "betas" in kwargs:
+        kwargs["betas"] = (momentum, 0.99)
+    if section.type == "adamw":
+        kwargs.pop("adam_w_mode")
+    return _OPTIMIZERS[section.type](**kwargs)
+
+
+def _schedule(section: SchedulerConfig, base_lr: float | None) -> Schedule:
+    last = section.params["last_batch_iteration"]
+    if last != -1:
+        raise ConfigError(
+            f"scheduler.params.last_batch_iteration = {last} is not supported; dsfunc keeps the schedule's "
+            "position in the training state, so resume with dsfunc.load_checkpoint and leave "
+            "last_batch_iteration at -1"
+        )
+    kwargs = {k: v for k, v in section.params.items() if k != "last_batch_iteration"}
+    if section.type in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        kwargs["base_lr"] = base_lr
+    return _SCHEDULES[section.type](**kwargs)
+
+
+def _momentum_schedule(section: SchedulerConfig) -> Schedule | None:
+    if section.type != "OneCycle" or not section.params["cycle_momentum"]:
+        return None
+    return one_cycle_momentum(**{k: v for k, v in section.params.items() if k != "last_batch_iteration"})

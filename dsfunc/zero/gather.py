@@ -1,0 +1,209 @@
+"""The compute copies of the parameters that forward and backward read, and ZeRO-3's gather and free.
+
+A :class:`Workspace` is the one mutable object of a run (owned by its :class:`~dsfunc.init.Program`,
+shared by every state of the run). It caches what is derived from the fp32 masters and never
+checkpointed: the compute-dtype copy of each unit, and at stage 3 the gathered buffers and their
+all-gathers in flight. It also points at the micro-batch runtime that is bound right now
+(:attr:`Workspace.active`), which the stage-3 module hooks call.
+
+Persistent units (stages 0-2, and stage-3 units below ``stage3_param_persistence_threshold``) keep a
+full copy, rebuilt after every update. Lazy units (stage 3) are all-gathered on demand into a buffer
+whose storage is freed after use; autograd's saved views of the buffer see the refill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from dsfunc.dist import comm
+from dsfunc.zero.layout import ShardingPlan, Unit
+
+
+class UnitState(enum.Enum):
+    """Where a lazy (stage-3) unit's gathered buffer is."""
+
+    FREE = enum.auto()  # storage released
+    GATHERING = enum.auto()  # an all-gather into it is in flight
+    READY = enum.auto()  # holds the full unit
+
+
+@dataclasses.dataclass
+class ZeroStats:
+    """Instrumentation a test (or a curious user) can read: what stage 3 held gathered at once."""
+
+    live_units: set[str] = dataclasses.field(default_factory=set)
+    max_live_units: int = 0
+    max_live_elements: int = 0
+    gathers: int = 0
+
+    def note(self, plan: ShardingPlan) -> None:
+        self.max_live_units = max(self.max_live_units, len(self.live_units))
+        live = sum(plan.padded_size(plan.unit(n)) for n in self.live_units)
+        self.max_live_elements = max(self.max_live_elements, live)
+
+
+class Workspace:
+    """Compute copies per unit: persistent ones refreshed after updates, lazy ones gathered and freed."""
+
+    def __init__(self, plan: ShardingPlan, *, compute_dtype: torch.dtype, device: torch.device,
+                 persistence_threshold: int, max_live_elements: int, prefetch: bool) -> None:
+        self.plan = plan
+        self.compute_dtype = compute_dtype
+        self.device = device
+        self.max_live_elements = max_live_elements
+        self.prefetch_enabled = prefetch
+        self.stats = ZeroStats()
+        self.active: Any = None  # the MicroBatchRuntime bound right now, for the module hooks
+        self._lazy = {
+            u.name: plan.stage == 3 and u.module is not None and u.numel >= persistence_threshold
+            for u in plan.units
+        }
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.status: dict[str, UnitState] = {}
+        self.inflight: dict[str, tuple[comm.Pending, torch.Tensor, Any]] = {}
+        self.synced_with: tuple[Any, ...] | None = None
+        self.aliases_master = plan.stage == 0 and compute_dtype == torch.float32
+
+    def lazy(self, unit: Unit) -> bool:
+        return self._lazy[unit.name]
+
+    def _flat_len(self, unit: Unit) -> int:
+        return unit.numel if self.plan.stage == 0 else self.plan.padded_size(unit)
+
+    # -- persistent copies -------------------------------------------------------------------------
+    def lowp_targets(self) -> dict[str, torch.Tensor]:
+        """Where an update may write this rank's new parameters in the compute dtype (persistent units,
+        when that dtype is 16-bit): the whole copy at stage 0, this rank's slice of it otherwise."""
+        if self.compute_dtype not in (torch.bfloat16, torch.float16):
+            return {}
+        out = {}
+        for unit in self.plan.units:
+            buf = self.buffers.get(unit.name)
+            if self.lazy(unit) or buf is None:
+                continue
+            size = self.plan.shard_size(unit)
+            out[unit.name] = buf if self.plan.stage == 0 else buf[self.plan.rank * size : (self.plan.rank + 1) * size]
+        return out
+
+    @torch.no_grad()
+    def refresh(self, master: Mapping[str, torch.Tensor], written: Iterable[str] = ()) -> None:
+        """Rebuild every persistent copy from ``master`` (after an update, or for another state).
+
+        ``written`` names units whose slice of the copy the update already wrote (:meth:`lowp_targets`):
+        those only need the all-gather.
+        """
+        if self.aliases_master:
+            self.synced_with = _signature(master)
+            return
+        written = set(written)
+        works = []
+        for unit in self.plan.units:
+            if self.lazy(unit):
+                continue
+            buf = self.buffers.get(unit.name)
+            if buf is None:
+                buf = self.buffers[unit.name] = torch.empty(
+                    self._flat_len(unit), dtype=self.compute_dtype, device=self.device)
+            self.status[unit.name] = UnitState.READY
+            if unit.name in written:
+                if self.plan.stage:
+                    size = self.plan.shard_size(unit)
+                    src = buf[self.plan.rank * size : (self.plan.rank + 1) * size]
+                    works.append((comm.all_gather_flat(buf, src, async_op=True), src))
+                continue
+            src = master[unit.name].to(self.compute_dtype)
+            works.append((comm.all_gather_flat(buf, src, async_op=True) if self.plan.stage else _copy(buf, src), src))
+        for work, _ in works:
+            work.wait()
+        self.synced_with = _signature(master)
+
+    def ensure(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The unit's full compute flat, gathered if needed."""
+        if self.aliases_master:
+            return master[unit.name]
+        if not self.lazy(unit):
+            if self.synced_with != _signature(master):
+                self.refresh(master)
+            return self.buffers[unit.name]
+        state = self.status.get(unit.name, UnitState.FREE)
+        if state is UnitState.FREE:
+            self._start_gather(unit, master)
+            state = UnitState.GATHERING
+        if state is UnitState.GATHERING:
+            self._wait(unit)
+        return self.buffers[unit.name]
+
+    def _wait(self, unit: Unit) -> None:
+        work, _src, hide = self.inflight.pop(unit.name)
+        with torch.no_grad(), hide:
+            work.wait()
+        self.status[unit.name] = UnitState.READY
+
+    # -- stage 3 -----------------------------------------------------------------------------------
+    def _start_gather(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> None:
+        n = self._flat_len(unit)
+        buf = self.buffers.get(unit.name)
+        if buf is None:
+            buf = self.buffers[unit.name] = torch.empty(n, dtype=self.compute_dtype, device=self.device)
+        elif buf.untyped_storage().size() == 0:
+            buf.untyped_storage().resize_(n * buf.element_size())
+        src = master[unit.name].to(self.compute_dtype)
+        # [Note: refills hidden from autograd] Autograd's saved views of this buffer must stay valid across
+        # a free and a refill, so the refill must not bump the buffer's version counter. The version is
+        # taken now and restored after wait(): gloo bumps it when the work completes, even in the background.
+        hide = torch.autograd._unsafe_preserve_version_counter(buf)
+        with torch.no_grad(), hide:
+            work = comm.all_gather_flat(buf, src, async_op=True)
+        self.inflight[unit.name] = (work, src, hide)
+        self.status[unit.name] = UnitState.GATHERING
+        self.stats.live_units.add(unit.name)
+        self.stats.gathers += 1
+        self.stats.note(self.plan)
+
+    def release(self, unit: Unit) -> None:
+        """Free a lazy unit's gathered storage (idempotent)."""
+        if not self.lazy(unit) or self.status.get(unit.name, UnitState.FREE) is UnitState.FREE:
+            return
+        if unit.name in self.inflight:
+            self._wait(unit)
+        self.buffers[unit.name].untyped_storage().resize_(0)
+        self.status[unit.name] = UnitState.FREE
+        self.stats.live_units.discard(unit.name)
+
+    def release_all(self) -> None:
+        """Free every lazy unit (after a micro-batch, or when one is abandoned)."""
+        for unit in self.plan.units:
+            self.release(unit)
+
+    def next_units(self, unit: Unit) -> list[Unit]:
+        """The lazy unit after ``unit``: one unit of lookahead keeps at most two units gathered."""
+        units = [u for u in self.plan.units if self.lazy(u)]
+        i = units.index(unit)
+        return units[i + 1 : i + 2]
+
+    def prefetch(self, units: Iterable[Unit], master: Mapping[str, torch.Tensor]) -> None:
+        """Start gathering ``units`` now, within the prefetch and live-parameter budgets."""
+        if not self.prefetch_enabled:
+            return
+        for unit in units:
+            if self.status.get(unit.name, UnitState.FREE) is not UnitState.FREE:
+                continue
+            live = sum(self.plan.padded_size(self.plan.unit(n)) for n in self.stats.live_units)
+            if live + self.plan.padded_size(unit) > self.max_live_elements:
+                return
+            self._start_gather(unit, master)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> comm.Pending:
+    dst.copy_(src)
+    return comm.Done()
+
+
+def _signature(master: Mapping[str, torch.Tensor]) -> tuple[Any, ...]:
+    """Which masters the persistent copies were built from (storage and version of each)."""
+    return tuple((t.data_ptr(), t._version) for t in master.values())

@@ -1,0 +1,49 @@
+"""Module hooks on the skeleton: stage-3 units gather around their forward, and inputs take the compute dtype.
+
+The hooks are installed once, on the hook-free skeleton, and act only while a micro-batch runtime is
+bound (:attr:`~dsfunc.zero.gather.Workspace.active`); outside a step they do nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+from torch import nn
+
+from dsfunc.zero.gather import Workspace
+from dsfunc.zero.layout import Unit
+
+
+def install_unit_hooks(skeleton: nn.Module, workspace: Workspace) -> None:
+    """On each lazily gathered unit's module: gather and bind before its forward, free after it."""
+    for unit in workspace.plan.units:
+        if not workspace.lazy(unit):
+            continue
+        module = skeleton.get_submodule(unit.module)
+
+        def pre(mod: nn.Module, args: Any, u: Unit = unit) -> None:
+            if workspace.active is not None:
+                workspace.active.unit_forward_begins(u)
+
+        def post(mod: nn.Module, args: Any, output: Any, u: Unit = unit) -> None:
+            if workspace.active is not None:
+                workspace.active.unit_forward_ends(u, output)
+
+        module.register_forward_pre_hook(pre)
+        module.register_forward_hook(post)
+
+
+def install_input_cast(skeleton: nn.Module, workspace: Workspace, dtype: torch.dtype) -> None:
+    """Cast floating-point inputs of the model's forward to the compute dtype (as FSDP2 does)."""
+    if dtype == torch.float32:
+        return
+
+    def cast(module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if workspace.active is None:
+            return None
+        f = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        return optree.tree_map(f, args), optree.tree_map(f, kwargs)
+
+    skeleton.register_forward_pre_hook(cast, with_kwargs=True)

@@ -1,0 +1,100 @@
+"""Materialising the fp32 masters: from the user's module, or from ``meta`` one module at a time.
+
+A model built on the ``meta`` device never exists in full on any rank: each rank materialises one
+owning module at a time (``reset_parameters()`` or the user's ``param_init_fn``, seeded per module so
+every rank draws the same values), flattens each unit and keeps only its own shard.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from dsfunc.errors import InputError
+from dsfunc.zero.layout import ShardingPlan, flatten_unit, local_shard
+
+
+@dataclasses.dataclass
+class InitStats:
+    """How many parameter elements existed at once while materialising from ``meta``."""
+
+    max_elements: int = 0
+
+
+INIT_STATS = InitStats()
+
+
+@torch.no_grad()
+def materialize(
+    model: nn.Module, skeleton: nn.Module, plan: ShardingPlan, device: torch.device, seed: int,
+    param_init_fn: Callable[[nn.Module], None] | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """This rank's fp32 master shards (by unit) and its buffers (and frozen parameters) by name."""
+    on_meta = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
+    source = _MetaSource(skeleton, device, seed, param_init_fn) if on_meta else None
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    params = {}
+    for unit in plan.units:
+        if source is not None:
+            values = source.unit_tensors([slot.name for slot in unit.params])
+        else:
+            values = {slot.name: tensors[slot.name].detach() for slot in unit.params}
+        values = {k: v.to(device=device, dtype=torch.float32) for k, v in values.items()}
+        flat = flatten_unit(unit, values, plan.padded_size(unit))
+        INIT_STATS.max_elements = max(INIT_STATS.max_elements, flat.numel())
+        params[unit.name] = flat if plan.ways == 1 else local_shard(plan, unit, flat)
+        del flat, values
+    extra = dict(model.named_buffers())
+    extra.update({name: tensors[name] for name in plan.frozen})
+    if source is not None:
+        extra = source.unit_tensors(list(extra))
+    buffers = {k: v.detach().to(device).clone() for k, v in extra.items()}
+    return params, buffers
+
+
+class _MetaSource:
+    """Materialises parameters of a ``meta`` model one owning module at a time, identically on every rank."""
+
+    def __init__(self, skeleton: nn.Module, device: torch.device, seed: int,
+                 init_fn: Callable[[nn.Module], None] | None) -> None:
+        self.skeleton, self.device, self.seed, self.init_fn = skeleton, device, seed, init_fn
+        self.order = {name: i for i, (name, _) in enumerate(skeleton.named_modules())}
+
+    def unit_tensors(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        by_module: dict[str, list[str]] = {}
+        for name in names:
+            path, _, attr = name.rpartition(".")
+            by_module.setdefault(path, []).append(attr)
+        out = {}
+        for path, attrs in by_module.items():
+            made = self._materialize_module(path)
+            for attr in attrs:
+                out[f"{path}.{attr}" if path else attr] = made[attr]
+        return out
+
+    def _materialize_module(self, path: str) -> dict[str, torch.Tensor]:
+        module = self.skeleton.get_submodule(path) if path else self.skeleton
+        alone = copy.copy(module)  # shallow: own parameters and buffers only, no children
+        alone._modules = {}
+        alone._parameters = {k: nn.Parameter(torch.empty_like(v, device=self.device), v.requires_grad)
+                             for k, v in module._parameters.items() if v is not None}
+        alone._buffers = {k: torch.empty_like(v, device=self.device)
+                          for k, v in module._buffers.items() if v is not None}
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(self.seed * 1_000_003 + self.order[path])
+            with torch.no_grad():
+                if self.init_fn is not None:
+                    self.init_fn(alone)
+                elif hasattr(alone, "reset_parameters"):
+                    alone.reset_parameters()
+                elif alone._parameters or alone._buffers:
+                    raise InputError(
+                        f"the model is on the meta device and module {path or '<root>'!r} "
+                        f"({type(module).__name__}) owns parameters or buffers but has no reset_parameters(); "
+                        "pass param_init_fn=fn to dsfunc.init_state, where fn(module) fills them in place"
+                    )
+        return {**alone._parameters, **alone._buffers}

@@ -1,0 +1,64 @@
+"""Norms over sharded gradients and parameters: one collective for the global norm, Lamb's per-parameter norms.
+
+At stages 1-3 each rank holds a shard of every unit, so a norm is a sum of squares per rank and one
+all-reduce. The step's loss rides along in that all-reduce (the mean loss over ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from dsfunc import kernels
+from dsfunc.dist import comm
+from dsfunc.zero.layout import ShardingPlan
+
+
+def global_norm_and_loss(plan: ShardingPlan, grads: Mapping[str, torch.Tensor],
+                         loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of squares of every rank's ``grads`` (inf/nan anywhere make it non-finite, on every rank
+    alike) and the mean of ``loss`` over ranks, with one small all-reduce."""
+    sumsq = kernels.sum_of_squares(list(grads.values()))
+    if plan.world_size > 1:
+        packed = torch.stack([sumsq if plan.ways > 1 else torch.zeros_like(sumsq), loss.float()])
+        comm.all_reduce_sum(packed)
+        sumsq = packed[0] if plan.ways > 1 else sumsq
+        loss = packed[1] / plan.world_size
+    return sumsq, loss
+
+
+def segment_norm_fn(plan: ShardingPlan, device: torch.device) -> Callable[[Any], Any]:
+    """Per-parameter L2 norms over flat shards, broadcast back per element (Lamb's trust ratio).
+
+    The per-element segment index it needs is built on the first call, so optimizers that never ask
+    (Adam, SGD, ...) pay no memory for it.
+    """
+    ids: dict[str, torch.Tensor] = {}
+
+    def segment_ids() -> dict[str, torch.Tensor]:
+        for unit in plan.units:
+            start, stop = plan.local_range(unit)
+            seg = torch.full((plan.shard_size(unit),), len(unit.params), dtype=torch.int32)
+            for i, slot in enumerate(unit.params):
+                lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, stop)
+                if lo < hi:
+                    seg[lo - start : hi - start] = i
+            ids[unit.name] = seg.to(device)
+        return ids
+
+    def segment_norm(squares: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        seg = ids or segment_ids()
+        sums = {
+            name: torch.zeros(len(plan.unit(name).params) + 1, dtype=torch.float32, device=sq.device)
+            .index_add_(0, seg[name], sq.float())
+            for name, sq in squares.items()
+        }
+        if plan.ways > 1:
+            packed = torch.cat(list(sums.values()))
+            comm.all_reduce_sum(packed)
+            sums = dict(zip(sums, packed.split([s.numel() for s in sums.values()])))
+        return {name: s.sqrt()[seg[name]].to(squares[name].dtype) for name, s in sums.items()}
+
+    return segment_norm

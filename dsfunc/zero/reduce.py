@@ -1,0 +1,121 @@
+"""Gradient reduction: what happens to a unit's gradient when backward produces it.
+
+The micro-batch runtime hands each unit's gradient to a reducer from the gradient hook, as backward
+produces it. :class:`LocalReducer` sums this process's gradients (no collective; what a gradient
+function without :func:`dsfunc.shard` gets). :class:`ZeroReducer` reduces over the data-parallel ranks as
+the ZeRO stage says:
+
+* stage 0: all-reduce of the full gradient, in chunks of ``reduce_bucket_size`` elements;
+* stage 1: local fp32 accumulation over micro-batches, one reduce-scatter per unit on the last one;
+* stages 2-3: a reduce-scatter per unit per micro-batch, only this rank's shard kept.
+
+Reductions are issued asynchronously, so communication overlaps the rest of backward; at most two are
+in flight (each holds a full-size gradient until it finishes). Every collective is a SUM: the runtime
+folds the 1/world factor of the mean into the backward seed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dsfunc.dist import comm
+from dsfunc.zero.layout import ShardingPlan, Unit
+
+Grads = dict[str, torch.Tensor | None]
+
+
+def _accumulate(sums: dict[str, torch.Tensor], name: str, grad: torch.Tensor) -> None:
+    """``sums[name] += grad`` in fp32 (the first gradient is kept as is)."""
+    prev = sums.get(name)
+    g = grad.float()
+    sums[name] = g if prev is None else prev.add_(g)
+
+
+class LocalReducer:
+    """This process's gradients, summed in fp32 over micro-batches."""
+
+    def __init__(self, plan: ShardingPlan) -> None:
+        self.plan = plan
+        self._sums: dict[str, torch.Tensor] = {}
+
+    def add(self, unit: Unit, grad: torch.Tensor, *, last: bool) -> None:
+        _accumulate(self._sums, unit.name, grad)
+
+    def end_micro(self, *, last: bool) -> None:
+        """Nothing to flush: the sums stay local."""
+
+    def finish(self) -> Grads:
+        """Gradients by unit; ``None`` for a unit no loss reached."""
+        out: Grads = {u.name: self._sums.get(u.name) for u in self.plan.units}
+        self._sums = {}
+        return out
+
+
+class ZeroReducer:
+    """Gradients reduced over ranks into this rank's shard (the full gradient at stage 0)."""
+
+    max_inflight = 2  # reductions in flight during backward; older ones are waited for as new ones start
+
+    def __init__(self, plan: ShardingPlan, *, comm_dtype: torch.dtype, bucket_size: int,
+                 device: torch.device) -> None:
+        self.plan = plan
+        self.comm_dtype = comm_dtype
+        self.bucket_size = bucket_size
+        self.device = device
+        self._local: dict[str, torch.Tensor] = {}  # stages 0-1: sums of the micro-batches before the last
+        self._pending: list[tuple[comm.Pending, Callable[[], None]]] = []
+        self._reduced: set[str] = set()  # units reduced in this micro-batch
+        self._grads: dict[str, torch.Tensor] = {}
+
+    def add(self, unit: Unit, grad: torch.Tensor, *, last: bool) -> None:
+        self._reduced.add(unit.name)
+        stage = self.plan.stage
+        if stage <= 1 and not last:
+            _accumulate(self._local, unit.name, grad)  # one reduction after the last micro-batch
+            return
+        full = grad.to(self.comm_dtype)
+        local = self._local.pop(unit.name, None) if stage <= 1 else None
+        if local is not None:
+            full = full + local.to(self.comm_dtype)
+        if stage == 0:
+            chunks = full.split(self.bucket_size)
+            for chunk in chunks[:-1]:
+                self._pending.append((comm.all_reduce_sum(chunk, async_op=True), lambda: None))
+            work = comm.all_reduce_sum(chunks[-1], async_op=True)
+            self._pending.append((work, lambda u=unit, t=full: self._store(u, t)))
+        else:
+            out = torch.empty(self.plan.shard_size(unit), dtype=self.comm_dtype, device=full.device)
+            work = comm.reduce_scatter_sum(out, full, async_op=True)
+            self._pending.append((work, lambda u=unit, t=out, keep=full: self._store(u, t)))
+        self._drain(keep=self.max_inflight)
+
+    def end_micro(self, *, last: bool) -> None:
+        """Units no loss reached still join the collectives (every rank issues the same ones)."""
+        for unit in self.plan.units:
+            if unit.name not in self._reduced:
+                length = self.plan.padded_size(unit) if self.plan.stage >= 1 else unit.numel
+                self.add(unit, torch.zeros(length, device=self.device), last=last)
+        self._reduced = set()
+        if self.plan.stage >= 2:
+            self._drain()
+
+    def finish(self) -> Grads:
+        """This rank's reduced fp32 gradients by unit, after the last micro-batch."""
+        self._drain()
+        grads: Grads = dict(self._grads)
+        self._grads = {}
+        return grads
+
+    def _store(self, unit: Unit, reduced: torch.Tensor) -> None:
+        reduced = reduced.float()
+        prev = self._grads.get(unit.name)
+        self._grads[unit.name] = reduced if prev is None else prev.add_(reduced)
+
+    def _drain(self, keep: int = 0) -> None:
+        """Finish all but the ``keep`` newest reductions (their full-size inputs are then freed)."""
+        while len(self._pending) > keep:
+            work, store = self._pending.pop(0)
+            work.wait()
+            store()
