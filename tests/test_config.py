@@ -25,6 +25,7 @@ from dsfunc.config import (
     SchedulerConfig,
     ZeroConfig,
 )
+from dsfunc.errors import Error
 from tests.multiprocess import run_world
 
 RULE = "train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size"
@@ -505,6 +506,12 @@ def test_direct_construction_checks_the_triple():
 
 # ----------------------------------------------------------------------------------------------------
 # unknown keys
+
+
+def test_config_error_is_a_dsfunc_error_and_a_value_error():
+    for base in (Error, ValueError):
+        with pytest.raises(base, match='Unknown config key "gradient_cliping"'):
+            Config.load({"train_batch_size": 8, "gradient_cliping": 1.0})
 
 
 @pytest.mark.parametrize(

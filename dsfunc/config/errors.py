@@ -6,10 +6,11 @@ import difflib
 import json
 from typing import Any
 
+from dsfunc.errors import Error
 from dsfunc.frozen import thaw
 
 
-class ConfigError(ValueError):
+class ConfigError(Error, ValueError):
     """A problem in a DeepSpeed/dsfunc config; the message names the key path and what is allowed."""
 
 
