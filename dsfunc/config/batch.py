@@ -84,6 +84,20 @@ def _mismatch_message(t: int, m: int, g: int, w: int) -> str:
     )
 
 
+def _derive(derived: str, t: int, given: tuple[str, int], m: int | None, g: int | None, w: int) -> int:
+    """``derived`` = train_batch_size / (the ``given`` key's value * world_size), when that divides."""
+    name, k = given
+    if t % (k * w):
+        raise _not_divisible(derived, t, k * w, f"{name} * world_size = {k} * {w}", m, g, w, vary=given)
+    return t // (k * w)
+
+
+def _check_triple(t: int, m: int, g: int, w: int) -> None:
+    """The rule the three values must satisfy, however they were given."""
+    if t != m * g * w:
+        raise ConfigError(_mismatch_message(t, m, g, w))
+
+
 def _resolve_batch(t: int | None, m: int | None, g: int | None, w: int) -> tuple[int, int, int]:
     """DeepSpeed's six-way inference of (train_batch_size, micro batch, accumulation steps)."""
     if t is None and m is None:
@@ -94,31 +108,9 @@ def _resolve_batch(t: int | None, m: int | None, g: int | None, w: int) -> tuple
             + _report(t, m, g, w)
         )
     if t is not None and m is not None and g is None:
-        if t % (m * w):
-            raise _not_divisible(
-                "gradient_accumulation_steps",
-                t,
-                m * w,
-                f"train_micro_batch_size_per_gpu * world_size = {m} * {w}",
-                m,
-                g,
-                w,
-                vary=("train_micro_batch_size_per_gpu", m),
-            )
-        g = t // m // w
+        g = _derive("gradient_accumulation_steps", t, ("train_micro_batch_size_per_gpu", m), m, g, w)
     elif t is not None and g is not None and m is None:
-        if t % (g * w):
-            raise _not_divisible(
-                "train_micro_batch_size_per_gpu",
-                t,
-                g * w,
-                f"gradient_accumulation_steps * world_size = {g} * {w}",
-                m,
-                g,
-                w,
-                vary=("gradient_accumulation_steps", g),
-            )
-        m = t // w // g
+        m = _derive("train_micro_batch_size_per_gpu", t, ("gradient_accumulation_steps", g), m, g, w)
     elif t is not None and m is None:
         if t % w:
             raise _not_divisible("train_micro_batch_size_per_gpu", t, w, "world_size", m, g, w, vary=None)
@@ -126,8 +118,7 @@ def _resolve_batch(t: int | None, m: int | None, g: int | None, w: int) -> tuple
     elif t is None:
         g = 1 if g is None else g
         t = m * g * w
-    if t != m * g * w:
-        raise ConfigError(_mismatch_message(t, m, g, w))
+    _check_triple(t, m, g, w)
     return t, m, g
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dsfunc.config.batch import _batch_size, _mismatch_message, _resolve_batch, _world_size
+from dsfunc.config.batch import _batch_size, _check_triple, _resolve_batch, _world_size
 from dsfunc.config.checks import _DTYPE_NAME, _NON_NEGATIVE, _STEPS, _bool, _number, _optional
 from dsfunc.config.errors import ConfigError
 from dsfunc.config.monitor import MonitorConfig
@@ -57,8 +57,7 @@ class Config:
             self.gradient_accumulation_steps,
             self.world_size,
         )
-        if t != m * g * w:
-            raise ConfigError(_mismatch_message(t, m, g, w))
+        _check_triple(t, m, g, w)
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError(
                 "fp16.enabled and bf16.enabled are both true: bfloat16 and fp16 modes cannot be "
