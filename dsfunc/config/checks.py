@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from dsfunc.config.errors import _AUTO_HELP, ConfigError, _bad, _join, _or, _show, _unknown
+from dsfunc.config.errors import ConfigError, _auto, _bad, _join, _or, _show, _unknown, _unsupported
 from dsfunc.config.schema import Check, Rule
 
 
@@ -147,12 +147,9 @@ def _only(*accepted: Any, feature: str, fix: str = "") -> Rule:
         if any(_same(value, a) for a in accepted):
             return
         if value == "auto":
-            raise ConfigError(f'{path} = "auto": {_AUTO_HELP}.')
+            raise _auto(path)
         shown = _or([_show(a) for a in accepted])
-        raise ConfigError(
-            f"{path} = {_show(value)}: dsfunc does not support {feature} yet. "
-            f"Remove the key or set it to {shown} (DeepSpeed's default).{' ' + fix if fix else ''}"
-        )
+        raise _unsupported(path, value, feature, f"Remove the key or set it to {shown} (DeepSpeed's default).", fix)
 
     return rule
 
@@ -168,7 +165,7 @@ def _off(feature: str, fix: str = "") -> Rule:
             if key != "enabled":
                 found = find_enabled(sub, sub_path)
             elif sub == "auto":
-                raise ConfigError(f'{sub_path} = "auto": {_AUTO_HELP}.')
+                raise _auto(sub_path)
             elif not isinstance(sub, (bool, type(None))):
                 raise _bad(sub_path, sub, "true or false")
             else:
@@ -182,11 +179,7 @@ def _off(feature: str, fix: str = "") -> Rule:
             raise _bad(path, value, "a JSON object")
         enabled = find_enabled(value, path)
         if enabled is not None:
-            raise ConfigError(
-                f"{enabled} = true: dsfunc does not support {feature} yet. "
-                f'Set it to false or remove "{path}".'
-                f"{' ' + fix if fix else ''}"
-            )
+            raise _unsupported(enabled, True, feature, f'Set it to false or remove "{path}".', fix)
 
     return rule
 
@@ -197,7 +190,7 @@ def _empty(feature: str) -> Rule:
     def rule(value: Any, path: str) -> None:
         if value is None or (isinstance(value, Mapping) and not value):
             return
-        raise ConfigError(f'{path} = {_show(value)}: dsfunc does not support {feature} yet. Remove "{path}".')
+        raise _unsupported(path, value, feature, f'Remove "{path}".')
 
     return rule
 

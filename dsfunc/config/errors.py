@@ -49,6 +49,17 @@ def _unknown(path: str, key: str, known: list[str], listed: list[str]) -> Config
     )
 
 
+def _auto(path: str) -> ConfigError:
+    return ConfigError(f'{path} = "auto": {_AUTO_HELP}.')
+
+
+def _unsupported(path: str, value: Any, feature: str, *advice: str) -> ConfigError:
+    """``path`` asks for a DeepSpeed feature dsfunc lacks; ``advice`` says how to leave it off."""
+    return ConfigError(
+        f"{path} = {_show(value)}: dsfunc does not support {feature} yet. " + " ".join(a for a in advice if a)
+    )
+
+
 def _or(items: list[Any]) -> str:
     items = [str(i) for i in items]
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} or {items[-1]}"

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import field
 from typing import Any, NamedTuple
 
-from dsfunc.config.errors import _AUTO_HELP, ConfigError, _bad, _join, _unknown
+from dsfunc.config.errors import ConfigError, _auto, _bad, _join, _unknown
 
 # A check takes (value, key path) and returns the normalised value or raises ConfigError.
 Check = Callable[[Any, str], Any]
@@ -80,7 +80,7 @@ def _parse(value: Any, path: str, schema: _Schema) -> dict[str, Any]:
         if name in data:
             key, sub = data[name]
             if isinstance(sub, str) and sub == "auto":
-                raise ConfigError(f'{_join(path, key)} = "auto": {_AUTO_HELP}.')
+                raise _auto(_join(path, key))
             out[name] = spec.check(sub, _join(path, key))
         elif spec.default is _REQUIRED:
             raise ConfigError(
