@@ -223,11 +223,6 @@ def _reject(message: str) -> Rule:
     return rule
 
 
-def _as_is(value: Any, path: str) -> Any:
-    """For keys whose value the caller checks (the type and params of an optimizer or scheduler)."""
-    return value
-
-
 def _canonical_type(value: Any, path: str, names: Mapping[str, str], kind: str) -> str:
     """Match ``names`` (canonical -> DeepSpeed spelling) case-insensitively."""
     if not isinstance(value, str):

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dsfunc.config.checks import _LR, _NON_NEGATIVE, _as_is, _betas, _bool, _canonical_type, _only, _reject
+from dsfunc.config.checks import _LR, _NON_NEGATIVE, _betas, _bool, _canonical_type, _only, _reject
 from dsfunc.config.errors import ConfigError
-from dsfunc.config.schema import _REQUIRED, _parse, _Schema, _Spec
-from dsfunc.frozen import freeze
+from dsfunc.config.schema import _REQUIRED, _TYPE_AND_PARAMS, _parse, _Schema, _Spec, _TypedSection
 
 
 @dataclass(frozen=True)
-class OptimizerConfig:
+class OptimizerConfig(_TypedSection):
     """``optimizer``: canonical lower-case ``type`` and its complete, validated ``params``."""
-
-    type: str
-    params: Mapping[str, Any]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "params", freeze(self.params))
 
 
 _OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "lamb": "Lamb", "adagrad": "Adagrad"}
@@ -28,8 +20,6 @@ _MAX_GRAD_NORM = _reject(
     "'max_grad_norm' is not supported as an optimizer parameter, please switch to using the deepspeed "
     "parameter 'gradient_clipping' (a top-level key, e.g. \"gradient_clipping\": 1.0)."
 )
-
-
 _EPS = _NON_NEGATIVE
 _ADAM = {
     "lr": _Spec(1e-3, _LR),
@@ -68,7 +58,7 @@ _OPTIMIZER_PARAMS = {
     },
 }
 _OPTIMIZER_SECTION = _Schema(
-    specs={"type": _Spec(_REQUIRED, _as_is), "params": _Spec(None, _as_is)},
+    specs=_TYPE_AND_PARAMS,
     fixed={"legacy_fusion": _only(False, feature="legacy fused optimizers")},
 )
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +9,6 @@ from dsfunc.config.checks import (
     _LR,
     _NON_NEGATIVE,
     _STEPS,
-    _as_is,
     _bool,
     _canonical_type,
     _choice,
@@ -19,19 +17,12 @@ from dsfunc.config.checks import (
     _optional,
 )
 from dsfunc.config.errors import ConfigError
-from dsfunc.config.schema import _REQUIRED, _parse, _Schema, _Spec
-from dsfunc.frozen import freeze
+from dsfunc.config.schema import _REQUIRED, _TYPE_AND_PARAMS, _parse, _Schema, _Spec, _TypedSection
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(_TypedSection):
     """``scheduler``: canonical ``type`` (DeepSpeed's class name) and its complete, validated ``params``."""
-
-    type: str
-    params: Mapping[str, Any]
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "params", freeze(self.params))
 
 
 _SCHEDULER_NAMES = {
@@ -88,7 +79,7 @@ _SCHEDULER_PARAMS = {
         "last_batch_iteration": _LAST_ITERATION,
     },
 }
-_SCHEDULER_SECTION = _Schema(specs={"type": _Spec(_REQUIRED, _as_is), "params": _Spec(None, _as_is)})
+_SCHEDULER_SECTION = _Schema(specs=_TYPE_AND_PARAMS)
 
 
 def _scheduler(value: Any, path: str) -> SchedulerConfig:

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import field
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from dsfunc.config.errors import ConfigError, _auto, _bad, _join, _unknown
+from dsfunc.frozen import freeze
 
 # A check takes (value, key path) and returns the normalised value or raises ConfigError.
 Check = Callable[[Any, str], Any]
@@ -36,6 +37,26 @@ class _Schema(NamedTuple):
     fixed: Mapping[str, Rule] = {}  # known DeepSpeed keys accepted only in their default / disabled form
     aliases: Mapping[str, str] = {}  # other spelling -> canonical key
     what: str = ""  # for "required for ..." messages
+
+
+def _as_is(value: Any, path: str) -> Any:
+    """For keys whose value the caller checks (the type and params of an optimizer or scheduler)."""
+    return value
+
+
+# optimizer and scheduler: which params are valid depends on the type, so their modules check both
+_TYPE_AND_PARAMS = {"type": _Spec(_REQUIRED, _as_is), "params": _Spec(None, _as_is)}
+
+
+@dataclass(frozen=True)
+class _TypedSection:
+    """A section that names a class (``type``) and gives its ``params``, frozen."""
+
+    type: str
+    params: Mapping[str, Any]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "params", freeze(self.params))
 
 
 def _key(default: Any, check: Check) -> Any:
