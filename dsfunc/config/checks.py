@@ -16,6 +16,8 @@ from typing import Any
 from dsfunc.config.errors import ConfigError, _auto, _bad, _join, _or, _show, _unknown, _unsupported
 from dsfunc.config.schema import Check, Rule
 
+# Checks, for the keys dsfunc implements.
+
 
 def _bool(value: Any, path: str) -> bool:
     if isinstance(value, bool):
@@ -117,6 +119,9 @@ _NON_NEGATIVE = _number(ge=0.0)
 _STEPS = _integer(ge=1)
 _DTYPE_NAME = _optional(_choice("fp32", "fp16", "bf16"))
 _LR = _NON_NEGATIVE
+
+
+# Rules, for known DeepSpeed keys dsfunc accepts only in their default or disabled form.
 
 
 def _same(value: Any, default: Any) -> bool:

@@ -77,6 +77,11 @@ class Config:
 
         Returns:
             The resolved ``Config``. Raises ``ConfigError`` naming the key path on any problem.
+
+        Example:
+            >>> config = Config.load({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, world_size=2)
+            >>> config.gradient_accumulation_steps
+            4
         """
         world = _world_size(world_size)
         if isinstance(source, Config):
