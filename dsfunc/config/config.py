@@ -1,0 +1,151 @@
+"""``Config``: the whole DeepSpeed config, resolved against the data-parallel world size."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsfunc.config.batch import _batch_size, _check_triple, _resolve_batch, _world_size
+from dsfunc.config.checks import _DTYPE_NAME, _NON_NEGATIVE, _STEPS, _bool, _number, _optional
+from dsfunc.config.errors import ConfigError
+from dsfunc.config.monitor import MonitorConfig
+from dsfunc.config.optimizer import OptimizerConfig, _optimizer
+from dsfunc.config.precision import _BF16_FIXED, _FP16_FIXED, BF16Config, FP16Config, _grad_accum_dtype
+from dsfunc.config.scheduler import SchedulerConfig, _scheduler
+from dsfunc.config.schema import _key, _parse, _Schema, _section, _Spec, _specs_of
+from dsfunc.config.sources import _read_source
+from dsfunc.config.unsupported import _UNSUPPORTED_TOP
+from dsfunc.config.zero import ZeroConfig, _zero
+from dsfunc.frozen import FrozenDict, freeze, thaw
+
+
+@dataclass(frozen=True)
+class Config:
+    """A resolved, validated DeepSpeed config. Build it with ``Config.load``."""
+
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    world_size: int  # the data-parallel size the batch triple was resolved against
+    optimizer: OptimizerConfig | None
+    scheduler: SchedulerConfig | None
+    fp16: FP16Config
+    bf16: BF16Config
+    zero_optimization: ZeroConfig
+    gradient_clipping: float = _key(1.0, _NON_NEGATIVE)  # DeepSpeed >= 0.19.3; 0 disables
+    steps_per_print: int | None = _key(None, _optional(_STEPS))
+    wall_clock_breakdown: bool = _key(False, _bool)
+    communication_data_type: str | None = _key(None, _DTYPE_NAME)
+    prescale_gradients: bool = _key(False, _bool)
+    gradient_predivide_factor: float = _key(1.0, _number(gt=0.0))
+    dataloader_drop_last: bool = _key(False, _bool)
+    zero_allow_untested_optimizer: bool = _key(False, _bool)
+    grad_accum_dtype: str | None = None  # from data_types.grad_accum_dtype
+    tensorboard: MonitorConfig = MonitorConfig()  # noqa: RUF009 (a frozen dataclass, safe to share)
+    csv_monitor: MonitorConfig = MonitorConfig()  # noqa: RUF009
+    raw: Mapping[str, Any] = FrozenDict()  # the user's dict as given
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "raw", freeze(self.raw))
+        t, m, g, w = (
+            self.train_batch_size,
+            self.train_micro_batch_size_per_gpu,
+            self.gradient_accumulation_steps,
+            self.world_size,
+        )
+        _check_triple(t, m, g, w)
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ConfigError(
+                "fp16.enabled and bf16.enabled are both true: bfloat16 and fp16 modes cannot be "
+                "simultaneously enabled. Enable only one of them."
+            )
+
+    @classmethod
+    def load(cls, source: Any, *, world_size: int | None = None) -> Config:
+        """Read and validate a DeepSpeed config.
+
+        Args:
+            source: a dict; a path (str or PathLike) to a JSON file; a urlsafe-base64 JSON string;
+                an ``argparse.Namespace`` whose ``deepspeed_config`` is a path or dict; or a ``Config``
+                (returned as is, or re-resolved from its ``raw`` dict when ``world_size`` differs).
+            world_size: the data-parallel size for the batch triple; None means the torch.distributed
+                world size when a process group is initialised, else 1.
+
+        Returns:
+            The resolved ``Config``. Raises ``ConfigError`` naming the key path on any problem.
+
+        Example:
+            >>> config = Config.load({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4}, world_size=2)
+            >>> config.gradient_accumulation_steps
+            4
+        """
+        world = _world_size(world_size)
+        if isinstance(source, Config):
+            return source if source.world_size == world else cls._from_dict(source.raw, world)
+        return cls._from_dict(_read_source(source), world)
+
+    @classmethod
+    def _from_dict(cls, raw: Mapping[str, Any], world_size: int) -> Config:
+        values = _parse(raw, "", _TOP)
+        values["grad_accum_dtype"] = values.pop("data_types")
+        triple = _resolve_batch(
+            values.pop("train_batch_size"),
+            values.pop("train_micro_batch_size_per_gpu"),
+            values.pop("gradient_accumulation_steps"),
+            world_size,
+        )
+        return cls(*triple, world_size=world_size, raw=raw, **values)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype forward/backward run in: bfloat16, float16 or float32."""
+        if self.bf16.enabled:
+            return torch.bfloat16
+        if self.fp16.enabled:
+            return torch.float16
+        return torch.float32
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved values as plain JSON data.
+
+        ``Config.load`` of the result at the same world size gives a Config with equal values.
+        """
+        out: dict[str, Any] = {
+            "train_batch_size": self.train_batch_size,
+            "train_micro_batch_size_per_gpu": self.train_micro_batch_size_per_gpu,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+        }
+        for name in ("optimizer", "scheduler"):
+            section = getattr(self, name)
+            out[name] = None if section is None else {"type": section.type, "params": thaw(section.params)}
+        for name in ("fp16", "bf16", "zero_optimization", "tensorboard", "csv_monitor"):
+            out[name] = dataclasses.asdict(getattr(self, name))
+        for f in dataclasses.fields(self):
+            if "check" in f.metadata:
+                out[f.name] = getattr(self, f.name)
+        out["data_types"] = {"grad_accum_dtype": self.grad_accum_dtype}
+        return out
+
+
+_TOP = _Schema(
+    specs={
+        "train_batch_size": _Spec(None, _optional(_batch_size)),
+        "train_micro_batch_size_per_gpu": _Spec(None, _optional(_batch_size)),
+        "gradient_accumulation_steps": _Spec(None, _optional(_batch_size)),
+        "optimizer": _Spec(None, _optional(_optimizer)),
+        "scheduler": _Spec(None, _optional(_scheduler)),
+        "fp16": _Spec(FP16Config(), _section(FP16Config, _FP16_FIXED)),
+        "bf16": _Spec(BF16Config(), _section(BF16Config, _BF16_FIXED)),
+        "zero_optimization": _Spec(ZeroConfig(), _zero),
+        "data_types": _Spec(None, _grad_accum_dtype),
+        "tensorboard": _Spec(MonitorConfig(), _section(MonitorConfig)),
+        "csv_monitor": _Spec(MonitorConfig(), _section(MonitorConfig)),
+    }
+    | _specs_of(Config),
+    fixed=_UNSUPPORTED_TOP,
+    aliases={"bfloat16": "bf16"},
+)

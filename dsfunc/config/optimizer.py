@@ -1,0 +1,96 @@
+"""The ``optimizer`` section: which update rule, with DeepSpeed's defaults for its params."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dsfunc.config.checks import _LR, _NON_NEGATIVE, _betas, _bool, _canonical_type, _only, _reject
+from dsfunc.config.errors import ConfigError
+from dsfunc.config.schema import _REQUIRED, _TYPE_AND_PARAMS, _parse, _Schema, _Spec, _TypedSection
+
+
+@dataclass(frozen=True)
+class OptimizerConfig(_TypedSection):
+    """``optimizer``: canonical lower-case ``type`` and its complete, validated ``params``."""
+
+
+_OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "lamb": "Lamb", "adagrad": "Adagrad"}
+_MAX_GRAD_NORM = _reject(
+    "'max_grad_norm' is not supported as an optimizer parameter, please switch to using the deepspeed "
+    "parameter 'gradient_clipping' (a top-level key, e.g. \"gradient_clipping\": 1.0)."
+)
+_EPS = _NON_NEGATIVE
+_ADAM = {
+    "lr": _Spec(1e-3, _LR),
+    "betas": _Spec((0.9, 0.999), _betas),
+    "eps": _Spec(1e-8, _EPS),
+    "weight_decay": _Spec(0.0, _NON_NEGATIVE),
+    "bias_correction": _Spec(True, _bool),
+    "adam_w_mode": _Spec(True, _bool),
+    "torch_adam": _Spec(False, _bool),
+}
+_OPTIMIZER_PARAMS = {
+    "adam": _ADAM,
+    "adamw": _ADAM,
+    "sgd": {
+        "lr": _Spec(_REQUIRED, _LR),
+        "momentum": _Spec(0.0, _NON_NEGATIVE),
+        "dampening": _Spec(0.0, _NON_NEGATIVE),
+        "weight_decay": _Spec(0.0, _NON_NEGATIVE),
+        "nesterov": _Spec(False, _bool),
+    },
+    "lamb": {
+        "lr": _Spec(1e-3, _LR),
+        "betas": _Spec((0.9, 0.999), _betas),
+        "eps": _Spec(1e-8, _EPS),
+        "weight_decay": _Spec(0.0, _NON_NEGATIVE),
+        "bias_correction": _Spec(True, _bool),
+        "max_coeff": _Spec(10.0, _NON_NEGATIVE),
+        "min_coeff": _Spec(0.01, _NON_NEGATIVE),
+    },
+    "adagrad": {
+        "lr": _Spec(1e-2, _LR),
+        "lr_decay": _Spec(0.0, _NON_NEGATIVE),
+        "weight_decay": _Spec(0.0, _NON_NEGATIVE),
+        "initial_accumulator_value": _Spec(0.0, _NON_NEGATIVE),
+        "eps": _Spec(1e-10, _EPS),
+    },
+}
+_OPTIMIZER_SECTION = _Schema(
+    specs=_TYPE_AND_PARAMS,
+    fixed={"legacy_fusion": _only(False, feature="legacy fused optimizers")},
+)
+
+
+def _check_optimizer(kind: str, params: dict[str, Any], section: str) -> None:
+    """Rules that involve several params."""
+    path = f"{section}.params"
+    if kind == "adamw" and not params["adam_w_mode"]:
+        raise ConfigError(
+            f'{path}.adam_w_mode = false contradicts {section}.type "AdamW". For Adam with L2 '
+            f'regularisation use "type": "Adam" with "adam_w_mode": false; otherwise drop adam_w_mode.'
+        )
+    if kind == "sgd" and params["nesterov"] and (params["momentum"] <= 0 or params["dampening"] != 0):
+        raise ConfigError(
+            f"{path}.nesterov = true requires momentum > 0 and dampening = 0 (as torch.optim.SGD), got "
+            f"momentum = {params['momentum']:g} and dampening = {params['dampening']:g}."
+        )
+    if kind == "lamb" and params["min_coeff"] > params["max_coeff"]:
+        raise ConfigError(
+            f"{path}.min_coeff = {params['min_coeff']:g} is larger than max_coeff = "
+            f"{params['max_coeff']:g}; the trust-ratio clamp needs min_coeff <= max_coeff."
+        )
+
+
+def _optimizer(value: Any, path: str) -> OptimizerConfig:
+    section = _parse(value, path, _OPTIMIZER_SECTION)
+    kind = _canonical_type(section["type"], f"{path}.type", _OPTIMIZER_NAMES, "optimizer")
+    schema = _Schema(
+        _OPTIMIZER_PARAMS[kind],
+        fixed={"max_grad_norm": _MAX_GRAD_NORM},
+        what=f'optimizer type "{_OPTIMIZER_NAMES[kind]}"',
+    )
+    params = _parse(section["params"], f"{path}.params", schema)
+    _check_optimizer(kind, params, path)
+    return OptimizerConfig(kind, params)

@@ -1,0 +1,93 @@
+"""The ``zero_optimization`` section: the ZeRO stage, its knobs, and the DeepSpeed features dsfunc lacks."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from dsfunc.config.checks import _SIZE, _bool, _empty, _inert, _integer, _offload, _only, _optional
+from dsfunc.config.schema import Rule, _key, _section
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """``zero_optimization``: the ZeRO stage and its tuning knobs (sizes are in elements)."""
+
+    stage: int = _key(0, _integer(ge=0, le=3))
+    reduce_bucket_size: int = _key(500_000_000, _SIZE)
+    allgather_bucket_size: int = _key(500_000_000, _SIZE)
+    overlap_comm: bool = _key(None, _optional(_bool))  # None -> True for stage 3, else False
+    contiguous_gradients: bool = _key(True, _bool)
+    reduce_scatter: bool = _key(True, _bool)
+    allgather_partitions: bool = _key(True, _bool)
+    stage3_prefetch_bucket_size: int = _key(50_000_000, _SIZE)
+    stage3_param_persistence_threshold: int = _key(100_000, _SIZE)
+    stage3_max_live_parameters: int = _key(1_000_000_000, _SIZE)
+    stage3_max_reuse_distance: int = _key(1_000_000_000, _SIZE)
+    stage3_gather_16bit_weights_on_model_save: bool = _key(False, _bool)
+    ignore_unused_parameters: bool = _key(True, _bool)
+    sub_group_size: int = _key(1_000_000_000, _SIZE)
+    round_robin_gradients: bool = _key(False, _bool)
+
+    def __post_init__(self) -> None:
+        if self.overlap_comm is None:
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+
+
+_ZERO_ALIASES = {
+    "prefetch_bucket_size": "stage3_prefetch_bucket_size",
+    "param_persistence_threshold": "stage3_param_persistence_threshold",
+    "max_live_parameters": "stage3_max_live_parameters",
+    "max_reuse_distance": "stage3_max_reuse_distance",
+    "gather_16bit_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    # deprecated name:
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    "model_persistence_threshold": "stage3_model_persistence_threshold",
+    "module_granularity_threshold": "stage3_module_granularity_threshold",
+    "use_all_reduce_for_fetch_params": "stage3_use_all_reduce_for_fetch_params",
+    "allgather_sequential": "stage3_allgather_sequential",
+    "partition_stream_chunk_size": "stage3_partition_stream_chunk_size",
+}
+_ZERO_FIXED: dict[str, Rule] = {
+    "offload_optimizer": _offload("optimizer state"),
+    "offload_param": _offload("parameters"),
+    "cpu_offload": _only(None, False, feature="ZeRO-Offload (cpu_offload)"),
+    "cpu_offload_param": _only(None, False, feature="ZeRO-Offload of parameters (cpu_offload_param)"),
+    "cpu_offload_use_pin_memory": _inert,
+    "zenflow": _only(None, feature="ZenFlow"),
+    "use_multi_rank_bucket_allreduce": _only(True, feature="disabling multi-rank bucket all-reduce"),
+    "load_from_fp32_weights": _only(
+        True, feature="rebuilding fp32 master weights from 16-bit checkpoint weights"
+    ),
+    "elastic_checkpoint": _only(
+        False, feature="legacy elastic checkpoints (dsfunc checkpoints always reshard)"
+    ),
+    "stage3_model_persistence_threshold": _only(sys.maxsize, feature="a model persistence threshold"),
+    "stage3_module_granularity_threshold": _only(0, feature="a module granularity threshold"),
+    "stage3_use_all_reduce_for_fetch_params": _only(False, feature="all-reduce parameter fetching"),
+    "stage3_allgather_sequential": _only(False, feature="sequential all-gathers"),
+    "stage3_partition_stream_chunk_size": _only(0, feature="streamed parameter partitioning"),
+    "legacy_stage1": _only(False, feature="the legacy ZeRO stage 1 implementation"),
+    "zero_hpz_partition_size": _only(1, feature="ZeRO++ hierarchical partitioning (hpZ)"),
+    "zero_quantized_weights": _only(False, feature="ZeRO++ quantized weights"),
+    "zero_quantized_nontrainable_weights": _only(False, feature="ZeRO++ quantized non-trainable weights"),
+    "zero_quantized_gradients": _only(False, feature="ZeRO++ quantized gradients"),
+    "zeropp_loco_param": _only(None, feature="ZeRO++ LoCo"),
+    "mics_shard_size": _only(-1, feature="MiCS sharding"),
+    "mics_hierarchical_params_gather": _only(False, feature="MiCS hierarchical gathers"),
+    "memory_efficient_linear": _only(True, feature="disabling the memory-efficient linear"),
+    "override_module_apply": _only(True, feature="disabling the nn.Module.apply override"),
+    "pipeline_loading_checkpoint": _only(False, feature="pipeline-mode checkpoint loading"),
+    "log_trace_cache_warnings": _only(False, feature="trace-cache warnings"),
+    "enable_sanity_checks": _only(False, feature="DeepSpeed's internal sanity checks"),
+    "save_muon_momentum_buffer_in_memory": _only(False, feature="the Muon optimizer"),
+    "leaf_module": _empty("ZeRO-3 leaf modules"),
+}
+_ZERO_SECTION = _section(ZeroConfig, _ZERO_FIXED, _ZERO_ALIASES)
+
+
+def _zero(value: Any, path: str) -> ZeroConfig:
+    if isinstance(value, bool):  # legacy "zero_optimization": true|false = stage 1|0
+        return ZeroConfig(stage=int(value))
+    return _ZERO_SECTION(value, path)
