@@ -46,9 +46,9 @@ Where dsfunc deliberately differs from DeepSpeed:
 from dsfunc.config.config import Config
 from dsfunc.config.errors import ConfigError
 from dsfunc.config.monitor import MonitorConfig
-from dsfunc.config.optimizer import OptimizerConfig
+from dsfunc.config.optimizer import OptimizerConfig, parse_optimizer
 from dsfunc.config.precision import BF16Config, FP16Config
-from dsfunc.config.scheduler import SchedulerConfig
+from dsfunc.config.scheduler import SchedulerConfig, parse_scheduler
 from dsfunc.config.zero import ZeroConfig
 from dsfunc.frozen import FrozenDict
 
@@ -62,4 +62,6 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "ZeroConfig",
+    "parse_optimizer",
+    "parse_scheduler",
 ]

@@ -94,3 +94,9 @@ def _optimizer(value: Any, path: str) -> OptimizerConfig:
     params = _parse(section["params"], f"{path}.params", schema)
     _check_optimizer(kind, params, path)
     return OptimizerConfig(kind, params)
+
+
+def parse_optimizer(section: Any) -> OptimizerConfig:
+    """A DeepSpeed ``optimizer`` section (``{"type": ..., "params": {...}}``), validated and completed with
+    DeepSpeed's defaults as inside a whole config."""
+    return _optimizer(section, "optimizer")

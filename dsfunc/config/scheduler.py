@@ -28,7 +28,18 @@ class SchedulerConfig(_TypedSection):
 _SCHEDULER_NAMES = {
     name: name for name in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 }
-_LAST_ITERATION = _Spec(-1, _integer(ge=-1))
+def _fresh_iteration(value: Any, path: str) -> int:
+    """``last_batch_iteration``: an integer >= -1, and only -1 is supported (the state holds the position)."""
+    value = _integer(ge=-1)(value, path)
+    if value != -1:
+        raise ConfigError(
+            f"{path} = {value} is not supported; dsfunc keeps the schedule's position in the training state, "
+            "so resume with dsfunc.load_checkpoint and leave last_batch_iteration at -1"
+        )
+    return value
+
+
+_LAST_ITERATION = _Spec(-1, _fresh_iteration)
 _WARMUP_STEPS = _Spec(1000, _STEPS)
 _WARMUP_TYPE = _Spec("log", _choice("log", "linear"))
 _TOTAL_STEPS = _Spec(_REQUIRED, _STEPS)
@@ -99,3 +110,9 @@ def _scheduler(value: Any, path: str) -> SchedulerConfig:
             if params[f"cycle_second_{phase}"] is None:
                 params[f"cycle_second_{phase}"] = params[f"cycle_first_{phase}"]
     return SchedulerConfig(kind, params)
+
+
+def parse_scheduler(section: Any) -> SchedulerConfig:
+    """A DeepSpeed ``scheduler`` section (``{"type": ..., "params": {...}}``), validated and completed with
+    DeepSpeed's defaults as inside a whole config."""
+    return _scheduler(section, "scheduler")

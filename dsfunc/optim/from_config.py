@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dsfunc.config import Config, ConfigError, OptimizerConfig, SchedulerConfig, _optimizer, _scheduler
+from dsfunc.config import Config, OptimizerConfig, SchedulerConfig, parse_optimizer, parse_scheduler
 from dsfunc.errors import InputError
 from dsfunc.optim.aliases import adagrad, adam, adamw, lamb, sgd
 from dsfunc.optim.base import Transform, named_chain
@@ -82,7 +82,7 @@ def optimizer_from_config(opt_cfg_type: str, params: Mapping[str, Any], schedule
             optimizers with betas it replaces beta1 and, as DeepSpeed's OneCycle does, sets beta2 to 0.99;
             others ignore it (DeepSpeed disables momentum cycling when the optimizer has no betas).
     """
-    section = _optimizer({"type": opt_cfg_type, "params": dict(params)}, "optimizer")
+    section = parse_optimizer({"type": opt_cfg_type, "params": dict(params)})
     return _optimizer_chain(section, schedule, momentum_schedule)
 
 
@@ -94,13 +94,13 @@ def schedule_from_config(type: str, params: Mapping[str, Any], base_lr: float) -
         params: the section's ``params`` with DeepSpeed's names (missing ones take DeepSpeed's defaults).
         base_lr: the optimizer's configured lr (used by WarmupCosineLR, and by warmup_max_lr=None).
     """
-    return _schedule(_scheduler({"type": type, "params": dict(params)}, "scheduler"), base_lr)
+    return _schedule(parse_scheduler({"type": type, "params": dict(params)}), base_lr)
 
 
 def momentum_schedule_from_config(type: str, params: Mapping[str, Any]) -> Schedule | None:
     """The ``betas[0]`` schedule a DeepSpeed ``scheduler`` section implies: OneCycle with ``cycle_momentum``
     (DeepSpeed's default) cycles momentum; every other case returns None."""
-    return _momentum_schedule(_scheduler({"type": type, "params": dict(params)}, "scheduler"))
+    return _momentum_schedule(parse_scheduler({"type": type, "params": dict(params)}))
 
 
 def _optimizer_chain(section: OptimizerConfig, schedule: Schedule | None,
@@ -116,13 +116,6 @@ def _optimizer_chain(section: OptimizerConfig, schedule: Schedule | None,
 
 
 def _schedule(section: SchedulerConfig, base_lr: float | None) -> Schedule:
-    last = section.params["last_batch_iteration"]
-    if last != -1:
-        raise ConfigError(
-            f"scheduler.params.last_batch_iteration = {last} is not supported; dsfunc keeps the schedule's "
-            "position in the training state, so resume with dsfunc.load_checkpoint and leave "
-            "last_batch_iteration at -1"
-        )
     kwargs = {k: v for k, v in section.params.items() if k != "last_batch_iteration"}
     if section.type in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
         kwargs["base_lr"] = base_lr

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dsfunc.config import SchedulerConfig
-from tests.config.helpers import load
+from tests.config.helpers import error, load
 
 SCHEDULER_DEFAULTS = [
     (
@@ -96,3 +96,10 @@ def test_one_cycle_second_phase_follows_first_unless_given():
         {"scheduler": {"type": "OneCycle", "params": {**params, "cycle_second_step_size": 30}}}
     ).scheduler.params
     assert p["cycle_second_step_size"] == 30
+
+
+def test_a_schedule_position_is_refused_where_the_config_is_read():
+    message = error({"train_batch_size": 8,
+                     "scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 10}}})
+    assert message.startswith("scheduler.params.last_batch_iteration = 10 is not supported")
+    assert "load_checkpoint" in message
