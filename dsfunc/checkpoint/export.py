@@ -18,14 +18,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import mmap
 import os
 import struct
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from dsfunc.checkpoint.dcp_io import read_tensors
+from dsfunc.checkpoint.errors import CheckpointError
+from dsfunc.checkpoint.metadata import read_meta, verify_files
+from dsfunc.checkpoint.tags import PathLike, find_checkpoint
 
 Layout = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
 
@@ -36,6 +43,75 @@ _ST_DTYPES = {
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+
+
+def export_fp32(ckpt_dir: PathLike, out: PathLike, tag: str | None = None, *,
+                format: str | None = None, verify: bool = True) -> str:
+    """Write a checkpoint's weights as one consolidated fp32 ``state_dict`` file, offline.
+
+    No process group is needed. The file holds every name ``model.state_dict()`` has (tied parameters
+    under each of their names, persistent buffers and frozen parameters), so plain
+    ``model.load_state_dict(...)`` accepts it. It is written one unit at a time: no more than one unit's
+    tensors are in memory at once.
+
+    Args:
+      ckpt_dir: a ``save_dir`` (with ``tag`` or ``latest``) or a checkpoint folder.
+      out: the output file; written to a temporary name and renamed when complete.
+      tag: which checkpoint (default: ``latest``).
+      format: ``"safetensors"`` (``safetensors.torch.load_file(out)``) or ``"pt"``
+        (``torch.load(out)``); default from ``out``'s suffix (``.safetensors``; ``.pt``/``.pth``/``.bin``).
+      verify: check the files against their recorded checksums first.
+
+    Returns:
+      ``out`` as a string.
+    """
+    fmt = format or format_from_suffix(out)
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    folder = find_checkpoint(ckpt_dir, tag)
+    meta = read_meta(folder)
+    verify_files(folder, meta, share=(0, 1) if verify else None)
+    aliases = fmt == "safetensors"  # safetensors stores tied names separately; torch.save shares them
+    layout = _export_layout(meta, with_aliases=aliases)
+    tensors = _export_tensors(folder, meta, with_aliases=aliases)
+    if fmt == "safetensors":
+        write_safetensors(out, layout, tensors, order=[name for name, _, _ in meta["state_dict"]])
+    else:
+        write_torch(out, layout, tensors, keys=[(name, source) for name, _, source in meta["state_dict"]])
+    return str(out)
+
+
+def _export_layout(meta: dict[str, Any], *, with_aliases: bool) -> Layout:
+    """``(name, shape, dtype)`` of each exported tensor, in the order :func:`_export_tensors` yields them."""
+    layout = []
+    for unit in meta["units"]:
+        for p in unit["params"]:
+            for name in p["aliases"] if with_aliases else [p["name"]]:
+                layout.append((name, tuple(p["shape"]), torch.float32))
+    for name, kind, _ in meta["state_dict"]:
+        if kind == "buffer":
+            b = meta["buffers"][name]
+            layout.append((name, tuple(b["shape"]), getattr(torch, b["dtype"])))
+    return layout
+
+
+def _export_tensors(folder: Path, meta: dict[str, Any], *,
+                    with_aliases: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Read the checkpoint one unit (then one buffer) at a time, yielding named tensors."""
+    for unit in meta["units"]:
+        flat = torch.empty(unit["numel"], dtype=torch.float32)
+        read_tensors({f"params/{unit['name']}": flat}, folder, offline=True)
+        for p in unit["params"]:
+            view = flat[p["offset"] : p["offset"] + math.prod(p["shape"])].view(p["shape"])
+            for name in p["aliases"] if with_aliases else [p["name"]]:
+                yield name, view
+        del flat
+    for name, kind, _ in meta["state_dict"]:
+        if kind == "buffer":
+            b = meta["buffers"][name]
+            t = torch.empty(b["shape"], dtype=getattr(torch, b["dtype"]))
+            read_tensors({f"buffers/{name}": t}, folder, offline=True)
+            yield name, t
 
 
 def format_from_suffix(out: str | os.PathLike) -> str:
@@ -141,8 +217,6 @@ def _st_dtype(dtype: torch.dtype, name: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``dsfunc export CKPT_DIR OUT [--tag T] [--format safetensors|pt] [--no-verify]``."""
-    from dsfunc.checkpoint.api import CheckpointError, export_fp32  # the api module imports this one
-
     parser = argparse.ArgumentParser(
         prog="dsfunc export",
         description="Write a dsfunc checkpoint's weights as one consolidated fp32 state_dict file that "
