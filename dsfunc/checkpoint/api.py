@@ -61,10 +61,7 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
     Returns:
       The checkpoint folder ``save_dir/<tag>`` (for an async save: where it will be once written).
     """
-    if not isinstance(state, TrainState):
-        raise TypeError(f"save_checkpoint expects a TrainState from dsfunc.init_state, got "
-                        f"{type(state).__name__}")
-    state.check_usable()
+    _check_state(state, "save_checkpoint")
     if not save_dir:
         raise ValueError("save_dir is empty: pass the directory to write checkpoints into")
     tag = check_tag(str(tag) if tag is not None else f"global_step{int(state.step)}")
@@ -104,10 +101,7 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
       ``(new_state, client_state)``. The client state is unpickled: load only checkpoints you trust,
       as with ``torch.load``.
     """
-    if not isinstance(state, TrainState):
-        raise TypeError(f"load_checkpoint expects a TrainState from dsfunc.init_state, got "
-                        f"{type(state).__name__}")
-    state.check_usable()
+    _check_state(state, "load_checkpoint")
     wait_for_checkpoint()  # [Note: one save in flight]
     arrive("load_checkpoint", None if tag is None else str(tag), timeout)
     folder, meta, client = collective(
@@ -138,6 +132,12 @@ def wait_for_checkpoint() -> str | None:
     global _PENDING
     pending, _PENDING = _PENDING, None
     return None if pending is None else pending.result()
+
+
+def _check_state(state: Any, caller: str) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"{caller} expects a TrainState from dsfunc.init_state, got {type(state).__name__}")
+    state.check_usable()
 
 
 def _executor() -> ThreadPoolExecutor:

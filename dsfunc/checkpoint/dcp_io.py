@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,29 +18,26 @@ _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
 def write_tensors(tensors: dict[str, Any], folder: Path) -> None:
     """Write this rank's ``tensors`` (DTensors and, on rank 0, plain tensors) into ``folder``, fsynced."""
-    if comm.is_distributed():
-        dcp.save(tensors, storage_writer=_make_writer(folder), process_group=side_group())
-        return
-    # One process: DCP warns that it assumes so. catch_warnings swaps the process-wide filters; in the
-    # save thread of an async save that is racy only against the main thread changing filters meanwhile.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-        dcp.save(tensors, storage_writer=_make_writer(folder), no_dist=True)
+    writer = dcp.FileSystemWriter(str(folder), single_file_per_rank=True, sync_files=True)
+    _call(dcp.save, tensors, comm.is_distributed(), storage_writer=writer)
 
 
 def read_tensors(targets: dict[str, Any], folder: Path, *, offline: bool = False) -> None:
     """Fill ``targets`` in place from ``folder``; ``offline`` reads without the process group (export)."""
     reader = dcp.FileSystemReader(str(folder))
-    if comm.is_distributed() and not offline:
-        dcp.load(targets, storage_reader=reader, process_group=side_group())
+    _call(dcp.load, targets, comm.is_distributed() and not offline, storage_reader=reader)
+
+
+def _call(fn: Callable[..., Any], state_dict: dict[str, Any], distributed: bool, **storage: Any) -> None:
+    """``dcp.save`` or ``dcp.load`` on the side group, or in this process alone."""
+    if distributed:
+        fn(state_dict, **storage, process_group=side_group())
         return
+    # One process: DCP warns that it assumes so. catch_warnings swaps the process-wide filters; in the
+    # save thread of an async save that is racy only against the main thread changing filters meanwhile.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
-        dcp.load(targets, storage_reader=reader, no_dist=True)
-
-
-def _make_writer(folder: Path) -> dcp.FileSystemWriter:
-    return dcp.FileSystemWriter(str(folder), single_file_per_rank=True, sync_files=True)
+        fn(state_dict, **storage, no_dist=True)
 
 
 def failure_text(e: BaseException) -> str:

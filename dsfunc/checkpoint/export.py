@@ -6,7 +6,8 @@ in memory:
 * ``safetensors`` (``safetensors.torch.load_file(out)``): the header (every name, dtype, shape and
   offset) is known from the checkpoint's metadata, so it is written first and the tensor bytes are
   appended one unit at a time. Tied parameters are stored under each of their names (safetensors has
-  no aliasing).
+  no aliasing). The writer is our own because the safetensors library cannot stream: its
+  ``serialize_file`` takes every tensor's buffer in one call (0.8; safetensors/safetensors#291).
 * ``pt`` (``torch.load(out)``): the tensors are first streamed into a temporary safetensors file next to
   ``out``, which is then memory-mapped and handed to ``torch.save``: the bytes come from the page cache,
   not the heap (the mapped pages do count in the process's resident size while ``torch.save`` reads
@@ -32,6 +33,7 @@ import torch
 from dsfunc.checkpoint.dcp_io import read_tensors
 from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.metadata import read_meta, verify_files
+from dsfunc.checkpoint.publish import atomic_file
 from dsfunc.checkpoint.tags import PathLike, find_checkpoint
 
 Layout = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
@@ -135,7 +137,7 @@ def write_safetensors(out: str | os.PathLike, layout: Layout, tensors: Iterable[
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offsets, offset = {}, 0
     for name, shape, dtype in layout:
-        size = _numel(shape) * _itemsize(dtype)
+        size = math.prod(shape) * dtype.itemsize
         offsets[name] = {"dtype": _st_dtype(dtype, name), "shape": list(shape),
                          "data_offsets": [offset, offset + size]}
         offset += size
@@ -145,23 +147,16 @@ def write_safetensors(out: str | os.PathLike, layout: Layout, tensors: Iterable[
         raise ValueError("write_safetensors: order must name every tensor of the layout exactly once")
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    tmp = Path(f"{out}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(encoded)))
-            f.write(encoded)
-            produced = iter(tensors)
-            for name, shape, dtype in layout:
-                got_name, t = next(produced)
-                if got_name != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                    raise ValueError(f"write_safetensors: expected {name} {tuple(shape)} {dtype}, "
-                                     f"got {got_name} {tuple(t.shape)} {t.dtype}")
-                f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_file(out) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        produced = iter(tensors)
+        for name, shape, dtype in layout:
+            got_name, t = next(produced)
+            if got_name != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise ValueError(f"write_safetensors: expected {name} {tuple(shape)} {dtype}, "
+                                 f"got {got_name} {tuple(t.shape)} {t.dtype}")
+            f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def write_torch(out: str | os.PathLike, layout: Layout, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -169,16 +164,12 @@ def write_torch(out: str | os.PathLike, layout: Layout, tensors: Iterable[tuple[
     """Stream ``tensors`` into a ``torch.save`` file at ``out`` holding ``{key: tensor[source]}`` for
     ``(key, source)`` in ``keys`` (several keys may share a source: tied parameters)."""
     staging = Path(f"{out}.staging-{os.getpid()}.safetensors")
-    tmp = Path(f"{out}.tmp-{os.getpid()}")
     try:
         write_safetensors(staging, layout, tensors)
-        _save_mapped(staging, layout, keys, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
+        with atomic_file(out) as tmp:
+            _save_mapped(staging, layout, keys, tmp)
     finally:
         staging.unlink(missing_ok=True)
-        tmp.unlink(missing_ok=True)
 
 
 def _save_mapped(staging: Path, layout: Layout, keys: Sequence[tuple[str, str]], out: Path) -> None:
@@ -193,20 +184,9 @@ def _save_mapped(staging: Path, layout: Layout, keys: Sequence[tuple[str, str]],
         if end == begin:
             loaded[name] = torch.empty(shape, dtype=dtype)
         else:
-            flat = torch.frombuffer(mapped, dtype=dtype, count=_numel(shape), offset=8 + length + begin)
+            flat = torch.frombuffer(mapped, dtype=dtype, count=math.prod(shape), offset=8 + length + begin)
             loaded[name] = flat.view(shape)
     torch.save({key: loaded[source] for key, source in keys}, out)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _st_dtype(dtype: torch.dtype, name: str) -> str:

@@ -13,9 +13,11 @@ previous checkpoint and ``latest`` as they were.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +129,16 @@ def _fsync_dir(path: Path) -> None:
     finally:
         os.close(fd)
 
+
+@contextlib.contextmanager
+def atomic_file(out: str | os.PathLike) -> Iterator[Path]:
+    """A temporary path next to ``out`` to write into; when the block succeeds it is fsynced and renamed to
+    ``out``, and in any case it is gone afterwards: ``out`` is never seen half-written."""
+    tmp = Path(f"{out}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
