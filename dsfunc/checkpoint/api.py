@@ -28,6 +28,7 @@ from dsfunc.checkpoint.metadata import describe, read_meta, verify_files
 from dsfunc.checkpoint.publish import write_checkpoint
 from dsfunc.checkpoint.tags import PathLike, check_tag, find_checkpoint
 from dsfunc.dist import comm
+from dsfunc.errors import InputError, InputTypeError
 from dsfunc.state import TrainState
 
 DEFAULT_TIMEOUT = 300.0  # seconds every rank gets to arrive at a save or load
@@ -63,7 +64,7 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
     """
     _check_state(state, "save_checkpoint")
     if not save_dir:
-        raise ValueError("save_dir is empty: pass the directory to write checkpoints into")
+        raise InputError("save_dir is empty: pass the directory to write checkpoints into")
     tag = check_tag(str(tag) if tag is not None else f"global_step{int(state.step)}")
     wait_for_checkpoint()  # [Note: one save in flight]
     arrive("save_checkpoint", tag, timeout)  # [Note: meeting before the first collective]
@@ -136,7 +137,7 @@ def wait_for_checkpoint() -> str | None:
 
 def _check_state(state: Any, caller: str) -> None:
     if not isinstance(state, TrainState):
-        raise TypeError(f"{caller} expects a TrainState from dsfunc.init_state, got {type(state).__name__}")
+        raise InputTypeError(f"{caller} expects a TrainState from dsfunc.init_state, got {type(state).__name__}")
     state.check_usable()
 
 

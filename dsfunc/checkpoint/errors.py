@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from dsfunc.errors import Error
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(Error, RuntimeError):
     """A checkpoint could not be saved or loaded; the message says why and what to do."""
 
 

@@ -35,6 +35,7 @@ from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.metadata import read_meta, verify_files
 from dsfunc.checkpoint.publish import atomic_file
 from dsfunc.checkpoint.tags import PathLike, find_checkpoint
+from dsfunc.errors import InputError
 
 Layout = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
 
@@ -69,7 +70,7 @@ def export_fp32(ckpt_dir: PathLike, out: PathLike, tag: str | None = None, *,
     """
     fmt = format or format_from_suffix(out)
     if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+        raise InputError(f"format must be one of {FORMATS}, got {fmt!r}")
     folder = find_checkpoint(ckpt_dir, tag)
     meta = read_meta(folder)
     verify_files(folder, meta, share=(0, 1) if verify else None)
@@ -120,7 +121,7 @@ def format_from_suffix(out: str | os.PathLike) -> str:
     """``"safetensors"`` or ``"pt"`` from the output file's suffix, or an error asking for ``--format``."""
     suffix = Path(out).suffix.lower()
     if suffix not in _SUFFIXES:
-        raise ValueError(
+        raise InputError(
             f"cannot tell the format from the file name {str(out)!r}: name it *.safetensors or *.pt "
             f"(.pth, .bin), or pass format= / --format ({' or '.join(FORMATS)})"
         )
@@ -144,7 +145,7 @@ def write_safetensors(out: str | os.PathLike, layout: Layout, tensors: Iterable[
     for name in order if order is not None else [n for n, _, _ in layout]:
         header[name] = offsets[name]
     if set(header) - {"__metadata__"} != set(offsets):
-        raise ValueError("write_safetensors: order must name every tensor of the layout exactly once")
+        raise InputError("write_safetensors: order must name every tensor of the layout exactly once")
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     with atomic_file(out) as tmp, open(tmp, "wb") as f:
@@ -154,7 +155,7 @@ def write_safetensors(out: str | os.PathLike, layout: Layout, tensors: Iterable[
         for name, shape, dtype in layout:
             got_name, t = next(produced)
             if got_name != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                raise ValueError(f"write_safetensors: expected {name} {tuple(shape)} {dtype}, "
+                raise InputError(f"write_safetensors: expected {name} {tuple(shape)} {dtype}, "
                                  f"got {got_name} {tuple(t.shape)} {t.dtype}")
             f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
@@ -191,7 +192,7 @@ def _save_mapped(staging: Path, layout: Layout, keys: Sequence[tuple[str, str]],
 
 def _st_dtype(dtype: torch.dtype, name: str) -> str:
     if dtype not in _ST_DTYPES:
-        raise ValueError(f"{name}: safetensors cannot store dtype {dtype}")
+        raise InputError(f"{name}: safetensors cannot store dtype {dtype}")
     return _ST_DTYPES[dtype]
 
 

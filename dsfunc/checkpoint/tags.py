@@ -7,6 +7,7 @@ from pathlib import Path
 
 from dsfunc.checkpoint.errors import CheckpointNotFoundError
 from dsfunc.checkpoint.layout import LATEST_FILE, META_FILE, replaced
+from dsfunc.errors import InputError
 
 PathLike = str | os.PathLike
 
@@ -92,7 +93,7 @@ def read_latest(save_dir: Path) -> str | None:
 def check_tag(tag: str) -> str:
     """``tag`` if it can name a checkpoint folder inside ``save_dir``."""
     if not tag or tag.startswith(".") or tag == LATEST_FILE or any(c in tag for c in ("/", os.sep, "\0")):
-        raise ValueError(
+        raise InputError(
             f"invalid checkpoint tag {tag!r}: a tag is a folder name inside save_dir; it must be non-empty, "
             f"must not start with '.', contain '/' or be {LATEST_FILE!r}"
         )
