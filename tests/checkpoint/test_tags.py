@@ -68,3 +68,39 @@ def test_overwriting_a_tag_and_a_crash_between_the_renames(tmp_path):
     assert int(loaded.step) == 2
     ckpt.save_checkpoint(loaded, tmp_path, tag="other")  # the next save puts it back
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "other", "t"]
+
+
+def test_find_checkpoint_latest_explicit_tag_folder_and_the_replaced_copy(tmp_path):
+    state = dsfunc.init_state(MLP(), config())
+    ckpt.save_checkpoint(state, tmp_path, tag="a")
+    ckpt.save_checkpoint(state, tmp_path, tag="b", save_latest=False)
+    assert ckpt.find_checkpoint(tmp_path) == tmp_path / "a"  # the one `latest` names
+    assert ckpt.find_checkpoint(str(tmp_path), tag="b") == tmp_path / "b"
+    assert ckpt.find_checkpoint(tmp_path / "b") == tmp_path / "b"  # a checkpoint folder itself
+
+    # a save over 'a' that died between its two renames: the complete old one waits in .a.replaced
+    os.rename(tmp_path / "a", tmp_path / ".a.replaced")
+    assert ckpt.find_checkpoint(tmp_path) == tmp_path / ".a.replaced"
+    assert ckpt.find_checkpoint(tmp_path, tag="a") == tmp_path / ".a.replaced"
+    loaded, _ = ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path), dsfunc.init_state(MLP(), config()))
+    assert int(loaded.step) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".a.replaced", "b", "latest"]  # nothing moved
+
+
+def test_find_checkpoint_not_found_lists_the_tags(tmp_path):
+    with pytest.raises(ckpt.CheckpointNotFoundError, match="does not exist"):
+        ckpt.find_checkpoint(tmp_path / "nowhere")
+    with pytest.raises(ckpt.CheckpointNotFoundError, match=r"no `latest` file .*it holds no complete checkpoint"):
+        ckpt.find_checkpoint(tmp_path)
+    state = dsfunc.init_state(MLP(), config())
+    ckpt.save_checkpoint(state, tmp_path, tag="a", save_latest=False)
+    ckpt.save_checkpoint(state, tmp_path, tag="b", save_latest=False)
+    with pytest.raises(ckpt.CheckpointNotFoundError, match=r"no `latest` file .*checkpoints there: 'a', 'b'\)$"):
+        ckpt.find_checkpoint(tmp_path)
+    with pytest.raises(ckpt.CheckpointNotFoundError,
+                       match=r"no checkpoint tagged 'c' in .*; complete checkpoints there: 'a', 'b'$"):
+        ckpt.find_checkpoint(tmp_path, "c")
+    (tmp_path / "c").mkdir()  # a folder, but not a checkpoint
+    with pytest.raises(ckpt.CheckpointNotFoundError,
+                       match=r"c is not a complete dsfunc checkpoint.* Complete checkpoints there: 'a', 'b'$"):
+        ckpt.find_checkpoint(tmp_path, "c")
