@@ -35,8 +35,8 @@ DEFAULT_TIMEOUT = 300.0  # seconds every rank gets to arrive at a save or load
 
 # [Note: one save in flight]
 # An async save runs write_checkpoint, with its collectives on the side group, in the one worker thread.
-# Every save and load first waits for it (wait_for_checkpoint, before arrive), so checkpoint collectives
-# of two calls never interleave on that group and the call numbers of arrive stay in step across ranks.
+# Every save and load waits for it (wait_for_checkpoint) before its own first collective, so the
+# collectives of two checkpoint calls never interleave on that group.
 _PENDING: Future | None = None
 _EXECUTOR: ThreadPoolExecutor | None = None
 
@@ -104,6 +104,7 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
     """
     _check_state(state, "load_checkpoint")
     wait_for_checkpoint()  # [Note: one save in flight]
+    # [Note: meeting before the first collective]
     arrive("load_checkpoint", None if tag is None else str(tag), timeout)
     folder, meta, client = collective(
         lambda: _open(Path(load_dir), tag, state, load_optimizer_states, verify))
