@@ -1,18 +1,35 @@
-"""Checkpoints of a :class:`~dsfunc.TrainState`: atomic, resharding saves and loads, and fp32 export."""
+"""Checkpoints of a :class:`~dsfunc.TrainState`: atomic, resharding saves and loads, and fp32 export.
 
-from dsfunc.checkpoint.api import (
-    META_FILE,
+Every rank calls :func:`save_checkpoint` and :func:`load_checkpoint` with the same tag (a rank that does
+not is named in a :class:`CheckpointTimeoutError`, never a hang); :func:`export_fp32` (``dsfunc export``)
+runs offline. One module per concept:
+
+* :mod:`.api`: the calls themselves, orchestrating the rest;
+* :mod:`.layout`: what a checkpoint folder and ``save_dir`` hold, file by file;
+* :mod:`.keys`: the state's tensors under world-size-independent keys, which is why any world size, ZeRO
+  stage and precision loads any checkpoint (**resharding**);
+* :mod:`.publish`: the write, rename and ``latest`` protocol that makes a save appear whole or not at all
+  (**atomicity**);
+* :mod:`.tags`: which folder a directory and tag name (:func:`find_checkpoint`);
+* :mod:`.metadata`: the metadata file, and the sizes and sha256 the files are checked against;
+* :mod:`.compat`: whether a checkpoint fits a template state;
+* :mod:`.coordination`: how the ranks meet, agree and fail together;
+* :mod:`.dcp_io`: the calls into ``torch.distributed.checkpoint``;
+* :mod:`.export`: the consolidated fp32 ``state_dict`` file and its command line;
+* :mod:`.errors`: what a failed save or load raises.
+"""
+
+from dsfunc.checkpoint.api import load_checkpoint, save_checkpoint, wait_for_checkpoint
+from dsfunc.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
-    available_tags,
-    export_fp32,
-    load_checkpoint,
-    save_checkpoint,
-    wait_for_checkpoint,
 )
+from dsfunc.checkpoint.export import export_fp32
+from dsfunc.checkpoint.layout import META_FILE
+from dsfunc.checkpoint.tags import available_tags, find_checkpoint
 
 __all__ = [
     "META_FILE",
@@ -23,6 +40,7 @@ __all__ = [
     "CheckpointTimeoutError",
     "available_tags",
     "export_fp32",
+    "find_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
     "wait_for_checkpoint",

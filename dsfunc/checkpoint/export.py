@@ -6,7 +6,8 @@ in memory:
 * ``safetensors`` (``safetensors.torch.load_file(out)``): the header (every name, dtype, shape and
   offset) is known from the checkpoint's metadata, so it is written first and the tensor bytes are
   appended one unit at a time. Tied parameters are stored under each of their names (safetensors has
-  no aliasing).
+  no aliasing). The writer is our own because the safetensors library cannot stream: its
+  ``serialize_file`` takes every tensor's buffer in one call (0.8; safetensors/safetensors#291).
 * ``pt`` (``torch.load(out)``): the tensors are first streamed into a temporary safetensors file next to
   ``out``, which is then memory-mapped and handed to ``torch.save``: the bytes come from the page cache,
   not the heap (the mapped pages do count in the process's resident size while ``torch.save`` reads
@@ -18,14 +19,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import mmap
 import os
 import struct
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from dsfunc.checkpoint.dcp_io import read_tensors
+from dsfunc.checkpoint.errors import CheckpointError
+from dsfunc.checkpoint.metadata import read_meta, verify_files
+from dsfunc.checkpoint.publish import atomic_file
+from dsfunc.checkpoint.tags import PathLike, find_checkpoint
+from dsfunc.errors import InputError
 
 Layout = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
 
@@ -38,11 +48,80 @@ _ST_DTYPES = {
 }
 
 
+def export_fp32(ckpt_dir: PathLike, out: PathLike, tag: str | None = None, *,
+                format: str | None = None, verify: bool = True) -> str:
+    """Write a checkpoint's weights as one consolidated fp32 ``state_dict`` file, offline.
+
+    No process group is needed. The file holds every name ``model.state_dict()`` has (tied parameters
+    under each of their names, persistent buffers and frozen parameters), so plain
+    ``model.load_state_dict(...)`` accepts it. It is written one unit at a time: no more than one unit's
+    tensors are in memory at once.
+
+    Args:
+      ckpt_dir: a ``save_dir`` (with ``tag`` or ``latest``) or a checkpoint folder.
+      out: the output file; written to a temporary name and renamed when complete.
+      tag: which checkpoint (default: ``latest``).
+      format: ``"safetensors"`` (``safetensors.torch.load_file(out)``) or ``"pt"``
+        (``torch.load(out)``); default from ``out``'s suffix (``.safetensors``; ``.pt``/``.pth``/``.bin``).
+      verify: check the files against their recorded checksums first.
+
+    Returns:
+      ``out`` as a string.
+    """
+    fmt = format or format_from_suffix(out)
+    if fmt not in FORMATS:
+        raise InputError(f"format must be one of {FORMATS}, got {fmt!r}")
+    folder = find_checkpoint(ckpt_dir, tag)
+    meta = read_meta(folder)
+    verify_files(folder, meta, share=(0, 1) if verify else None)
+    aliases = fmt == "safetensors"  # safetensors stores tied names separately; torch.save shares them
+    layout = _export_layout(meta, with_aliases=aliases)
+    tensors = _export_tensors(folder, meta, with_aliases=aliases)
+    if fmt == "safetensors":
+        write_safetensors(out, layout, tensors, order=[name for name, _, _ in meta["state_dict"]])
+    else:
+        write_torch(out, layout, tensors, keys=[(name, source) for name, _, source in meta["state_dict"]])
+    return str(out)
+
+
+def _export_layout(meta: dict[str, Any], *, with_aliases: bool) -> Layout:
+    """``(name, shape, dtype)`` of each exported tensor, in the order :func:`_export_tensors` yields them."""
+    layout = []
+    for unit in meta["units"]:
+        for p in unit["params"]:
+            for name in p["aliases"] if with_aliases else [p["name"]]:
+                layout.append((name, tuple(p["shape"]), torch.float32))
+    for name, kind, _ in meta["state_dict"]:
+        if kind == "buffer":
+            b = meta["buffers"][name]
+            layout.append((name, tuple(b["shape"]), getattr(torch, b["dtype"])))
+    return layout
+
+
+def _export_tensors(folder: Path, meta: dict[str, Any], *,
+                    with_aliases: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Read the checkpoint one unit (then one buffer) at a time, yielding named tensors."""
+    for unit in meta["units"]:
+        flat = torch.empty(unit["numel"], dtype=torch.float32)
+        read_tensors({f"params/{unit['name']}": flat}, folder, offline=True)
+        for p in unit["params"]:
+            view = flat[p["offset"] : p["offset"] + math.prod(p["shape"])].view(p["shape"])
+            for name in p["aliases"] if with_aliases else [p["name"]]:
+                yield name, view
+        del flat
+    for name, kind, _ in meta["state_dict"]:
+        if kind == "buffer":
+            b = meta["buffers"][name]
+            t = torch.empty(b["shape"], dtype=getattr(torch, b["dtype"]))
+            read_tensors({f"buffers/{name}": t}, folder, offline=True)
+            yield name, t
+
+
 def format_from_suffix(out: str | os.PathLike) -> str:
     """``"safetensors"`` or ``"pt"`` from the output file's suffix, or an error asking for ``--format``."""
     suffix = Path(out).suffix.lower()
     if suffix not in _SUFFIXES:
-        raise ValueError(
+        raise InputError(
             f"cannot tell the format from the file name {str(out)!r}: name it *.safetensors or *.pt "
             f"(.pth, .bin), or pass format= / --format ({' or '.join(FORMATS)})"
         )
@@ -59,33 +138,26 @@ def write_safetensors(out: str | os.PathLike, layout: Layout, tensors: Iterable[
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offsets, offset = {}, 0
     for name, shape, dtype in layout:
-        size = _numel(shape) * _itemsize(dtype)
+        size = math.prod(shape) * dtype.itemsize
         offsets[name] = {"dtype": _st_dtype(dtype, name), "shape": list(shape),
                          "data_offsets": [offset, offset + size]}
         offset += size
     for name in order if order is not None else [n for n, _, _ in layout]:
         header[name] = offsets[name]
     if set(header) - {"__metadata__"} != set(offsets):
-        raise ValueError("write_safetensors: order must name every tensor of the layout exactly once")
+        raise InputError("write_safetensors: order must name every tensor of the layout exactly once")
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    tmp = Path(f"{out}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(encoded)))
-            f.write(encoded)
-            produced = iter(tensors)
-            for name, shape, dtype in layout:
-                got_name, t = next(produced)
-                if got_name != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
-                    raise ValueError(f"write_safetensors: expected {name} {tuple(shape)} {dtype}, "
-                                     f"got {got_name} {tuple(t.shape)} {t.dtype}")
-                f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_file(out) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        produced = iter(tensors)
+        for name, shape, dtype in layout:
+            got_name, t = next(produced)
+            if got_name != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise InputError(f"write_safetensors: expected {name} {tuple(shape)} {dtype}, "
+                                 f"got {got_name} {tuple(t.shape)} {t.dtype}")
+            f.write(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def write_torch(out: str | os.PathLike, layout: Layout, tensors: Iterable[tuple[str, torch.Tensor]],
@@ -93,16 +165,12 @@ def write_torch(out: str | os.PathLike, layout: Layout, tensors: Iterable[tuple[
     """Stream ``tensors`` into a ``torch.save`` file at ``out`` holding ``{key: tensor[source]}`` for
     ``(key, source)`` in ``keys`` (several keys may share a source: tied parameters)."""
     staging = Path(f"{out}.staging-{os.getpid()}.safetensors")
-    tmp = Path(f"{out}.tmp-{os.getpid()}")
     try:
         write_safetensors(staging, layout, tensors)
-        _save_mapped(staging, layout, keys, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
+        with atomic_file(out) as tmp:
+            _save_mapped(staging, layout, keys, tmp)
     finally:
         staging.unlink(missing_ok=True)
-        tmp.unlink(missing_ok=True)
 
 
 def _save_mapped(staging: Path, layout: Layout, keys: Sequence[tuple[str, str]], out: Path) -> None:
@@ -117,32 +185,19 @@ def _save_mapped(staging: Path, layout: Layout, keys: Sequence[tuple[str, str]],
         if end == begin:
             loaded[name] = torch.empty(shape, dtype=dtype)
         else:
-            flat = torch.frombuffer(mapped, dtype=dtype, count=_numel(shape), offset=8 + length + begin)
+            flat = torch.frombuffer(mapped, dtype=dtype, count=math.prod(shape), offset=8 + length + begin)
             loaded[name] = flat.view(shape)
     torch.save({key: loaded[source] for key, source in keys}, out)
 
 
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def _st_dtype(dtype: torch.dtype, name: str) -> str:
     if dtype not in _ST_DTYPES:
-        raise ValueError(f"{name}: safetensors cannot store dtype {dtype}")
+        raise InputError(f"{name}: safetensors cannot store dtype {dtype}")
     return _ST_DTYPES[dtype]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``dsfunc export CKPT_DIR OUT [--tag T] [--format safetensors|pt] [--no-verify]``."""
-    from dsfunc.checkpoint.api import CheckpointError, export_fp32  # the api module imports this one
-
     parser = argparse.ArgumentParser(
         prog="dsfunc export",
         description="Write a dsfunc checkpoint's weights as one consolidated fp32 state_dict file that "

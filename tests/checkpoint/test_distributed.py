@@ -14,12 +14,11 @@ from torch import nn
 import dsfunc
 from dsfunc import checkpoint as ckpt
 from dsfunc.dist import comm
+from tests.checkpoint.common import FP16, WARMUP
+from tests.checkpoint.ranks import run_ranks
 from tests.models import MLP, config, mlp_batches
 from tests.multiprocess import run_world
-from tests.test_checkpoint_faults import run_ranks
 
-FP16 = {"enabled": True, "initial_scale_power": 20, "loss_scale_window": 2, "hysteresis": 2}
-WARMUP = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 6}}
 GLOBAL_BATCH = 8
 
 

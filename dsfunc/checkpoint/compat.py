@@ -1,0 +1,90 @@
+"""Whether a checkpoint fits a template state, and which of its entries the template takes."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from dsfunc.checkpoint.errors import CheckpointMismatchError
+from dsfunc.checkpoint.keys import entries
+from dsfunc.checkpoint.metadata import precision
+from dsfunc.state import TrainState
+
+
+def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, load_optimizer: bool) -> None:
+    """Raise naming every parameter, buffer or optimizer entry that differs from the template's."""
+    plan = state.program.plan
+    saved = {p["name"]: tuple(p["shape"]) for u in meta["units"] for p in u["params"]}
+    saved.update({f"{n} (buffer)": tuple(b["shape"]) for n, b in meta["buffers"].items()})
+    mine = {s.name: s.shape for u in plan.units for s in u.params}
+    mine.update({f"{n} (buffer)": tuple(t.shape) for n, t in state.buffers.items()})
+    lines = _differences(saved, mine, "the model")
+    if lines:
+        raise CheckpointMismatchError(
+            f"the checkpoint {folder} does not match this model:\n" + "\n".join(lines)
+            + "\nBuild the template state from the model the checkpoint was saved from."
+        )
+    saved_units = [(u["name"], [p["name"] for p in u["params"]]) for u in meta["units"]]
+    my_units = [(u.name, [s.name for s in u.params]) for u in plan.units]
+    if saved_units != my_units:
+        raise CheckpointMismatchError(
+            f"the checkpoint {folder} groups the parameters into units {[n for n, _ in saved_units]}, this "
+            f"state into {[n for n, _ in my_units]}: pass the unit_modules the saving run used to "
+            "dsfunc.init_state"
+        )
+
+    def describe(unit: str | None, shape: Any) -> str:
+        return f"unit {unit}" if unit else f"shape {tuple(shape)}"
+
+    saved_opt = {k[6:]: describe(v["unit"], v["shape"])
+                 for k, v in meta["tensors"].items() if k.startswith("optim/")}
+    mine_opt = {e.key[6:]: describe(e.unit, e.tensor.shape)
+                for e in entries(state) if e.key.startswith("optim/")}
+    lines = _differences(saved_opt, mine_opt, "this state's optimizer")
+    if lines and load_optimizer:
+        cfg = state.program.config
+        mine_type = cfg.optimizer.type if cfg.optimizer is not None else "a custom transform"
+        raise CheckpointMismatchError(
+            f"the optimizer state in {folder} (optimizer {meta['optimizer']!r}) does not fit this state's "
+            f"optimizer ({mine_type!r}):\n" + "\n".join(lines) + "\nUse the optimizer the checkpoint was "
+            "saved with, or pass load_optimizer_states=False to load everything else and start this "
+            "optimizer fresh (its LR schedule restarts too)."
+        )
+    absent = sorted(wanted(meta, state, load_optimizer) - meta["tensors"].keys())
+    if absent:
+        raise CheckpointMismatchError(
+            f"the checkpoint {folder} (written by dsfunc {meta.get('dsfunc_version')}) has no "
+            f"{', '.join(absent)}, which this state needs"
+        )
+
+
+def _differences(saved: Mapping[str, Any], mine: Mapping[str, Any], what: str, limit: int = 20) -> list[str]:
+    def listed(names: list[str]) -> str:
+        more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
+        return ", ".join(names[:limit]) + more
+
+    lines = []
+    if only_saved := sorted(saved.keys() - mine.keys()):
+        lines.append(f"  in the checkpoint but not in {what}: {listed(only_saved)}")
+    if only_mine := sorted(mine.keys() - saved.keys()):
+        lines.append(f"  in {what} but not in the checkpoint: {listed(only_mine)}")
+    if changed := sorted(k for k in saved.keys() & mine.keys() if saved[k] != mine[k]):
+        lines.append("  different: " + listed([f"{k} (checkpoint {saved[k]}, {what} {mine[k]})"
+                                                for k in changed]))
+    return lines
+
+
+def wanted(meta: dict[str, Any], state: TrainState, load_optimizer: bool) -> set[str]:
+    """The template's keys to read: all, but the optimizer state only if asked, the loss-scaler state only
+    for the same precision and kind of scaler, and metrics only those the checkpoint has."""
+    same_precision = meta["precision"] == precision(state)
+    load_scaler = same_precision and meta["scaler"]["dynamic"] == state.program.scaler.dynamic
+    keys = set()
+    for e in entries(state):
+        skip = ((e.key.startswith("optim/") and not load_optimizer)
+                or (e.key.startswith("scaler/") and not load_scaler)
+                or (e.key.startswith("metrics/") and e.key not in meta["tensors"]))
+        if not skip:
+            keys.add(e.key)
+    return keys

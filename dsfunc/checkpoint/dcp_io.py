@@ -1,0 +1,48 @@
+"""The calls into ``torch.distributed.checkpoint`` (DCP): every tensor file is written and read here."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from dsfunc.checkpoint.coordination import side_group
+from dsfunc.dist import comm
+
+_NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+def write_tensors(tensors: dict[str, Any], folder: Path) -> None:
+    """Write this rank's ``tensors`` (DTensors and, on rank 0, plain tensors) into ``folder``, fsynced."""
+    writer = dcp.FileSystemWriter(str(folder), single_file_per_rank=True, sync_files=True)
+    _call(dcp.save, tensors, comm.is_distributed(), storage_writer=writer)
+
+
+def read_tensors(targets: dict[str, Any], folder: Path, *, offline: bool = False) -> None:
+    """Fill ``targets`` in place from ``folder``; ``offline`` reads without the process group (export)."""
+    reader = dcp.FileSystemReader(str(folder))
+    _call(dcp.load, targets, comm.is_distributed() and not offline, storage_reader=reader)
+
+
+def _call(fn: Callable[..., Any], state_dict: dict[str, Any], distributed: bool, **storage: Any) -> None:
+    """``dcp.save`` or ``dcp.load`` on the side group, or in this process alone."""
+    if distributed:
+        fn(state_dict, **storage, process_group=side_group())
+        return
+    # One process: DCP warns that it assumes so. catch_warnings swaps the process-wide filters; in the
+    # save thread of an async save that is racy only against the main thread changing filters meanwhile.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING)
+        fn(state_dict, **storage, no_dist=True)
+
+
+def failure_text(e: BaseException) -> str:
+    """A short account of an error; DCP's per-rank failures as ``rank r: Type: message``."""
+    if isinstance(e, CheckpointException):
+        return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}"
+                         for r, (exc, _) in sorted(e.failures.items()))
+    return f"{type(e).__name__}: {e}"

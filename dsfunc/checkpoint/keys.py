@@ -1,0 +1,116 @@
+"""What a state holds, under keys and global shapes that do not depend on the world size.
+
+**Resharding.** Each unit's fp32 master weights are stored as one flat vector of its *unpadded* length, a
+DTensor sharded on dim 0 exactly as ``torch.chunk`` splits it (each rank writes its own slice; at stage 0
+each rank writes its ``torch.chunk`` slice of its full copy); every optimizer-state leaf shaped like a unit
+the same way; and everything else (step, optimizer counters, loss scaler, dropout seed, metrics, buffers)
+once, from rank 0. A load reads the slices it needs, so any world size and ZeRO stage loads any checkpoint,
+and the fp32 masters make fp16/bf16/fp32 runs interchangeable (the loss-scaler state is kept only when the
+precision and the kind of scaler are unchanged: :func:`dsfunc.checkpoint.compat.wanted`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import optree
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from dsfunc.checkpoint.coordination import mesh
+from dsfunc.dist import comm
+from dsfunc.state import TrainState
+from dsfunc.zero.layout import chunk_range
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One tensor of a state: its key, this rank's tensor, and the unit it is laid out like (or None)."""
+
+    key: str
+    tensor: torch.Tensor
+    unit: str | None
+
+
+def entries(state: TrainState) -> list[Entry]:
+    """Every tensor of ``state`` under a world-size-independent key (the same on every rank)."""
+    params = state.params
+    out = [Entry("step", state.step, None), Entry("rng", state.rng, None)]
+    out += [Entry(f"params/{name}", t, name) for name, t in params.items()]
+    for key, accessor, leaf in _leaves("optim", state.opt_state):
+        last = accessor[-1] if len(accessor) else None
+        unit = last.entry if isinstance(last, optree.MappingEntry) else None
+        shaped = unit in params and leaf.shape == params[unit].shape
+        out.append(Entry(key, leaf, unit if shaped else None))
+    out += [Entry(key, leaf, None) for key, _, leaf in _leaves("scaler", state.scaler)]
+    out += [Entry(key, leaf, None) for key, _, leaf in _leaves("metrics", state.metrics)]
+    out += [Entry(f"buffers/{name}", t, None) for name, t in state.buffers.items()]
+    return out
+
+
+def _leaves(prefix: str, tree: Any) -> Iterator[tuple[str, Any, torch.Tensor]]:
+    """``(key, accessor, leaf)``, keys like ``optim/optimizer/adam/mu/root`` (field names, not indices)."""
+    named = (optree.NamedTupleEntry, optree.DataclassEntry)
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(tree)
+    for accessor, leaf in zip(accessors, leaves):
+        names = [str(e.field) if isinstance(e, named) else str(e.entry) for e in accessor]
+        yield "/".join([prefix, *names]), accessor, leaf
+
+
+def save_dict(state: TrainState, *, staged: bool) -> dict[str, Any]:
+    """What this rank hands to DCP: its slice of every unit-shaped tensor, and (rank 0) the rest.
+
+    ``staged`` copies everything to host memory so training may go on while a thread writes it. GPU
+    tensors always go through host memory: DCP then coordinates on the gloo side group with CPU
+    tensors only.
+    """
+    plan, world, rank = state.program.plan, comm.world_size(), comm.rank()
+    copy = (lambda t: t.detach().to("cpu", copy=True)) if staged else (lambda t: t.detach().cpu())
+    out: dict[str, Any] = {}
+    for e in entries(state):
+        if e.unit is None:
+            if rank == 0:
+                out[e.key] = copy(e.tensor)
+            continue
+        numel = plan.unit(e.unit).numel
+        if world == 1:
+            out[e.key] = copy(e.tensor[:numel])
+            continue
+        start, stop = chunk_range(numel, world, rank)
+        local = e.tensor[: stop - start] if plan.ways > 1 else e.tensor[start:stop]
+        local = copy(local)
+        out[e.key] = DTensor.from_local(local, mesh(local.device.type), [Shard(0)], shape=(numel,),
+                                        stride=(1,), run_check=False)
+    return out
+
+
+def load_dict(
+    state: TrainState, wanted: set[str]
+) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """DCP targets that are views of the template's own CPU tensors, so the load fills them in place;
+    GPU tensors get a host buffer, returned as ``(device view, host buffer)`` pairs to copy back."""
+    plan = state.program.plan
+    out: dict[str, Any] = {}
+    copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def on_host(view: torch.Tensor) -> torch.Tensor:
+        if view.device.type == "cpu":
+            return view
+        host = torch.empty_like(view, device="cpu")
+        copy_back.append((view, host))
+        return host
+
+    for e in entries(state):
+        if e.key not in wanted:
+            continue
+        if e.unit is None or plan.ways == 1:
+            out[e.key] = on_host(e.tensor)
+            continue
+        unit = plan.unit(e.unit)
+        start, stop = plan.local_range(unit)
+        e.tensor[stop - start:].zero_()  # the padding tail stays zero
+        out[e.key] = DTensor.from_local(on_host(e.tensor[: stop - start]), mesh("cpu"), [Shard(0)],
+                                        shape=(unit.numel,), stride=(1,), run_check=False)
+    return out, copy_back

@@ -1,0 +1,1 @@
+"""Tests of dsfunc.checkpoint, one file per module of the package."""
