@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dsfunc.checkpoint.compat import check_compatible, wanted
+from dsfunc.checkpoint.compat import Selection, check_compatible, wanted
 from dsfunc.checkpoint.coordination import arrive, collective
 from dsfunc.checkpoint.dcp_io import failure_text, read_tensors
 from dsfunc.checkpoint.errors import CheckpointError
@@ -80,7 +80,8 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
 
 
 def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = None, *,
-                    load_optimizer_states: bool = True, verify: bool = True,
+                    load_optimizer_states: bool = True, load_lr_scheduler_states: bool | None = None,
+                    load_module_only: bool = False, verify: bool = True,
                     timeout: float = DEFAULT_TIMEOUT) -> tuple[TrainState, Any]:
     """Load a checkpoint into the template ``state``; every rank must call it.
 
@@ -92,8 +93,12 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
         :func:`find_checkpoint` returns).
       state: the template state.
       tag: which checkpoint (default: the one ``load_dir/latest`` names).
-      load_optimizer_states: ``False`` keeps the template's fresh optimizer state (and so restarts
-        the LR schedule, whose step count lives there): for a run with another optimizer.
+      load_optimizer_states: ``False`` keeps the template's fresh optimizer state and loss scaler (as
+        DeepSpeed does): for a run with another optimizer.
+      load_lr_scheduler_states: whether the lr schedule's position is loaded (default: as
+        ``load_optimizer_states``; DeepSpeed's engine passes ``True``).
+      load_module_only: load the parameters and buffers only; the step count, dropout seed, metrics,
+        optimizer state and schedule stay the template's.
       verify: check every file against the sha256 recorded at save (spread over the ranks); sizes are
         always checked.
       timeout: seconds to wait for every rank to arrive before raising :class:`CheckpointTimeoutError`.
@@ -106,9 +111,12 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
     wait_for_checkpoint()  # [Note: one save in flight]
     # [Note: meeting before the first collective]
     arrive("load_checkpoint", None if tag is None else str(tag), timeout)
-    folder, meta, client = collective(
-        lambda: _open(Path(load_dir), tag, state, load_optimizer_states, verify))
-    targets, copy_back = load_dict(state, wanted(meta, state, load_optimizer_states))
+    selection = Selection(
+        optimizer=load_optimizer_states, module_only=load_module_only,
+        schedule=load_optimizer_states if load_lr_scheduler_states is None else load_lr_scheduler_states,
+    )
+    folder, meta, client = collective(lambda: _open(Path(load_dir), tag, state, selection, verify))
+    targets, copy_back = load_dict(state, wanted(meta, state, selection))
     try:
         read_tensors(targets, folder)
         with torch.no_grad():
@@ -155,13 +163,13 @@ def _pickle(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _open(load_dir: Path, tag: Any, state: TrainState, load_optimizer: bool,
+def _open(load_dir: Path, tag: Any, state: TrainState, selection: Selection,
           verify: bool) -> tuple[Path, dict[str, Any], Any]:
     """Find, read, check and verify the checkpoint and read its client state, all before the template is
     touched: whatever is wrong with the checkpoint leaves the template usable."""
     folder = find_checkpoint(load_dir, tag)
     meta = read_meta(folder)
-    check_compatible(folder, meta, state, load_optimizer)
+    check_compatible(folder, meta, state, selection)
     verify_files(folder, meta, share=(comm.rank(), comm.world_size()) if verify else None)
     client = torch.load(folder / CLIENT_FILE, weights_only=False) if CLIENT_FILE in meta["files"] else {}
     return folder, meta, client

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,27 @@ from dsfunc.checkpoint.metadata import precision
 from dsfunc.state import TrainState
 
 
-def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, load_optimizer: bool) -> None:
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """Which parts of a checkpoint a load takes; every other part keeps the template's values.
+
+    ``optimizer``: the optimizer's state (moments, counters) and, as in DeepSpeed, the fp16 loss scaler;
+    ``schedule``: the lr schedule's position; ``module_only``: parameters and buffers only (the step
+    count, dropout seed, metrics, optimizer and schedule all stay the template's).
+    """
+
+    optimizer: bool = True
+    schedule: bool = True
+    module_only: bool = False
+
+    def parts(self) -> set[str]:
+        if self.module_only:
+            return {"params", "buffers"}
+        kept = {"step", "rng", "params", "buffers", "metrics"}
+        return kept | ({"optimizer", "scaler"} if self.optimizer else set()) | ({"schedule"} if self.schedule else set())
+
+
+def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, selection: Selection) -> None:
     """Raise naming every parameter, buffer or optimizer entry that differs from the template's."""
     plan = state.program.plan
     saved = {p["name"]: tuple(p["shape"]) for u in meta["units"] for p in u["params"]}
@@ -42,7 +63,7 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, load
     mine_opt = {e.key[6:]: describe(e.unit, e.tensor.shape)
                 for e in entries(state) if e.key.startswith("optim/")}
     lines = _differences(saved_opt, mine_opt, "this state's optimizer")
-    if lines and load_optimizer:
+    if lines and selection.optimizer and not selection.module_only:
         cfg = state.program.config
         mine_type = cfg.optimizer.type if cfg.optimizer is not None else "a custom transform"
         raise CheckpointMismatchError(
@@ -51,7 +72,7 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, load
             "saved with, or pass load_optimizer_states=False to load everything else and start this "
             "optimizer fresh (its LR schedule restarts too)."
         )
-    absent = sorted(wanted(meta, state, load_optimizer) - meta["tensors"].keys())
+    absent = sorted(wanted(meta, state, selection) - meta["tensors"].keys())
     if absent:
         raise CheckpointMismatchError(
             f"the checkpoint {folder} (written by dsfunc {meta.get('dsfunc_version')}) has no "
@@ -75,16 +96,17 @@ def _differences(saved: Mapping[str, Any], mine: Mapping[str, Any], what: str, l
     return lines
 
 
-def wanted(meta: dict[str, Any], state: TrainState, load_optimizer: bool) -> set[str]:
-    """The template's keys to read: all, but the optimizer state only if asked, the loss-scaler state only
-    for the same precision and kind of scaler, and metrics only those the checkpoint has."""
+def wanted(meta: dict[str, Any], state: TrainState, selection: Selection) -> set[str]:
+    """The template's keys to read: the selected parts, the loss-scaler state only for the same precision
+    and kind of scaler, and metrics only those the checkpoint has."""
     same_precision = meta["precision"] == precision(state)
     load_scaler = same_precision and meta["scaler"]["dynamic"] == state.program.scaler.dynamic
+    parts = selection.parts()
     keys = set()
     for e in entries(state):
-        skip = ((e.key.startswith("optim/") and not load_optimizer)
-                or (e.key.startswith("scaler/") and not load_scaler)
-                or (e.key.startswith("metrics/") and e.key not in meta["tensors"]))
+        skip = ((e.part not in parts)
+                or (e.part == "scaler" and not load_scaler)
+                or (e.part == "metrics" and e.key not in meta["tensors"]))
         if not skip:
             keys.add(e.key)
     return keys

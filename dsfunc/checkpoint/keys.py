@@ -21,32 +21,37 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dsfunc.checkpoint.coordination import mesh
 from dsfunc.dist import comm
+from dsfunc.optim.base import ScheduleState
 from dsfunc.state import TrainState
 from dsfunc.zero.layout import chunk_range
 
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One tensor of a state: its key, this rank's tensor, and the unit it is laid out like (or None)."""
+    """One tensor of a state: its key, this rank's tensor, the unit it is laid out like (or None), and which
+    part of the state it belongs to: ``step``, ``rng``, ``params``, ``optimizer``, ``schedule`` (the lr
+    schedule's position inside the optimizer state), ``scaler``, ``metrics`` or ``buffers``."""
 
     key: str
     tensor: torch.Tensor
     unit: str | None
+    part: str
 
 
 def entries(state: TrainState) -> list[Entry]:
     """Every tensor of ``state`` under a world-size-independent key (the same on every rank)."""
     params = state.params
-    out = [Entry("step", state.step, None), Entry("rng", state.rng, None)]
-    out += [Entry(f"params/{name}", t, name) for name, t in params.items()]
+    out = [Entry("step", state.step, None, "step"), Entry("rng", state.rng, None, "rng")]
+    out += [Entry(f"params/{name}", t, name, "params") for name, t in params.items()]
     for key, accessor, leaf in _leaves("optim", state.opt_state):
         last = accessor[-1] if len(accessor) else None
         unit = last.entry if isinstance(last, optree.MappingEntry) else None
         shaped = unit in params and leaf.shape == params[unit].shape
-        out.append(Entry(key, leaf, unit if shaped else None))
-    out += [Entry(key, leaf, None) for key, _, leaf in _leaves("scaler", state.scaler)]
-    out += [Entry(key, leaf, None) for key, _, leaf in _leaves("metrics", state.metrics)]
-    out += [Entry(f"buffers/{name}", t, None) for name, t in state.buffers.items()]
+        part = "schedule" if any(e.type is ScheduleState for e in accessor) else "optimizer"
+        out.append(Entry(key, leaf, unit if shaped else None, part))
+    out += [Entry(key, leaf, None, "scaler") for key, _, leaf in _leaves("scaler", state.scaler)]
+    out += [Entry(key, leaf, None, "metrics") for key, _, leaf in _leaves("metrics", state.metrics)]
+    out += [Entry(f"buffers/{name}", t, None, "buffers") for name, t in state.buffers.items()]
     return out
 
 

@@ -29,7 +29,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import optree
 import torch
 from torch import nn
 
@@ -39,7 +38,6 @@ from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, schedule_
 from dsfunc.errors import InputError, UsageError
 from dsfunc.init import full_params
 from dsfunc.monitor import Monitor, tokens_in
-from dsfunc.optim.base import ScheduleState
 from dsfunc.schedules import Schedule
 from dsfunc.state import TrainState
 from dsfunc.step import apply_gradients, check_min_scale
@@ -358,21 +356,15 @@ class Engine:
             raise InputError("custom_load_fn is not supported by dsfunc")
         if self._runtime is not None:
             raise UsageError("load_checkpoint in the middle of an optimizer step; call it between steps")
-        if tag is None:
-            latest = os.path.join(load_dir, "latest")
-            if not os.path.isfile(latest):
-                logger.warning("Unable to find latest file at %s, if trying to load latest checkpoint please "
-                               "ensure this file exists or pass an explicit checkpoint tag when loading a "
-                               "checkpoint.", latest)
-                return None, None
-            with open(latest) as f:
-                tag = f.read().strip()
-        path = os.path.join(load_dir, str(tag))
-        if not os.path.isdir(path):
-            logger.warning("Client provided checkpoint load path: %s does not exist ... skip checkpoint load", path)
+        try:
+            folder = checkpoint.find_checkpoint(load_dir, tag)
+        except checkpoint.CheckpointNotFoundError as e:  # DeepSpeed warns and returns (None, None)
+            logger.warning("Unable to load a checkpoint: %s ... skip checkpoint load", e)
             return None, None
-        loaded, client = _load_parts(load_dir, self._state, str(tag), load_module_only, load_optimizer_states,
-                                     load_lr_scheduler_states)
+        loaded, client = checkpoint.load_checkpoint(
+            folder, self._state, load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+        )
         client = dict(client or {})
         counters = client.pop(ENGINE_KEY, None)
         self._state = loaded
@@ -385,37 +377,7 @@ class Engine:
             self.monitor.restart(loaded, skipped_steps=counters.get("skipped_steps", 0))
             if self.training_dataloader is not None:
                 self.training_dataloader.skip_to(self.micro_steps)
-        return path, client
-
-
-def _load_parts(load_dir: Any, current: TrainState, tag: str, module_only: bool, optimizer_states: bool,
-                scheduler_states: bool) -> tuple[TrainState, Any]:
-    """Load a checkpoint into ``current`` (donated), keeping ``current``'s values for the parts not asked for:
-    everything but parameters and buffers (``module_only``), the optimizer state and loss scaler, the lr
-    schedule (its step count, inside the optimizer state)."""
-    def clone(tree: Any) -> Any:
-        return optree.tree_map(lambda t: t.clone(), tree)
-
-    kept = clone((current.step, current.scaler, current.rng, current.metrics))
-    mixed = not module_only and optimizer_states != scheduler_states
-    fresh_opt = clone(current.opt_state) if mixed else None
-    with_opt = not module_only and (optimizer_states or scheduler_states)
-    loaded, client = checkpoint.load_checkpoint(load_dir, current, tag=tag, load_optimizer_states=with_opt)
-    step, scaler, rng, metrics = kept
-    if module_only:
-        return loaded.replace(step=step, scaler=scaler, rng=rng, metrics=metrics), client
-    if not optimizer_states:
-        loaded = loaded.replace(scaler=scaler)
-    if mixed:
-        def pick(fresh: Any, restored: Any) -> Any:
-            wanted = scheduler_states if isinstance(fresh, ScheduleState) else optimizer_states
-            return restored if wanted else fresh
-
-        opt_state = optree.tree_map(pick, fresh_opt, loaded.opt_state, is_leaf=lambda x: isinstance(x, ScheduleState))
-        loaded = loaded.replace(opt_state=opt_state)
-    return loaded, client
-
-
+        return str(folder), client
 
 
 def _call(model: nn.Module, args: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
