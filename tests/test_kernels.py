@@ -246,7 +246,7 @@ def test_fused_path_only_on_cuda():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where CUDA is absent")
 def test_missing_cuda_logs_one_line_and_falls_back(monkeypatch, caplog):
-    monkeypatch.setattr(K, "_native_ok", None)
+    monkeypatch.setattr(K.native, "_native_ok", None)
     with caplog.at_level(logging.WARNING, logger="dsfunc.kernels"):
         assert not K.fused_adam_available("cuda")
         assert not K.fused_adam_available("cuda:0")

@@ -1,0 +1,41 @@
+"""Custom ops for the step's memory-bound hot paths, in the torch.library namespace ``dsfunc``.
+
+``torch.ops.dsfunc.adam_step_``
+    The Adam/AdamW update of one flat fp32 shard, in place and in one pass over memory: unscale the
+    raw gradient, (L2 or decoupled) weight decay, both moments, bias correction, the learning rate,
+    and optionally the bf16/fp16 copy of the new parameters that the next all-gather sends. A 0-d
+    bool ``skip`` (the found-inf flag) turns the whole call into a no-op on the device.
+``torch.ops.dsfunc.sum_of_squares``
+    The sum of squares of every element of a list of tensors, as a 0-d fp32 tensor: the global
+    gradient norm and the overflow check in one pass (inf/nan anywhere makes it non-finite).
+
+Each op has a plain-torch implementation that is the reference and runs on every device (it is
+the CPU path), a fake implementation so ``torch.compile`` traces through, and a CUDA kernel from
+``ops/`` that the CUDA dispatch uses when it can be built. Everything that changes per step is a
+tensor argument, so a step neither synchronises with the host nor recompiles.
+
+The CUDA kernels (``ops/``) are CUDA C++ rather than Triton: ``sum_of_squares`` covers a list of tensors
+of mixed dtypes in one launch, and the Adam update wants exact control of rounding (each step rounded as
+torch rounds it, no fused multiply-add where torch has none) and 16-byte accesses with an unaligned
+fallback; both ops mutate their inputs at the end of the step, where Inductor has nothing to fuse them
+with. See :mod:`dsfunc.kernels.native` for how they are built.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsfunc.kernels.adam import adam_step_
+from dsfunc.kernels.native import native_ready
+from dsfunc.kernels.sum_of_squares import sum_of_squares
+
+__all__ = ["adam_step_", "fused_adam_available", "sum_of_squares"]
+
+
+def fused_adam_available(device: torch.device | str | int) -> bool:
+    """Whether ``adam_step_``/``sum_of_squares`` on ``device`` run the CUDA kernels of ``ops/``.
+
+    Builds the kernels on the first call for a CUDA device (cached across runs); on failure logs
+    one line saying why. False for every other device, where the reference implementation runs.
+    """
+    return torch.device(device).type == "cuda" and native_ready()
