@@ -12,7 +12,8 @@ from torch import nn
 
 import dsfunc
 from dsfunc.deepspeed import initialize
-from dsfunc.monitor import Monitor, memory_estimate, startup_summary, tokens_in
+from dsfunc.monitor import Monitor, startup_summary, tokens_in
+from dsfunc.zero import memory_estimate
 from tests.models import MLP, config, mlp_batches
 from tests.multiprocess import run_world
 
