@@ -27,7 +27,7 @@ fi
 if [ "$part" = engine ] || [ "$part" = all ]; then  # checkpoints and the engine on NCCL ranks
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_checkpoint_dist.py -k cuda 2>&1 | tail -30 \
         | tee "$out/checkpoint-cuda.txt"
-    timeout 300 bash tests/engine_scripts/gpu_run.sh "$ngpu" 2>&1 | tail -40 | tee "$out/engine-cuda.txt"
+    timeout 300 bash tests/deepspeed/scripts/gpu_run.sh "$ngpu" 2>&1 | tail -40 | tee "$out/engine-cuda.txt"
 fi
 run_zero() {  # model systems
     timeout 150 python3 -m torch.distributed.run --nproc_per_node "$ngpu" bench/bench_zero.py \

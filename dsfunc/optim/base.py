@@ -148,6 +148,7 @@ def chain(*transforms: Transform) -> Transform:
 def named_chain(*named: tuple[str, Transform]) -> Transform:
     """Apply the transforms in order; the state is a dict ``name -> state``.
 
+    >>> from dsfunc.optim import clip_by_global_norm, sgd
     >>> tx = named_chain(("clip", clip_by_global_norm(1.0)), ("sgd", sgd(lr=0.1)))
     >>> sorted(tx.init({"w": torch.zeros(3)}))
     ['clip', 'sgd']

@@ -16,8 +16,8 @@ import torch
 
 from tests.multiprocess import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DS_TRAIN = os.path.join(ROOT, "tests", "engine_scripts", "ds_train.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DS_TRAIN = os.path.join(ROOT, "tests", "deepspeed", "scripts", "ds_train.py")
 CIFAR = os.path.join(ROOT, "examples", "cifar10", "train.py")
 CIFAR_CONFIG = os.path.join(ROOT, "examples", "cifar10", "ds_config.json")
 

@@ -1,12 +1,12 @@
 """Engine vs functional API on CUDA ranks (NCCL): ZeRO stages 0 and 3, fp32 and bf16, gradient accumulation.
 
-    torchrun --nproc_per_node 2 tests/engine_scripts/gpu_check.py     # prints one line per case, rank 0
+    torchrun --nproc_per_node 2 tests/deepspeed/scripts/gpu_check.py     # prints one line per case, rank 0
 """
 
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 import torch
 

@@ -1,23 +1,23 @@
 #!/usr/bin/env bash
 # The engine on CUDA ranks (NCCL), for the GPU machine: engine vs functional API, an exact resume of a
 # DeepSpeed-API script at ZeRO-3 in bf16, and the CIFAR-10 example on stand-in CIFAR pickles.
-#   bash tests/engine_scripts/gpu_run.sh [NGPU]
+#   bash tests/deepspeed/scripts/gpu_run.sh [NGPU]
 set -uo pipefail
 n=${1:-2}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 run() { timeout 200 python3 -m torch.distributed.run --nproc_per_node "$n" "$@" 2>&1 | grep -vE "^W1|OMP_NUM|\*{8}"; }
 tmp=$(mktemp -d)
-echo "== engine vs functional"; run tests/engine_scripts/gpu_check.py || echo "gpu_check FAILED"
+echo "== engine vs functional"; run tests/deepspeed/scripts/gpu_check.py || echo "gpu_check FAILED"
 cat > "$tmp/ds.json" <<JSON
 {"train_batch_size": $((4 * n)), "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": true},
  "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}},
  "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 3}
 JSON
 echo "== resume (ZeRO-3, bf16)"
-run tests/engine_scripts/ds_train.py --deepspeed_config "$tmp/ds.json" --steps 6 --out "$tmp/full" | grep "step="
-run tests/engine_scripts/ds_train.py --deepspeed_config "$tmp/ds.json" --steps 3 --save_at 3 --save_dir "$tmp/ck" --out "$tmp/a" >/dev/null
-run tests/engine_scripts/ds_train.py --deepspeed_config "$tmp/ds.json" --steps 6 --load_dir "$tmp/ck" --out "$tmp/b" >/dev/null
+run tests/deepspeed/scripts/ds_train.py --deepspeed_config "$tmp/ds.json" --steps 6 --out "$tmp/full" | grep "step="
+run tests/deepspeed/scripts/ds_train.py --deepspeed_config "$tmp/ds.json" --steps 3 --save_at 3 --save_dir "$tmp/ck" --out "$tmp/a" >/dev/null
+run tests/deepspeed/scripts/ds_train.py --deepspeed_config "$tmp/ds.json" --steps 6 --load_dir "$tmp/ck" --out "$tmp/b" >/dev/null
 python3 - "$tmp" "$n" <<'PY'
 import sys, torch
 tmp, n = sys.argv[1], int(sys.argv[2])

@@ -1,0 +1,24 @@
+"""Every example in a dsfunc docstring (``>>>``) runs and prints what it says."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import dsfunc
+
+MODULES = sorted(m.name for m in pkgutil.walk_packages(dsfunc.__path__, "dsfunc."))
+WITH_EXAMPLES = [name for name in MODULES if ">>>" in (importlib.import_module(name).__loader__.get_source(name) or "")]
+
+
+def test_the_examples_are_found():
+    assert len(WITH_EXAMPLES) >= 4, WITH_EXAMPLES
+
+
+@pytest.mark.parametrize("name", WITH_EXAMPLES)
+def test_docstring_examples_run(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS, verbose=False)
+    assert result.attempted > 0 and result.failed == 0, f"{name}: {result}"
