@@ -78,14 +78,7 @@ def initialize(
       ``(engine, optimizer, training_dataloader, lr_scheduler)``: the optimizer and scheduler are views
       of the engine's (None when there is none), the loader None without ``training_data``.
     """
-    if model is None:
-        raise InputError("initialize needs the model to train: deepspeed.initialize(model=net, ...)")
-    if not isinstance(model, nn.Module):
-        raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if mpu is not None or mesh_param is not None:
-        raise InputError("model/sequence parallelism (mpu=, mesh_param=) is not supported by dsfunc; pass None")
-    if config is not None and config_params is not None:
-        raise InputError("pass the config as config= only (config_params= is its deprecated name)")
+    _check_arguments(model, mpu, mesh_param, config, config_params)
     source = config_source(args, config if config is not None else config_params)
     if dist_init_required is not False:
         _join_world(distributed_port)
@@ -96,6 +89,49 @@ def initialize(
         check_dataset(training_data)
 
     chosen = _parameter_list(model_parameters) if model_parameters is not None else None
+    cfg, chosen, client_lr, from_client = _with_client_objects(cfg, optimizer, lr_scheduler, chosen, model)
+    if chosen is not None:
+        _freeze_all_but(model, chosen, "the client optimizer" if from_client else "model_parameters")
+
+    base_lr = float(cfg.optimizer.params["lr"]) if cfg.optimizer is not None else None
+    if cfg.optimizer is None:
+        update, schedule = chain(), None  # an engine without optimizer only evaluates
+    else:
+        schedule = client_lr if client_lr is not None else lr_schedule(cfg)
+        update = update_from_config(cfg, schedule=client_lr) if client_lr is not None else None
+    state = init_state(model, cfg, optimizer=update, seed=seed)
+    loader = None
+    if training_data is not None:
+        cuda = state.program.device.type == "cuda"
+        loader = DistributedLoader(
+            training_data, cfg.train_micro_batch_size_per_gpu, rank=comm.rank(), world_size=world,
+            drop_last=cfg.dataloader_drop_last, collate_fn=collate_fn, num_workers=2 if cuda else 0,
+            pin_memory=cuda,
+        )
+    engine = Engine(state, model=model, local_rank=local_rank, schedule=schedule, base_lr=base_lr,
+                    training_dataloader=loader, progress_bar=progress_bar, total_steps=total_steps)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _check_arguments(model: Any, mpu: Any, mesh_param: Any, config: Any, config_params: Any) -> None:
+    if model is None:
+        raise InputError("initialize needs the model to train: deepspeed.initialize(model=net, ...)")
+    if not isinstance(model, nn.Module):
+        raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if mpu is not None or mesh_param is not None:
+        raise InputError("model/sequence parallelism (mpu=, mesh_param=) is not supported by dsfunc; pass None")
+    if config is not None and config_params is not None:
+        raise InputError("pass the config as config= only (config_params= is its deprecated name)")
+
+
+def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, chosen: list[torch.Tensor] | None,
+                         model: nn.Module) -> tuple[Config, list[torch.Tensor] | None, Any, bool]:
+    """The config with a client torch optimizer translated into its ``optimizer`` section (and the
+    parameters it holds), and a client lr scheduler translated into a schedule (its section dropped).
+
+    Returns ``(config, parameters to train or None, client schedule or None, parameters came from the
+    client optimizer)``.
+    """
     client_opt = optimizer
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         if not callable(optimizer):
@@ -118,29 +154,7 @@ def initialize(
         raw.pop("scheduler", None)
         if cfg.scheduler is not None:
             logger.warning("the client lr_scheduler passed to initialize replaces the config's scheduler section")
-    cfg = Config.load(raw, world_size=world)
-    if chosen is not None:
-        _freeze_all_but(model, chosen, "model_parameters" if client_opt is None else "the client optimizer")
-
-    base_lr = float(cfg.optimizer.params["lr"]) if cfg.optimizer is not None else None
-    if cfg.optimizer is None:
-        update, schedule = chain(), None  # an engine without optimizer only evaluates
-    else:
-        schedule = client_lr if client_lr is not None else lr_schedule(cfg)
-        update = update_from_config(cfg, schedule=client_lr) if client_lr is not None else None
-    state = init_state(model, cfg, optimizer=update, seed=seed)
-
-    loader = None
-    if training_data is not None:
-        cuda = state.program.device.type == "cuda"
-        loader = DistributedLoader(
-            training_data, cfg.train_micro_batch_size_per_gpu, rank=comm.rank(), world_size=world,
-            drop_last=cfg.dataloader_drop_last, collate_fn=collate_fn, num_workers=2 if cuda else 0,
-            pin_memory=cuda,
-        )
-    engine = Engine(state, model=model, local_rank=local_rank, schedule=schedule, base_lr=base_lr,
-                    training_dataloader=loader, progress_bar=progress_bar, total_steps=total_steps)
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+    return Config.load(raw, world_size=cfg.world_size), chosen, client_lr, client_opt is not None
 
 
 def _join_world(distributed_port: int) -> None:
