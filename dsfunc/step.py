@@ -21,7 +21,7 @@ from dsfunc.batch import Batch
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.grad import GradContext, GradFn, default_grad_fn
 from dsfunc.optim.base import Transform, current_lr
-from dsfunc.optim.update import ChainUpdate
+from dsfunc.optim.update import ChainUpdate, UpdateContext
 from dsfunc.scaling import MinScaleCheck
 from dsfunc.state import Metrics, TrainState
 from dsfunc.zero.norms import global_norm_and_loss
@@ -114,10 +114,9 @@ def apply_gradients(
 
     update = ChainUpdate(optimizer) if optimizer is not None else program.update
     lowp = program.workspace.lowp_targets() if update.writes_compute_copy else {}
-    params, opt_state = update.apply(
-        params, grads, state.opt_state, loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=lowp,
-        segment_norm=program.segment_norm,
-    )
+    ctx = UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=lowp,
+                        segment_norm=program.segment_norm)
+    params, opt_state = update.apply(params, grads, state.opt_state, ctx)
     program.workspace.refresh(params, written=lowp)
     scaler = program.scaler.update(state.scaler, ~finite)
     lr = current_lr(opt_state)

@@ -42,7 +42,7 @@ from dsfunc.optim.transforms import (
     scale_by_trust_ratio,
     trace,
 )
-from dsfunc.optim.update import ChainUpdate
+from dsfunc.optim.update import ChainUpdate, UpdateContext
 
 __all__ = [
     "ChainUpdate",
@@ -54,6 +54,7 @@ __all__ = [
     "ScheduleState",
     "TraceState",
     "Transform",
+    "UpdateContext",
     "adagrad",
     "adam",
     "adamw",

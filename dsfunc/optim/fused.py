@@ -22,6 +22,7 @@ from dsfunc import kernels
 from dsfunc.config import Config
 from dsfunc.frozen import FrozenDict
 from dsfunc.optim.base import Transform
+from dsfunc.optim.update import UpdateContext
 
 Schedule = Callable[[torch.Tensor], torch.Tensor]
 
@@ -60,19 +61,10 @@ class FusedAdam:
     def init(self, params: Mapping[str, torch.Tensor]) -> Any:
         return self.chain.init(dict(params))
 
-    def apply(
-        self,
-        params: Mapping[str, torch.Tensor],
-        grads: Mapping[str, torch.Tensor],
-        opt_state: Any,
-        *,
-        loss_scale: torch.Tensor,
-        grad_norm: torch.Tensor,
-        finite: torch.Tensor,
-        lowp: Mapping[str, torch.Tensor],
-        segment_norm: Callable[[Any], Any] | None,
-    ) -> tuple[FrozenDict, Any]:
-        """Update ``params``, the moments and ``lowp`` in place; return them with the new counters."""
+    def apply(self, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], opt_state: Any,
+              ctx: UpdateContext) -> tuple[FrozenDict, Any]:
+        """Update ``params``, the moments and ``ctx.lowp`` in place; return them with the new counters."""
+        loss_scale, grad_norm, finite = ctx.loss_scale, ctx.grad_norm, ctx.finite
         chain = opt_state["optimizer"]
         adam, sched = chain["adam"], chain["lr"]
         if self.schedule is None:
@@ -88,7 +80,7 @@ class FusedAdam:
         for name, param in params.items():
             kernels.adam_step_(
                 param, grads[name], adam.mu[name], adam.nu[name],
-                grad_scale=grad_scale, lr=lr, step=step, skip=skip, lowp=lowp.get(name),
+                grad_scale=grad_scale, lr=lr, step=step, skip=skip, lowp=ctx.lowp.get(name),
                 beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay,
                 adam_w_mode=self.adam_w_mode, bias_correction=self.bias_correction,
             )

@@ -1,7 +1,8 @@
 """Applying an update to a state's flat shards: the general path, for any update transform.
 
 An *update* (what :func:`dsfunc.init_state` keeps in the program) has ``init(params)`` and
-``apply(params, grads, opt_state, ...) -> (params, opt_state)``. :class:`ChainUpdate` runs an optax-style
+``apply(params, grads, opt_state, ctx) -> (params, opt_state)``, with the step's facts in an
+:class:`UpdateContext`. :class:`ChainUpdate` runs an optax-style
 transform and commits its result only where the step is finite (no host sync); the fused Adam of
 :mod:`dsfunc.optim.fused` is the other kind, and writes the compute copy as well.
 """
@@ -20,6 +21,17 @@ from dsfunc.optim.base import Transform, apply_updates
 
 
 @dataclasses.dataclass(frozen=True)
+class UpdateContext:
+    """What an update needs to know about the step besides the gradients."""
+
+    loss_scale: torch.Tensor  # the grads are still multiplied by it
+    grad_norm: torch.Tensor  # global, unscaled, before clipping
+    finite: torch.Tensor  # 0-d bool: False skips the update (nothing changes)
+    lowp: Mapping[str, torch.Tensor]  # where the update may write the new 16-bit compute copy
+    segment_norm: Callable[[Any], Any] | None  # per-parameter norms over flat shards (Lamb)
+
+
+@dataclasses.dataclass(frozen=True)
 class ChainUpdate:
     """An update transform over the state's shards, whose grads arrive multiplied by the loss scale."""
 
@@ -29,27 +41,17 @@ class ChainUpdate:
     def init(self, params: Mapping[str, torch.Tensor]) -> Any:
         return self.transform.init(dict(params))
 
-    def apply(
-        self,
-        params: Mapping[str, torch.Tensor],
-        grads: Mapping[str, torch.Tensor],
-        opt_state: Any,
-        *,
-        loss_scale: torch.Tensor,
-        grad_norm: torch.Tensor,
-        finite: torch.Tensor,
-        lowp: Mapping[str, torch.Tensor],
-        segment_norm: Callable[[Any], Any] | None,
-    ) -> tuple[FrozenDict, Any]:
-        """New params and optimizer state, written into the old buffers (unchanged where not ``finite``)."""
+    def apply(self, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], opt_state: Any,
+              ctx: UpdateContext) -> tuple[FrozenDict, Any]:
+        """New params and optimizer state, written into the old buffers (unchanged where not finite)."""
         updates, new_opt_state = self.transform.update(
             grads, opt_state, dict(params),
-            grad_scale=1.0 / loss_scale, global_norm=grad_norm, segment_norm=segment_norm,
+            grad_scale=1.0 / ctx.loss_scale, global_norm=ctx.grad_norm, segment_norm=ctx.segment_norm,
         )
         new_params = apply_updates(dict(params), updates)
 
         def commit(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-            return torch.where(finite, new, old, out=old)
+            return torch.where(ctx.finite, new, old, out=old)
 
         params = FrozenDict({k: commit(params[k], new_params[k]) for k in params})
         return params, optree.tree_map(commit, opt_state, new_opt_state)
