@@ -23,3 +23,7 @@ class InputTypeError(Error, TypeError):
 
 class UsageError(Error, RuntimeError):
     """A call made at the wrong time or in the wrong order (a consumed state, the engine's call order)."""
+
+
+class MissingDependencyError(Error, ImportError):
+    """An optional package a requested feature needs is not installed (the message names it)."""

@@ -12,6 +12,8 @@ from typing import Any
 
 import optree
 
+from dsfunc.errors import InputTypeError
+
 # registrations here are visible to plain optree.tree_map, without a namespace argument
 GLOBAL_NAMESPACE = getattr(optree.registry, "__GLOBAL_NAMESPACE")
 
@@ -22,7 +24,7 @@ class FrozenDict(dict):
     __slots__ = ()
 
     def _refuse(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError(
+        raise InputTypeError(
             "FrozenDict is immutable: build a new dict instead; for a TrainState use "
             "state.replace(...), e.g. state.replace(params={**state.params, key: value})"
         )

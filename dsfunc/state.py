@@ -16,12 +16,13 @@ from typing import Any, TypeVar
 import optree
 import torch
 
+from dsfunc.errors import UsageError
 from dsfunc.frozen import GLOBAL_NAMESPACE, FrozenDict
 
 T = TypeVar("T")
 
 
-class DonatedStateError(RuntimeError):
+class DonatedStateError(UsageError):
     """A state that ``train_step`` consumed (donated) was used again."""
 
 

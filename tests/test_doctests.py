@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import doctest
 import importlib
-import pkgutil
+import inspect
 
 import pytest
 
-import dsfunc
+from tests.modules import dsfunc_modules
 
-MODULES = sorted(m.name for m in pkgutil.walk_packages(dsfunc.__path__, "dsfunc."))
-WITH_EXAMPLES = [name for name in MODULES if ">>>" in (importlib.import_module(name).__loader__.get_source(name) or "")]
+WITH_EXAMPLES = [m.__name__ for m in dsfunc_modules() if ">>>" in inspect.getsource(m)]
 
 
 def test_the_examples_are_found():

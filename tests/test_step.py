@@ -244,3 +244,19 @@ def test_overflow_at_the_minimum_loss_scale_is_a_clear_error_unless_told_to_keep
     assert int(keep.metrics.skipped) == 1 and keep.scaler.scale.item() == 1.0
     keep = dsfunc.train_step(keep, (x, y))
     assert int(keep.metrics.skipped) == 0
+
+
+def test_every_dsfunc_error_class_derives_from_dsfunc_error():
+    import inspect
+
+    from tests.modules import dsfunc_modules
+
+    errors = {
+        obj
+        for module in dsfunc_modules()
+        for _, obj in inspect.getmembers(module, inspect.isclass)
+        if issubclass(obj, Exception) and obj.__module__.startswith("dsfunc")
+    }
+    assert {dsfunc.ConfigError, dsfunc.CheckpointError, dsfunc.DonatedStateError, dsfunc.LossScaleError} <= errors
+    assert [e.__qualname__ for e in errors if not issubclass(e, dsfunc.Error)] == []
+    assert issubclass(dsfunc.DonatedStateError, RuntimeError) and issubclass(dsfunc.ConfigError, ValueError)

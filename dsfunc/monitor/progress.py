@@ -48,7 +48,7 @@ from typing import Any
 import optree
 import torch
 
-from dsfunc.errors import InputError
+from dsfunc.errors import InputError, MissingDependencyError
 from dsfunc.monitor.writers import CsvMonitor, TensorBoardMonitor
 from dsfunc.zero.memory import memory_estimate
 
@@ -148,7 +148,7 @@ class Monitor:
             try:
                 from tqdm.auto import tqdm
             except ImportError:
-                raise ImportError("progress_bar=True needs tqdm: `pip install tqdm`") from None
+                raise MissingDependencyError("progress_bar=True needs tqdm: `pip install tqdm`") from None
             self.bar = tqdm(total=total_steps, initial=int(state.step), unit="step", dynamic_ncols=True)
         self._skipped = torch.tensor(skipped_steps, dtype=torch.int64, device=self.device)
         self._pending: list[tuple[int, int, tuple[torch.Tensor, ...], dict[str, float]]] = []

@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import os
 
+from dsfunc.errors import MissingDependencyError
+
 
 class CsvMonitor:
     """DeepSpeed's CSV monitor: ``<dir>/<event with / replaced by _>.csv`` with rows ``step,value``."""
@@ -37,7 +39,7 @@ class TensorBoardMonitor:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ImportError(
+            raise MissingDependencyError(
                 'the config enables "tensorboard", but the tensorboard package is not installed: '
                 "`pip install tensorboard` (or dsfunc[tensorboard]), or set tensorboard.enabled to false"
             ) from None

@@ -16,6 +16,7 @@ import optree
 import torch
 from torch import Tensor
 
+from dsfunc.errors import InputError
 from dsfunc.schedules import Schedule
 
 Params = Any
@@ -91,13 +92,13 @@ def _value_at(value: ScalarOrSchedule, count: Tensor) -> Tensor | float:
 
 def _need_params(params: Params | None, who: str) -> Params:
     if params is None:
-        raise ValueError(f"{who} needs the parameters: call update(updates, state, params)")
+        raise InputError(f"{who} needs the parameters: call update(updates, state, params)")
     return params
 
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise InputError(message)
 
 
 def _check_betas(betas: Sequence[ScalarOrSchedule], who: str) -> tuple[ScalarOrSchedule, float]:
@@ -134,7 +135,7 @@ def chain(*transforms: Transform) -> Transform:
 
     def update(updates: Updates, state: tuple, params: Params | None = None, **extra: Any) -> tuple[Updates, tuple]:
         if len(state) != len(transforms):
-            raise ValueError(f"chain of {len(transforms)} transforms got a state of {len(state)} entries; "
+            raise InputError(f"chain of {len(transforms)} transforms got a state of {len(state)} entries; "
                              f"was the state made by this chain's init?")
         new_state = []
         for t, s in zip(transforms, state):
@@ -166,7 +167,7 @@ def named_chain(*named: tuple[str, Transform]) -> Transform:
     def update(updates: Updates, state: dict, params: Params | None = None,
                **extra: Any) -> tuple[Updates, dict]:
         if list(state) != names:
-            raise ValueError(f"named_chain {names} got a state with keys {list(state)}; "
+            raise InputError(f"named_chain {names} got a state with keys {list(state)}; "
                              f"was the state made by this chain's init?")
         new_state = {}
         for n, t in named:

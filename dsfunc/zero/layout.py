@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
+from dsfunc.errors import InputError
+
 ROOT = "root"
 
 
@@ -65,7 +67,7 @@ class ShardingPlan:
         for u in self.units:
             if u.name == name:
                 return u
-        raise KeyError(f"no unit named {name!r}; units are {[u.name for u in self.units]}")
+        raise InputError(f"no unit named {name!r}; units are {[u.name for u in self.units]}")
 
     def shard_size(self, unit: Unit) -> int:
         return -(-unit.numel // self.ways)
@@ -142,7 +144,7 @@ def make_plan(
             offset += math.prod(shape)
         units.append(Unit(name=uname, module=None if uname == ROOT else uname, params=tuple(slots)))
     if not units:
-        raise ValueError("the model has no trainable parameters (every parameter has requires_grad=False)")
+        raise InputError("the model has no trainable parameters (every parameter has requires_grad=False)")
     return ShardingPlan(tuple(units), stage, world_size, rank, tuple(frozen))
 
 
