@@ -7,6 +7,7 @@ import shlex
 import pytest
 
 from dsfunc.cli import build_parser, parse_launcher_args
+from dsfunc.dist.env import rank_env_from_launcher
 from dsfunc.launcher.commands import (
     Launch,
     LauncherError,
@@ -19,7 +20,6 @@ from dsfunc.launcher.commands import (
 from dsfunc.launcher.environment import EnvFileError, env_file_paths, exported_env, parse_env_file
 from dsfunc.launcher.node import decode_world_info, encode_world_info
 from dsfunc.launcher.resources import ResourceError, local_pool, parse_hostfile, select
-from dsfunc.launcher.shim import rank_env_from_launcher
 
 HOSTFILE = """\
 # the cluster
