@@ -8,6 +8,7 @@ import pytest
 
 from dsfunc.cli import build_parser, parse_launcher_args
 from dsfunc.dist.env import rank_env_from_launcher
+from dsfunc.errors import Error
 from dsfunc.launcher.commands import (
     Launch,
     LauncherError,
@@ -325,3 +326,8 @@ def test_cli_defaults_and_help():
         "--no_python",
     ):
         assert flag in text
+
+
+@pytest.mark.parametrize("error", [LauncherError, ResourceError, EnvFileError])
+def test_launcher_errors_are_dsfunc_errors_and_value_errors(error):
+    assert issubclass(error, Error) and issubclass(error, ValueError)

@@ -10,11 +10,12 @@ import os
 import shlex
 import sys
 
+from dsfunc.errors import Error
 from dsfunc.launcher.node import encode_world_info
 from dsfunc.launcher.resources import Resources
 
 
-class LauncherError(ValueError):
+class LauncherError(Error, ValueError):
     """The requested launch cannot be carried out as asked (message says why and what to do)."""
 
 

@@ -6,13 +6,15 @@ import os
 import re
 from collections.abc import Mapping
 
+from dsfunc.errors import Error
+
 #: Variables whose name starts with one of these are forwarded to every node (DeepSpeed's list plus NCCL).
 EXPORT_PREFIXES = ("NCCL", "PYTHON", "UCX", "MLFLOW", "MV2")
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-class EnvFileError(ValueError):
+class EnvFileError(Error, ValueError):
     """A line of an environment file is not ``KEY=VALUE``."""
 
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import re
 
+from dsfunc.errors import Error
+
 Resources = dict[str, list[int]]
 
 _ENTRY = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\d+)(?P<rest>(\s+\S+=\S+)*)$")
 
 
-class ResourceError(ValueError):
+class ResourceError(Error, ValueError):
     """The hostfile, or a host/slot selection, is invalid."""
 
 
