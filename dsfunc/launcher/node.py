@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 
-from dsfunc.launcher.resources import Resources
+from dsfunc.launcher.resources import Resources, gpu_count
 from dsfunc.launcher.shim import RANK_ARGS_VARIABLE
 
 _TAIL_LINES = 15
@@ -85,12 +85,6 @@ def _stdin_closed() -> bool:
     return True
 
 
-def _has_gpus() -> bool:
-    import torch
-
-    return torch.cuda.device_count() > 0
-
-
 class _StoreKeeper:
     """Keeps the rendezvous store of a multi-node job alive until every node's agent has left it.
 
@@ -150,7 +144,7 @@ def run_node(
 
     hosts = list(world)
     slots = world[hosts[node_rank]]
-    if _has_gpus():
+    if gpu_count() > 0:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
     # DeepSpeed's launcher also tells each rank its node's index, the node count and the node's rank count.
     os.environ.update(CROSS_RANK=str(node_rank), CROSS_SIZE=str(len(hosts)), LOCAL_SIZE=str(len(slots)))

@@ -20,6 +20,13 @@ class ResourceError(Error, ValueError):
     """The hostfile, or a host/slot selection, is invalid."""
 
 
+def gpu_count() -> int:
+    """GPUs this machine has (0 without CUDA): its slots when there is no hostfile."""
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def parse_hostfile(text: str, path: str = "<hostfile>") -> Resources:
     """Parse MPI-style hostfile text: ``host slots=N`` lines (more ``key=value`` options allowed and ignored),
     ``#`` comments and blank lines. Host order is kept. Errors name the file and line."""
