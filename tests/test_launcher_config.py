@@ -6,7 +6,6 @@ import shlex
 
 import pytest
 
-from dsfunc.cli import build_parser, parse_launcher_args
 from dsfunc.dist.env import rank_env_from_launcher
 from dsfunc.errors import Error
 from dsfunc.launcher.commands import (
@@ -19,6 +18,7 @@ from dsfunc.launcher.commands import (
     ssh_commands,
 )
 from dsfunc.launcher.environment import EnvFileError, env_file_paths, exported_env, parse_env_file
+from dsfunc.launcher.flags import build_parser, parse_launcher_args
 from dsfunc.launcher.node import decode_world_info, encode_world_info
 from dsfunc.launcher.resources import ResourceError, local_pool, parse_hostfile, select
 
