@@ -20,8 +20,8 @@ class EnvFileError(Error, ValueError):
 
 def parse_env_file(text: str, path: str) -> dict[str, str]:
     """Parse ``KEY=VALUE`` lines (blank lines and ``#`` comment lines allowed; a value may be wrapped in one
-    pair
-    of matching quotes, which are removed). A bad line raises :class:`EnvFileError` naming file and line."""
+    pair of matching quotes, which are removed). A bad line raises :class:`EnvFileError` naming file and
+    line."""
     values: dict[str, str] = {}
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
