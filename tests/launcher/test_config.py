@@ -6,7 +6,6 @@ import shlex
 
 import pytest
 
-from dsfunc.dist.env import rank_env_from_launcher
 from dsfunc.errors import Error
 from dsfunc.launcher.commands import (
     Launch,
@@ -261,40 +260,6 @@ def test_pdsh_command():
     cmd, env = pdsh_command(_launch({"w0": [0], "w1": [0]}))
     assert cmd[:6] == ["pdsh", "-S", "-f", "1024", "-w", "w0,w1"] and env == {"PDSH_RCMD_TYPE": "ssh"}
     assert "--node_host=%h" in cmd[6] and "--stop_on_parent_exit" in cmd[6]
-
-
-@pytest.mark.parametrize(
-    "env, expected",
-    [
-        ({"RANK": "3"}, {}),
-        (
-            {
-                "OMPI_COMM_WORLD_RANK": "3",
-                "OMPI_COMM_WORLD_SIZE": "4",
-                "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-                "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-            },
-            {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
-        ),
-        (
-            {
-                "SLURM_PROCID": "5",
-                "SLURM_NTASKS": "7",
-                "SLURM_LOCALID": "0",
-                "SLURM_NODEID": "3",
-                "SLURM_TASKS_PER_NODE": "2(x3),1",
-            },
-            {"RANK": "5", "WORLD_SIZE": "7", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"},
-        ),
-    ],
-)
-def test_shim_rank_variables(env, expected):
-    assert rank_env_from_launcher(env) == expected
-
-
-def test_shim_refuses_unknown_launcher():
-    with pytest.raises(RuntimeError, match="start it through the dsfunc launcher"):
-        rank_env_from_launcher({})
 
 
 def test_cli_defaults_and_help():
