@@ -53,11 +53,11 @@ def mpi_discovery(distributed_port: int = 29500) -> dict[str, str]:
     kept."""
     from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    names = comm.allgather(MPI.Get_processor_name())
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    names = world.allgather(MPI.Get_processor_name())
     same_host = all(n == names[0] for n in names)
-    master_addr = comm.bcast(None if rank != 0 else ("127.0.0.1" if same_host else _first_address()), root=0)
+    master_addr = world.bcast(None if rank != 0 else ("127.0.0.1" if same_host else _first_address()), root=0)
     env = {
         "RANK": str(rank),
         "WORLD_SIZE": str(size),
@@ -66,7 +66,7 @@ def mpi_discovery(distributed_port: int = 29500) -> dict[str, str]:
         "MASTER_ADDR": os.environ.get("MASTER_ADDR", master_addr),
         "MASTER_PORT": os.environ.get("MASTER_PORT", str(distributed_port)),
     }
-    comm.Barrier()
+    world.Barrier()
     return env
 
 
