@@ -25,7 +25,7 @@ logger = logging.getLogger("dsfunc")
 
 REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
-# dsfunc/engine.py reads this name; once it calls dsfunc.dist.launched_by_mpi() instead, drop the alias.
+# dsfunc/deepspeed/initialize.py reads this name; once it calls dsfunc.dist.launched_by_mpi(), drop it.
 _MPI_MARKERS = MPI_MARKERS
 
 _HOW_TO_LAUNCH = (
