@@ -68,20 +68,3 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, *, async_op: bool
     work = _all_gather_flat(output, shard, async_op=async_op)
     return work if async_op else Done()
 
-
-def all_gather_object(obj: object) -> list[object]:
-    """Every rank's ``obj`` (pickled), in rank order."""
-    if world_size() == 1:
-        return [obj]
-    out: list[object] = [None] * world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
-def broadcast_object(obj: object, src: int = 0) -> object:
-    """``obj`` from rank ``src`` on every rank."""
-    if world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]

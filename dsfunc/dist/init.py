@@ -2,7 +2,7 @@
 
 The rank variables come from the environment (set by the dsfunc launcher or torchrun); when they are missing
 and the process was started by an MPI launcher, they are discovered through mpi4py (or read from Open MPI's
-``OMPI_COMM_WORLD_*`` variables when mpi4py is not installed).
+``OMPI_COMM_WORLD_*`` variables by :mod:`dsfunc.dist.env` when mpi4py is not installed).
 """
 
 from __future__ import annotations
@@ -17,12 +17,16 @@ import subprocess
 import torch
 import torch.distributed as dist
 
+from dsfunc.dist import comm
+from dsfunc.dist.env import MPI_MARKERS, launched_by_mpi, ompi_rank_env, rank_variable
+from dsfunc.errors import InputError, UsageError
+
 logger = logging.getLogger("dsfunc")
 
 REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
-# Variables that MPI launchers (Open MPI, MPICH/Intel MPI/PMIx, MVAPICH) set in each rank.
-_MPI_MARKERS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+# dsfunc/deepspeed/initialize.py reads this name; once it calls dsfunc.dist.launched_by_mpi(), drop it.
+_MPI_MARKERS = MPI_MARKERS
 
 _HOW_TO_LAUNCH = (
     "Start the script with the dsfunc launcher (`dsfunc --num_gpus N script.py`), torchrun, or mpirun "
@@ -49,11 +53,11 @@ def mpi_discovery(distributed_port: int = 29500) -> dict[str, str]:
     kept."""
     from mpi4py import MPI
 
-    comm = MPI.COMM_WORLD
-    rank, size = comm.Get_rank(), comm.Get_size()
-    names = comm.allgather(MPI.Get_processor_name())
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    names = world.allgather(MPI.Get_processor_name())
     same_host = all(n == names[0] for n in names)
-    master_addr = comm.bcast(None if rank != 0 else ("127.0.0.1" if same_host else _first_address()), root=0)
+    master_addr = world.bcast(None if rank != 0 else ("127.0.0.1" if same_host else _first_address()), root=0)
     env = {
         "RANK": str(rank),
         "WORLD_SIZE": str(size),
@@ -62,19 +66,13 @@ def mpi_discovery(distributed_port: int = 29500) -> dict[str, str]:
         "MASTER_ADDR": os.environ.get("MASTER_ADDR", master_addr),
         "MASTER_PORT": os.environ.get("MASTER_PORT", str(distributed_port)),
     }
-    comm.Barrier()
+    world.Barrier()
     return env
 
 
 def _ompi_env(distributed_port: int) -> dict[str, str]:
     """Rank variables from Open MPI's ``OMPI_COMM_WORLD_*`` (used when mpi4py is not installed)."""
-    env = {
-        "RANK": os.environ["OMPI_COMM_WORLD_RANK"],
-        "WORLD_SIZE": os.environ["OMPI_COMM_WORLD_SIZE"],
-        "LOCAL_RANK": os.environ["OMPI_COMM_WORLD_LOCAL_RANK"],
-        "LOCAL_WORLD_SIZE": os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"],
-        "MASTER_PORT": os.environ.get("MASTER_PORT", str(distributed_port)),
-    }
+    env = {**ompi_rank_env(os.environ), "MASTER_PORT": os.environ.get("MASTER_PORT", str(distributed_port))}
     if "MASTER_ADDR" in os.environ:
         env["MASTER_ADDR"] = os.environ["MASTER_ADDR"]
     elif env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"]:
@@ -84,13 +82,13 @@ def _ompi_env(distributed_port: int) -> dict[str, str]:
 
 def _discover(distributed_port: int, verbose: bool) -> None:
     """Fill in missing rank variables from the MPI launcher that started this process, if any."""
-    if not any(k in os.environ for k in _MPI_MARKERS):
+    if not launched_by_mpi():
         return
     try:
         import mpi4py  # noqa: F401
     except ImportError:
         if "OMPI_COMM_WORLD_RANK" not in os.environ:
-            raise RuntimeError(
+            raise UsageError(
                 "init_distributed: started by an MPI launcher, but mpi4py is not installed and the rank "
                 "variables are missing; `pip install mpi4py` (or dsfunc[mpi])"
             ) from None
@@ -139,7 +137,7 @@ def init_distributed(
 
         dsfunc.init_distributed()          # in a script started by `dsfunc`, torchrun or mpirun
     """
-    if dist.is_initialized():
+    if comm.is_distributed():
         return
     explicit = init_method not in (None, "env://")
     missing = [k for k in REQUIRED_ENV if k not in os.environ]
@@ -149,7 +147,7 @@ def init_distributed(
     if explicit:
         missing = [n for n, v in (("rank", rank), ("world_size", world_size)) if v < 0]
         if missing:
-            raise ValueError(
+            raise InputError(
                 f"init_distributed(init_method={init_method!r}) also needs rank= and world_size="
             )
     else:
@@ -157,7 +155,7 @@ def init_distributed(
             k for k in missing if not (k == "RANK" and rank >= 0 or k == "WORLD_SIZE" and world_size >= 0)
         ]
         if missing:
-            raise RuntimeError(
+            raise UsageError(
                 f"init_distributed: {', '.join(missing)} not set in the environment. {_HOW_TO_LAUNCH}."
             )
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -173,31 +171,30 @@ def init_distributed(
     dist.init_process_group(backend, init_method=init_method or "env://", **kwargs)
     atexit.register(_destroy_at_exit)
     if verbose:
-        logger.info(
-            "init_distributed: rank %d of %d, backend %s", dist.get_rank(), dist.get_world_size(), backend
-        )
+        logger.info("init_distributed: rank %d of %d, backend %s", comm.rank(), comm.world_size(), backend)
 
 
 def _destroy_at_exit() -> None:
     """Tear down the group we created, so a script that simply ends does not abort in gloo/NCCL teardown."""
-    if dist.is_available() and dist.is_initialized():
+    if comm.is_distributed():
         dist.destroy_process_group()
 
 
+# The rank helpers also answer before the group exists (a script sizing its data loader before joining):
+# the process group's answer (dsfunc.dist.comm) once joined, until then the launcher's variables
+# (dsfunc.dist.env: torch's names, else Open MPI's), and a lone process's answer when neither is set.
+
+
 def get_rank() -> int:
-    """This process's global rank: from the process group if initialised, else ``RANK`` (0 if unset)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+    """This process's global rank: the process group's if joined, else ``RANK`` (0 if unset)."""
+    return comm.rank() if comm.is_distributed() else rank_variable("RANK", 0)
 
 
 def get_world_size() -> int:
-    """Number of processes: from the process group if initialised, else ``WORLD_SIZE`` (1 if unset)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
+    """Number of processes: the process group's if joined, else ``WORLD_SIZE`` (1 if unset)."""
+    return comm.world_size() if comm.is_distributed() else rank_variable("WORLD_SIZE", 1)
 
 
 def get_local_rank() -> int:
-    """This process's rank on its node: ``LOCAL_RANK`` (or Open MPI's local rank), 0 if neither is set."""
-    return int(os.environ.get("LOCAL_RANK", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0")))
+    """This process's rank on its node: ``LOCAL_RANK`` (a process group does not know it), 0 if unset."""
+    return rank_variable("LOCAL_RANK", 0)

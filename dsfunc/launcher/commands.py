@@ -10,11 +10,12 @@ import os
 import shlex
 import sys
 
+from dsfunc.errors import Error
 from dsfunc.launcher.node import encode_world_info
 from dsfunc.launcher.resources import Resources
 
 
-class LauncherError(ValueError):
+class LauncherError(Error, ValueError):
     """The requested launch cannot be carried out as asked (message says why and what to do)."""
 
 
@@ -117,8 +118,7 @@ def rank_env(launch: Launch) -> dict[str, str]:
 
 def openmpi_command(launch: Launch, hostfile: str) -> list[str]:
     """``mpirun`` starting every rank directly (no per-node agent; ranks come from MPI). ``hostfile`` must
-    list
-    the active hosts with their slot counts (:func:`mpi_hostfile_text`)."""
+    list the active hosts with their slot counts (:func:`mpi_hostfile_text`)."""
     _uniform_prefix_slots(launch, "openmpi")
     exports = [a for k, v in rank_env(launch).items() for a in ("-x", f"{k}={v}")]
     return [

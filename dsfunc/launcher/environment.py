@@ -6,20 +6,22 @@ import os
 import re
 from collections.abc import Mapping
 
+from dsfunc.errors import Error
+
 #: Variables whose name starts with one of these are forwarded to every node (DeepSpeed's list plus NCCL).
 EXPORT_PREFIXES = ("NCCL", "PYTHON", "UCX", "MLFLOW", "MV2")
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
-class EnvFileError(ValueError):
+class EnvFileError(Error, ValueError):
     """A line of an environment file is not ``KEY=VALUE``."""
 
 
 def parse_env_file(text: str, path: str) -> dict[str, str]:
     """Parse ``KEY=VALUE`` lines (blank lines and ``#`` comment lines allowed; a value may be wrapped in one
-    pair
-    of matching quotes, which are removed). A bad line raises :class:`EnvFileError` naming file and line."""
+    pair of matching quotes, which are removed). A bad line raises :class:`EnvFileError` naming file and
+    line."""
     values: dict[str, str] = {}
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()

@@ -1,8 +1,8 @@
 """Per-node agent: runs this node's ranks under PyTorch's elastic agent (``torch.distributed.run``).
 
 ``python -m dsfunc.launcher.node --world_info=B64 (--node_rank=N | --node_host=H) --master_addr=A
---master_port=P
-[--max_restarts=K] [--stop_on_stdin_eof] [--stop_on_parent_exit] -- [shim flags] TARGET [ARGS ...]``
+--master_port=P [--max_restarts=K] [--stop_on_stdin_eof] [--stop_on_parent_exit] -- [shim flags] TARGET
+[ARGS ...]``
 
 The multi-node runners start one of these per node (over ssh or pdsh); a single-node launch calls
 :func:`run_node` in-process. Each rank runs :mod:`dsfunc.launcher.shim`, which adds ``--local_rank``.
@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 
-from dsfunc.launcher.resources import Resources
+from dsfunc.launcher.resources import Resources, gpu_count
 from dsfunc.launcher.shim import RANK_ARGS_VARIABLE
 
 _TAIL_LINES = 15
@@ -37,12 +37,11 @@ def decode_world_info(text: str) -> Resources:
 
 
 def _error_time(failure) -> float:
+    """When the rank wrote its error file; the earliest error is the cause, the others its consequences."""
     try:
         return os.stat(failure.error_file).st_mtime_ns / 1e9
     except OSError:
-        return float(
-            "inf"
-        )  # no error file: killed or exited without a Python exception, likely a consequence
+        return float("inf")  # no error file: killed or exited without a Python exception, likely a consequence
 
 
 def failure_report(failures: dict, host: str) -> str:
@@ -83,12 +82,6 @@ def _stdin_closed() -> bool:
     while os.read(0, 4096):
         pass
     return True
-
-
-def _has_gpus() -> bool:
-    import torch
-
-    return torch.cuda.device_count() > 0
 
 
 class _StoreKeeper:
@@ -150,7 +143,7 @@ def run_node(
 
     hosts = list(world)
     slots = world[hosts[node_rank]]
-    if _has_gpus():
+    if gpu_count() > 0:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
     # DeepSpeed's launcher also tells each rank its node's index, the node count and the node's rank count.
     os.environ.update(CROSS_RANK=str(node_rank), CROSS_SIZE=str(len(hosts)), LOCAL_SIZE=str(len(slots)))

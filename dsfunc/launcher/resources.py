@@ -9,13 +9,22 @@ from __future__ import annotations
 import os
 import re
 
+from dsfunc.errors import Error
+
 Resources = dict[str, list[int]]
 
 _ENTRY = re.compile(r"^(?P<host>\S+)\s+slots=(?P<slots>\d+)(?P<rest>(\s+\S+=\S+)*)$")
 
 
-class ResourceError(ValueError):
+class ResourceError(Error, ValueError):
     """The hostfile, or a host/slot selection, is invalid."""
+
+
+def gpu_count() -> int:
+    """GPUs this machine has (0 without CUDA): its slots when there is no hostfile."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def parse_hostfile(text: str, path: str = "<hostfile>") -> Resources:

@@ -3,59 +3,22 @@
 ``python -m dsfunc.launcher.shim [--no_local_rank] [--module | --no_python] TARGET [ARGS ...]``
 
 Under PyTorch's elastic agent the rank variables are already set. Under ``mpirun`` or ``srun`` they are
-derived from ``OMPI_COMM_WORLD_*`` or ``SLURM_*``, so every rank sees RANK, LOCAL_RANK, WORLD_SIZE and
-LOCAL_WORLD_SIZE
-whatever launched it. With ``DSFUNC_RANK_LOG_DIR`` set, the rank's stdout and stderr go to
-``<dir>/<DSFUNC_LAUNCH_STAMP>_rank<RANK>.log`` (DeepSpeed's ``--enable_each_rank_log`` layout).
+derived from ``OMPI_COMM_WORLD_*`` or ``SLURM_*`` (:mod:`dsfunc.dist.env`), so every rank sees RANK,
+LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE whatever launched it. With ``DSFUNC_RANK_LOG_DIR`` set, the
+rank's stdout and stderr go to ``<dir>/<DSFUNC_LAUNCH_STAMP>_rank<RANK>.log`` (DeepSpeed's
+``--enable_each_rank_log`` layout).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import runpy
 import sys
 import time
 import traceback
 
-
-def _slurm_local_size(tasks_per_node: str, node_id: int) -> int:
-    """Tasks on node ``node_id`` from ``SLURM_TASKS_PER_NODE`` syntax such as ``2(x3),1``."""
-    counts: list[int] = []
-    for item in tasks_per_node.split(","):
-        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item.strip())
-        if m is None:
-            raise RuntimeError(f"cannot parse SLURM_TASKS_PER_NODE={tasks_per_node!r}")
-        counts += [int(m[1])] * int(m[2] or 1)
-    return counts[node_id]
-
-
-def rank_env_from_launcher(env: dict[str, str]) -> dict[str, str]:
-    """RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE from MPI's or slurm's variables ({} if RANK is set)."""
-    if "RANK" in env:
-        return {}
-    if "OMPI_COMM_WORLD_RANK" in env:
-        return {
-            "RANK": env["OMPI_COMM_WORLD_RANK"],
-            "WORLD_SIZE": env["OMPI_COMM_WORLD_SIZE"],
-            "LOCAL_RANK": env["OMPI_COMM_WORLD_LOCAL_RANK"],
-            "LOCAL_WORLD_SIZE": env["OMPI_COMM_WORLD_LOCAL_SIZE"],
-        }
-    if "SLURM_PROCID" in env:
-        local_size = env.get("SLURM_NTASKS_PER_NODE") or str(
-            _slurm_local_size(env["SLURM_TASKS_PER_NODE"], int(env.get("SLURM_NODEID", "0")))
-        )
-        return {
-            "RANK": env["SLURM_PROCID"],
-            "WORLD_SIZE": env["SLURM_NTASKS"],
-            "LOCAL_RANK": env["SLURM_LOCALID"],
-            "LOCAL_WORLD_SIZE": local_size,
-        }
-    raise RuntimeError(
-        "dsfunc.launcher.shim: RANK is not set and neither mpirun (OMPI_COMM_WORLD_RANK) nor srun "
-        "(SLURM_PROCID) started this process; start it through the dsfunc launcher"
-    )
+from dsfunc.dist.env import rank_env_from_launcher
 
 
 def _redirect_output(log_dir: str, stamp: str, rank: str) -> None:

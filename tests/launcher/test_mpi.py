@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_scripts.harness import (
+from tests.launcher.scripts.harness import (
     SCRIPTS,
     cli_env,
-    dsfunc_cmd,
     free_port,
     interrupt_and_wait,
     reports,
     run_dsfunc,
+    start_dsfunc,
     wait_for_files,
     wait_gone,
 )
@@ -130,14 +130,7 @@ def test_openmpi_failure_and_sigint(job):
     assert "RuntimeError: boom from rank 1" in res.stderr
     assert not wait_gone(str(SCRIPTS / "fail.py"))
 
-    proc = subprocess.Popen(
-        dsfunc_cmd(*base, str(SCRIPTS / "sleeper.py"), str(out)),
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_dsfunc([*base, str(SCRIPTS / "sleeper.py"), str(out)], cwd, env)
     wait_for_files([out / "ready0", out / "ready1"], proc)
     code, err = interrupt_and_wait(proc)
     assert code == 130, err

@@ -6,7 +6,7 @@ import shlex
 
 import pytest
 
-from dsfunc.cli import build_parser, parse_launcher_args
+from dsfunc.errors import Error
 from dsfunc.launcher.commands import (
     Launch,
     LauncherError,
@@ -17,9 +17,9 @@ from dsfunc.launcher.commands import (
     ssh_commands,
 )
 from dsfunc.launcher.environment import EnvFileError, env_file_paths, exported_env, parse_env_file
+from dsfunc.launcher.flags import build_parser, parse_launcher_args
 from dsfunc.launcher.node import decode_world_info, encode_world_info
 from dsfunc.launcher.resources import ResourceError, local_pool, parse_hostfile, select
-from dsfunc.launcher.shim import rank_env_from_launcher
 
 HOSTFILE = """\
 # the cluster
@@ -262,40 +262,6 @@ def test_pdsh_command():
     assert "--node_host=%h" in cmd[6] and "--stop_on_parent_exit" in cmd[6]
 
 
-@pytest.mark.parametrize(
-    "env, expected",
-    [
-        ({"RANK": "3"}, {}),
-        (
-            {
-                "OMPI_COMM_WORLD_RANK": "3",
-                "OMPI_COMM_WORLD_SIZE": "4",
-                "OMPI_COMM_WORLD_LOCAL_RANK": "1",
-                "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
-            },
-            {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"},
-        ),
-        (
-            {
-                "SLURM_PROCID": "5",
-                "SLURM_NTASKS": "7",
-                "SLURM_LOCALID": "0",
-                "SLURM_NODEID": "3",
-                "SLURM_TASKS_PER_NODE": "2(x3),1",
-            },
-            {"RANK": "5", "WORLD_SIZE": "7", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"},
-        ),
-    ],
-)
-def test_shim_rank_variables(env, expected):
-    assert rank_env_from_launcher(env) == expected
-
-
-def test_shim_refuses_unknown_launcher():
-    with pytest.raises(RuntimeError, match="start it through the dsfunc launcher"):
-        rank_env_from_launcher({})
-
-
 def test_cli_defaults_and_help():
     args = parse_launcher_args(["--launcher", "OpenMPI", "train.py", "--epochs", "3", "--num_gpus", "9"])
     assert (args.hostfile, args.hostfile_given, args.launcher) == ("/job/hostfile", False, "openmpi")
@@ -325,3 +291,8 @@ def test_cli_defaults_and_help():
         "--no_python",
     ):
         assert flag in text
+
+
+@pytest.mark.parametrize("error", [LauncherError, ResourceError, EnvFileError])
+def test_launcher_errors_are_dsfunc_errors_and_value_errors(error):
+    assert issubclass(error, Error) and issubclass(error, ValueError)

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SCRIPTS = Path(__file__).resolve().parent
 
 
@@ -44,6 +44,13 @@ def run_dsfunc(
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
         dsfunc_cmd(*args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def start_dsfunc(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:
+    """The CLI started in the background (for the tests that signal or wait on it), output captured as text."""
+    return subprocess.Popen(
+        dsfunc_cmd(*args), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
 
 

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.launch_scripts.harness import (
+from tests.launcher.scripts.harness import (
     SCRIPTS,
     cli_env,
-    dsfunc_cmd,
     free_port,
     interrupt_and_wait,
     processes_with,
     reports,
     run_dsfunc,
+    start_dsfunc,
     wait_for_files,
     wait_gone,
 )
@@ -71,7 +70,7 @@ def test_module_and_no_local_rank(job):
         str(free_port()),
         "--no_local_rank",
         "--module",
-        "tests.launch_scripts.report",
+        "tests.launcher.scripts.report",
         str(out),
     ]
     res = run_dsfunc(args, cwd, env)
@@ -153,22 +152,8 @@ def test_max_restarts_reruns_the_ranks(job):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_every_rank(job, sig):
     cwd, out, env = job
-    proc = subprocess.Popen(
-        dsfunc_cmd(
-            "--num_gpus",
-            "2",
-            "--master_port",
-            str(free_port()),
-            "--save_pid",
-            str(SCRIPTS / "sleeper.py"),
-            str(out),
-        ),
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    args = ["--num_gpus", "2", "--master_port", str(free_port()), "--save_pid", str(SCRIPTS / "sleeper.py")]
+    proc = start_dsfunc([*args, str(out)], cwd, env)
     wait_for_files([out / "ready0", out / "ready1"], proc)
     rank_pids = [int((out / f"ready{r}").read_text()) for r in range(2)]
     assert Path(f"/tmp/{proc.pid}.dsfunc").read_text() == str(proc.pid)
@@ -225,14 +210,7 @@ def test_no_ssh_nodes_started_by_hand_form_one_world(job):
         str(free_port()),
     ]
     procs = [
-        subprocess.Popen(
-            dsfunc_cmd(*base, "--node_rank", str(k), REPORT, str(out)),
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        start_dsfunc([*base, "--node_rank", str(k), REPORT, str(out)], cwd, env)
         for k in (0, 1)
     ]
     results = [p.communicate(timeout=120) for p in procs]

@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.launch_scripts.harness import (
+from tests.launcher.scripts.harness import (
     SCRIPTS,
     Sshd,
     cli_env,
-    dsfunc_cmd,
     free_port,
     interrupt_and_wait,
     reports,
     run_dsfunc,
     sshd_missing_reason,
+    start_dsfunc,
     wait_for_files,
     wait_gone,
 )
@@ -122,14 +121,7 @@ def test_rank_failure_on_one_node_stops_all_nodes(job):
 
 def test_sigint_stops_every_node_without_orphans(job):
     cwd, out, env, base = job
-    proc = subprocess.Popen(
-        dsfunc_cmd(*base, str(SCRIPTS / "sleeper.py"), str(out)),
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = start_dsfunc([*base, str(SCRIPTS / "sleeper.py"), str(out)], cwd, env)
     wait_for_files([out / f"ready{r}" for r in range(4)], proc)
     code, err = interrupt_and_wait(proc)
     assert code == 130, err

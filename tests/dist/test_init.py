@@ -1,4 +1,4 @@
-"""init_distributed and the rank helpers (MPI discovery runs under real mpirun in test_launcher_mpi)."""
+"""init_distributed and the rank helpers (MPI discovery runs under real mpirun in tests/launcher/test_mpi.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch.distributed as dist
 
 from dsfunc.dist import get_local_rank, get_rank, get_world_size, init_distributed
-from tests.launch_scripts.harness import REPO, cli_env, free_port
+from dsfunc.errors import InputError, UsageError
+from tests.launcher.scripts.harness import REPO, cli_env, free_port
 from tests.multiprocess import run_world
 
 RANK_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -71,6 +72,13 @@ def test_init_method_needs_rank_and_world_size(bare_env):
         ValueError, match=r"init_method='tcp://127.0.0.1:1'\) also needs rank= and world_size="
     ):
         init_distributed(init_method="tcp://127.0.0.1:1", rank=0)
+
+
+def test_init_errors_are_dsfunc_errors(bare_env):
+    with pytest.raises(InputError):
+        init_distributed(init_method="tcp://127.0.0.1:1", rank=0)
+    with pytest.raises(UsageError):
+        init_distributed()
 
 
 def _check_group(rank, world_size):

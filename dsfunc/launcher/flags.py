@@ -1,0 +1,134 @@
+"""The ``dsfunc`` launcher's flags: DeepSpeed's ``deepspeed`` command-line names and defaults."""
+
+from __future__ import annotations
+
+import argparse
+
+DEFAULT_HOSTFILE = "/job/hostfile"
+
+_DESCRIPTION = """\
+Launch a (multi-node) training job the way the `deepspeed` command does:
+  dsfunc [launcher flags] script.py [script args]     every rank runs `python -u script.py --local_rank=N ...`
+  dsfunc [launcher flags] --module pkg.mod [args]     python -m pkg.mod
+  dsfunc [launcher flags] --no_python prog [args]     a program that is not Python
+  dsfunc export ...                                    export a checkpoint (see `dsfunc export --help`)
+
+Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and
+CUDA_VISIBLE_DEVICES set to its node's selected GPUs). Without a hostfile the job runs on this machine: on its
+GPUs, or, without GPUs, as --num_gpus N CPU processes (gloo). Each node runs PyTorch's elastic agent
+(torch.distributed.run); one rank failing stops every rank and `dsfunc` exits with its code.
+Variables named NCCL*, PYTHON*, UCX*, MLFLOW*, MV2* and the KEY=VALUE lines of .deepspeed_env and .dsfunc_env
+(from the home and working directories) reach every rank."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The launcher's argument parser (DeepSpeed's flag names and defaults)."""
+    p = argparse.ArgumentParser(
+        prog="dsfunc", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    _add_resource_flags(p)
+    _add_runner_flags(p)
+    _add_program_flags(p)
+    return p
+
+
+def _add_resource_flags(p: argparse.ArgumentParser) -> None:
+    """Where the ranks run: the hostfile and the filters on its hosts and slots."""
+    p.add_argument(
+        "-H",
+        "--hostfile",
+        default=None,
+        help=f"MPI-style hostfile, lines 'HOST slots=N' (default {DEFAULT_HOSTFILE}; when that "
+        "does not exist, this machine only)",
+    )
+    p.add_argument(
+        "-i",
+        "--include",
+        default="",
+        help="hosts/slots to use: NAME[:SLOT[,SLOT...]][@NAME...], e.g. 'worker-2:0,1@worker-3' "
+        "or 'localhost:1'",
+    )
+    p.add_argument("-e", "--exclude", default="", help="hosts/slots to leave out (same grammar as --include)")
+    p.add_argument("--num_nodes", type=int, default=-1, help="use the first N hosts of the hostfile")
+    p.add_argument(
+        "--num_gpus",
+        "--num_accelerators",
+        type=int,
+        default=-1,
+        help="use slots [0, N) of each node; without GPUs, run N CPU processes (gloo)",
+    )
+
+
+def _add_runner_flags(p: argparse.ArgumentParser) -> None:
+    """How the nodes are reached and meet: rendezvous address, runner, ssh."""
+    p.add_argument(
+        "--master_addr",
+        default="",
+        help="rendezvous address (default: 127.0.0.1 on one node, else the first node's "
+        "`hostname -I` address)",
+    )
+    p.add_argument("--master_port", type=int, default=29500, help="rendezvous port (default 29500)")
+    p.add_argument(
+        "--launcher",
+        type=str.lower,
+        default=None,
+        choices=["ssh", "pdsh", "openmpi", "slurm"],
+        help="multi-node runner (default: ssh when the job spans several nodes or --force_multi). "
+        "ssh/pdsh start PyTorch's elastic agent on each node; openmpi/slurm start every rank "
+        "through mpirun/srun (ranks read by dsfunc.init_distributed)",
+    )
+    p.add_argument(
+        "--launcher_args",
+        default="",
+        help="extra arguments for ssh/pdsh/mpirun/srun, one quoted string; write "
+        "--launcher_args='--opt' when it starts with a dash (e.g. '--launcher_args=-F cfg')",
+    )
+    p.add_argument("--ssh_port", type=int, default=None, help="ssh port of the nodes")
+    p.add_argument(
+        "--no_ssh_check", action="store_true", help="do not check that every node answers ssh first"
+    )
+    p.add_argument(
+        "--no_ssh",
+        action="store_true",
+        help="run only this node's ranks (start `dsfunc --no_ssh --node_rank=K` on every node)",
+    )
+    p.add_argument(
+        "--node_rank", type=int, default=-1, help="this node's index in the hostfile (with --no_ssh)"
+    )
+    p.add_argument("--force_multi", action="store_true", help="use the multi-node runner even for one node")
+
+
+def _add_program_flags(p: argparse.ArgumentParser) -> None:
+    """What every rank runs and how: the target, its arguments, logs, restarts."""
+    p.add_argument("--module", action="store_true", help="run the target as a module (python -m)")
+    p.add_argument("--no_python", action="store_true", help="run the target directly, not through python")
+    p.add_argument("--no_local_rank", action="store_true", help="do not pass --local_rank=N to the script")
+    p.add_argument(
+        "--save_pid",
+        action="store_true",
+        help="write this launcher's pid to /tmp/<pid>.dsfunc while the job runs",
+    )
+    p.add_argument(
+        "--enable_each_rank_log",
+        default="None",
+        metavar="DIR",
+        help="write each rank's stdout/stderr to DIR/<YYYYmmddHHMMSS>_rank<N>.log",
+    )
+    p.add_argument(
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="restart the ranks up to N times after a failure (PyTorch elastic; single node)",
+    )
+    p.add_argument("user_script", help="the script (or module/program) every rank runs")
+    p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments")
+
+
+def parse_launcher_args(argv: list[str]) -> argparse.Namespace:
+    """Parse launcher flags; ``hostfile_given`` records whether --hostfile was passed explicitly."""
+    args = build_parser().parse_args(argv)
+    args.hostfile_given = args.hostfile is not None
+    args.hostfile = args.hostfile or DEFAULT_HOSTFILE
+    if args.max_restarts < 0:
+        raise SystemExit("dsfunc: --max_restarts must be >= 0")
+    return args

@@ -1,0 +1,142 @@
+"""Watching a job's runner processes: one failing, or SIGINT/SIGTERM, stops them all, within a grace period.
+
+A runner process is one per node (ssh), or one for the whole job (mpirun, srun, pdsh). Each kind is asked
+to stop its own way (:func:`close_stdin`, :func:`terminate`, pdsh's double SIGINT), and killed if it has
+not stopped after :data:`STOP_GRACE_S`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+#: How long a node may take to stop its ranks after being asked (the elastic agent waits 30 s before SIGKILL).
+STOP_GRACE_S = 40.0
+
+
+def say(message: str) -> None:
+    """One line of launcher news on stderr, prefixed ``dsfunc:`` like the ranks' failure reports."""
+    print(f"dsfunc: {message}", file=sys.stderr, flush=True)
+
+
+class _Signals:
+    """Turns SIGINT/SIGTERM into a flag the supervision loop polls (restored on exit)."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _Signals:  # noqa: PYI034 - a private class, never subclassed
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.received = signum
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _wait_all(procs: list[subprocess.Popen], deadline: float) -> None:
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def supervise_nodes(
+    procs: list[subprocess.Popen],
+    labels: list[str],
+    ask_stop: Callable[[subprocess.Popen], None],
+    node_failure: Callable[[], tuple[str, int] | None] = lambda: None,
+) -> int:
+    """Wait for the runner processes (one per node, or one mpirun/srun/pdsh); when one fails,
+    ``node_failure()`` reports a failed node (label, code), or a signal arrives, ``ask_stop(proc)`` the
+    others and wait for them to finish (killing them after :data:`STOP_GRACE_S`). Returns the job's exit
+    code."""
+    with _Signals() as signals:
+        code = 0
+        while True:
+            failed = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+            remote = node_failure()
+            if remote is not None and not failed:
+                code = remote[1]
+                say(f"{remote[0]} exited with code {code}; stopping every node")
+                break
+            if failed:
+                i, code = failed[0]
+                others = "; stopping the other nodes" if any(p.poll() is None for p in procs) else ""
+                say(f"{labels[i]} exited with code {code}{others}")
+                break
+            if signals.received is not None:
+                code = 128 + signals.received
+                say(f"got {signal.Signals(signals.received).name}; stopping every rank")
+                break
+            if all(p.poll() == 0 for p in procs):
+                return 0
+            time.sleep(0.1)
+        running = [p for p in procs if p.poll() is None]
+        for p in running:
+            ask_stop(p)
+        _wait_all(running, time.monotonic() + STOP_GRACE_S)
+        return code
+
+
+def close_stdin(proc: subprocess.Popen) -> None:
+    """Ask an ssh node to stop: its agent stops its ranks when ssh's stdin closes."""
+    if proc.stdin is not None and not proc.stdin.closed:
+        proc.stdin.close()
+
+
+def terminate(proc: subprocess.Popen) -> None:
+    """Ask mpirun or srun (started in its own session) to stop its ranks."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+
+
+def _interrupt_pdsh(proc: subprocess.Popen) -> None:
+    """Two SIGINTs within a second make pdsh SIGTERM its ssh sessions; each node's agent then sees its
+    parent (the remote sshd session) exit and stops its ranks."""
+    for _ in range(2):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.2)
+
+
+_PDSH_NODE_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
+
+
+def _relay_pdsh_errors(stream, failures: list[tuple[str, int]]) -> None:
+    """Copy pdsh's stderr to ours, noting each node whose command failed (pdsh waits for all nodes)."""
+    for line in stream:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        match = _PDSH_NODE_EXIT.match(line)
+        if match and int(match[2]) != 0:
+            failures.append((f"node {match[1]}", int(match[2])))
+
+
+def supervise_pdsh(proc: subprocess.Popen) -> int:
+    """:func:`supervise_nodes` for a pdsh started with ``stderr=PIPE``: pdsh only exits once every node is
+    done, so a node's failure is read from pdsh's stderr (relayed to ours) to stop the others early."""
+    failures: list[tuple[str, int]] = []
+    relay = threading.Thread(target=_relay_pdsh_errors, args=(proc.stderr, failures), daemon=True)
+    relay.start()
+    code = supervise_nodes([proc], ["pdsh"], _interrupt_pdsh, lambda: failures[0] if failures else None)
+    relay.join(timeout=5)
+    return code
