@@ -23,8 +23,7 @@ from dsfunc.deepspeed.arguments import config_source
 from dsfunc.deepspeed.engine import Engine
 from dsfunc.deepspeed.translate import client_schedule, optimizer_section
 from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer
-from dsfunc.dist import comm
-from dsfunc.dist import init as distributed
+from dsfunc.dist import comm, init_distributed, launched_by_mpi
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.init import init_state
 from dsfunc.optim.base import chain
@@ -162,8 +161,8 @@ def _join_world(distributed_port: int) -> None:
     started alone needs none (world size 1)."""
     if dist.is_initialized():
         return
-    if "WORLD_SIZE" in os.environ or any(k in os.environ for k in distributed._MPI_MARKERS):
-        distributed.init_distributed(distributed_port=distributed_port)
+    if "WORLD_SIZE" in os.environ or launched_by_mpi():
+        init_distributed(distributed_port=distributed_port)
 
 
 def _local_rank(args: Any) -> int:

@@ -25,9 +25,6 @@ logger = logging.getLogger("dsfunc")
 
 REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
 
-# dsfunc/deepspeed/initialize.py reads this name; once it calls dsfunc.dist.launched_by_mpi(), drop it.
-_MPI_MARKERS = MPI_MARKERS
-
 _HOW_TO_LAUNCH = (
     "Start the script with the dsfunc launcher (`dsfunc --num_gpus N script.py`), torchrun, or mpirun "
     "(MPI discovery needs mpi4py), or pass init_method=, rank= and world_size="
