@@ -169,7 +169,7 @@ def sshd_missing_reason() -> str | None:
     """Why the ssh tests cannot run here (None when they can)."""
     sbin = ["/usr/sbin", "/usr/local/sbin"]
     if not (shutil.which("sshd") or any(os.path.exists(f"{d}/sshd") for d in sbin)):
-        return "sshd is not installed (apt-get install openssh-server; .ci/setup_launcher.sh does it)"
+        return "sshd is not installed (apt-get install openssh-server; .ci/setup_test_tools.sh does it)"
     for tool in ("ssh", "ssh-keygen"):
         if not shutil.which(tool):
             return f"{tool} is not installed (apt-get install openssh-client)"
