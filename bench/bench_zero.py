@@ -24,11 +24,6 @@ from dsfunc.models.gpt import GPT, GPTConfig, init_weights
 PEAK_FLOPS = 790e12  # bf16 matmul rate measured on these H200s (BENCH.md)
 
 
-def flops_per_token(cfg: GPTConfig, model: GPT) -> float:
-    n = sum(p.numel() for p in model.parameters()) - model.wte.weight.numel() - model.wpe.weight.numel()
-    return 6 * n + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
-
-
 def batches(cfg: GPTConfig, micro: int, count: int, device: torch.device):
     g = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())
     for _ in range(count):
@@ -136,7 +131,7 @@ def main() -> None:
             elapsed, losses, model, note = run_fsdp2(cfg, micro, args.warmup, args.steps, device)
             name = "PyTorch FSDP2"
         tokens = micro * cfg.seq_len * args.steps * world / elapsed
-        mfu = tokens / world * flops_per_token(cfg, model) / PEAK_FLOPS
+        mfu = tokens / world * model.flops_per_token() / PEAK_FLOPS
         peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         if leftover > 0.01:

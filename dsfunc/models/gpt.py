@@ -79,6 +79,13 @@ class GPT(nn.Module):
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
 
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, BENCH.md's count (nanoGPT's and PaLM's): ``6 N + 12 L d T``, where N is
+        every parameter but the position embedding, the tied token embedding once (it is also the output
+        projection, whose matmul is real work)."""
+        n = sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
+        return 6 * n + 12 * self.cfg.n_layer * self.cfg.d_model * self.cfg.seq_len
+
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - self.wpe.weight.numel() - self.wte.weight.numel() if non_embedding else n
