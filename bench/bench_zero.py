@@ -1,6 +1,11 @@
-"""The BENCH.md workload: dsfunc ZeRO stages against PyTorch FSDP2, in the same process group.
+"""The BENCH.md workload: dsfunc ZeRO stages against PyTorch FSDP2 and DeepSpeed, in one process group.
 
-    torchrun --nproc_per_node 2 bench/bench_zero.py --model 1.3b --systems dsfunc:2,dsfunc:3,fsdp2
+    torchrun --nproc_per_node 2 bench/bench_zero.py --model 1.3b --systems dsfunc:2,dsfunc:3,fsdp2,fsdp2c,deepspeed:3
+
+Systems: ``dsfunc:S`` (ZeRO stage S), ``fsdp2`` (per-block ``fully_shard``), ``fsdp2c`` (the same with each
+block ``torch.compile``d first, torchtitan's order), ``deepspeed:S`` (DeepSpeed's engine at ZeRO stage S
+with its FusedAdam, built on first use; on the CPU its torch Adam). ``--device cpu --model tiny`` is a
+gloo smoke run of this script (tests/test_bench.py).
 
 GPT-2 style model built on ``meta`` and initialised N(0, 0.02) on each rank's GPU, bf16 compute with fp32
 master weights, AdamW lr 3e-4, gradient clipping 1.0, random tokens, micro-batch 8 per GPU (4 for 6.7b),
@@ -58,19 +63,22 @@ def run_dsfunc(cfg: GPTConfig, stage: int, micro: int, warmup: int, steps: int, 
     return elapsed, losses, model, extra
 
 
-def run_fsdp2(cfg: GPTConfig, micro: int, warmup: int, steps: int, device: torch.device):
+def run_fsdp2(cfg: GPTConfig, micro: int, warmup: int, steps: int, device: torch.device, *,
+              compile_blocks: bool = False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     with torch.device("meta"):
         model = GPT(cfg)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
+        if compile_blocks:
+            block.compile()
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     model.to_empty(device=device)
     torch.manual_seed(0)
     model.apply(init_weights)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
     losses = []
     start = None
     for i, (x, y) in enumerate(batches(cfg, micro, warmup + steps, device)):
@@ -87,6 +95,54 @@ def run_fsdp2(cfg: GPTConfig, micro: int, warmup: int, steps: int, device: torch
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     return elapsed, losses, model, ""
+
+
+def run_fsdp2_compiled(cfg: GPTConfig, micro: int, warmup: int, steps: int, device: torch.device):
+    """FSDP2 with each block compiled before it is sharded (torchtitan's order)."""
+    return run_fsdp2(cfg, micro, warmup, steps, device, compile_blocks=True)
+
+
+def run_deepspeed(cfg: GPTConfig, stage: int, micro: int, warmup: int, steps: int, device: torch.device):
+    """DeepSpeed's engine on the same model and data (the reference BENCH.md's DeepSpeed rows came from)."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device)
+    model.apply(init_weights)
+    adam = {"lr": 3e-4, "weight_decay": 0.1, **({"torch_adam": True} if device.type == "cpu" else {})}
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": adam},
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": stage},
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    losses = []
+    start = None
+    for i, (x, y) in enumerate(batches(cfg, micro, warmup + steps, device)):
+        if i == warmup:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        if i in (0, warmup + steps - 1):
+            losses.append(loss.item())
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    engine.destroy()
+    return elapsed, losses, model, ""
+
+
+SYSTEMS = {
+    "dsfunc": ("dsfunc ZeRO-{}", run_dsfunc),
+    "fsdp2": ("PyTorch FSDP2", run_fsdp2),
+    "fsdp2c": ("PyTorch FSDP2 + compiled blocks", run_fsdp2_compiled),
+    "deepspeed": ("DeepSpeed ZeRO-{}", run_deepspeed),
+}
 
 
 def main() -> None:
@@ -123,13 +179,11 @@ def main() -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         leftover = torch.cuda.memory_allocated() / 2**30
-        if system.startswith("dsfunc:"):
-            stage = int(system.split(":")[1])
-            elapsed, losses, model, note = run_dsfunc(cfg, stage, micro, args.warmup, args.steps, device)
-            name = f"dsfunc ZeRO-{stage}"
-        else:
-            elapsed, losses, model, note = run_fsdp2(cfg, micro, args.warmup, args.steps, device)
-            name = "PyTorch FSDP2"
+        kind, _, stage = system.partition(":")
+        label, run = SYSTEMS[kind]
+        stages = (int(stage),) if stage else ()
+        elapsed, losses, model, note = run(cfg, *stages, micro, args.warmup, args.steps, device)
+        name = label.format(stage)
         tokens = micro * cfg.seq_len * args.steps * world / elapsed
         mfu = tokens / world * model.flops_per_token() / PEAK_FLOPS
         peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device=device)

@@ -18,14 +18,14 @@ python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$out/gpus
 ngpu=$(nvidia-smi -L | wc -l)
 
 if [ "$part" = tests ] || [ "$part" = all ]; then
-    for t in tests/test_kernels_cuda.py tests/test_zero_cuda.py "tests/test_optim.py tests/test_scaling.py" \
+    for t in tests/kernels/test_kernels_cuda.py tests/zero/test_zero_cuda.py "tests/optim tests/test_scaling.py" \
              tests/test_step.py; do  # one process each: CUDA settings a test changes stay with it
         timeout 150 python3 -m pytest -q -p no:cacheprovider $t 2>&1 | tail -40
     done | tee "$out/tests.txt"
     timeout 60 python3 bench/bench_step_overhead.py --device cuda --steps 100 2>&1 | tee "$out/overhead.txt"
 fi
 if [ "$part" = engine ] || [ "$part" = all ]; then  # checkpoints and the engine on NCCL ranks
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_checkpoint_dist.py -k cuda 2>&1 | tail -30 \
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/checkpoint/test_distributed.py -k cuda 2>&1 | tail -30 \
         | tee "$out/checkpoint-cuda.txt"
     timeout 300 bash tests/deepspeed/scripts/gpu_run.sh "$ngpu" 2>&1 | tail -40 | tee "$out/engine-cuda.txt"
 fi

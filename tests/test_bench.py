@@ -1,0 +1,30 @@
+"""The benchmark script runs every system it compares (a CPU smoke run: 2 gloo ranks, a tiny GPT)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.multiprocess import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SYSTEMS = ["dsfunc:2", "dsfunc:3", "fsdp2", "fsdp2c", "deepspeed:2", "deepspeed:3"]
+
+
+def test_bench_zero_runs_every_system_on_gloo_ranks():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), str(ROOT / "bench" / "bench_zero.py"), "--device", "cpu",
+           "--model", "tiny", "--systems", ",".join(SYSTEMS), "--warmup", "1", "--steps", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
+    assert [r[2].strip() for r in rows] == ["dsfunc ZeRO-2", "dsfunc ZeRO-3", "PyTorch FSDP2",
+                                           "PyTorch FSDP2 + compiled blocks", "DeepSpeed ZeRO-2",
+                                           "DeepSpeed ZeRO-3"], proc.stdout
+    for row in rows:
+        first, last = (float(x) for x in row[6].split("->"))
+        assert math.isfinite(first) and math.isfinite(last) and float(row[3].replace(",", "")) > 0
