@@ -79,6 +79,7 @@ class ShardIndex:
     frozen: dict[str, torch.Size]
     buffers: dict[str, tuple[torch.Size, torch.dtype]]
     aliases: dict[str, tuple[str, ...]]  # name -> every name of the tensor (tied weights), itself first
+    names: tuple[str, ...]  # every name of the module's state dict, in its order
     pieces: dict[str, tuple[Piece, ...]]
     trust_pickle: bool
 
@@ -168,7 +169,7 @@ def build_index(files: DeepSpeedFiles, main: Mapping[str, Any], *, frozen_hint: 
         pieces.update(_chunked(files.model_states, [(n, s, ("frozen", n), 0) for n, s in frozen.items()]))
     for name in [*buffers, *([] if kind == "zero3" else frozen)]:
         pieces[name] = (Piece(files.main, ("module", name), 0, module[name].numel(), 0),)
-    index = ShardIndex(kind, trainable, frozen, buffers, {n: aliases.get(n, (n,)) for n in aliases},
+    index = ShardIndex(kind, trainable, frozen, buffers, aliases, tuple(module),
                        {n: tuple(p) for n, p in pieces.items()}, trust_pickle)
     _check_coverage(files.folder, index)
     return index
