@@ -105,7 +105,7 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
       load_module_only: load the parameters and buffers only; the step count, dropout seed, metrics,
         optimizer state and schedule stay the template's.
       verify: check every file against the sha256 recorded at save (spread over the ranks); sizes are
-        always checked.
+        always checked. DeepSpeed records no checksums: its files are only checked to fit together.
       trust_pickle: also unpickle objects other than tensors, dicts, lists, numbers and strings in a
         DeepSpeed checkpoint (e.g. the user's own classes in its client state), which can run code; only
         for checkpoints you trust.
