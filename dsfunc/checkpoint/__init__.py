@@ -1,8 +1,9 @@
 """Checkpoints of a :class:`~dsfunc.TrainState`: atomic, resharding saves and loads, and fp32 export.
 
 Every rank calls :func:`save_checkpoint` and :func:`load_checkpoint` with the same tag (a rank that does
-not is named in a :class:`CheckpointTimeoutError`, never a hang); :func:`export_fp32` (``dsfunc export``)
-runs offline. One module per concept:
+not is named in a :class:`CheckpointTimeoutError`, never a hang); :func:`export_fp32` and :func:`export_hf`
+(``dsfunc export``) run offline. DeepSpeed's checkpoints load and export the same way.
+One module per concept:
 
 * :mod:`.api`: the calls themselves, orchestrating the rest;
 * :mod:`.layout`: what a checkpoint folder and ``save_dir`` hold, file by file;
@@ -16,6 +17,8 @@ runs offline. One module per concept:
 * :mod:`.coordination`: how the ranks meet, agree and fail together;
 * :mod:`.dcp_io`: the calls into ``torch.distributed.checkpoint``;
 * :mod:`.export`: the consolidated fp32 ``state_dict`` file and its command line;
+* :mod:`.hf`: the Hugging Face model directory (``dsfunc export --hf-config``);
+* :mod:`.deepspeed`: DeepSpeed's own checkpoints, loaded into any world size and stage, and exported;
 * :mod:`.errors`: what a failed save or load raises.
 """
 
@@ -26,8 +29,10 @@ from dsfunc.checkpoint.errors import (
     CheckpointMismatchError,
     CheckpointNotFoundError,
     CheckpointTimeoutError,
+    CheckpointUnsupportedError,
 )
 from dsfunc.checkpoint.export import export_fp32
+from dsfunc.checkpoint.hf import export_hf
 from dsfunc.checkpoint.layout import META_FILE
 from dsfunc.checkpoint.tags import available_tags, find_checkpoint
 
@@ -38,8 +43,10 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
     "CheckpointTimeoutError",
+    "CheckpointUnsupportedError",
     "available_tags",
     "export_fp32",
+    "export_hf",
     "find_checkpoint",
     "load_checkpoint",
     "save_checkpoint",

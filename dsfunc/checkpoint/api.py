@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dsfunc.checkpoint.compat import Selection, check_compatible, wanted
 from dsfunc.checkpoint.coordination import arrive, collective
 from dsfunc.checkpoint.dcp_io import failure_text, read_tensors
+from dsfunc.checkpoint.deepspeed.load import deepspeed_folder, load_deepspeed
 from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.keys import load_dict, save_dict
 from dsfunc.checkpoint.layout import CLIENT_FILE
@@ -81,16 +82,20 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
 
 def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = None, *,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool | None = None,
-                    load_module_only: bool = False, verify: bool = True,
+                    load_module_only: bool = False, verify: bool = True, trust_pickle: bool = False,
                     timeout: float = DEFAULT_TIMEOUT) -> tuple[TrainState, Any]:
     """Load a checkpoint into the template ``state``; every rank must call it.
 
     The template is a fresh :func:`dsfunc.init_state` of the same model at any world size, ZeRO stage
     or precision; it is donated (its tensors are filled in place and belong to the returned state).
 
+    A DeepSpeed checkpoint (the ``save_dir`` of DeepSpeed's ``engine.save_checkpoint``, ZeRO stages 0-3, at
+    any world size) loads the same way: its fp32 master weights, Adam moments and step count, lr scheduler
+    position, fp16 loss scaler and client state (:mod:`dsfunc.checkpoint.deepspeed`).
+
     Args:
-      load_dir: the ``save_dir`` of :func:`save_checkpoint` (or a checkpoint folder itself, such as
-        :func:`find_checkpoint` returns).
+      load_dir: the ``save_dir`` of :func:`save_checkpoint` or of DeepSpeed (or a checkpoint folder itself,
+        such as :func:`find_checkpoint` returns).
       state: the template state.
       tag: which checkpoint (default: the one ``load_dir/latest`` names).
       load_optimizer_states: ``False`` keeps the template's fresh optimizer state and loss scaler (as
@@ -100,7 +105,10 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
       load_module_only: load the parameters and buffers only; the step count, dropout seed, metrics,
         optimizer state and schedule stay the template's.
       verify: check every file against the sha256 recorded at save (spread over the ranks); sizes are
-        always checked.
+        always checked. DeepSpeed records no checksums: its files are only checked to fit together.
+      trust_pickle: also unpickle objects other than tensors, dicts, lists, numbers and strings in a
+        DeepSpeed checkpoint (e.g. the user's own classes in its client state), which can run code; only
+        for checkpoints you trust.
       timeout: seconds to wait for every rank to arrive before raising :class:`CheckpointTimeoutError`.
 
     Returns:
@@ -115,6 +123,8 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
         optimizer=load_optimizer_states, module_only=load_module_only,
         schedule=load_optimizer_states if load_lr_scheduler_states is None else load_lr_scheduler_states,
     )
+    if (deepspeed := deepspeed_folder(load_dir, tag)) is not None:
+        return load_deepspeed(deepspeed, state, selection, trust_pickle=trust_pickle)
     folder, meta, client = collective(lambda: _open(Path(load_dir), tag, state, selection, verify))
     targets, copy_back = load_dict(state, wanted(meta, state, selection))
     try:

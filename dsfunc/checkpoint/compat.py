@@ -40,7 +40,7 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
     saved.update({f"{n} (buffer)": tuple(b["shape"]) for n, b in meta["buffers"].items()})
     mine = {s.name: s.shape for u in plan.units for s in u.params}
     mine.update({f"{n} (buffer)": tuple(t.shape) for n, t in state.buffers.items()})
-    lines = _differences(saved, mine, "the model")
+    lines = differences(saved, mine, "the model")
     if lines:
         raise CheckpointMismatchError(
             f"the checkpoint {folder} does not match this model:\n" + "\n".join(lines)
@@ -62,7 +62,7 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
                  for k, v in meta["tensors"].items() if k.startswith("optim/")}
     mine_opt = {e.key[6:]: describe(e.unit, e.tensor.shape)
                 for e in entries(state) if e.key.startswith("optim/")}
-    lines = _differences(saved_opt, mine_opt, "this state's optimizer")
+    lines = differences(saved_opt, mine_opt, "this state's optimizer")
     if lines and selection.optimizer and not selection.module_only:
         cfg = state.program.config
         mine_type = cfg.optimizer.type if cfg.optimizer is not None else "a custom transform"
@@ -80,7 +80,8 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
         )
 
 
-def _differences(saved: Mapping[str, Any], mine: Mapping[str, Any], what: str, limit: int = 20) -> list[str]:
+def differences(saved: Mapping[str, Any], mine: Mapping[str, Any], what: str, limit: int = 20) -> list[str]:
+    """Lines naming what only the checkpoint has, what only ``what`` has, and what differs (by key)."""
     def listed(names: list[str]) -> str:
         more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
         return ", ".join(names[:limit]) + more

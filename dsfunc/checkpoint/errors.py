@@ -25,6 +25,11 @@ class CheckpointTimeoutError(CheckpointError):
     """Not every rank called save/load within the timeout."""
 
 
+class CheckpointUnsupportedError(CheckpointError):
+    """A checkpoint in a layout dsfunc does not import (DeepSpeed's model/pipeline parallel, MoE, NVMe offload)."""
+
+
 # by name, so that every rank can raise the class one rank raised (only the name travels between ranks)
 BY_NAME = {cls.__name__: cls for cls in (CheckpointError, CheckpointNotFoundError, CheckpointCorruptError,
-                                         CheckpointMismatchError, CheckpointTimeoutError)}
+                                         CheckpointMismatchError, CheckpointTimeoutError,
+                                         CheckpointUnsupportedError)}

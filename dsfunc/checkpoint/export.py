@@ -1,7 +1,9 @@
 """``dsfunc export CKPT_DIR OUT``: a checkpoint's weights as one consolidated fp32 ``state_dict`` file.
 
-Both formats are one file that plain PyTorch reads, written while no more than one unit's tensors are
-in memory:
+``CKPT_DIR`` is a dsfunc or a DeepSpeed checkpoint (:mod:`dsfunc.checkpoint.deepspeed.weights`); with
+``--hf-config DIR`` the output is a Hugging Face model directory instead (:mod:`dsfunc.checkpoint.hf`).
+Both formats are one file that plain PyTorch reads, written while no more than one unit's tensors (for a
+DeepSpeed checkpoint: one batch of tensors) are in memory:
 
 * ``safetensors`` (``safetensors.torch.load_file(out)``): the header (every name, dtype, shape and
   offset) is known from the checkpoint's metadata, so it is written first and the tensor bytes are
@@ -31,6 +33,8 @@ from typing import Any
 import torch
 
 from dsfunc.checkpoint.dcp_io import read_tensors
+from dsfunc.checkpoint.deepspeed.layout import is_deepspeed_folder
+from dsfunc.checkpoint.deepspeed.weights import deepspeed_weights
 from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.metadata import read_meta, verify_files
 from dsfunc.checkpoint.publish import atomic_file
@@ -49,7 +53,7 @@ _ST_DTYPES = {
 
 
 def export_fp32(ckpt_dir: PathLike, out: PathLike, tag: str | None = None, *,
-                format: str | None = None, verify: bool = True) -> str:
+                format: str | None = None, verify: bool = True, trust_pickle: bool = False) -> str:
     """Write a checkpoint's weights as one consolidated fp32 ``state_dict`` file, offline.
 
     No process group is needed. The file holds every name ``model.state_dict()`` has (tied parameters
@@ -58,12 +62,14 @@ def export_fp32(ckpt_dir: PathLike, out: PathLike, tag: str | None = None, *,
     tensors are in memory at once.
 
     Args:
-      ckpt_dir: a ``save_dir`` (with ``tag`` or ``latest``) or a checkpoint folder.
+      ckpt_dir: a ``save_dir`` of dsfunc or DeepSpeed (with ``tag`` or ``latest``) or a checkpoint folder.
       out: the output file; written to a temporary name and renamed when complete.
       tag: which checkpoint (default: ``latest``).
       format: ``"safetensors"`` (``safetensors.torch.load_file(out)``) or ``"pt"``
         (``torch.load(out)``); default from ``out``'s suffix (``.safetensors``; ``.pt``/``.pth``/``.bin``).
-      verify: check the files against their recorded checksums first.
+      verify: check the files against their recorded checksums first (DeepSpeed records none).
+      trust_pickle: a DeepSpeed checkpoint whose client state holds objects other than plain data can only
+        be read by full unpickling, which may run code: allow it (see :func:`dsfunc.load_checkpoint`).
 
     Returns:
       ``out`` as a string.
@@ -71,17 +77,35 @@ def export_fp32(ckpt_dir: PathLike, out: PathLike, tag: str | None = None, *,
     fmt = format or format_from_suffix(out)
     if fmt not in FORMATS:
         raise InputError(f"format must be one of {FORMATS}, got {fmt!r}")
+    aliases = fmt == "safetensors"  # safetensors stores tied names separately; torch.save shares them
+    layout, order, keys, tensors = weights(ckpt_dir, tag, with_aliases=aliases, verify=verify,
+                                           trust_pickle=trust_pickle)
+    if fmt == "safetensors":
+        write_safetensors(out, layout, tensors, order=order)
+    else:
+        write_torch(out, layout, tensors, keys=keys)
+    return str(out)
+
+
+def weights(ckpt_dir: PathLike, tag: str | None = None, *, with_aliases: bool, verify: bool = True,
+            trust_pickle: bool = False) -> tuple[Layout, list[str], list[tuple[str, str]], Iterator]:
+    """A checkpoint's weights, streamed: ``(layout, order, keys, tensors)``.
+
+    ``tensors`` yields ``(name, tensor)`` in ``layout``'s order (``(name, shape, dtype)``), one unit (or, for
+    a DeepSpeed checkpoint, one batch) in memory at a time; ``order`` is every state dict name in the
+    module's order and ``keys`` maps each to the name of the tensor it is (tied names share one). Tied names
+    are yielded under each of their names with ``with_aliases``, else under the first only.
+    """
     folder = find_checkpoint(ckpt_dir, tag)
+    if is_deepspeed_folder(folder):
+        return deepspeed_weights(folder, with_aliases=with_aliases, trust_pickle=trust_pickle)
     meta = read_meta(folder)
     verify_files(folder, meta, share=(0, 1) if verify else None)
-    aliases = fmt == "safetensors"  # safetensors stores tied names separately; torch.save shares them
-    layout = _export_layout(meta, with_aliases=aliases)
-    tensors = _export_tensors(folder, meta, with_aliases=aliases)
-    if fmt == "safetensors":
-        write_safetensors(out, layout, tensors, order=[name for name, _, _ in meta["state_dict"]])
-    else:
-        write_torch(out, layout, tensors, keys=[(name, source) for name, _, source in meta["state_dict"]])
-    return str(out)
+    layout = _export_layout(meta, with_aliases=with_aliases)
+    keys = [(name, source) for name, _, source in meta["state_dict"]]
+    order = [name for name, _ in keys] if with_aliases else [name for name, kind, source in meta["state_dict"]
+                                                             if kind == "buffer" or name == source]
+    return layout, order, keys, _export_tensors(folder, meta, with_aliases=with_aliases)
 
 
 def _export_layout(meta: dict[str, Any], *, with_aliases: bool) -> Layout:
@@ -197,25 +221,47 @@ def _st_dtype(dtype: torch.dtype, name: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``dsfunc export CKPT_DIR OUT [--tag T] [--format safetensors|pt] [--no-verify]``."""
+    """``dsfunc export CKPT_DIR OUT [--tag T] [--format safetensors|pt] [--hf-config DIR [--max-shard-size S]]
+    [--trust-pickle] [--no-verify]``."""
+    from dsfunc.checkpoint.hf import DEFAULT_SHARD_SIZE, export_hf  # hf builds on this module
+
     parser = argparse.ArgumentParser(
         prog="dsfunc export",
-        description="Write a dsfunc checkpoint's weights as one consolidated fp32 state_dict file that "
-                    "plain model.load_state_dict accepts (no process group needed).",
+        description="Write the weights of a dsfunc or DeepSpeed checkpoint as one consolidated fp32 state_dict "
+                    "file that plain model.load_state_dict accepts, or (--hf-config) as a Hugging Face model "
+                    "directory; no process group needed. Checkpoint files are pickles: export only "
+                    "checkpoints you trust (see --trust-pickle).",
     )
-    parser.add_argument("ckpt_dir", help="the save_dir of dsfunc.save_checkpoint, or a checkpoint folder")
-    parser.add_argument("out", help="output file (*.safetensors, or *.pt/.pth/.bin)")
+    parser.add_argument("ckpt_dir", help="a save_dir of dsfunc.save_checkpoint or of DeepSpeed, or a checkpoint "
+                                         "folder")
+    parser.add_argument("out", help="output file (*.safetensors, or *.pt/.pth/.bin); with --hf-config, the "
+                                    "model directory to create")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one CKPT_DIR/latest names)")
     parser.add_argument("--format", choices=FORMATS, default=None, help="default: from OUT's suffix")
+    parser.add_argument("--hf-config", default=None, metavar="DIR",
+                        help="write a Hugging Face directory, with the config.json found in DIR "
+                             "(model.config.save_pretrained(DIR) writes one)")
+    parser.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE,
+                        help=f"with --hf-config: bytes per safetensors file, e.g. 500MB (default {DEFAULT_SHARD_SIZE})")
+    parser.add_argument("--trust-pickle", action="store_true",
+                        help="read a DeepSpeed checkpoint whose client state holds objects other than tensors, "
+                             "dicts, lists, numbers and strings (full unpickling, which can run code)")
     parser.add_argument("--no-verify", action="store_true", help="skip checking the files' sha256")
     args = parser.parse_args(argv)
     try:
-        out = export_fp32(args.ckpt_dir, args.out, tag=args.tag, format=args.format,
-                          verify=not args.no_verify)
+        if args.hf_config is not None:
+            out = export_hf(args.ckpt_dir, args.out, args.hf_config, tag=args.tag,
+                            max_shard_size=args.max_shard_size, verify=not args.no_verify,
+                            trust_pickle=args.trust_pickle)
+            size = sum(p.stat().st_size for p in Path(out).iterdir())
+        else:
+            out = export_fp32(args.ckpt_dir, args.out, tag=args.tag, format=args.format,
+                              verify=not args.no_verify, trust_pickle=args.trust_pickle)
+            size = os.path.getsize(out)
     except (CheckpointError, ValueError, OSError) as e:
         print(f"dsfunc export: error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {out} ({os.path.getsize(out) / 2**20:.1f} MiB)")
+    print(f"wrote {out} ({size / 2**20:.1f} MiB)")
     return 0
 
 

@@ -1,10 +1,16 @@
-"""Which checkpoint a directory and a tag name: the one place that reads ``latest`` and decides what is complete."""
+"""Which checkpoint a directory and a tag name: the one place that reads ``latest`` and decides what is complete.
+
+A folder is a checkpoint when it is a complete dsfunc checkpoint (it holds ``dsfunc_checkpoint.json``) or a
+DeepSpeed checkpoint (it holds a ``*model_states.pt`` file; :mod:`dsfunc.checkpoint.deepspeed.layout`).
+DeepSpeed writes ``latest`` the same way, so a DeepSpeed ``save_dir`` and its tags resolve here too.
+"""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+from dsfunc.checkpoint.deepspeed.layout import is_deepspeed_folder
 from dsfunc.checkpoint.errors import CheckpointNotFoundError
 from dsfunc.checkpoint.layout import LATEST_FILE, META_FILE, replaced
 from dsfunc.errors import InputError
@@ -21,7 +27,8 @@ def find_checkpoint(load_dir: PathLike, tag: str | None = None) -> Path:
     :mod:`dsfunc.checkpoint.publish`): that folder is returned until the next save puts it back.
 
     Args:
-      load_dir: a ``save_dir`` of :func:`save_checkpoint`, or a checkpoint folder itself (with ``tag=None``).
+      load_dir: a ``save_dir`` of :func:`save_checkpoint` or of DeepSpeed's ``engine.save_checkpoint``, or a
+        checkpoint folder itself (with ``tag=None``).
       tag: which checkpoint (default: the one ``load_dir/latest`` names).
 
     Returns:
@@ -40,7 +47,7 @@ def find_checkpoint(load_dir: PathLike, tag: str | None = None) -> Path:
             folder = None  # nothing to resume from
     """
     load_dir = Path(load_dir)
-    if tag is None and (load_dir / META_FILE).is_file():
+    if tag is None and is_checkpoint_folder(load_dir):
         return load_dir  # a checkpoint folder itself
     if not load_dir.is_dir():
         raise CheckpointNotFoundError(f"checkpoint directory {load_dir} does not exist")
@@ -58,28 +65,32 @@ def find_checkpoint(load_dir: PathLike, tag: str | None = None) -> Path:
         source = f" (named by {load_dir / LATEST_FILE})"
     tag = str(tag)
     folder = load_dir / tag
-    if (folder / META_FILE).is_file():
+    if is_checkpoint_folder(folder):
         return folder
     if (replaced(load_dir, tag) / META_FILE).is_file():  # a save over this tag died between its two renames
         return replaced(load_dir, tag)
     if not folder.exists():
         raise CheckpointNotFoundError(f"no checkpoint tagged {tag!r}{source} in {load_dir}; {listing}")
-    hint = ""
-    if any(folder.glob("*model_states.pt")):
-        hint = " It looks like a DeepSpeed checkpoint, which dsfunc cannot read."
     raise CheckpointNotFoundError(
         f"{folder}{source} is not a complete dsfunc checkpoint: it has no {META_FILE} (a save that did not "
-        f"finish, or a folder not written by dsfunc.save_checkpoint).{hint} {listing[0].upper()}{listing[1:]}"
+        f"finish, or a folder not written by dsfunc.save_checkpoint), nor is it a DeepSpeed checkpoint. "
+        f"{listing[0].upper()}{listing[1:]}"
     )
 
 
+def is_checkpoint_folder(folder: Path) -> bool:
+    """Whether ``folder`` is a complete dsfunc checkpoint or a DeepSpeed checkpoint."""
+    return (folder / META_FILE).is_file() or is_deepspeed_folder(folder)
+
+
 def available_tags(save_dir: PathLike) -> list[str]:
-    """Tags of the complete checkpoints in ``save_dir``, oldest first."""
+    """Tags of the complete checkpoints (dsfunc's or DeepSpeed's) in ``save_dir``, oldest first."""
     root = Path(save_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if not p.name.startswith(".") and (p / META_FILE).is_file()]
-    return [p.name for p in sorted(found, key=lambda p: (p / META_FILE).stat().st_mtime)]
+    found = [p for p in root.iterdir() if not p.name.startswith(".") and is_checkpoint_folder(p)]
+    return [p.name for p in sorted(found, key=lambda p: (p / META_FILE if (p / META_FILE).is_file() else p)
+                                     .stat().st_mtime)]
 
 
 def read_latest(save_dir: Path) -> str | None:

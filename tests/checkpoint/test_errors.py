@@ -12,7 +12,7 @@ from tests.models import MLP, config
 
 def test_checkpoint_errors_are_dsfunc_errors_and_runtime_errors():
     classes = (ckpt.CheckpointError, ckpt.CheckpointNotFoundError, ckpt.CheckpointCorruptError,
-               ckpt.CheckpointMismatchError, ckpt.CheckpointTimeoutError)
+               ckpt.CheckpointMismatchError, ckpt.CheckpointTimeoutError, ckpt.CheckpointUnsupportedError)
     assert all(issubclass(cls, Error) and issubclass(cls, RuntimeError) for cls in classes)
     assert all(issubclass(cls, ckpt.CheckpointError) for cls in classes)
     assert issubclass(ckpt.CheckpointMismatchError, ValueError)

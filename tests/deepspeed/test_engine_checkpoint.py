@@ -119,3 +119,26 @@ def test_load_module_only_from_a_run_with_another_optimizer(saved):
         engine.backward(engine(x, y))
         engine.step()
     assert engine.global_steps == 1
+
+
+def test_the_engine_resumes_a_deepspeed_checkpoint(tmp_path):
+    """The DeepSpeed script's own resume line: ``engine.load_checkpoint(ds_save_dir)``."""
+    from tests.checkpoint.deepspeed.common import CLIENT, RESUMED, SAVE_AT, Case, Net, batch, extract
+
+    case = Case(2, 1, "bf16")
+    save_dir = extract(tmp_path) / case.name
+    engine, *_ = initialize(model=Net(), config=case.config())
+    load_path, client = engine.load_checkpoint(str(save_dir))
+    assert load_path == str(save_dir / "global_step3") and client.keys() == CLIENT.keys()
+    assert (engine.global_steps, engine.global_samples) == (SAVE_AT, SAVE_AT * 8)
+    losses = []
+    for step in range(SAVE_AT, SAVE_AT + RESUMED):
+        loss = engine(*batch(step))
+        engine.backward(loss)
+        engine.step()
+        losses.append(engine.state.metrics.loss.item())
+    reference = torch.load(save_dir / "reference.pt")
+    assert max(abs(a - b) / b for a, b in zip(losses, reference["losses"])) < 1e-5
+    params = dsfunc.full_params(engine.state)
+    assert relative_diff({k: params[k] for k in reference["params"]}, reference["params"]) < 1e-5
+    assert engine.global_steps == reference["global_steps"]

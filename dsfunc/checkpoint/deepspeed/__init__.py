@@ -1,0 +1,18 @@
+"""Resuming from DeepSpeed's own checkpoints, at any world size and ZeRO stage.
+
+:func:`dsfunc.load_checkpoint` (and the engine's ``load_checkpoint``) recognise a DeepSpeed checkpoint
+folder and come here. One module per concept:
+
+* :mod:`.layout`: which files a DeepSpeed tag folder holds, and the layouts refused (model/pipeline
+  parallel, mixture of experts, NVMe offload);
+* :mod:`.unpickle`: reading DeepSpeed's pickles without DeepSpeed and without running their code;
+* :mod:`.shards`: where each parameter lies in the shard files, and reading pieces of it one shard at a time;
+* :mod:`.contents`: what the checkpoint says besides tensors (precision, counters, scheduler, loss scaler,
+  client state);
+* :mod:`.mapping`: how it fills a dsfunc template state, one unit at a time;
+* :mod:`.load`: the load itself;
+* :mod:`.weights`: its weights by name, streamed, for ``dsfunc export``.
+
+The package imports nothing itself: :mod:`dsfunc.checkpoint.tags` uses :mod:`.layout`, which must not pull
+in the loader (that imports the tags).
+"""

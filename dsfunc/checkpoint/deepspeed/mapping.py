@@ -1,0 +1,222 @@
+"""How an opened DeepSpeed checkpoint fills a dsfunc template state: names, units, moments, counters, scaler.
+
+DeepSpeed's names are the module's parameter names, as dsfunc's are, so a parameter is matched by name
+(any of its tied names) and checked by shape. What lands where:
+
+==========================================  ================================================================
+DeepSpeed                                   dsfunc (the keys of :mod:`dsfunc.checkpoint.keys`)
+==========================================  ================================================================
+fp32 master (or the fp32 module, stage 0)   ``params/<unit>``: this rank's ``torch.chunk`` slice of the unit
+``exp_avg`` / ``exp_avg_sq``                ``optim/.../adam/mu/<unit>`` / ``.../nu/<unit>`` (ScaleByAdamState)
+the torch optimizer's ``step``              ``optim/.../adam/count``
+``lr_scheduler.last_batch_iteration`` = t   ``optim/.../lr/count`` = t + 1 (the k-th applied step uses t = k-1)
+fp16 ``DynamicLossScaler``                  ``scaler/*`` (fp16 with a dynamic scale on both sides only)
+``global_steps``                            ``step``
+module buffers, frozen parameters           ``buffers/<name>``
+==========================================  ================================================================
+
+The dropout seed and the metrics stay the template's (DeepSpeed saves neither).
+
+[Note: a unit at a time]
+The template is filled one unit at a time: for each unit, host staging buffers of this rank's slice (one
+per quantity read) are filled from the shards that hold pieces of it (:meth:`.shards.ShardIndex.read`,
+one shard file open at a time), then copied into the template's tensors and freed. So besides the
+template itself the import holds one unit's slice of the master weights and moments, never the model;
+:data:`IMPORT_STATS` records the most it held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import optree
+import torch
+
+from dsfunc.checkpoint.compat import Selection, differences
+from dsfunc.checkpoint.deepspeed.contents import DeepSpeedCheckpoint
+from dsfunc.checkpoint.deepspeed.shards import EXP_AVG, EXP_AVG_SQ, MASTER, Request
+from dsfunc.checkpoint.errors import CheckpointMismatchError
+from dsfunc.checkpoint.keys import entries
+from dsfunc.checkpoint.metadata import precision
+from dsfunc.optim.base import ScaleByAdamState, ScheduleState
+from dsfunc.optim.from_config import lr_schedule
+from dsfunc.state import TrainState
+
+
+@dataclasses.dataclass
+class ImportStats:
+    """Elements of DeepSpeed tensor data held in staging buffers: now, and the most at once."""
+
+    live: int = 0
+    max_elements: int = 0
+
+    def hold(self, n: int) -> None:
+        self.live += n
+        self.max_elements = max(self.max_elements, self.live)
+
+    def release(self, n: int) -> None:
+        self.live -= n
+
+
+IMPORT_STATS = ImportStats()
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportPlan:
+    """What a load takes from the checkpoint, decided (and checked) before the template is touched."""
+
+    names: dict[str, str]  # the template's parameter and buffer names -> DeepSpeed's
+    parts: frozenset[str]  # Selection.parts()
+    adam: ScaleByAdamState | None  # the template's moments to fill; None keeps them
+    schedules: tuple[ScheduleState, ...]  # the template's lr positions to set
+    scaler: bool  # take the loss scaler's state
+
+
+def plan_import(ckpt: DeepSpeedCheckpoint, state: TrainState, selection: Selection) -> ImportPlan:
+    """Check ``ckpt`` against the template; raise :class:`CheckpointMismatchError` naming what differs."""
+    parts = frozenset(selection.parts())
+    names = _match_names(ckpt, state)
+    adam = _adam_state(ckpt, state) if "optimizer" in parts else None
+    schedules: tuple[ScheduleState, ...] = ()
+    if "schedule" in parts:
+        found = optree.tree_leaves(state.opt_state, is_leaf=lambda x: isinstance(x, ScheduleState))
+        schedules = tuple(x for x in found if isinstance(x, ScheduleState))
+        if ckpt.schedule is not None and "last_batch_iteration" not in ckpt.schedule:
+            raise CheckpointMismatchError(
+                f"the lr scheduler state in {ckpt.files.main} ({sorted(ckpt.schedule)}) is not one of "
+                "DeepSpeed's schedulers, whose position dsfunc reads; pass load_lr_scheduler_states=False to "
+                "start this state's schedule afresh")
+    program = state.program
+    scaler = ("scaler" in parts and ckpt.scaler is not None and ckpt.scaler.dynamic and ckpt.precision == "fp16"
+              and precision(state) == "fp16" and program.scaler.dynamic)
+    return ImportPlan(names, parts, adam, schedules, scaler)
+
+
+def _match_names(ckpt: DeepSpeedCheckpoint, state: TrainState) -> dict[str, str]:
+    """Template name -> DeepSpeed name of every parameter and persistent buffer, or the differences."""
+    program, index = state.program, ckpt.index
+    canonical: dict[str, str] = {}
+    mine: dict[str, tuple[int, ...]] = {}
+    for unit in program.plan.units:
+        for slot in unit.params:
+            mine[slot.name] = tuple(slot.shape)
+            canonical.update({alias: slot.name for alias in slot.aliases})
+    for name in program.plan.frozen:
+        mine[name] = tuple(state.buffers[name].shape)
+        canonical[name] = name
+    saved, names = {}, {}
+    for ds_name, shape in {**index.trainable, **index.frozen}.items():
+        name = next((canonical[a] for a in index.aliases.get(ds_name, (ds_name,)) if a in canonical), ds_name)
+        saved[name], names[name] = tuple(shape), ds_name
+    kept = [n for n in program.persistent_buffers if n not in program.plan.frozen]
+    mine.update({f"{n} (buffer)": tuple(state.buffers[n].shape) for n in kept})
+    saved.update({f"{n} (buffer)": tuple(shape) for n, (shape, _) in index.buffers.items()})
+    names.update({n: n for n in kept})
+    lines = differences(saved, mine, "the model")
+    if lines:
+        raise CheckpointMismatchError(
+            f"the DeepSpeed checkpoint {ckpt.folder} does not match this model:\n" + "\n".join(lines)
+            + "\nBuild the template state from the model DeepSpeed trained.")
+    return names
+
+
+def _adam_state(ckpt: DeepSpeedCheckpoint, state: TrainState) -> ScaleByAdamState:
+    """The template's one Adam state, which the checkpoint's moments fill; an error if either side lacks it."""
+    found = optree.tree_leaves(state.opt_state, is_leaf=lambda x: isinstance(x, ScaleByAdamState))
+    adams = [x for x in found if isinstance(x, ScaleByAdamState)]
+    ours = {id(t) for a in adams for t in (a.count, *a.mu.values(), *a.nu.values())}
+    other = [e.key for e in entries(state) if e.part == "optimizer" and id(e.tensor) not in ours]
+    cfg = state.program.config
+    mine = cfg.optimizer.type if cfg.optimizer is not None else "a custom transform"
+    hint = ("pass load_optimizer_states=False to take everything else and start this optimizer fresh (its lr "
+            "schedule restarts too)")
+    if len(adams) != 1 or other:
+        raise CheckpointMismatchError(
+            f"this state's optimizer ({mine!r}) keeps {other or 'no Adam moments'}, which the Adam moments of "
+            f"the DeepSpeed checkpoint {ckpt.folder} ({ckpt.optimizer}) cannot fill: use Adam or AdamW, or "
+            + hint)
+    if ckpt.moments is False:
+        raise CheckpointMismatchError(
+            f"the DeepSpeed checkpoint {ckpt.folder} holds no Adam moments ({ckpt.optimizer}) for this state's "
+            f"{mine!r}: " + hint)
+    return adams[0]
+
+
+def fill(ckpt: DeepSpeedCheckpoint, state: TrainState, plan: ImportPlan) -> None:
+    """Write the checkpoint into the template's tensors, in place ([Note: a unit at a time])."""
+    quantities: dict[str, Any] = {}
+    if "params" in plan.parts:
+        quantities[MASTER] = state.params
+    if plan.adam is not None:
+        quantities.update({EXP_AVG: plan.adam.mu, EXP_AVG_SQ: plan.adam.nu})
+    if quantities:
+        for unit in state.program.plan.units:
+            _fill_unit(ckpt, state, unit, quantities, plan.names)
+    if "buffers" in plan.parts:
+        _fill_buffers(ckpt, state, plan.names)
+    _fill_counters(ckpt, state, plan)
+
+
+@torch.no_grad()
+def _fill_unit(ckpt: DeepSpeedCheckpoint, state: TrainState, unit: Any, quantities: dict[str, Any],
+               names: dict[str, str]) -> None:
+    plan = state.program.plan
+    start, stop = plan.local_range(unit) if plan.ways > 1 else (0, unit.numel)  # stage 0 holds whole units
+    staging = {q: torch.empty(stop - start, dtype=torch.float32) for q in quantities}
+    held = (stop - start) * len(staging)
+    IMPORT_STATS.hold(held)
+    try:
+        requests = []
+        for slot in unit.params:
+            lo, hi = max(start, slot.offset), min(stop, slot.offset + slot.numel)
+            if lo < hi:
+                views = {q: s[lo - start : hi - start] for q, s in staging.items()}
+                requests.append(Request(names[slot.name], lo - slot.offset, hi - slot.offset, views))
+        ckpt.index.read(requests)
+        for q, tensors in quantities.items():
+            target = tensors[unit.name]
+            target[: stop - start].copy_(staging[q])
+            target[stop - start :].zero_()  # the padding tail stays zero
+    finally:
+        IMPORT_STATS.release(held)
+
+
+@torch.no_grad()
+def _fill_buffers(ckpt: DeepSpeedCheckpoint, state: TrainState, names: dict[str, str]) -> None:
+    """Persistent buffers and frozen parameters, one at a time (non-persistent ones stay the template's)."""
+    for name, target in state.buffers.items():
+        if name not in names:
+            continue
+        staging = torch.empty(target.numel(), dtype=target.dtype)
+        IMPORT_STATS.hold(staging.numel())
+        try:
+            ckpt.index.read([Request(names[name], 0, staging.numel(), {MASTER: staging})])
+            target.copy_(staging.view(target.shape))
+        finally:
+            IMPORT_STATS.release(staging.numel())
+
+
+@torch.no_grad()
+def _fill_counters(ckpt: DeepSpeedCheckpoint, state: TrainState, plan: ImportPlan) -> None:
+    if "step" in plan.parts:
+        state.step.fill_(ckpt.global_steps)
+    if plan.adam is not None:
+        plan.adam.count.fill_(ckpt.adam_step)
+    if plan.schedules:
+        t = ckpt.schedule.get("last_batch_iteration") if ckpt.schedule is not None else None
+        count = ckpt.adam_step if t is None else int(t) + 1
+        schedule = lr_schedule(state.program.config)
+        for s in plan.schedules:
+            s.count.fill_(count)
+            if schedule is not None:  # the lr the last applied step used (before any: the first one's)
+                s.lr.copy_(schedule(torch.tensor(max(count, 1) - 2)))
+    if plan.scaler:
+        saved, scaler = ckpt.scaler, state.scaler
+        scaler.scale.fill_(saved.scale)
+        scaler.cur_iter.fill_(saved.cur_iter if saved.cur_iter is not None else ckpt.global_steps)
+        if saved.last_overflow_iter is not None:
+            scaler.last_overflow_iter.fill_(saved.last_overflow_iter)
+        if saved.cur_hysteresis is not None:
+            scaler.cur_hysteresis.fill_(saved.cur_hysteresis)
+
