@@ -76,8 +76,9 @@ class ShardingPlan:
         return self.shard_size(unit) * self.ways
 
     def local_range(self, unit: Unit) -> tuple[int, int]:
-        """This rank's ``[start, stop)`` in the unpadded flat buffer (may be empty)."""
-        return chunk_range(unit.numel, self.ways, self.rank)
+        """This rank's ``[start, stop)`` in the unpadded flat buffer (may be empty); the whole unit when it
+        is not sharded (stage 0: every rank holds all of it)."""
+        return chunk_range(unit.numel, self.ways, self.rank if self.ways > 1 else 0)
 
 
 def chunk_range(numel: int, parts: int, index: int) -> tuple[int, int]:

@@ -178,3 +178,24 @@ def test_state_holds_exactly_the_zero_formula_after_meta_init():
     assert not any(p.requires_grad for p in state.params.values())
     held = live_bytes() - before
     assert 14 * psi <= held <= 14 * psi + 4096  # fp32 master + 2 moments, bf16 compute copy, metrics
+
+
+def lamb_ranks(rank: int, world: int, stage: int) -> dict:
+    torch.manual_seed(0)
+    cfg = config(micro=2, world=world, stage=stage, optimizer={"type": "Lamb", "params": {"lr": 1e-2}})
+    state = dsfunc.init_state(MLP(width=10, depth=3), cfg)
+    for x, y in mlp_batches(5, 2 * world):
+        state = dsfunc.train_step(state, (x[rank * 2 : (rank + 1) * 2], y[rank * 2 : (rank + 1) * 2]))
+    return dsfunc.full_params(state)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_lamb_trust_ratios_on_every_rank_equal_one_process(stage):
+    """Lamb's per-parameter norms over flat shards: at stage 0 a rank above 0 once saw an empty range."""
+    torch.manual_seed(0)
+    reference = dsfunc.init_state(MLP(width=10, depth=3), config(micro=4, stage=0,
+                                  optimizer={"type": "Lamb", "params": {"lr": 1e-2}}))
+    for batch in mlp_batches(5, 4):
+        reference = dsfunc.train_step(reference, batch)
+    for rank, full in enumerate(run_world(lamb_ranks, 2, stage)):
+        assert relative_diff(full, dsfunc.full_params(reference)) < 1e-6, (stage, rank)

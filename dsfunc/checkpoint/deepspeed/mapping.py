@@ -162,7 +162,7 @@ def fill(ckpt: DeepSpeedCheckpoint, state: TrainState, plan: ImportPlan) -> None
 def _fill_unit(ckpt: DeepSpeedCheckpoint, state: TrainState, unit: Any, quantities: dict[str, Any],
                names: dict[str, str]) -> None:
     plan = state.program.plan
-    start, stop = plan.local_range(unit) if plan.ways > 1 else (0, unit.numel)  # stage 0 holds whole units
+    start, stop = plan.local_range(unit)
     staging = {q: torch.empty(stop - start, dtype=torch.float32) for q in quantities}
     held = (stop - start) * len(staging)
     IMPORT_STATS.hold(held)
