@@ -117,6 +117,10 @@ def test_batch_of_the_wrong_size_says_what_to_pass():
         dsfunc.train_step(state, (x[:4], y[:3]))
     with pytest.raises(TypeError, match="holds no tensors"):
         dsfunc.train_step(state, "not a batch")
+    with pytest.raises(TypeError, match=r"the batch holds no tensors \(got list of 64 int\)"):
+        dsfunc.train_step(state, list(range(64)))
+    with pytest.raises(TypeError, match=r"holds no tensors \(got str\)"):  # one micro-batch of two without any
+        dsfunc.train_step(state, [(x[:2], y[:2]), "oops"])
     assert not state.donated  # a rejected batch consumes nothing
 
 
