@@ -119,3 +119,19 @@ def test_load_module_only_from_a_run_with_another_optimizer(saved):
         engine.backward(engine(x, y))
         engine.step()
     assert engine.global_steps == 1
+
+
+def test_resumes_after_a_save_over_its_tag_died_between_the_two_renames(saved):
+    """A save over ``mine`` killed after moving the old folder aside and before moving the new one in leaves the
+    complete old checkpoint in ``.mine.replaced`` and no ``mine`` (issue 13): the engine resumes from it, as
+    dsfunc.load_checkpoint does, instead of warning and starting over from step 0."""
+    path, params, saved_moments, original = saved
+    (path / "latest").write_text("mine")
+    (path / "mine").rename(path / ".mine.replaced")
+    (path / ".mine.tmp-0123456789ab").mkdir()  # the new save's folder, never completed
+    engine = trained_engine(0)
+    load_path, client = engine.load_checkpoint(str(path))
+    assert load_path == str(path / ".mine.replaced") and client == {"epoch": 1}
+    assert relative_diff(dsfunc.full_params(engine.state), params) == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(moments(engine.state), saved_moments))
+    assert engine.global_steps == 3 and engine.get_lr() == original.get_lr()
