@@ -35,6 +35,7 @@ from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.metadata import read_meta, verify_files
 from dsfunc.checkpoint.publish import atomic_file
 from dsfunc.checkpoint.tags import PathLike, find_checkpoint
+from dsfunc.checkpoint.trust import TRUST_MODEL
 from dsfunc.errors import InputError
 
 Layout = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
@@ -202,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="dsfunc export",
         description="Write a dsfunc checkpoint's weights as one consolidated fp32 state_dict file that "
                     "plain model.load_state_dict accepts (no process group needed).",
+        epilog=f"Security: {TRUST_MODEL}",
     )
     parser.add_argument("ckpt_dir", help="the save_dir of dsfunc.save_checkpoint, or a checkpoint folder")
     parser.add_argument("out", help="output file (*.safetensors, or *.pt/.pth/.bin)")

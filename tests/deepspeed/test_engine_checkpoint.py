@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import optree
 import pytest
 import torch
@@ -135,3 +137,13 @@ def test_resumes_after_a_save_over_its_tag_died_between_the_two_renames(saved):
     assert relative_diff(dsfunc.full_params(engine.state), params) == 0.0
     assert all(torch.equal(a, b) for a, b in zip(moments(engine.state), saved_moments))
     assert engine.global_steps == 3 and engine.get_lr() == original.get_lr()
+
+
+def test_client_state_beyond_plain_data_needs_trust_pickle(tmp_path):
+    engine = trained_engine(1)
+    engine.save_checkpoint(str(tmp_path), client_state={"args": argparse.Namespace(lr=0.1)})
+    fresh = trained_engine(0)
+    with pytest.raises(dsfunc.CheckpointError, match="argparse.Namespace.*trust_pickle=True"):
+        fresh.load_checkpoint(str(tmp_path))
+    _, client = fresh.load_checkpoint(str(tmp_path), trust_pickle=True)
+    assert client == {"args": argparse.Namespace(lr=0.1)} and fresh.global_steps == 1
