@@ -72,6 +72,7 @@ ACCEPTED_WHEN_OFF = [
     {"seq_parallel_communication_data_type": "fp32"},
     {"disable_python_gc": False},
     {"datastates_ckpt": None},
+    {"data_types": {"keep_in_fp32_modules": "auto"}},
     {"zero_optimization": {"offload_optimizer": {"device": "none", "pin_memory": True, "buffer_count": 4}}},
     {"tensor_parallel": {}},
     {"sequence_parallel_size": 1},
