@@ -154,3 +154,13 @@ def test_pdsh_runner_world_and_failure(job, sshd):
     assert "node-a: dsfunc: rank 1 (local rank 1 on node-a) failed with exit code 1" in res.stderr
     assert "dsfunc: node node-a exited with code 1; stopping every node" in res.stderr
     assert not wait_gone(str(SCRIPTS / "fail.py"))
+
+
+def test_venv_script_is_sourced_on_every_node(job):
+    cwd, out, env, base = job
+    script = cwd / "activate"
+    script.write_text("export DSFUNC_TEST_VENV=sourced\n")
+    res = run_dsfunc([*base, "--venv_script", str(script), REPORT, str(out)], cwd, env)
+    assert res.returncode == 0, res.stderr
+    ranks = reports(out)
+    assert sorted(ranks) == [0, 1, 2, 3] and all(r["env"]["DSFUNC_TEST_VENV"] == "sourced" for r in ranks.values())
