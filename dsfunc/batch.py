@@ -19,7 +19,13 @@ Batch = Any
 
 def split_batch(batch: Batch, count: int, micro_size: int | None) -> list[Batch]:
     """``count`` micro-batches from a step's batch (a pytree split on dim 0, or a list of micro-batches)."""
-    if isinstance(batch, list) and batch and not any(isinstance(b, torch.Tensor) for b in batch):
+    leaves = [t for t in optree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    if not leaves:
+        raise InputTypeError(
+            f"the batch holds no tensors (got {_describe(batch)}); pass a tensor, a tuple or dict of "
+            "tensors with samples along dim 0, or a list of gradient_accumulation_steps micro-batches"
+        )
+    if isinstance(batch, list) and not any(isinstance(b, torch.Tensor) for b in batch):
         if len(batch) != count:
             raise InputError(
                 f"got a list of {len(batch)} micro-batches, but gradient_accumulation_steps is {count}"
@@ -27,12 +33,6 @@ def split_batch(batch: Batch, count: int, micro_size: int | None) -> list[Batch]
         for micro in batch:
             split_batch(micro, 1, micro_size)
         return batch
-    leaves = [t for t in optree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    if not leaves:
-        raise InputTypeError(
-            f"the batch holds no tensors (got {type(batch).__name__}); pass a tensor, a tuple or dict of "
-            "tensors with samples along dim 0, or a list of gradient_accumulation_steps micro-batches"
-        )
     sizes = {tuple(t.shape[:1]) for t in leaves}
     if len(sizes) != 1 or not next(iter(sizes)):
         raise InputError(
@@ -57,3 +57,12 @@ def split_batch(batch: Batch, count: int, micro_size: int | None) -> list[Batch]
         optree.tree_map(lambda t, i=i: t[i * size : (i + 1) * size] if isinstance(t, torch.Tensor) else t, batch)
         for i in range(count)
     ]
+
+
+def _describe(batch: Batch) -> str:
+    """``str``, or ``list of 64 int`` for a container: what a batch without tensors was made of."""
+    name = type(batch).__name__
+    if isinstance(batch, (list, tuple, dict)) and batch:
+        items = batch.values() if isinstance(batch, dict) else batch
+        return f"{name} of {len(batch)} {', '.join(sorted({type(b).__name__ for b in items}))}"
+    return name

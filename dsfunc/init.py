@@ -19,6 +19,7 @@ from torch import nn
 
 from dsfunc.config import Config
 from dsfunc.dist import comm
+from dsfunc.errors import InputError
 from dsfunc.frozen import FrozenDict
 from dsfunc.grad import LossFn
 from dsfunc.optim.base import Transform
@@ -79,7 +80,9 @@ def init_state(
         or a :class:`dsfunc.Config`.
       loss_fn: ``loss_fn(model, batch) -> scalar``; without it the model's forward returns the loss.
       optimizer: an update transform replacing the config's optimizer section (or an update made by
-        :func:`dsfunc.optim.update_from_config`).
+        :func:`dsfunc.optim.update_from_config`). A transform's learning rate is its own (a float or a
+        schedule such as ``dsfunc.adamw(lr=dsfunc.warmup_lr(...))``), so a config with a ``scheduler``
+        section beside a transform is an error.
       seed: seeds dropout (and meta-device initialisation); the state carries it across resume.
       unit_modules: module paths to shard as units (default: blocks of the largest ModuleList).
       param_init_fn: initialises a module materialised from ``meta`` (in place).
@@ -99,8 +102,11 @@ def init_state(
     scaler = LossScaler.from_config(cfg.fp16)
     if optimizer is None:
         update = update_from_config(cfg)
+    elif isinstance(optimizer, (ChainUpdate, FusedAdam)):
+        update = optimizer
     else:
-        update = optimizer if isinstance(optimizer, (ChainUpdate, FusedAdam)) else ChainUpdate(optimizer)
+        _check_no_scheduler(cfg)
+        update = ChainUpdate(optimizer)
     workspace = Workspace(
         plan, compute_dtype=cfg.compute_dtype, device=device,
         persistence_threshold=zero.stage3_param_persistence_threshold,
@@ -132,6 +138,17 @@ def init_state(
     )
     workspace.refresh(state.params)
     return state
+
+
+def _check_no_scheduler(cfg: Config) -> None:
+    """An update transform brings its own learning rate: a config ``scheduler`` beside it would not apply."""
+    if cfg.scheduler is not None:
+        raise InputError(
+            f'init_state got optimizer=<an update transform> and a config with a "scheduler" section '
+            f"({cfg.scheduler.type}), which would not apply: the transform's own learning rate is used. Put the "
+            "schedule into the transform, e.g. optimizer=dsfunc.adamw(lr=dsfunc.warmup_lr(warmup_max_lr=1e-3, "
+            'warmup_num_steps=100)), or remove the config\'s "scheduler" section (or set it to null).'
+        )
 
 
 def make_skeleton(model: nn.Module) -> nn.Module:

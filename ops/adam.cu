@@ -27,6 +27,7 @@ struct NoLowp {};  // marks "no low-precision output"
 
 struct AdamHyper {
   float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay;
+  double beta1_exact, beta2_exact;  // the betas as given (float64): the bias corrections use these
   bool l2, decoupled, bias_correction;
 };
 
@@ -42,10 +43,12 @@ __device__ __forceinline__ AdamScalars load_scalars(const float* grad_scale, con
   s.bc1 = 1.f;
   s.sqrt_bc2 = 1.f;
   if (h.bias_correction) {
-    // torch: 1 - beta**t with beta cast to fp32 and pow evaluated in fp32 (here: exactly, then rounded).
+    // As the reference computes them: 1 - beta1**t and sqrt(1 - beta2**t) in float64 from the betas as
+    // given, each rounded once to float32, so they are accurate to float32 rounding (in float32,
+    // 1 - 0.999 alone is 1.3e-5 off). Casting double to float rounds to nearest (cvt.rn.f32.f64).
     const double t = static_cast<double>(*step);
-    s.bc1 = __fsub_rn(1.f, static_cast<float>(pow(static_cast<double>(h.beta1), t)));
-    s.sqrt_bc2 = __fsqrt_rn(__fsub_rn(1.f, static_cast<float>(pow(static_cast<double>(h.beta2), t))));
+    s.bc1 = static_cast<float>(1.0 - pow(h.beta1_exact, t));
+    s.sqrt_bc2 = static_cast<float>(__dsqrt_rn(1.0 - pow(h.beta2_exact, t)));
   }
   return s;
 }
@@ -308,6 +311,8 @@ void adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::T
                     static_cast<float>(1.0 - beta2),
                     static_cast<float>(eps),
                     static_cast<float>(weight_decay),
+                    beta1,
+                    beta2,
                     decay && !adam_w_mode,
                     decay && adam_w_mode,
                     bias_correction};

@@ -3,28 +3,53 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+GPT = "examples/gpt/train.py"
 
 
 def run(args: list[str], timeout: float = 240) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # this checkout's dsfunc: `python examples/...` puts the script's folder first on sys.path, not the checkout
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
 
-def test_gpt_example_lowers_the_loss_on_one_process():
-    out = run([sys.executable, "examples/gpt/train.py", "--steps", "60"])
-    assert "world size 1, ZeRO stage 1" in out
-    first, last = (float(x) for x in out.split("done: loss ")[1].split(" in ")[0].split(" -> "))
+def val_losses(out: str) -> dict[int, str]:
+    return {int(step): loss for step, loss in re.findall(r"^step +(\d+)  val loss ([\d.]+)", out, re.MULTILINE)}
+
+
+def test_gpt_example_trains_evaluates_samples_and_resumes_exactly(tmp_path):
+    """The README's main job: the training and held-out losses fall, a sample and a checkpoint are written
+    (and said where), and a run stopped at step 30 and resumed with --resume ends exactly as one that was not."""
+    straight = run([sys.executable, GPT, "--steps", "60", "--eval_interval", "30", "--out_dir", str(tmp_path / "a")])
+    assert "world size 1, ZeRO stage 1" in straight
+    first, last = (float(x) for x in re.search(r"done: loss ([\d.]+) -> ([\d.]+)", straight).groups())
     assert last < first - 1.0
+    val = val_losses(straight)
+    assert sorted(val) == [30, 60] and float(val[60]) < float(val[30]) < first
+    sample = (tmp_path / "a" / "sample.txt").read_text()
+    assert len(sample) > 200 and sample.startswith("The ") and sample.strip() in straight
+    assert (tmp_path / "a" / "ckpt" / "latest").read_text() == "global_step60"
+    assert f"wrote {tmp_path / 'a' / 'ckpt'} (continue with --resume) and {tmp_path / 'a' / 'sample.txt'}" in straight
+
+    run([sys.executable, GPT, "--steps", "30", "--eval_interval", "30", "--out_dir", str(tmp_path / "b")])
+    resumed = run([sys.executable, GPT, "--steps", "60", "--eval_interval", "30", "--out_dir", str(tmp_path / "b"),
+                   "--resume"])
+    assert f"resumed from {tmp_path / 'b' / 'ckpt'} at step 30" in resumed
+    assert val_losses(resumed) == {60: val[60]}
+    step60 = re.compile(r"^step   60  loss .*?grad_norm [\d.]+", re.MULTILINE)
+    assert step60.search(resumed).group() == step60.search(straight).group()
 
 
-def test_gpt_example_through_the_launcher_on_two_ranks():
-    out = run([sys.executable, "-m", "dsfunc.cli", "--num_gpus", "2", "--master_port", "29611",
-               "examples/gpt/train.py", "--steps", "40"])
-    assert "world size 2" in out and "done: loss" in out
+def test_gpt_example_through_the_launcher_on_two_ranks(tmp_path):
+    out = run([sys.executable, "-m", "dsfunc.cli", "--num_gpus", "2", "--master_port", "29611", GPT, "--steps", "40",
+               "--out_dir", str(tmp_path)])
+    assert "world size 2" in out and "done: loss" in out and sorted(val_losses(out)) == [40]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step40"

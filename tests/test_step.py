@@ -117,6 +117,10 @@ def test_batch_of_the_wrong_size_says_what_to_pass():
         dsfunc.train_step(state, (x[:4], y[:3]))
     with pytest.raises(TypeError, match="holds no tensors"):
         dsfunc.train_step(state, "not a batch")
+    with pytest.raises(TypeError, match=r"the batch holds no tensors \(got list of 64 int\)"):
+        dsfunc.train_step(state, list(range(64)))
+    with pytest.raises(TypeError, match=r"holds no tensors \(got str\)"):  # one micro-batch of two without any
+        dsfunc.train_step(state, [(x[:2], y[:2]), "oops"])
     assert not state.donated  # a rejected batch consumes nothing
 
 
@@ -218,7 +222,8 @@ def test_fused_update_path_agrees_with_the_transform_chain():
     cfg = config(gradient_clipping=0.5, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 5}})
     fused = dsfunc.init_state(model, cfg)
     assert isinstance(fused.program.update, FusedAdam)
-    reference = dsfunc.init_state(model, cfg, optimizer=fused.program.update.chain)
+    # the chain carries the config's schedule already: the config beside it has none
+    reference = dsfunc.init_state(model, {**cfg, "scheduler": None}, optimizer=fused.program.update.chain)
     assert not isinstance(reference.program.update, FusedAdam)
     for batch in mlp_batches(8, 4):
         fused = dsfunc.train_step(fused, batch)
@@ -260,3 +265,16 @@ def test_every_dsfunc_error_class_derives_from_dsfunc_error():
     assert {dsfunc.ConfigError, dsfunc.CheckpointError, dsfunc.DonatedStateError, dsfunc.LossScaleError} <= errors
     assert [e.__qualname__ for e in errors if not issubclass(e, dsfunc.Error)] == []
     assert issubclass(dsfunc.DonatedStateError, RuntimeError) and issubclass(dsfunc.ConfigError, ValueError)
+
+
+def test_a_transform_beside_a_config_scheduler_is_an_error():
+    """The transform's learning rate is its own: a config schedule would silently not apply (issue 13)."""
+    cfg = config(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 10}})
+    with pytest.raises(ValueError, match=r'"scheduler" section \(WarmupLR\), which would not apply') as e:
+        dsfunc.init_state(MLP(), cfg, optimizer=dsfunc.sgd(lr=0.1))
+    assert "optimizer=dsfunc.adamw(lr=dsfunc.warmup_lr(" in str(e.value) and "set it to null" in str(e.value)
+    schedule = dsfunc.warmup_lr(warmup_max_lr=0.1, warmup_num_steps=10, warmup_type="linear")
+    state = dsfunc.init_state(MLP(), {**cfg, "scheduler": None}, optimizer=dsfunc.sgd(lr=schedule))
+    for batch in mlp_batches(3, 4):
+        state = dsfunc.train_step(state, batch)
+    assert state.metrics.lr.item() == pytest.approx(0.01)  # the transform's schedule applies (step 3: lr(1))

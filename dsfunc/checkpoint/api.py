@@ -3,14 +3,14 @@
 A save meets the other ranks (:mod:`.coordination`), describes the state (:mod:`.metadata`) and takes
 its tensors under world-size-independent keys (:mod:`.keys`), then writes and publishes them atomically
 (:mod:`.publish`), now or in a background thread. A load finds the checkpoint (:mod:`.tags`), checks it
-against the template (:mod:`.compat`, :mod:`.metadata`) and only then reads the tensors into it.
+against the template (:mod:`.compat`, :mod:`.metadata`), verifies its files with every rank agreeing, and
+only then reads the client state (:mod:`.trust`) and the tensors into the template.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import io
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,10 +24,10 @@ from dsfunc.checkpoint.dcp_io import failure_text, read_tensors
 from dsfunc.checkpoint.deepspeed.load import deepspeed_folder, load_deepspeed
 from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.keys import load_dict, save_dict
-from dsfunc.checkpoint.layout import CLIENT_FILE
 from dsfunc.checkpoint.metadata import describe, read_meta, verify_files
 from dsfunc.checkpoint.publish import write_checkpoint
 from dsfunc.checkpoint.tags import PathLike, check_tag, find_checkpoint
+from dsfunc.checkpoint.trust import pickle_client_state, read_client_state
 from dsfunc.dist import comm
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.state import TrainState
@@ -70,7 +70,7 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
     wait_for_checkpoint()  # [Note: one save in flight]
     arrive("save_checkpoint", tag, timeout)  # [Note: meeting before the first collective]
     meta = describe(state, tag)
-    client = collective(lambda: _pickle(client_state) if comm.rank() == 0 else None)
+    client = collective(lambda: pickle_client_state(client_state) if comm.rank() == 0 else None)
     tensors = save_dict(state, staged=async_save)
     job = functools.partial(write_checkpoint, Path(save_dir), tag, tensors, meta, client, save_latest)
     if not async_save:
@@ -104,16 +104,21 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
         ``load_optimizer_states``; DeepSpeed's engine passes ``True``).
       load_module_only: load the parameters and buffers only; the step count, dropout seed, metrics,
         optimizer state and schedule stay the template's.
-      verify: check every file against the sha256 recorded at save (spread over the ranks); sizes are
-        always checked. DeepSpeed records no checksums: its files are only checked to fit together.
-      trust_pickle: also unpickle objects other than tensors, dicts, lists, numbers and strings in a
-        DeepSpeed checkpoint (e.g. the user's own classes in its client state), which can run code; only
-        for checkpoints you trust.
+      verify: check every file against the sha256 recorded at save (spread over the ranks, whose
+        verdicts are combined before anything is unpickled); sizes are always checked. DeepSpeed records
+        no checksums: its files are only checked to fit together.
+      trust_pickle: read the client state with full unpickling (``torch.load(weights_only=False)``), for
+        objects beyond tensors, dicts, lists, numbers and strings (in a DeepSpeed checkpoint too).
+        Unpickling can run code.
       timeout: seconds to wait for every rank to arrive before raising :class:`CheckpointTimeoutError`.
 
     Returns:
-      ``(new_state, client_state)``. The client state is unpickled: load only checkpoints you trust,
-      as with ``torch.load``.
+      ``(new_state, client_state)``.
+
+    Trust. Load or export only checkpoints you would run as code: the sha256 manifest detects damage, not
+    tampering (whoever can write the files can rewrite it), and torch.distributed.checkpoint unpickles every
+    checkpoint's .metadata in load_checkpoint and dsfunc export alike; only the client state is read with
+    torch.load(weights_only=True) unless trust_pickle=True.
     """
     _check_state(state, "load_checkpoint")
     wait_for_checkpoint()  # [Note: one save in flight]
@@ -125,7 +130,9 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
     )
     if (deepspeed := deepspeed_folder(load_dir, tag)) is not None:
         return load_deepspeed(deepspeed, state, selection, trust_pickle=trust_pickle)
-    folder, meta, client = collective(lambda: _open(Path(load_dir), tag, state, selection, verify))
+    # [Note: verify, agree, then unpickle] (dsfunc.checkpoint.trust): the verdicts of all ranks first
+    folder, meta = collective(lambda: _open(Path(load_dir), tag, state, selection, verify))
+    client = collective(lambda: read_client_state(folder, meta, trust_pickle))
     targets, copy_back = load_dict(state, wanted(meta, state, selection))
     try:
         read_tensors(targets, folder)
@@ -167,19 +174,12 @@ def _executor() -> ThreadPoolExecutor:
     return _EXECUTOR
 
 
-def _pickle(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save({} if obj is None else obj, buffer)
-    return buffer.getvalue()
-
-
 def _open(load_dir: Path, tag: Any, state: TrainState, selection: Selection,
-          verify: bool) -> tuple[Path, dict[str, Any], Any]:
-    """Find, read, check and verify the checkpoint and read its client state, all before the template is
-    touched: whatever is wrong with the checkpoint leaves the template usable."""
+          verify: bool) -> tuple[Path, dict[str, Any]]:
+    """Find, read, check and verify the checkpoint before the template is touched: whatever is wrong with
+    the checkpoint leaves the template usable. Nothing is unpickled here."""
     folder = find_checkpoint(load_dir, tag)
     meta = read_meta(folder)
     check_compatible(folder, meta, state, selection)
     verify_files(folder, meta, share=(comm.rank(), comm.world_size()) if verify else None)
-    client = torch.load(folder / CLIENT_FILE, weights_only=False) if CLIENT_FILE in meta["files"] else {}
-    return folder, meta, client
+    return folder, meta

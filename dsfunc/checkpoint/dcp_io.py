@@ -10,7 +10,9 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dsfunc.checkpoint.coordination import side_group
+from dsfunc.checkpoint.coordination import collective, side_group
+from dsfunc.checkpoint.disk import disk_text
+from dsfunc.checkpoint.layout import META_DATA, tensor_file
 from dsfunc.dist import comm
 
 _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
@@ -46,3 +48,25 @@ def failure_text(e: BaseException) -> str:
         return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}"
                          for r, (exc, _) in sorted(e.failures.items()))
     return f"{type(e).__name__}: {e}"
+
+
+def write_failure_text(e: BaseException, folder: Path) -> str:
+    """Why writing into ``folder`` failed, as ``rank r: ...`` for every failed rank, the same on every rank
+    (every rank must call it after a failed :func:`write_tensors`).
+
+    Each failed rank describes its own failure, where it alone sees its disk as it was when its write
+    failed, so that a full disk reads ``no space left on device while writing FOLDER/__r_0.distcp`` on
+    every rank (:mod:`.disk`).
+    """
+    rank = comm.rank()
+    if isinstance(e, CheckpointException):
+        exc, frames = e.failures.get(rank, (None, []))
+    else:
+        exc, frames = e, []
+    mine = None
+    if exc is not None:
+        # DCP's coordinator writes .metadata in its ``finish`` step; every rank writes its own data file
+        file = META_DATA if any(f.name == "finish" for f in frames) else tensor_file(rank)
+        mine = disk_text(exc, folder / file) or f"{type(exc).__name__}: {exc}"
+    texts = collective(lambda: mine, gather=True)
+    return "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts) if t is not None) or failure_text(e)

@@ -39,6 +39,7 @@ from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.metadata import read_meta, verify_files
 from dsfunc.checkpoint.publish import atomic_file
 from dsfunc.checkpoint.tags import PathLike, find_checkpoint
+from dsfunc.checkpoint.trust import TRUST_MODEL
 from dsfunc.errors import InputError
 
 Layout = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
@@ -229,8 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="dsfunc export",
         description="Write the weights of a dsfunc or DeepSpeed checkpoint as one consolidated fp32 state_dict "
                     "file that plain model.load_state_dict accepts, or (--hf-config) as a Hugging Face model "
-                    "directory; no process group needed. Checkpoint files are pickles: export only "
-                    "checkpoints you trust (see --trust-pickle).",
+                    "directory; no process group needed.",
+        epilog=f"Security: {TRUST_MODEL}",
     )
     parser.add_argument("ckpt_dir", help="a save_dir of dsfunc.save_checkpoint or of DeepSpeed, or a checkpoint "
                                          "folder")

@@ -19,7 +19,13 @@ from pathlib import Path
 META_FILE = "dsfunc_checkpoint.json"
 CLIENT_FILE = "client_state.pt"
 LATEST_FILE = "latest"
+META_DATA = ".metadata"  # DCP's index, written by rank 0 (a pickle)
 _REPLACED = ".replaced"
+
+
+def tensor_file(rank: int) -> str:
+    """The name of the file of tensor data that ``rank`` writes (DCP's, with one file per rank)."""
+    return f"__{rank}_0.distcp"
 
 
 def temporary(save_dir: Path, name: str) -> Path:

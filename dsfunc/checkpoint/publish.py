@@ -25,9 +25,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from dsfunc.checkpoint import layout
 from dsfunc.checkpoint.coordination import collective
-from dsfunc.checkpoint.dcp_io import failure_text, write_tensors
+from dsfunc.checkpoint.dcp_io import failure_text, write_failure_text, write_tensors
+from dsfunc.checkpoint.disk import check_space, disk_text, local_bytes
 from dsfunc.checkpoint.errors import CheckpointError
-from dsfunc.checkpoint.layout import CLIENT_FILE, LATEST_FILE, META_FILE
+from dsfunc.checkpoint.layout import CLIENT_FILE, LATEST_FILE, META_FILE, tensor_file
 from dsfunc.checkpoint.metadata import digest, hash_share
 from dsfunc.checkpoint.tags import read_latest
 from dsfunc.dist import comm
@@ -39,10 +40,11 @@ def write_checkpoint(save_dir: Path, tag: str, tensors: dict[str, Any], meta: di
     rank, tmp = comm.rank(), None
     try:
         tmp = Path(collective(lambda: _make_tmp(save_dir, tag) if rank == 0 else None, src=0))
+        collective(lambda: check_space(tmp, tmp / tensor_file(rank), local_bytes(tensors)))
         try:
             write_tensors(tensors, tmp)
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
-            raise CheckpointError(f"writing the tensors failed: {failure_text(e)}") from e
+            raise CheckpointError(f"writing the tensors failed: {write_failure_text(e, tmp)}") from e
         digests: dict[str, Any] = {}
         for part in collective(lambda: hash_share(tmp), gather=True):
             digests.update(part)
@@ -114,11 +116,17 @@ def _publish(save_dir: Path, tmp: Path, tag: str, meta: dict[str, Any], client: 
 
 
 def _write_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and wait until it is on disk."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write ``data`` to ``path`` and wait until it is on disk; a full disk is named as such."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        text = disk_text(e, path)
+        if text is None:
+            raise
+        raise CheckpointError(text) from e
 
 
 def _fsync_dir(path: Path) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dsfunc.config.errors import ConfigError, _auto, _bad, _join, _or, _show, _unknown, _unsupported
-from dsfunc.config.schema import Check, Rule
+from dsfunc.config.schema import Check, Rule, _as_is, _parse, _Schema, _Spec
 
 # Checks, for the keys dsfunc implements.
 
@@ -114,6 +114,35 @@ def _betas(value: Any, path: str) -> tuple[float, float]:
         raise _bad(path, value, allowed) from None
 
 
+def _object(value: Any, path: str) -> Mapping[str, Any]:
+    """A JSON object whose contents DeepSpeed hands on unparsed (e.g. autotuning's ``arg_mappings``)."""
+    if not isinstance(value, Mapping):
+        raise _bad(path, value, "a JSON object")
+    return value
+
+
+def _list_of(inner: Check) -> Check:
+    """A JSON list whose every item ``inner`` accepts."""
+
+    def check(value: Any, path: str) -> list[Any]:
+        if not isinstance(value, (list, tuple)):
+            raise _bad(path, value, "a list")
+        return [inner(item, f"{path}[{i}]") for i, item in enumerate(value)]
+
+    return check
+
+
+def _fields(keys: Mapping[str, Check]) -> Check:
+    """A JSON object (or null) with only the keys of ``keys``, each checked by its check; an unknown key is
+    an error naming the closest known one (the table of a section dsfunc does not implement)."""
+    schema = _Schema({key: _Spec(None, check) for key, check in keys.items()})
+
+    def check(value: Any, path: str) -> dict[str, Any] | None:
+        return None if value is None else _parse(value, path, schema)
+
+    return check
+
+
 _SIZE = _integer(ge=0, whole_floats=True)
 _NON_NEGATIVE = _number(ge=0.0)
 _STEPS = _integer(ge=1)
@@ -159,29 +188,24 @@ def _only(*accepted: Any, feature: str, fix: str = "") -> Rule:
     return rule
 
 
-def _off(feature: str, fix: str = "") -> Rule:
-    """A section that is accepted while nothing in it is ``"enabled": true`` (other keys are not checked)."""
+def _off(feature: str, keys: Mapping[str, Check], fix: str = "") -> Rule:
+    """A section dsfunc does not implement, checked against DeepSpeed's table of its keys (``enabled`` is
+    added): an unknown key or a bad value is an error naming it, and ``"enabled": true`` anywhere in it is
+    the not-supported error."""
+    check = _fields({"enabled": _optional(_bool), **keys})
 
     def find_enabled(value: Any, path: str) -> str | None:
         if not isinstance(value, Mapping):
             return None
         for key, sub in value.items():
             sub_path = _join(path, key)
-            if key != "enabled":
-                found = find_enabled(sub, sub_path)
-            elif sub == "auto":
-                raise _auto(sub_path)
-            elif not isinstance(sub, (bool, type(None))):
-                raise _bad(sub_path, sub, "true or false")
-            else:
-                found = sub_path if sub else None
+            found = (sub_path if sub is True else None) if key == "enabled" else find_enabled(sub, sub_path)
             if found is not None:
                 return found
         return None
 
     def rule(value: Any, path: str) -> None:
-        if value is not None and not isinstance(value, Mapping):
-            raise _bad(path, value, "a JSON object")
+        check(value, path)
         enabled = find_enabled(value, path)
         if enabled is not None:
             raise _unsupported(enabled, True, feature, f'Set it to false or remove "{path}".', fix)
@@ -200,16 +224,34 @@ def _empty(feature: str) -> Rule:
     return rule
 
 
-def _inert(value: Any, path: str) -> None:
-    """Keys that only tune machinery dsfunc does not have (e.g. NVMe I/O); accepted as they are."""
+def _accepted(check: Check) -> Rule:
+    """A key that only tunes machinery dsfunc does not have (e.g. NVMe I/O): any value ``check`` accepts."""
+
+    def rule(value: Any, path: str) -> None:
+        check(value, path)
+
+    return rule
 
 
-def _offload(what: str) -> Rule:
+def _removed(message: str, see: str) -> Rule:
+    """A key DeepSpeed has removed (0.19.8 refuses a config that has it), with DeepSpeed's explanation."""
+
+    def rule(value: Any, path: str) -> None:
+        raise ConfigError(f'{path}: {message} DeepSpeed 0.19.8 refuses this key too: remove "{path}" (see {see}).')
+
+    return rule
+
+
+def _offload(what: str, keys: Mapping[str, Check]) -> Rule:
+    """``offload_optimizer`` / ``offload_param``: DeepSpeed's keys (``keys`` besides ``device``), device "none"."""
+    check = _fields({"device": _as_is, **keys})
+
     def rule(value: Any, path: str) -> None:
         if value is None:
             return
         if not isinstance(value, Mapping):
             raise _bad(path, value, 'a JSON object such as {"device": "none"}')
+        check(value, path)
         device = value.get("device", "none")
         if device not in (None, "none"):
             raise ConfigError(

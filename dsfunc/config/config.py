@@ -37,7 +37,7 @@ class Config:
     bf16: BF16Config
     zero_optimization: ZeroConfig
     gradient_clipping: float = _key(1.0, _NON_NEGATIVE)  # DeepSpeed >= 0.19.3; 0 disables
-    steps_per_print: int | None = _key(None, _optional(_STEPS))
+    steps_per_print: int | None = _key(10, _optional(_STEPS))  # DeepSpeed's default; null: no progress lines
     wall_clock_breakdown: bool = _key(False, _bool)
     communication_data_type: str | None = _key(None, _DTYPE_NAME)
     prescale_gradients: bool = _key(False, _bool)

@@ -64,6 +64,7 @@ _DATA_TYPES = _Schema(
     fixed={
         "param_dtype": _only(None, feature="a separate parameter dtype"),
         "buffer_dtype": _only(None, feature="a separate buffer dtype"),
+        "keep_in_fp32_modules": _only("auto", feature="choosing the modules kept in fp32"),
     },
 )
 

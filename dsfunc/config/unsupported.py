@@ -1,13 +1,27 @@
-"""Top-level DeepSpeed sections dsfunc does not implement, accepted only while off or at their default."""
+"""Top-level DeepSpeed sections dsfunc does not implement, accepted only while off or at their default.
+
+Every key is checked: a section that is off is still checked against DeepSpeed's table of its keys
+(:mod:`dsfunc.config.deepspeed_keys`), and keys DeepSpeed has removed are errors, as in DeepSpeed 0.19.8.
+"""
 
 from __future__ import annotations
 
-from dsfunc.config.checks import _empty, _inert, _off, _only
+from dsfunc.config import deepspeed_keys as ds
+from dsfunc.config.checks import (
+    _DTYPE_NAME,
+    _accepted,
+    _bool,
+    _empty,
+    _fields,
+    _integer,
+    _off,
+    _only,
+    _removed,
+)
 from dsfunc.config.schema import Rule
 
 _UNSUPPORTED_TOP: dict[str, Rule] = {
-    "amp": _off("Apex AMP", 'Use "fp16" or "bf16" instead.'),
-    "flops_profiler": _off("the FLOPs profiler"),
+    "flops_profiler": _off("the FLOPs profiler", ds.FLOPS_PROFILER),
     "activation_checkpointing": _only(
         {
             "partition_activations": False,
@@ -20,8 +34,7 @@ _UNSUPPORTED_TOP: dict[str, Rule] = {
         feature="DeepSpeed's activation checkpointing",
         fix="Use torch.utils.checkpoint inside the model.",
     ),
-    "autotuning": _off("autotuning"),
-    "elasticity": _off("elastic batch sizes"),
+    "autotuning": _off("autotuning", ds.AUTOTUNING),
     "pipeline": _only(
         {
             "stages": "auto",
@@ -33,20 +46,19 @@ _UNSUPPORTED_TOP: dict[str, Rule] = {
         },
         feature="pipeline parallelism",
     ),
-    "sparse_attention": _empty("sparse attention"),
-    "compression_training": _off("compression training"),
-    "data_efficiency": _off("data efficiency (curriculum learning, random-LTD)"),
-    "curriculum_learning": _off("curriculum learning"),
-    "wandb": _off("the Weights & Biases monitor", 'dsfunc has "tensorboard" and "csv_monitor".'),
-    "comet": _off("the Comet monitor", 'dsfunc has "tensorboard" and "csv_monitor".'),
-    "comms_logger": _off("the communication logger"),
-    "aio": _inert,  # tunes NVMe I/O, which only offload (rejected) uses
+    "data_efficiency": _off("data efficiency (curriculum learning, random-LTD)", ds.DATA_EFFICIENCY),
+    "wandb": _off("the Weights & Biases monitor", ds.WANDB, 'dsfunc has "tensorboard" and "csv_monitor".'),
+    "comet": _off("the Comet monitor", ds.COMET, 'dsfunc has "tensorboard" and "csv_monitor".'),
+    "comms_logger": _off("the communication logger", ds.COMMS_LOGGER),
+    "aio": _accepted(_fields(ds.AIO)),  # tunes NVMe I/O, which only offload (rejected) uses
     "checkpoint": _only(
         {
             "tag_validation": "Warn",
             "load_universal": False,
             "use_node_local_storage": False,
             "parallel_write": {"pipeline_stage": False},
+            "checkpoint_serialization": True,
+            "writer": None,
         },
         feature="these checkpoint options",
         fix="dsfunc checkpoints load at any world size without conversion.",
@@ -61,22 +73,20 @@ _UNSUPPORTED_TOP: dict[str, Rule] = {
         feature="log_level",
         fix='dsfunc logs to the "dsfunc" logger; set its level with the logging module.',
     ),
-    "vocabulary_size": _inert,  # DeepSpeed only warns when it is not a multiple of 8
-    "sparse_gradients": _only(False, feature="sparse embedding gradients"),
-    "zero_force_ds_cpu_optimizer": _inert,  # only concerns CPU offload, which is rejected
+    "vocabulary_size": _accepted(_integer(ge=1)),  # DeepSpeed only warns when it is not a multiple of 8
+    "zero_force_ds_cpu_optimizer": _accepted(_bool),  # only concerns CPU offload, which is rejected
     "disable_allgather": _only(False, feature="disable_allgather"),
     "gradient_allreduce_op": _only("mean", feature="summed gradient reduction"),
-    "torch_autocast": _off("torch.autocast mixed precision", 'Use "fp16" or "bf16".'),
-    "progressive_layer_drop": _off("progressive layer drop"),
-    "eigenvalue": _off("eigenvalue computation"),
-    "hybrid_engine": _off("the hybrid (RLHF) engine"),
-    "compile": _off("DeepSpeed's torch.compile integration"),
-    "nebula": _off("Nebula checkpointing"),
-    "quantize_training": _off("quantized training"),
+    "torch_autocast": _off("torch.autocast mixed precision", ds.TORCH_AUTOCAST, 'Use "fp16" or "bf16".'),
+    "hybrid_engine": _off("the hybrid (RLHF) engine", ds.HYBRID_ENGINE),
+    "compile": _only(ds.COMPILE_DEFAULTS, feature="DeepSpeed's compiler (DeepCompile) options"),
     "weight_quantization": _empty("weight quantization"),
     "tensor_parallel": _empty("tensor parallelism"),
     "expert_parallel": _empty("expert parallelism"),
     "sequence_parallel_size": _only(1, feature="sequence parallelism"),
-    "seq_parallel_communication_data_type": _inert,  # only used by sequence parallelism
+    "seq_parallel_communication_data_type": _accepted(_DTYPE_NAME),  # only used by sequence parallelism
     "managed_gradient_accumulation": _only(True, feature="unmanaged gradient accumulation"),
-}
+    "disable_python_gc": _only(False, feature="disabling Python's garbage collector"),
+    "use_data_before_expert_parallelism": _only(False, feature="expert parallelism"),
+    "datastates_ckpt": _only(None, False, feature="DataStates checkpointing"),
+} | {key: _removed(message, ds.REMOVED_SEE) for key, message in ds.REMOVED_TOP.items()}

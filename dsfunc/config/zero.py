@@ -6,7 +6,18 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from dsfunc.config.checks import _SIZE, _bool, _empty, _inert, _integer, _offload, _only, _optional
+from dsfunc.config import deepspeed_keys as ds
+from dsfunc.config.checks import (
+    _SIZE,
+    _accepted,
+    _bool,
+    _empty,
+    _integer,
+    _offload,
+    _only,
+    _optional,
+    _removed,
+)
 from dsfunc.config.schema import Rule, _key, _section
 
 
@@ -50,11 +61,11 @@ _ZERO_ALIASES = {
     "partition_stream_chunk_size": "stage3_partition_stream_chunk_size",
 }
 _ZERO_FIXED: dict[str, Rule] = {
-    "offload_optimizer": _offload("optimizer state"),
-    "offload_param": _offload("parameters"),
+    "offload_optimizer": _offload("optimizer state", ds.OFFLOAD_OPTIMIZER),
+    "offload_param": _offload("parameters", ds.OFFLOAD_PARAM),
     "cpu_offload": _only(None, False, feature="ZeRO-Offload (cpu_offload)"),
     "cpu_offload_param": _only(None, False, feature="ZeRO-Offload of parameters (cpu_offload_param)"),
-    "cpu_offload_use_pin_memory": _inert,
+    "cpu_offload_use_pin_memory": _accepted(_optional(_bool)),
     "zenflow": _only(None, feature="ZenFlow"),
     "use_multi_rank_bucket_allreduce": _only(True, feature="disabling multi-rank bucket all-reduce"),
     "load_from_fp32_weights": _only(
@@ -73,9 +84,6 @@ _ZERO_FIXED: dict[str, Rule] = {
     "zero_quantized_weights": _only(False, feature="ZeRO++ quantized weights"),
     "zero_quantized_nontrainable_weights": _only(False, feature="ZeRO++ quantized non-trainable weights"),
     "zero_quantized_gradients": _only(False, feature="ZeRO++ quantized gradients"),
-    "zeropp_loco_param": _only(None, feature="ZeRO++ LoCo"),
-    "mics_shard_size": _only(-1, feature="MiCS sharding"),
-    "mics_hierarchical_params_gather": _only(False, feature="MiCS hierarchical gathers"),
     "memory_efficient_linear": _only(True, feature="disabling the memory-efficient linear"),
     "override_module_apply": _only(True, feature="disabling the nn.Module.apply override"),
     "pipeline_loading_checkpoint": _only(False, feature="pipeline-mode checkpoint loading"),
@@ -83,7 +91,7 @@ _ZERO_FIXED: dict[str, Rule] = {
     "enable_sanity_checks": _only(False, feature="DeepSpeed's internal sanity checks"),
     "save_muon_momentum_buffer_in_memory": _only(False, feature="the Muon optimizer"),
     "leaf_module": _empty("ZeRO-3 leaf modules"),
-}
+} | {key: _removed(message, ds.REMOVED_SEE) for key, message in ds.REMOVED_ZERO.items()}
 _ZERO_SECTION = _section(ZeroConfig, _ZERO_FIXED, _ZERO_ALIASES)
 
 

@@ -342,13 +342,17 @@ class Engine:
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
         custom_load_fn: Callable[..., Any] | None = None,
+        *,
+        trust_pickle: bool = False,
     ) -> tuple[str | None, dict[str, Any] | None]:
         """Load ``load_dir/<tag>`` (default: the tag in ``load_dir/latest``) into the engine.
 
         Returns ``(load_path, client_state)``, or ``(None, None)`` (with a warning) when there is nothing
         to load. ``load_module_only`` loads parameters and buffers only; ``load_optimizer_states=False``
         keeps fresh optimizer and loss-scaler state, ``load_lr_scheduler_states=False`` a fresh schedule.
-        The engine's counters and its ``training_dataloader`` continue from the saved step.
+        The engine's counters and its ``training_dataloader`` continue from the saved step. The client
+        state is read with ``torch.load(weights_only=True)`` unless ``trust_pickle=True`` (see
+        :func:`dsfunc.load_checkpoint`).
         """
         if not load_module_strict:
             raise InputError("load_module_strict=False is not supported: a checkpoint must match the model")
@@ -364,6 +368,7 @@ class Engine:
         loaded, client = checkpoint.load_checkpoint(
             folder, self._state, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+            trust_pickle=trust_pickle,
         )
         client = dict(client or {})
         counters = client.pop(ENGINE_KEY, None)

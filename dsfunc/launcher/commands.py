@@ -24,7 +24,8 @@ class Launch:
     """Everything a runner needs to start a job.
 
     ``rank_args`` is what :mod:`dsfunc.launcher.shim` receives: ``[--no_local_rank] [--module|--no_python]
-    TARGET [ARGS ...]``; ``exports`` is the environment every rank gets on top of its node's own.
+    [--bind_cores_to_rank [--bind_core_list=L]] TARGET [ARGS ...]``; ``exports`` is the environment every
+    rank gets on top of its node's own.
     """
 
     resources: Resources
@@ -35,6 +36,7 @@ class Launch:
     launcher_args: list[str] = dataclasses.field(default_factory=list)
     max_restarts: int = 0
     cwd: str = dataclasses.field(default_factory=os.getcwd)
+    venv_script: str | None = None  # sourced by each node's shell before its agent starts (ssh, pdsh)
     python: str = dataclasses.field(default_factory=lambda: os.environ.get("PYTHON_EXEC", sys.executable))
 
     @property
@@ -69,7 +71,8 @@ def remote_shell_command(launch: Launch, agent_argv: list[str]) -> str:
     """A shell line for a remote node: same working directory, the exported environment, then the agent."""
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in launch.exports.items())
     prefix = f"export {exports}; " if exports else ""
-    return f"cd {shlex.quote(launch.cwd)} && {prefix}exec {shlex.join(agent_argv)}"
+    venv = f". {shlex.quote(launch.venv_script)} && " if launch.venv_script else ""
+    return f"cd {shlex.quote(launch.cwd)} && {venv}{prefix}exec {shlex.join(agent_argv)}"
 
 
 def ssh_commands(launch: Launch) -> list[list[str]]:

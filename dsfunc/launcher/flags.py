@@ -96,6 +96,12 @@ def _add_runner_flags(p: argparse.ArgumentParser) -> None:
         "--node_rank", type=int, default=-1, help="this node's index in the hostfile (with --no_ssh)"
     )
     p.add_argument("--force_multi", action="store_true", help="use the multi-node runner even for one node")
+    p.add_argument(
+        "--venv_script",
+        default=None,
+        help="a script each node sources before starting its ranks, e.g. a virtualenv's bin/activate "
+        "(ssh and pdsh launchers)",
+    )
 
 
 def _add_program_flags(p: argparse.ArgumentParser) -> None:
@@ -115,6 +121,29 @@ def _add_program_flags(p: argparse.ArgumentParser) -> None:
         help="write each rank's stdout/stderr to DIR/<YYYYmmddHHMMSS>_rank<N>.log",
     )
     p.add_argument(
+        "--bind_cores_to_rank",
+        action="store_true",
+        help="bind each rank to its own share of its node's CPU cores (and set OMP_NUM_THREADS to it)",
+    )
+    p.add_argument(
+        "--bind_core_list",
+        default=None,
+        help="the cores to share out with --bind_cores_to_rank, e.g. 0,2-5 (default: every core this "
+        "process may use)",
+    )
+    p.add_argument(
+        "--log_level",
+        type=str.lower,
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical"],
+        help="the launcher's own messages shown: info (default) shows progress lines, warning or above only "
+        "problems; failures are always reported",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="as --log_level error")
+    p.add_argument(
+        "--autotuning", default="", choices=["tune", "run"], help="DeepSpeed's autotuner: not supported by dsfunc"
+    )
+    p.add_argument(
         "--max_restarts",
         type=int,
         default=0,
@@ -131,4 +160,6 @@ def parse_launcher_args(argv: list[str]) -> argparse.Namespace:
     args.hostfile = args.hostfile or DEFAULT_HOSTFILE
     if args.max_restarts < 0:
         raise SystemExit("dsfunc: --max_restarts must be >= 0")
+    if args.quiet:
+        args.log_level = "error"
     return args

@@ -14,14 +14,18 @@ import argparse
 import base64
 import datetime
 import json
+import logging
 import os
 import signal
 import sys
 import threading
 import time
 
+from dsfunc.launcher.cores import THREADS_VARIABLE, threads_per_rank
+from dsfunc.launcher.exits import CLOCK_VARIABLE, ExitClock
 from dsfunc.launcher.resources import Resources, gpu_count
-from dsfunc.launcher.shim import RANK_ARGS_VARIABLE
+from dsfunc.launcher.shim import RANK_ARGS_VARIABLE, RankArgs, parse_rank_args
+from dsfunc.launcher.supervise import say
 
 _TAIL_LINES = 15
 
@@ -36,21 +40,47 @@ def decode_world_info(text: str) -> Resources:
     return {h: [int(s) for s in slots] for h, slots in json.loads(base64.urlsafe_b64decode(text)).items()}
 
 
-def _error_time(failure) -> float:
-    """When the rank wrote its error file; the earliest error is the cause, the others its consequences."""
-    try:
-        return os.stat(failure.error_file).st_mtime_ns / 1e9
-    except OSError:
-        return float("inf")  # no error file: killed or exited without a Python exception, likely a consequence
+def first_failed(failures: dict, clock: ExitClock | None) -> list[int]:
+    """The failed ranks (``{global_rank: ProcessFailure}``), the one that failed first first.
+
+    By when their processes ended ([Note: which rank failed first]) when the clock saw every one of them;
+    else as torch elastic's agent orders them: by its timestamps, then in the order it noticed them (a rank
+    it stopped itself comes after the ones that had failed).
+    """
+    ended = {r: clock.ended(r) for r in failures} if clock is not None else {}
+    if ended and all(t is not None for t in ended.values()):
+        return sorted(failures, key=lambda r: (ended[r], r))
+    noticed = list(failures)
+    return sorted(failures, key=lambda r: (failures[r].timestamp, noticed.index(r)))
 
 
-def failure_report(failures: dict, host: str) -> str:
+def exit_code_of(failures: dict, rank: int, clock: ExitClock | None) -> int:
+    """The code ``rank`` failed with: the one its program exited with even when the agent's SIGTERM ended the
+    process during the interpreter's shutdown, else its process's (128 + signal for a signal)."""
+    code = failures[rank].exitcode
+    said = clock.code(rank) if clock is not None else None
+    if code < 0 and said:
+        return said
+    return code if code > 0 else 128 + (-code or 1)
+
+
+def _how(failures: dict, rank: int, clock: ExitClock | None) -> str:
+    failure = failures[rank]
+    if failure.exitcode >= 0:
+        return f"exit code {failure.exitcode}"
+    said = clock.code(rank) if clock is not None else None
+    if said:
+        return f"exit code {said} (its shutdown then stopped by signal {failure.signal_name()})"
+    return f"signal {failure.signal_name()}"
+
+
+def failure_report(failures: dict, host: str, clock: ExitClock | None = None) -> str:
     """Human-readable report of failed ranks (``{global_rank: ProcessFailure}``): the first failure with the
     end of its traceback, then the other failed ranks."""
-    order = sorted(failures, key=lambda r: (_error_time(failures[r]), r))
+    order = first_failed(failures, clock)
     first = failures[order[0]]
-    how = f"exit code {first.exitcode}" if first.exitcode >= 0 else f"signal {first.signal_name()}"
-    lines = [f"dsfunc: rank {order[0]} (local rank {first.local_rank} on {host}) failed with {how}"]
+    lines = [(f"dsfunc: rank {order[0]} (local rank {first.local_rank} on {host}) failed with "
+             f"{_how(failures, order[0], clock)}")]
     message = first.message
     if isinstance(message, dict):
         trace = message.get("extraInfo", {}).get("py_callstack") or message.get("message", "")
@@ -59,8 +89,8 @@ def failure_report(failures: dict, host: str) -> str:
         lines.append("  (no Python traceback was recorded; see the rank's output above)")
     for rank in order[1:]:
         f = failures[rank]
-        other = f"exit code {f.exitcode}" if f.exitcode >= 0 else f"signal {f.signal_name()}"
-        lines.append(f"dsfunc: rank {rank} (local rank {f.local_rank} on {host}) also stopped with {other}")
+        lines.append(f"dsfunc: rank {rank} (local rank {f.local_rank} on {host}) also stopped with "
+                     f"{_how(failures, rank, clock)}")
     return "\n".join(lines)
 
 
@@ -143,8 +173,14 @@ def run_node(
 
     hosts = list(world)
     slots = world[hosts[node_rank]]
+    rank = parse_rank_args(rank_args)
+    missing = rank.missing_target()
+    if missing is not None:  # before any rank starts
+        print(f"dsfunc: error: on {hosts[node_rank]}, {missing}", file=sys.stderr, flush=True)
+        return 2
     if gpu_count() > 0:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slots))
+    _default_threads(len(slots), rank)
     # DeepSpeed's launcher also tells each rank its node's index, the node count and the node's rank count.
     os.environ.update(CROSS_RANK=str(node_rank), CROSS_SIZE=str(len(hosts)), LOCAL_SIZE=str(len(slots)))
     argv = [
@@ -163,21 +199,46 @@ def run_node(
     # abbreviate one of its options (e.g. `--log`, `--max`).
     os.environ[RANK_ARGS_VARIABLE] = json.dumps(list(rank_args))
     keeper = _StoreKeeper(master_addr, master_port, node_rank, len(hosts)) if len(hosts) > 1 else None
+    clock = ExitClock()
+    os.environ[CLOCK_VARIABLE] = clock.path
+    _AGENT_LOG.addFilter(_drop_agent_guess)
     try:
         torchrun.run(torchrun.parse_args(argv))
         if keeper is not None:
             keeper.finish()
     except ChildFailedError as e:
         failures = e.failures
-        print(failure_report(failures, hosts[node_rank]), file=sys.stderr, flush=True)
-        first = min(failures, key=lambda r: (_error_time(failures[r]), r))
-        code = failures[first].exitcode
-        return code if code > 0 else 128 + (-code or 1)
+        print(failure_report(failures, hosts[node_rank], clock), file=sys.stderr, flush=True)
+        return exit_code_of(failures, first_failed(failures, clock)[0], clock)
     except SignalException as e:
         return 128 + int(e.sigval)
     except KeyboardInterrupt:
         return 128 + int(signal.SIGINT)
+    finally:
+        _AGENT_LOG.removeFilter(_drop_agent_guess)
+        os.environ.pop(CLOCK_VARIABLE, None)
+        clock.close()
     return 0
+
+
+# torch elastic's agent logs which rank it believes failed first ("failed (exitcode: 1) local_rank: 0"),
+# by its whole-second timestamps; failure_report says which one did ([Note: which rank failed first]).
+_AGENT_LOG = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+
+
+def _drop_agent_guess(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("failed (exitcode:")
+
+
+def _default_threads(local_size: int, rank: RankArgs) -> None:
+    """OMP_NUM_THREADS for this node's ranks unless the user set it: cores shared out (:mod:`.cores`), in
+    one line of ours instead of torch elastic's warning (which it prints when it sets 1 itself)."""
+    if THREADS_VARIABLE in os.environ or (local_size == 1 and not rank.bind_cores):
+        return
+    threads = threads_per_rank(local_size, rank.bind_cores, rank.core_list)
+    os.environ[THREADS_VARIABLE] = str(threads)
+    say(f"{THREADS_VARIABLE}={threads} for each of {local_size} local rank(s) "
+        f"({len(os.sched_getaffinity(0))} CPU cores here); set {THREADS_VARIABLE} to choose another value")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,18 +17,69 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from dsfunc.errors import InputError
 from dsfunc.launcher import commands
 from dsfunc.launcher.commands import Launch, LauncherError
+from dsfunc.launcher.cores import parse_core_list, rank_cores
 from dsfunc.launcher.environment import exported_env
 from dsfunc.launcher.node import run_node
 from dsfunc.launcher.resources import Resources, gpu_count, resolve
-from dsfunc.launcher.supervise import close_stdin, say, supervise_nodes, supervise_pdsh, terminate
+from dsfunc.launcher.supervise import (
+    LOG_LEVEL_VARIABLE,
+    close_stdin,
+    say,
+    supervise_nodes,
+    supervise_pdsh,
+    terminate,
+)
 
 
 def _rank_args(args: argparse.Namespace) -> list[str]:
+    """What each rank's shim gets (:func:`dsfunc.launcher.shim.parse_rank_args` reads it back)."""
     flags = ["--no_local_rank"] if args.no_local_rank else []
     flags += ["--module"] if args.module else ["--no_python"] if args.no_python else []
+    flags += ["--bind_cores_to_rank"] if args.bind_cores_to_rank else []
+    flags += [f"--bind_core_list={args.bind_core_list}"] if args.bind_core_list is not None else []
     return [*flags, args.user_script, *args.user_args]
+
+
+def _check_flags(args: argparse.Namespace, runner: str, resources: Resources) -> None:
+    """DeepSpeed's flags that dsfunc refuses, or that cannot work as given, before anything starts."""
+    if args.autotuning:
+        raise LauncherError("--autotuning: DeepSpeed's autotuner is not supported by dsfunc; remove the flag")
+    if args.venv_script is not None and runner not in ("ssh", "pdsh"):
+        raise LauncherError(
+            f"--venv_script applies to the ssh and pdsh launchers, whose nodes start a shell (this job runs via "
+            f"{runner}); activate the environment before starting dsfunc instead"
+        )
+    if args.bind_core_list is not None and not args.bind_cores_to_rank:
+        raise LauncherError("--bind_core_list lists the cores for --bind_cores_to_rank; pass that flag too")
+    if args.bind_cores_to_rank:
+        try:  # the cores of this machine are the job's only when it runs here; each node checks its own
+            if runner == "local":
+                rank_cores(args.bind_core_list, 0, max(len(s) for s in resources.values()))
+            elif args.bind_core_list is not None:
+                parse_core_list(args.bind_core_list)
+        except InputError as e:
+            raise LauncherError(str(e)) from None
+    if runner == "openmpi":
+        _check_mpirun_as_root(shlex.split(args.launcher_args))
+
+
+def _check_mpirun_as_root(launcher_args: list[str]) -> None:
+    """Open MPI's mpirun refuses to start as root unless told it may: say how before it fails."""
+    allowed = "--allow-run-as-root" in launcher_args or (
+        os.environ.get("OMPI_ALLOW_RUN_AS_ROOT") == "1" and os.environ.get("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM") == "1"
+    )
+    if os.geteuid() != 0 or allowed or shutil.which("mpirun") is None:
+        return
+    version = subprocess.run(["mpirun", "--version"], capture_output=True, text=True, timeout=60, check=False)
+    if "Open MPI" in version.stdout + version.stderr:
+        raise LauncherError(
+            "you are root, and Open MPI's mpirun refuses to run as root unless told it may: pass "
+            "--launcher_args=--allow-run-as-root (or set OMPI_ALLOW_RUN_AS_ROOT=1 and "
+            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1), or launch as another user"
+        )
 
 
 def _ssh_reachable(ssh_args: list[str], hosts: list[str]) -> None:
@@ -133,13 +184,16 @@ def launch(args: argparse.Namespace) -> int:
         gpu_count(),
     )
     runner = _choose_runner(args, len(resources))
+    _check_flags(args, runner, resources)
     if args.max_restarts > 0 and (len(resources) > 1 or runner in ("openmpi", "slurm")):
         raise LauncherError(
             "--max_restarts needs PyTorch's elastic agent to restart every rank together; it works for "
             "single-node jobs, not with several nodes or the openmpi/slurm launchers"
         )
     cwd = os.getcwd()
+    os.environ[LOG_LEVEL_VARIABLE] = args.log_level
     exports = exported_env(os.environ, cwd, os.path.expanduser("~"))
+    exports[LOG_LEVEL_VARIABLE] = args.log_level
     if args.enable_each_rank_log != "None":
         exports["DSFUNC_RANK_LOG_DIR"] = os.path.abspath(args.enable_each_rank_log)
         exports["DSFUNC_LAUNCH_STAMP"] = time.strftime("%Y%m%d%H%M%S")
@@ -159,6 +213,7 @@ def launch(args: argparse.Namespace) -> int:
         launcher_args=ssh_args if runner == "ssh" else shlex.split(args.launcher_args),
         max_restarts=args.max_restarts,
         cwd=cwd,
+        venv_script=args.venv_script,
     )
     hosts = list(resources)
     layout = "; ".join(f"{h}: slots {','.join(map(str, s))}" for h, s in resources.items())

@@ -1,16 +1,19 @@
 """Per-rank entry point: completes the rank variables, adds ``--local_rank=N`` and runs the user's program.
 
-``python -m dsfunc.launcher.shim [--no_local_rank] [--module | --no_python] TARGET [ARGS ...]``
+``python -m dsfunc.launcher.shim [--no_local_rank] [--module | --no_python] [--bind_cores_to_rank
+[--bind_core_list=LIST]] TARGET [ARGS ...]``
 
 Under PyTorch's elastic agent the rank variables are already set. Under ``mpirun`` or ``srun`` they are
 derived from ``OMPI_COMM_WORLD_*`` or ``SLURM_*`` (:mod:`dsfunc.dist.env`), so every rank sees RANK,
-LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE whatever launched it. With ``DSFUNC_RANK_LOG_DIR`` set, the
-rank's stdout and stderr go to ``<dir>/<DSFUNC_LAUNCH_STAMP>_rank<RANK>.log`` (DeepSpeed's
-``--enable_each_rank_log`` layout).
+LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE whatever launched it. With ``--bind_cores_to_rank`` the rank
+binds itself to its share of the node's cores (:mod:`dsfunc.launcher.cores`) before the program starts.
+With ``DSFUNC_RANK_LOG_DIR`` set, the rank's stdout and stderr go to
+``<dir>/<DSFUNC_LAUNCH_STAMP>_rank<RANK>.log`` (DeepSpeed's ``--enable_each_rank_log`` layout).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import runpy
@@ -19,6 +22,8 @@ import time
 import traceback
 
 from dsfunc.dist.env import rank_env_from_launcher
+from dsfunc.launcher.cores import rank_cores
+from dsfunc.launcher.exits import exit_code, report_exit, report_start
 
 
 def _redirect_output(log_dir: str, stamp: str, rank: str) -> None:
@@ -71,37 +76,78 @@ def _run(mode: str, target: str, argv: list[str]) -> None:
             sys.path[0] = os.path.dirname(os.path.abspath(target))
             runpy.run_path(target, run_name="__main__")
     except Exception as error:  # noqa: BLE001 - reported like an uncaught exception
+        report_exit(exit_code(error))
         _record_and_exit(error)
+    except BaseException as error:  # sys.exit, KeyboardInterrupt: the program ends here, before the interpreter
+        report_exit(exit_code(error))
+        raise
+    report_exit(0)
 
 
 RANK_ARGS_VARIABLE = "DSFUNC_RANK_ARGS"  # how the per-node agent passes this rank's arguments
+
+
+@dataclasses.dataclass(frozen=True)
+class RankArgs:
+    """What every rank runs and how (the shim's flags, then the target and its arguments)."""
+
+    target: str
+    user_args: list[str]
+    mode: str = "script"  # or "module", "no_python"
+    local_rank_flag: bool = True
+    bind_cores: bool = False
+    core_list: str | None = None
+
+    def missing_target(self) -> str | None:
+        """Why the target cannot run here (a script that is not there), or None; modules and programs are
+        found only when the rank starts them."""
+        if self.mode != "script" or os.path.isfile(self.target):
+            return None
+        return (f"the script {self.target!r} does not exist (working directory {os.getcwd()}); for a module "
+                "pass --module, for a program that is not Python --no_python")
+
+
+def parse_rank_args(args: list[str]) -> RankArgs:
+    """``[shim flags] TARGET [ARGS ...]`` (see the module docstring)."""
+    args = list(args)
+    options: dict[str, object] = {}
+    while args and (args[0] in ("--no_local_rank", "--module", "--no_python", "--bind_cores_to_rank")
+                    or args[0].startswith("--bind_core_list=")):
+        flag = args.pop(0)
+        if flag == "--no_local_rank":
+            options["local_rank_flag"] = False
+        elif flag == "--bind_cores_to_rank":
+            options["bind_cores"] = True
+        elif flag.startswith("--bind_core_list="):
+            options["core_list"] = flag.split("=", 1)[1]
+        else:
+            options["mode"] = flag[2:]
+    if not args:
+        raise SystemExit("dsfunc.launcher.shim: no program to run")
+    return RankArgs(args[0], args[1:], **options)
 
 
 def main(args: list[str] | None = None) -> None:
     """Run the rank described by ``args`` (see the module docstring)."""
     if args is None:
         args = json.loads(os.environ.pop(RANK_ARGS_VARIABLE)) if len(sys.argv) == 1 else sys.argv[1:]
-    args = list(args)
-    local_rank_flag = True
-    mode = "script"
-    while args and args[0] in ("--no_local_rank", "--module", "--no_python"):
-        flag = args.pop(0)
-        if flag == "--no_local_rank":
-            local_rank_flag = False
-        else:
-            mode = flag[2:]
-    if not args:
-        raise SystemExit("dsfunc.launcher.shim: no program to run")
-    target, user_args = args[0], args[1:]
+    rank = parse_rank_args(args)
     os.environ.update(rank_env_from_launcher(dict(os.environ)))
+    report_start(os.environ["RANK"])  # [Note: which rank failed first] (dsfunc.launcher.exits)
+    if rank.bind_cores:
+        os.sched_setaffinity(0, rank_cores(rank.core_list, int(os.environ["LOCAL_RANK"]),
+                                           int(os.environ["LOCAL_WORLD_SIZE"])))
     if os.environ.get("DSFUNC_RANK_LOG_DIR"):
         _redirect_output(
             os.environ["DSFUNC_RANK_LOG_DIR"],
             os.environ.get("DSFUNC_LAUNCH_STAMP", "run"),
             os.environ["RANK"],
         )
-    argv = [target] + ([f"--local_rank={os.environ['LOCAL_RANK']}"] if local_rank_flag else []) + user_args
-    _run(mode, target, argv)
+    missing = rank.missing_target()
+    if missing is not None:
+        raise SystemExit(f"dsfunc: {missing}")
+    local_rank = [f"--local_rank={os.environ['LOCAL_RANK']}"] if rank.local_rank_flag else []
+    _run(rank.mode, rank.target, [rank.target, *local_rank, *rank.user_args])
 
 
 if __name__ == "__main__":

@@ -20,9 +20,16 @@ from collections.abc import Callable
 STOP_GRACE_S = 40.0
 
 
-def say(message: str) -> None:
-    """One line of launcher news on stderr, prefixed ``dsfunc:`` like the ranks' failure reports."""
-    print(f"dsfunc: {message}", file=sys.stderr, flush=True)
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
+#: The launcher's own messages below this level are not shown (--log_level, --quiet); failures always are.
+LOG_LEVEL_VARIABLE = "DSFUNC_LAUNCHER_LOG_LEVEL"
+
+
+def say(message: str, level: str = "info") -> None:
+    """One line of launcher news on stderr, prefixed ``dsfunc:`` like the ranks' failure reports; shown when
+    ``level`` is at least the launcher's log level (``DSFUNC_LAUNCHER_LOG_LEVEL``, set from --log_level)."""
+    if _LEVELS[level] >= _LEVELS.get(os.environ.get(LOG_LEVEL_VARIABLE, "info"), 20):
+        print(f"dsfunc: {message}", file=sys.stderr, flush=True)
 
 
 class _Signals:
@@ -74,16 +81,16 @@ def supervise_nodes(
             remote = node_failure()
             if remote is not None and not failed:
                 code = remote[1]
-                say(f"{remote[0]} exited with code {code}; stopping every node")
+                say(f"{remote[0]} exited with code {code}; stopping every node", "error")
                 break
             if failed:
                 i, code = failed[0]
                 others = "; stopping the other nodes" if any(p.poll() is None for p in procs) else ""
-                say(f"{labels[i]} exited with code {code}{others}")
+                say(f"{labels[i]} exited with code {code}{others}", "error")
                 break
             if signals.received is not None:
                 code = 128 + signals.received
-                say(f"got {signal.Signals(signals.received).name}; stopping every rank")
+                say(f"got {signal.Signals(signals.received).name}; stopping every rank", "warning")
                 break
             if all(p.poll() == 0 for p in procs):
                 return 0

@@ -2,8 +2,8 @@
 
 :class:`Monitor` reads what a run is configured to report from the DeepSpeed config in the state:
 
-* ``steps_per_print: N`` — every N optimizer steps, one progress line (DeepSpeed's ``step=..,
-  skipped=..`` and ``SamplesPerSec`` lines in one)::
+* ``steps_per_print: N`` (default 10, as DeepSpeed's; ``null`` turns it off) — every N optimizer steps,
+  one progress line on rank 0 (DeepSpeed's ``step=.., skipped=..`` and ``SamplesPerSec`` lines in one)::
 
       [dsfunc] step=20, skipped=0, loss=1.2345, lr=[0.001], loss_scale=1, grad_norm=0.4321,
       RunningAvgSamplesPerSec=812.3, CurrSamplesPerSec=830.1, MemAllocated=0.01GB, MaxMemAllocated=0.02GB
@@ -13,7 +13,8 @@
   running average leaves out the first two steps (as DeepSpeed's throughput timer), ``TokensPerSec``
   is added when the batch carries token ids (an integer tensor with a sequence dimension), and memory
   is the CUDA allocator's (the process's resident set on a CPU run: ``RSS``/``MaxRSS``). At start-up
-  it also prints the effective config and the per-rank ZeRO memory estimate (:func:`memory_estimate`).
+  it also prints the ZeRO stage and the per-rank memory estimate (:func:`memory_estimate`), and logs the
+  effective config (every key, resolved) to the ``dsfunc`` logger at INFO.
 * ``wall_clock_breakdown: true`` — a ``time (ms) | forward: .. | backward: .. | step: ..`` line with
   the mean per optimizer step since the last print (the engine measures these; functional users pass
   ``timings=``), and ``Train/Samples/elapsed_time_ms_{forward,backward,step}`` events.
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import resource
 import sys
@@ -52,12 +54,18 @@ from dsfunc.errors import InputError, MissingDependencyError
 from dsfunc.monitor.writers import CsvMonitor, TensorBoardMonitor
 from dsfunc.zero.memory import memory_estimate
 
+_log = logging.getLogger("dsfunc")
 TIMERS = ("forward", "backward", "step")
 THROUGHPUT_START_STEP = 2  # DeepSpeed's ThroughputTimer leaves out the first two steps
 
 
+def effective_config(state: Any) -> str:
+    """The resolved config as one JSON line (every key, defaults filled in)."""
+    return "[dsfunc] effective config: " + json.dumps(state.program.config.to_dict(), sort_keys=True, default=str)
+
+
 def startup_summary(state: Any) -> str:
-    """The effective config (resolved JSON) and the ZeRO memory estimate per rank, as printable text."""
+    """What runs: the ZeRO stage, the parameter count and the per-rank memory estimate, as printable text."""
     program = state.program
     plan = program.plan
     est = memory_estimate(state)
@@ -65,7 +73,6 @@ def startup_summary(state: Any) -> str:
     params = sum(u.numel for u in plan.units)
     frozen = sum(state.buffers[n].numel() for n in plan.frozen)
     lines = [
-        "[dsfunc] effective config: " + json.dumps(program.config.to_dict(), sort_keys=True, default=str),
         f"[dsfunc] ZeRO stage {plan.stage} over {plan.world_size} rank(s), {params:,} trainable parameters"
         + (f" ({frozen:,} frozen)" if frozen else "")
         + f" in {len(plan.units)} unit(s), compute dtype {str(program.compute_dtype).replace('torch.', '')}",
@@ -161,6 +168,7 @@ class Monitor:
         self._closed = False
         if self.is_writer and self.steps_per_print is not None:
             self.write(startup_summary(state))
+            _log.info("%s", effective_config(state))  # the whole config: on the "dsfunc" logger, not in the output
         if self.writers or self.bar is not None:
             atexit.register(self.close)
 

@@ -13,6 +13,7 @@ import optree
 import torch
 from torch import Tensor
 
+from dsfunc.kernels.adam import bias_corrections
 from dsfunc.optim.base import (
     Params,
     ScalarOrSchedule,
@@ -99,13 +100,13 @@ def scale_by_adam(b1: ScalarOrSchedule = 0.9, b2: float = 0.999, eps: float = 1e
 
         m = m.mul(b1).add(g, alpha=1 - b1)
         v = v.mul(b2).addcmul(g, g, value=1 - b2)
-        t = (count + 1).to(torch.float32)               # count: int64 0-d, applied steps before this one
-        bc1 = 1 - b1 ** t; bc2 = 1 - b2 ** t            # float32 0-d; torch.ones(()) when not bias_correction
-        u = (m / bc1) / (v.sqrt() / bc2.sqrt()).add(eps)
+        t = count + 1                                   # count: int64 0-d, applied steps before this one
+        bc1, bc2_sqrt = bias_corrections(b1, b2, t)     # float32 0-d; torch.ones(()) when not bias_correction
+        u = (m / bc1) / (v.sqrt() / bc2_sqrt).add(eps)
 
-    The bias corrections are float32 0-d tensors on the params' device, as torch's capturable Adam computes them
-    (no host sync); for ``b2 = 0.999`` ``bc2`` is then 1.3e-5 relative below its float64 value for the first ~1000
-    steps (0.999 rounds up in float32), a ~6e-6 relative difference in those updates' size.
+    The bias corrections (:func:`dsfunc.kernels.adam.bias_corrections`) are float32 0-d tensors on the params'
+    device (no host sync), computed in float64 and rounded once, as torch.optim.AdamW's Python floats are: so the
+    updates agree with torch.optim.AdamW to float32 rounding.
 
     ``b1`` may be a schedule (DeepSpeed's OneCycle cycles ``betas[0]``): then ``b1 = schedule(count - 1)`` as a
     float32 0-d tensor and the first line is ``m.mul(b1).add(g.mul(1 - b1))``.
@@ -125,12 +126,9 @@ def scale_by_adam(b1: ScalarOrSchedule = 0.9, b2: float = 0.999, eps: float = 1e
         nu = _map(lambda v, g: v.mul(b2).addcmul(g, g, value=1 - b2), state.nu, updates)
         count = state.count + 1
         if bias_correction:
-            t = count.to(torch.float32)
-            bc1 = 1 - beta1 ** t
-            bc2 = 1 - b2 ** t
+            bc1, bc2_sqrt = bias_corrections(beta1, b2, count)
         else:
-            bc1 = bc2 = torch.ones((), dtype=torch.float32, device=count.device)
-        bc2_sqrt = bc2.sqrt()
+            bc1 = bc2_sqrt = torch.ones((), dtype=torch.float32, device=count.device)
         out = _map(lambda m, v: (m / bc1) / (v.sqrt() / bc2_sqrt).add(eps), mu, nu)
         return out, ScaleByAdamState(count, mu, nu)
 

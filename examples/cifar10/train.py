@@ -24,7 +24,8 @@ import dsfunc as deepspeed
 def add_argument():
     parser = argparse.ArgumentParser(description="CIFAR")
     parser.add_argument("-e", "--epochs", default=2, type=int, help="number of total epochs (default: 2)")
-    parser.add_argument("--log_interval", type=int, default=2000, help="output logging information at a given interval")
+    parser.add_argument("--log_interval", type=int, default=0,
+                        help="print the running loss every N micro-batches (default: four times an epoch)")
     parser.add_argument("--data_dir", default="./data", help="folder holding cifar-10-batches-py/")
     parser.add_argument("--local_rank", type=int, default=-1, help="local rank passed from distributed launcher")
     # Include DeepSpeed configuration arguments
@@ -114,6 +115,10 @@ def main():
     model_engine, _, trainloader, __ = deepspeed.initialize(
         args=args, model=net, model_parameters=parameters, training_data=trainset)
 
+    # The tutorial's 2000 is longer than an epoch of the digits (and of CIFAR-10 on several ranks): by default,
+    # report four times an epoch. Only rank 0 prints; each rank reports its own micro-batches' loss.
+    log_interval = args.log_interval or max(1, len(trainloader) // 4)
+    rank0 = model_engine.global_rank == 0
     criterion = nn.CrossEntropyLoss()
     for epoch in range(args.epochs):
         running_loss = 0.0
@@ -127,10 +132,12 @@ def main():
 
             # print statistics
             running_loss += loss.item()
-            if i % args.log_interval == (args.log_interval - 1):
-                print(f"[{epoch + 1}, {i + 1:5d}] loss: {running_loss / args.log_interval:.3f}")
+            if i % log_interval == (log_interval - 1):
+                if rank0:
+                    print(f"[{epoch + 1}, {i + 1:5d}] loss: {running_loss / log_interval:.3f}", flush=True)
                 running_loss = 0.0
-    print("Finished Training")
+    if rank0:
+        print("Finished Training")
 
     # Evaluate through the engine: dsfunc trains its own copy of the weights, not `net` in place.
     testloader = torch.utils.data.DataLoader(testset, batch_size=4, shuffle=False)
@@ -146,6 +153,8 @@ def main():
             for label, hit in zip(labels.tolist(), hits.tolist()):
                 class_correct[label] += hit
                 class_total[label] += 1
+    if not rank0:  # every rank evaluated the same weights on the same test set: one table
+        return
     print(f"Accuracy of the network on the {total} test images: {100 * correct // total} %")
     for i, name in enumerate(classes):
         if class_total[i]:

@@ -1,10 +1,13 @@
 """Train a small character-level GPT on the Python reference manual that ships with Python.
 
     python examples/gpt/train.py                       # embedded config, CPU or GPU, about a minute
+    python examples/gpt/train.py --resume              # continue from out-gpt/ckpt (e.g. with --steps 600)
     dsfunc --num_gpus 2 examples/gpt/train.py          # the same on 2 ranks (ZeRO stage from the config)
     python examples/gpt/train.py --deepspeed_config my_config.json --steps 500
 
-No download: the text is `pydoc_data.topics`, part of the standard library.
+No download: the text is `pydoc_data.topics`, part of the standard library; its last 10% is held out for
+the validation loss. Every --eval_interval steps and at the end it prints the validation loss and saves a
+checkpoint to OUT_DIR/ckpt; at the end it writes a generated sample to OUT_DIR/sample.txt.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ import json
 import os
 import pydoc_data.topics
 import time
+from pathlib import Path
 
 import torch
 
 import dsfunc
-from dsfunc.models.gpt import GPT, GPTConfig, init_weights
+from dsfunc.models import GPT, GPTConfig, init_weights
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 16,
@@ -27,7 +31,9 @@ CONFIG = {
     "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 300, "warmup_num_steps": 30}},
     "gradient_clipping": 1.0,
     "zero_optimization": {"stage": 1},
+    "steps_per_print": None,  # this script prints its own progress
 }
+VAL_BATCHES = 8
 
 
 def load_text() -> tuple[torch.Tensor, list[str]]:
@@ -46,44 +52,90 @@ def batches(data: torch.Tensor, batch: int, seq: int, step: int, rank: int) -> t
     return x, y
 
 
+@torch.no_grad()
+def val_loss(model: GPT, state: dsfunc.TrainState, val: torch.Tensor, seq: int) -> float:
+    """The mean loss of the trained weights on fixed held-out batches (every rank must call it)."""
+    model.load_state_dict(dsfunc.full_params(state))  # gathers the shards: a collective
+    model.eval()
+    device = state.program.device
+    losses = [model(x.to(device), y.to(device)).item()
+              for x, y in (batches(val, 16, seq, -1 - i, 0) for i in range(VAL_BATCHES))]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def generate(model: GPT, chars: list[str], prompt: str, length: int, temperature: float = 0.8) -> str:
+    """Sample ``length`` characters after ``prompt`` from the model (call after :func:`val_loss`)."""
+    model.eval()
+    index = {c: i for i, c in enumerate(chars)}
+    device = next(model.parameters()).device
+    idx = torch.tensor([[index[c] for c in prompt]], device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    for _ in range(length):
+        logits = model(idx[:, -model.cfg.seq_len :])[:, -1, :] / temperature
+        idx = torch.cat([idx, torch.multinomial(logits.softmax(-1), 1, generator=g)], dim=1)
+    return "".join(chars[i] for i in idx[0].tolist())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--deepspeed_config", help="DeepSpeed JSON config (default: the one embedded here)")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=300, help="train until this optimizer step")
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--eval_interval", type=int, default=100, help="validation loss and checkpoint every N steps")
+    parser.add_argument("--out_dir", default="out-gpt", help="where the checkpoint and the sample go")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT_DIR/ckpt")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher; unused")
     args = parser.parse_args()
 
     if "WORLD_SIZE" in os.environ:  # started by dsfunc, torchrun or mpirun
         dsfunc.init_distributed()
-    config = args.deepspeed_config or CONFIG
     data, chars = load_text()
+    split = int(len(data) * 0.9)
+    train, val = data[:split], data[split:]
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=len(chars), seq_len=args.seq, n_layer=2, n_head=4, d_model=64))
     model.apply(init_weights)
-    state = dsfunc.init_state(model, config)
-    cfg = state.program.config
-    rank, per_rank = dsfunc.get_rank(), cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
+    state = dsfunc.init_state(model, args.deepspeed_config or CONFIG)
+    model.to(state.program.device)
+    cfg, rank, ckpt = state.program.config, dsfunc.get_rank(), Path(args.out_dir) / "ckpt"
+    per_rank = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
+    if args.resume:
+        state, _ = dsfunc.load_checkpoint(ckpt, state)
+    start = int(state.step)
     if rank == 0:
         print(f"dsfunc {dsfunc.__version__}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-              f"{len(data):,} characters, world size {cfg.world_size}, ZeRO stage {cfg.zero_optimization.stage}, "
-              f"{cfg.compute_dtype}, device {state.program.device}")
+              f"{len(train):,} training and {len(val):,} validation characters, world size {cfg.world_size}, "
+              f"ZeRO stage {cfg.zero_optimization.stage}, {cfg.compute_dtype}, device {state.program.device}"
+              + (f", resumed from {ckpt} at step {start}" if args.resume else ""))
         print("config:", json.dumps(cfg.to_dict()["optimizer"]))
 
-    first = None
-    start = time.perf_counter()
-    for step in range(args.steps):
-        state = dsfunc.train_step(state, batches(data, per_rank, args.seq, step, rank))
-        if step % 25 == 0 or step == args.steps - 1:
+    first, begin, val_losses = None, time.perf_counter(), []
+    for step in range(start + 1, args.steps + 1):
+        state = dsfunc.train_step(state, batches(train, per_rank, args.seq, step - 1, rank))
+        if step % 25 == 0 or step in (start + 1, args.steps):
             m = state.metrics.to_dict()
             first = m["loss"] if first is None else first
-            rate = (step + 1) * cfg.train_batch_size * args.seq / (time.perf_counter() - start)
+            rate = (step - start) * cfg.train_batch_size * args.seq / (time.perf_counter() - begin)
             if rank == 0:
-                print(f"step {step + 1:4d}  loss {m['loss']:.3f}  lr {m['lr']:.2e}  "
-                      f"grad_norm {m['grad_norm']:.2f}  tokens/s {rate:,.0f}", flush=True)
+                print(f"step {step:4d}  loss {m['loss']:.3f}  lr {m['lr']:.2e}  grad_norm {m['grad_norm']:.2f}  "
+                      f"tokens/s {rate:,.0f}", flush=True)
+        if step % args.eval_interval == 0 or step == args.steps:
+            val_losses.append(val_loss(model, state, val, args.seq))
+            dsfunc.save_checkpoint(state, ckpt, client_state={"val_loss": val_losses[-1]})
+            if rank == 0:
+                print(f"step {step:4d}  val loss {val_losses[-1]:.3f}  (checkpoint {ckpt / f'global_step{step}'})",
+                      flush=True)
+    if first is None:
+        raise SystemExit(f"nothing to do: the state is at step {start} and --steps is {args.steps}")
     last = state.metrics.loss.item()
     if rank == 0:
-        print(f"done: loss {first:.3f} -> {last:.3f} in {time.perf_counter() - start:.0f} s")
+        sample = generate(model, chars, prompt="The ", length=200)
+        Path(args.out_dir, "sample.txt").write_text(sample + "\n")
+        print(f"done: loss {first:.3f} -> {last:.3f}, val loss {val_losses[-1]:.3f} in "
+              f"{time.perf_counter() - begin:.0f} s. A sample:\n\n{sample}\n")
+        print(f"wrote {ckpt} (continue with --resume) and {Path(args.out_dir, 'sample.txt')}")
     if not last < first:
         raise SystemExit("the loss did not go down")
 

@@ -30,7 +30,7 @@ def test_top_level_defaults():
     assert c.world_size == 1
     assert c.optimizer is None and c.scheduler is None
     assert c.gradient_clipping == 1.0
-    assert c.steps_per_print is None
+    assert c.steps_per_print == 10  # DeepSpeed's default
     assert c.wall_clock_breakdown is False
     assert c.communication_data_type is None
     assert c.prescale_gradients is False

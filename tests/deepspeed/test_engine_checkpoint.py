@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import optree
 import pytest
 import torch
@@ -142,3 +144,29 @@ def test_the_engine_resumes_a_deepspeed_checkpoint(tmp_path):
     params = dsfunc.full_params(engine.state)
     assert relative_diff({k: params[k] for k in reference["params"]}, reference["params"]) < 1e-5
     assert engine.global_steps == reference["global_steps"]
+
+
+def test_resumes_after_a_save_over_its_tag_died_between_the_two_renames(saved):
+    """A save over ``mine`` killed after moving the old folder aside and before moving the new one in leaves the
+    complete old checkpoint in ``.mine.replaced`` and no ``mine`` (issue 13): the engine resumes from it, as
+    dsfunc.load_checkpoint does, instead of warning and starting over from step 0."""
+    path, params, saved_moments, original = saved
+    (path / "latest").write_text("mine")
+    (path / "mine").rename(path / ".mine.replaced")
+    (path / ".mine.tmp-0123456789ab").mkdir()  # the new save's folder, never completed
+    engine = trained_engine(0)
+    load_path, client = engine.load_checkpoint(str(path))
+    assert load_path == str(path / ".mine.replaced") and client == {"epoch": 1}
+    assert relative_diff(dsfunc.full_params(engine.state), params) == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(moments(engine.state), saved_moments))
+    assert engine.global_steps == 3 and engine.get_lr() == original.get_lr()
+
+
+def test_client_state_beyond_plain_data_needs_trust_pickle(tmp_path):
+    engine = trained_engine(1)
+    engine.save_checkpoint(str(tmp_path), client_state={"args": argparse.Namespace(lr=0.1)})
+    fresh = trained_engine(0)
+    with pytest.raises(dsfunc.CheckpointError, match="argparse.Namespace.*trust_pickle=True"):
+        fresh.load_checkpoint(str(tmp_path))
+    _, client = fresh.load_checkpoint(str(tmp_path), trust_pickle=True)
+    assert client == {"args": argparse.Namespace(lr=0.1)} and fresh.global_steps == 1

@@ -4,6 +4,7 @@ bit for bit, the skip flag, sum_of_squares values and non-finite handling, error
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -116,6 +117,38 @@ def test_adam_matches_torch_adamw_one_step():
     K.adam_step_(param, grad, m, v, **s, weight_decay=0.01)
     torch.testing.assert_close(param, ref.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(m, opt.state[ref]["exp_avg"], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("beta", [0.9, 0.95, 0.99, 0.999, 0.9999])
+def test_bias_corrections_are_the_float32_rounding_of_their_exact_values(beta):
+    for t in (1, 2, 3, 10, 1000, 10**5, 10**7):
+        bc1, bc2_sqrt = K.adam.bias_corrections(beta, beta, torch.tensor(t))
+        assert bc1.dtype == bc2_sqrt.dtype == torch.float32 and bc1.dim() == 0
+        assert bc1.item() == torch.tensor(1 - beta**t, dtype=torch.float64).float().item(), t
+        assert bc2_sqrt.item() == torch.tensor(math.sqrt(1 - beta**t), dtype=torch.float64).float().item(), t
+
+
+def adam_from_zero_in_float64(device: str) -> None:
+    """A parameter starting at 0 is the sum of its updates, so the first steps' bias corrections show in
+    full: in float32, 1 - 0.999 alone is 1.3e-5 off, which made these updates ~6e-6 too small."""
+    gen = torch.Generator().manual_seed(5)
+    b1, b2, eps, lr = 0.9, 0.999, 1e-8, 1e-3
+    p, m, v = (torch.zeros(4097, device=device) for _ in range(3))
+    p64, m64, v64 = (torch.zeros(4097, dtype=torch.float64) for _ in range(3))
+    scalars = {"grad_scale": torch.tensor(1.0), "lr": torch.tensor(lr), "skip": torch.tensor(False)}
+    for t in range(1, 4):
+        g = torch.randn(4097, generator=gen)
+        K.adam_step_(p, g.to(device), m, v, **{k: x.to(device) for k, x in scalars.items()},
+                     step=torch.tensor(float(t), device=device), beta1=b1, beta2=b2, eps=eps)
+        g64 = g.double()
+        m64, v64 = b1 * m64 + (1 - b1) * g64, b2 * v64 + (1 - b2) * g64 * g64
+        p64 = p64 - lr * (m64 / (1 - b1**t)) / ((v64 / (1 - b2**t)).sqrt() + eps)
+        error = float((p.cpu().double() - p64).norm() / p64.norm())
+        assert error < 1e-6, f"step {t}: {error:.3g} relative"
+
+
+def test_adam_from_zero_equals_float64_adam_to_float32_rounding():
+    adam_from_zero_in_float64("cpu")
 
 
 OPCHECK_CASES = [

@@ -196,6 +196,13 @@ def test_adam_repeated_steps_track_reference():
         _assert_rel_close(dev[name], cpu[name])
 
 
+def test_adam_from_zero_equals_float64_adam_to_float32_rounding():
+    """The kernel's bias corrections, like the reference's, are float64 values rounded once (issue 13)."""
+    from tests.kernels.test_kernels import adam_from_zero_in_float64
+
+    adam_from_zero_in_float64("cuda")
+
+
 def _sum_case(seed: int, nonfinite: str = "") -> list[torch.Tensor]:
     """CUDA tensors of every dtype and awkward size, views at every alignment, one non-contiguous,
     and 500 small ones; optionally inf/nan injected."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 
 import pytest
@@ -16,10 +17,14 @@ from dsfunc.launcher.commands import (
     slurm_command,
     ssh_commands,
 )
+from dsfunc.launcher.cores import parse_core_list, rank_cores
 from dsfunc.launcher.environment import EnvFileError, env_file_paths, exported_env, parse_env_file
+from dsfunc.launcher.exits import exit_code
 from dsfunc.launcher.flags import build_parser, parse_launcher_args
-from dsfunc.launcher.node import decode_world_info, encode_world_info
+from dsfunc.launcher.node import decode_world_info, encode_world_info, exit_code_of, first_failed
 from dsfunc.launcher.resources import ResourceError, local_pool, parse_hostfile, select
+from dsfunc.launcher.run import _rank_args
+from dsfunc.launcher.shim import RankArgs, parse_rank_args
 
 HOSTFILE = """\
 # the cluster
@@ -296,3 +301,62 @@ def test_cli_defaults_and_help():
 @pytest.mark.parametrize("error", [LauncherError, ResourceError, EnvFileError])
 def test_launcher_errors_are_dsfunc_errors_and_value_errors(error):
     assert issubclass(error, Error) and issubclass(error, ValueError)
+
+
+def test_venv_script_is_sourced_before_the_agent():
+    remote = shlex.split(ssh_commands(_launch({"w0": [0]}, venv_script="/venv dir/bin/activate"))[0][-1])
+    assert remote[:6] == ["cd", "/work dir", "&&", ".", "/venv dir/bin/activate", "&&"]
+
+
+def test_rank_args_roundtrip_through_the_shim_parser():
+    args = parse_launcher_args(["--no_local_rank", "--bind_cores_to_rank", "--bind_core_list", "0-3",
+                                "train.py", "--lr", "1"])
+    rank = parse_rank_args(_rank_args(args))
+    assert rank == RankArgs("train.py", ["--lr", "1"], local_rank_flag=False, bind_cores=True, core_list="0-3")
+    assert parse_rank_args(["--module", "pkg.main"]).missing_target() is None  # modules are found by the rank
+
+
+@pytest.mark.parametrize("text, cores", [("0", [0]), ("1,3-5,7", [1, 3, 4, 5, 7]), ("0-1, 4", [0, 1, 4])])
+def test_core_lists_as_deepspeed_writes_them(text, cores):
+    assert parse_core_list(text) == cores
+
+
+@pytest.mark.parametrize("text", ["3-1", "2,1", "0-2,2", "a", "1-", "-1"])
+def test_bad_core_lists(text):
+    with pytest.raises(Error):
+        parse_core_list(text)
+
+
+def test_each_local_rank_gets_a_block_of_the_cores():
+    assert [rank_cores("0-7", r, 3) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]  # 8 // 3 each, as DeepSpeed
+    with pytest.raises(Error, match=r"2 core\(s\) \(4-5\) cannot give each of 3 local ranks one"):
+        rank_cores("4-5", 0, 3)
+
+
+@dataclasses.dataclass
+class _Failure:
+    exitcode: int
+    timestamp: int = 100
+    local_rank: int = 0
+
+
+class _Clock:
+    def __init__(self, ended: dict, codes: dict | None = None) -> None:
+        self._ended, self._codes = ended, codes or {}
+
+    def ended(self, rank):
+        return self._ended.get(rank)
+
+    def code(self, rank):
+        return self._codes.get(rank)
+
+
+def test_the_first_failure_is_the_earliest_end_the_clock_saw():
+    failures = {0: _Failure(1), 1: _Failure(-15)}  # torch's order: rank 0 first, same second
+    assert first_failed(failures, None) == [0, 1]
+    assert first_failed(failures, _Clock({0: 5.2, 1: 5.1})) == [1, 0]
+    assert first_failed(failures, _Clock({0: 5.2})) == [0, 1]  # the clock missed one: torch's order
+    assert exit_code_of(failures, 1, _Clock({}, {1: 3})) == 3  # it said 3, then SIGTERM ended its shutdown
+    assert exit_code_of(failures, 1, _Clock({})) == 128 + 15
+    assert [exit_code(e) for e in (None, SystemExit(4), SystemExit(None), SystemExit("bye"), ValueError())] == [
+        0, 4, 0, 1, 1]

@@ -3,16 +3,17 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.launcher.scripts.harness import (
     SCRIPTS,
+    STOPPED_WITHIN_S,
     cli_env,
     free_port,
     interrupt_and_wait,
@@ -124,9 +125,8 @@ def test_openmpi_failure_and_sigint(job):
         str(free_port()),
         f"--launcher_args={' '.join(MPIRUN_ARGS)}",
     ]
-    start = time.monotonic()
-    res = run_dsfunc([*base, str(SCRIPTS / "fail.py"), "--sleep"], cwd, env)
-    assert res.returncode != 0 and time.monotonic() - start < 30
+    res = run_dsfunc([*base, str(SCRIPTS / "fail.py"), "--sleep"], cwd, env, timeout=STOPPED_WITHIN_S)
+    assert res.returncode != 0
     assert "RuntimeError: boom from rank 1" in res.stderr
     assert not wait_gone(str(SCRIPTS / "fail.py"))
 
@@ -135,3 +135,35 @@ def test_openmpi_failure_and_sigint(job):
     code, err = interrupt_and_wait(proc)
     assert code == 130, err
     assert not wait_gone(str(out)), "ranks survived the launcher"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs to run as root")
+def test_openmpi_as_root_says_how_to_allow_it(job):
+    cwd, out, env = job
+    for key in ROOT_OK:
+        del env[key]
+    base = ["--launcher", "openmpi", "--num_gpus", "2", "--master_port", str(free_port())]
+    res = run_dsfunc([*base, f"--launcher_args={' '.join(MPIRUN_ARGS)}", str(SCRIPTS / "report.py"), str(out)],
+                     cwd, env, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert ("you are root, and Open MPI's mpirun refuses to run as root unless told it may: pass "
+            "--launcher_args=--allow-run-as-root") in res.stderr
+    assert "mpirun -n 2" not in res.stderr  # refused before mpirun starts
+    allowed = f"--launcher_args={' '.join([*MPIRUN_ARGS, '--allow-run-as-root'])}"
+    res = run_dsfunc([*base, allowed, str(SCRIPTS / "report.py"), str(out)], cwd, env)
+    assert res.returncode == 0, res.stderr
+    assert sorted(reports(out)) == [0, 1]
+
+
+def test_bind_cores_to_rank_under_mpirun(job):
+    cwd, out, env = job
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 CPU cores")
+    args = ["--launcher", "openmpi", "--num_gpus", "2", "--master_port", str(free_port()), "--bind_cores_to_rank",
+            f"--launcher_args={' '.join([*MPIRUN_ARGS, '--bind-to', 'none'])}", str(SCRIPTS / "report.py"), str(out)]
+    res = run_dsfunc(args, cwd, env)
+    assert res.returncode == 0, res.stderr
+    per_rank = len(cores) // 2
+    for rank, r in reports(out).items():
+        assert r["cpus"] == cores[rank * per_rank : (rank + 1) * per_rank]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.launcher.scripts.harness import (
     SCRIPTS,
+    STOPPED_WITHIN_S,
     Sshd,
     cli_env,
     free_port,
@@ -108,11 +108,9 @@ def test_include_exclude_select_ranks(job, selection, expected):
 
 def test_rank_failure_on_one_node_stops_all_nodes(job):
     cwd, _, env, base = job
-    start = time.monotonic()
-    res = run_dsfunc([*base, str(SCRIPTS / "fail.py"), "--sleep"], cwd, env, timeout=90)
-    elapsed = time.monotonic() - start
+    # the other ranks sleep 300 s: the launcher returning within the timeout means they were stopped
+    res = run_dsfunc([*base, str(SCRIPTS / "fail.py"), "--sleep"], cwd, env, timeout=STOPPED_WITHIN_S)
     assert res.returncode == 1, res.stderr
-    assert elapsed < 30, f"took {elapsed:.1f}s"
     assert "dsfunc: rank 1 (local rank 1 on node-a) failed with exit code 1" in res.stderr
     assert "RuntimeError: boom from rank 1" in res.stderr.split("failed with exit code 1")[1]
     assert "node 0 (node-a) exited with code 1; stopping the other nodes" in res.stderr
@@ -151,9 +149,18 @@ def test_pdsh_runner_world_and_failure(job, sshd):
     ranks = reports(out)
     assert sorted(ranks) == [0, 1, 2, 3] and all(r["sum"] == 10.0 for r in ranks.values())
 
-    start = time.monotonic()
-    res = run_dsfunc([*pdsh_base, str(SCRIPTS / "fail.py"), "--sleep"], cwd, env, timeout=90)
-    assert res.returncode == 1 and time.monotonic() - start < 30, res.stderr
+    res = run_dsfunc([*pdsh_base, str(SCRIPTS / "fail.py"), "--sleep"], cwd, env, timeout=STOPPED_WITHIN_S)
+    assert res.returncode == 1, res.stderr
     assert "node-a: dsfunc: rank 1 (local rank 1 on node-a) failed with exit code 1" in res.stderr
     assert "dsfunc: node node-a exited with code 1; stopping every node" in res.stderr
     assert not wait_gone(str(SCRIPTS / "fail.py"))
+
+
+def test_venv_script_is_sourced_on_every_node(job):
+    cwd, out, env, base = job
+    script = cwd / "activate"
+    script.write_text("export DSFUNC_TEST_VENV=sourced\n")
+    res = run_dsfunc([*base, "--venv_script", str(script), REPORT, str(out)], cwd, env)
+    assert res.returncode == 0, res.stderr
+    ranks = reports(out)
+    assert sorted(ranks) == [0, 1, 2, 3] and all(r["env"]["DSFUNC_TEST_VENV"] == "sourced" for r in ranks.values())

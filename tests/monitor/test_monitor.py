@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import logging
 import re
 import sys
 
@@ -54,15 +55,17 @@ def test_csv_files_hold_every_step_with_samples_on_the_x_axis(tmp_path):
     assert not (tmp_path / "run1" / "Train_Samples_loss_scale.csv").exists()  # fp16 only
 
 
-def test_progress_lines_every_steps_per_print_with_the_right_values():
+def test_progress_lines_every_steps_per_print_with_the_right_values(caplog):
     cfg = config(micro=2, scheduler=WARMUP, steps_per_print=3, wall_clock_breakdown=True)
     torch.manual_seed(0)
     state = dsfunc.init_state(MLP(), cfg)
     lines: list[str] = []
-    monitor = Monitor(state, write=lambda text: lines.extend(text.splitlines()))
-    assert lines[0].startswith("[dsfunc] effective config: {") and '"steps_per_print": 3' in lines[0]
-    assert "ZeRO stage 0 over 1 rank(s)" in lines[1] and "model states per rank" in lines[2]
-    del lines[:3]
+    with caplog.at_level(logging.INFO, logger="dsfunc"):
+        monitor = Monitor(state, write=lambda text: lines.extend(text.splitlines()))
+    assert "ZeRO stage 0 over 1 rank(s)" in lines[0] and "model states per rank" in lines[1]
+    logged = [r.getMessage() for r in caplog.records if r.name == "dsfunc"]  # the whole config: logged, not printed
+    assert logged[0].startswith("[dsfunc] effective config: {") and '"steps_per_print": 3' in logged[0]
+    del lines[:2]
     seen = {}
     for batch in mlp_batches(7, 2):
         state = dsfunc.train_step(state, batch)
@@ -156,7 +159,7 @@ def test_tensorboard_missing_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_progress_bar(capsys):
     pytest.importorskip("tqdm")
-    _, lines, _ = functional_run(config(micro=2), 3, progress_bar=True, total_steps=3)
+    _, lines, _ = functional_run(config(micro=2, steps_per_print=None), 3, progress_bar=True, total_steps=3)
     err = capsys.readouterr().err
     assert "3/3" in err and "loss=" in err and lines == []
 
@@ -196,3 +199,19 @@ def test_memory_estimate_follows_the_zero_stage():
         assert est[3]["compute"] == 4 * (root + sum(blocks[:2]))
         assert est[3]["total"] < est[2]["total"] < est[1]["total"] < est[0]["total"]
         assert f"{psi:,} trainable parameters" in est["summary3"] and "ZeRO stage 3 over 2 rank(s)" in est["summary3"]
+
+
+def test_progress_every_10_steps_by_default_as_deepspeed_and_none_when_off():
+    """steps_per_print defaults to DeepSpeed's 10: two start-up lines, then one line per 10 steps."""
+    for cfg, expected in ((config(micro=2), [10, 20]), (config(micro=2, steps_per_print=None), [])):
+        state = dsfunc.init_state(MLP(), cfg)
+        assert state.program.config.steps_per_print == (10 if expected else None)
+        written: list[str] = []
+        monitor = Monitor(state, write=written.append)
+        for batch in mlp_batches(25, 2):
+            state = dsfunc.train_step(state, batch)
+            monitor.log(state, batch)
+        monitor.close()
+        lines = "\n".join(written).splitlines()
+        assert [int(re.search(r" step=(\d+),", line).group(1)) for line in lines if " step=" in line] == expected
+        assert len(lines) == (2 + len(expected) if expected else 0)

@@ -86,9 +86,9 @@ def test_adam_follows_the_documented_call_sequence_bit_for_bit():
         gw = g["w"]
         m = m.mul(b1).add(gw, alpha=1 - b1)
         v = v.mul(b2).addcmul(gw, gw, value=1 - b2)
-        t = (torch.tensor(k, dtype=torch.int64) + 1).to(torch.float32)
-        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
-        u = (m / bc1) / (v.sqrt() / bc2.sqrt()).add(eps)
+        t = (torch.tensor(k, dtype=torch.int64) + 1).to(torch.float64)  # bias corrections: float64, rounded once
+        bc1, bc2_sqrt = (1 - b1**t).to(torch.float32), (1 - b2**t).sqrt().to(torch.float32)
+        u = (m / bc1) / (v.sqrt() / bc2_sqrt).add(eps)
         u = u.add(p, alpha=wd)
         u = u * (-torch.tensor(lr, dtype=torch.float32))
         p = p + u
@@ -168,13 +168,6 @@ def test_momentum_schedule_equals_torch_with_betas_set_per_step():
 
 # ------------------------------------------------------------------------------------------------------------ LAMB
 
-def f32_bias_correction(beta: float, t: int) -> float:
-    """1 - beta**t as dsfunc (and torch's capturable Adam) computes it: float32 on device. For beta2 = 0.999 this is
-    1.3e-5 relative below the float64 value (0.999 rounds up in float32), which shows on a parameter that starts at
-    0, whose value is its first update."""
-    return (1 - torch.tensor(beta, dtype=torch.float32) ** torch.tensor(float(t))).item()
-
-
 def lamb_reference(params, grads, lr, b1, b2, eps, wd, min_coeff, max_coeff):
     """You et al. 2019, Algorithm 2, per parameter in float64, with DeepSpeed's clamp of the trust ratio."""
     out = {}
@@ -186,7 +179,7 @@ def lamb_reference(params, grads, lr, b1, b2, eps, wd, min_coeff, max_coeff):
             g = g[name].double()
             m = b1 * m + (1 - b1) * g
             v = b2 * v + (1 - b2) * g * g
-            m_hat, v_hat = m / f32_bias_correction(b1, t), v / f32_bias_correction(b2, t)
+            m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
             r = m_hat / (v_hat.sqrt() + eps) + wd * p
             pn, rn = p.norm().item(), r.norm().item()
             ratio = min(max(pn / rn, min_coeff), max_coeff) if pn > 0 and rn > 0 else 1.0

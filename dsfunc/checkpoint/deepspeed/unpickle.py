@@ -20,14 +20,12 @@ it is copied, so opening a shard costs its pickle, not its tensors.
 from __future__ import annotations
 
 import pickle
-import re
 import types
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
-
-from dsfunc.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from dsfunc.checkpoint.errors import CheckpointCorruptError
+from dsfunc.checkpoint.trust import load_pickle
 
 
 class DeepSpeedObject:
@@ -66,7 +64,7 @@ class _TrustedUnpickler(pickle.Unpickler):
 
 
 _TRUSTED = types.SimpleNamespace(Unpickler=_TrustedUnpickler, load=pickle.load, __name__="dsfunc_trusted_pickle")
-_UNSAFE_GLOBAL = re.compile(r"(?:GLOBAL|global|function|class) ([\w.]+)")
+_SAFE_GLOBALS = [(obj, name) for name, obj in STAND_INS.items()]
 
 
 def load_file(path: Path, *, trust_pickle: bool = False) -> Any:
@@ -77,21 +75,11 @@ def load_file(path: Path, *, trust_pickle: bool = False) -> Any:
         ``trust_pickle`` is False (the message names the class and the argument).
       CheckpointCorruptError: the file is missing or cannot be read.
     """
+    extra = {"pickle_module": _TRUSTED} if trust_pickle else {}
     try:
-        if trust_pickle:
-            return _load(path, weights_only=False, pickle_module=_TRUSTED)
-        with torch.serialization.safe_globals([(obj, name) for name, obj in STAND_INS.items()]):
-            return _load(path, weights_only=True)
-    except pickle.UnpicklingError as e:
-        if trust_pickle:
-            raise CheckpointCorruptError(f"cannot read the DeepSpeed file {path}: {e}") from e
-        found = _UNSAFE_GLOBAL.search(str(e))
-        what = f"an object of class {found.group(1)}" if found else "an object that is not plain data"
-        raise CheckpointError(
-            f"{path} holds {what} (not tensors, dicts, lists, numbers or strings), which only a full unpickling "
-            "can rebuild and which may run code while it loads. If you trust this checkpoint, pass "
-            "trust_pickle=True (dsfunc export: --trust-pickle)."
-        ) from e
+        return _load(path, trust_pickle=trust_pickle, safe_globals=_SAFE_GLOBALS, **extra)
+    except pickle.UnpicklingError as e:  # a trusted load that still fails: the file is broken
+        raise CheckpointCorruptError(f"cannot read the DeepSpeed file {path}: {e}") from e
     except FileNotFoundError as e:
         raise CheckpointCorruptError(f"the DeepSpeed checkpoint file {path} is missing") from e
     except (OSError, RuntimeError, EOFError, ValueError) as e:
@@ -99,10 +87,11 @@ def load_file(path: Path, *, trust_pickle: bool = False) -> Any:
 
 
 def _load(path: Path, **kwargs: Any) -> Any:
-    """``torch.load`` memory-mapped, or whole for files in torch's legacy (pre-zip) format."""
+    """``torch.load`` under the trust rule, memory-mapped, or whole for files in torch's legacy (pre-zip)
+    format."""
     try:
-        return torch.load(path, map_location="cpu", mmap=True, **kwargs)
+        return load_pickle(path, map_location="cpu", mmap=True, **kwargs)
     except RuntimeError as e:
         if "zipfile" not in str(e) and "mmap" not in str(e):
             raise
-        return torch.load(path, map_location="cpu", **kwargs)
+        return load_pickle(path, map_location="cpu", **kwargs)

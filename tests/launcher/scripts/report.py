@@ -4,6 +4,7 @@ import json
 import os
 import socket
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,6 +28,10 @@ report = {
     "device": device,
     "backend": dist.get_backend(),
     "torch": torch.__version__,
+    "cpus": sorted(os.sched_getaffinity(0)),
+    "cpus_allowed_list": next(line.split(":", 1)[1].strip() for line in Path("/proc/self/status").read_text().splitlines()
+                              if line.startswith("Cpus_allowed_list:")),
+    "threads": torch.get_num_threads(),
     "env": {
         k: v
         for k, v in os.environ.items()
@@ -40,6 +45,7 @@ report = {
             "MASTER_PORT",
             "CUDA_VISIBLE_DEVICES",
             "PYTHONPATH",
+            "OMP_NUM_THREADS",
         )
         or k.startswith(("DSFUNC_TEST", "NCCL", "UCX"))
     },
