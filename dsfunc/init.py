@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from dsfunc.config import Config
+from dsfunc.compile import compile_units
+from dsfunc.config import CompileConfig, Config, parse_compile
 from dsfunc.dist import comm
 from dsfunc.frozen import FrozenDict
 from dsfunc.grad import LossFn
@@ -68,6 +69,7 @@ def init_state(
     unit_modules: Sequence[str] | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     device: torch.device | str | None = None,
+    compile: bool | Mapping[str, Any] | None = None,
 ) -> TrainState:
     """Build the training state for ``model`` as the DeepSpeed ``config`` describes.
 
@@ -84,6 +86,8 @@ def init_state(
       unit_modules: module paths to shard as units (default: blocks of the largest ModuleList).
       param_init_fn: initialises a module materialised from ``meta`` (in place).
       device: where the state lives (default: the current CUDA device, else the CPU).
+      compile: compile each unit's forward with ``torch.compile`` (:mod:`dsfunc.compile`): ``True``, or a
+        ``compile`` config section (``{"backend": ..., "kwargs": {...}}``); default: the config's section.
 
     Returns:
       A :class:`TrainState`; every rank of the process group must call this. ``model`` itself is
@@ -109,6 +113,7 @@ def init_state(
     )
     install_unit_hooks(skeleton, workspace)
     install_input_cast(skeleton, workspace, cfg.compute_dtype)
+    compile_units(skeleton, plan, _compile_options(cfg, compile))
     program = Program(
         config=cfg, plan=plan, skeleton=skeleton, slots=Slots(skeleton, plan, buffers.keys()),
         workspace=workspace, update=update, scaler=scaler, loss_fn=loss_fn, device=device,
@@ -171,6 +176,14 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
         out[name] = state.buffers[name].detach().clone()
     order = [k for k, _ in program.skeleton.state_dict(keep_vars=True).items()]
     return {k: out[k] for k in order if k in out}
+
+
+def _compile_options(cfg: Config, compile: bool | Mapping[str, Any] | None) -> CompileConfig:
+    """The config's ``compile`` section, or the one ``init_state(compile=...)`` gives instead."""
+    if compile is None:
+        return cfg.compile
+    section = {"enabled": True} if compile is True else {"enabled": False} if compile is False else compile
+    return parse_compile({"enabled": True, **section})
 
 
 def _default_device() -> torch.device:

@@ -43,6 +43,7 @@ Where dsfunc deliberately differs from DeepSpeed:
   untested-optimizer check.
 """
 
+from dsfunc.config.compile import CompileConfig, parse_compile
 from dsfunc.config.config import Config
 from dsfunc.config.errors import ConfigError
 from dsfunc.config.monitor import MonitorConfig
@@ -54,6 +55,7 @@ from dsfunc.frozen import FrozenDict
 
 __all__ = [
     "BF16Config",
+    "CompileConfig",
     "Config",
     "ConfigError",
     "FP16Config",
@@ -62,6 +64,7 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "ZeroConfig",
+    "parse_compile",
     "parse_optimizer",
     "parse_scheduler",
 ]

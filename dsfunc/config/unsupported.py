@@ -70,7 +70,6 @@ _UNSUPPORTED_TOP: dict[str, Rule] = {
     "progressive_layer_drop": _off("progressive layer drop"),
     "eigenvalue": _off("eigenvalue computation"),
     "hybrid_engine": _off("the hybrid (RLHF) engine"),
-    "compile": _off("DeepSpeed's torch.compile integration"),
     "nebula": _off("Nebula checkpointing"),
     "quantize_training": _off("quantized training"),
     "weight_quantization": _empty("weight quantization"),
