@@ -22,13 +22,14 @@ from dsfunc.config import CompileConfig, Config, parse_compile
 from dsfunc.dist import comm
 from dsfunc.frozen import FrozenDict
 from dsfunc.grad import LossFn
+from dsfunc.graphs import GraphedStep
 from dsfunc.optim.base import Transform
 from dsfunc.optim.from_config import update_from_config
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.update import ChainUpdate
 from dsfunc.scaling import LossScaler
 from dsfunc.state import Metrics, TrainState
-from dsfunc.step import make_train_step
+from dsfunc.step import make_train_step, note_min_scale
 from dsfunc.zero.binding import Slots
 from dsfunc.zero.gather import Workspace
 from dsfunc.zero.hooks import install_input_cast, install_unit_hooks
@@ -113,13 +114,14 @@ def init_state(
     )
     install_unit_hooks(skeleton, workspace)
     install_input_cast(skeleton, workspace, cfg.compute_dtype)
-    compile_units(skeleton, plan, _compile_options(cfg, compile))
+    compile_options = _compile_options(cfg, compile)
+    compile_units(skeleton, plan, compile_options)
     program = Program(
         config=cfg, plan=plan, skeleton=skeleton, slots=Slots(skeleton, plan, buffers.keys()),
         workspace=workspace, update=update, scaler=scaler, loss_fn=loss_fn, device=device,
         compute_dtype=cfg.compute_dtype, comm_dtype=_COMM_DTYPES[cfg.communication_data_type],
         persistent_buffers=tuple(k for k in model.state_dict() if k in buffers),
-        step_fn=make_train_step(), segment_norm=segment_norm_fn(plan, device),
+        step_fn=_step_fn(compile_options), segment_norm=segment_norm_fn(plan, device),
     )
     zero_scalar = torch.zeros((), device=device)
     scaler_state = scaler.init(device)
@@ -184,6 +186,11 @@ def _compile_options(cfg: Config, compile: bool | Mapping[str, Any] | None) -> C
         return cfg.compile
     section = {"enabled": True} if compile is True else {"enabled": False} if compile is False else compile
     return parse_compile({"enabled": True, **section})
+
+
+def _step_fn(options: CompileConfig) -> Callable[..., TrainState]:
+    step = make_train_step()
+    return GraphedStep(step, after_step=note_min_scale) if options.cuda_graph else step
 
 
 def _default_device() -> torch.device:

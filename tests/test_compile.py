@@ -109,3 +109,16 @@ def test_the_config_section_and_init_state_option_agree():
         dsfunc.init_state(gpt(), config(0, 1, {"enabled": True, "backnd": "eager"}))
     with pytest.raises(dsfunc.ConfigError, match="compile.deepcompile = true: dsfunc does not support DeepCompile"):
         dsfunc.init_state(gpt(), config(0, 1, None), compile={"deepcompile": True})
+
+
+def test_cuda_graph_off_cuda_falls_back_to_the_eager_step_and_says_why(caplog):
+    cfg = config(0, 1, None)
+    eager = dsfunc.init_state(gpt(), cfg, seed=2)
+    graphed = dsfunc.init_state(gpt(), cfg, seed=2, compile={"enabled": False, "cuda_graph": True})
+    with caplog.at_level("WARNING", logger="dsfunc"):
+        for batch in batches(0, 1)[:3]:
+            eager = dsfunc.train_step(eager, batch)
+            graphed = dsfunc.train_step(graphed, batch)
+    assert relative_diff(dsfunc.full_params(graphed), dsfunc.full_params(eager)) == 0.0
+    [line] = [r.getMessage() for r in caplog.records if "cuda_graph" in r.getMessage()]
+    assert "runs eagerly: the state lives on cpu" in line

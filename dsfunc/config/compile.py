@@ -1,8 +1,9 @@
 """The ``compile`` section: each unit's forward compiled with ``torch.compile`` (regional compilation).
 
 ``enabled``, ``backend`` and ``kwargs`` are the keys DeepSpeed documented for its torch.compile
-integration (``kwargs`` go to ``torch.compile``); DeepSpeed 0.19's DeepCompile keys are accepted only at
-their defaults (dsfunc has no DeepCompile passes).
+integration (``kwargs`` go to ``torch.compile``); ``cuda_graph`` is dsfunc's: the whole step captured
+once and replayed (:mod:`dsfunc.graphs`). DeepSpeed 0.19's DeepCompile keys are accepted only at their
+defaults (dsfunc has no DeepCompile passes).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class CompileConfig:
     enabled: bool = _key(False, _bool)
     backend: str = _key("inductor", _string)
     kwargs: Mapping[str, Any] = _key(freeze({}), _kwargs)
+    cuda_graph: bool = _key(False, _bool)  # dsfunc key: replay the whole step as a CUDA graph (dsfunc.graphs)
 
 
 def _typed(check: Check) -> Rule:

@@ -243,6 +243,9 @@ class MicroBatchRuntime:
         """Seed dropout from (seed, step, micro-batch, rank) so a resumed run draws the same masks."""
         device = self.program.device
         cuda = device.type == "cuda"
+        if cuda and torch.cuda.is_current_stream_capturing():  # a graphed step seeds per step (dsfunc.graphs)
+            yield
+            return
         seed = hash((int(self.state.rng[0]), int(self.state.step), micro, self.program.plan.rank)) & 0x7FFF_FFFF_FFFF
         with torch.random.fork_rng(devices=[device] if cuda else []):
             # Seed the generators this step draws from, not torch.manual_seed: that one also seeds every
