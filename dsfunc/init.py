@@ -18,7 +18,13 @@ import torch
 from torch import nn
 
 from dsfunc.compile import compile_units
-from dsfunc.config import CompileConfig, Config, parse_compile
+from dsfunc.config import (
+    ActivationCheckpointingConfig,
+    CompileConfig,
+    Config,
+    parse_activation_checkpointing,
+    parse_compile,
+)
 from dsfunc.dist import comm
 from dsfunc.frozen import FrozenDict
 from dsfunc.grad import LossFn
@@ -27,6 +33,7 @@ from dsfunc.optim.base import Transform
 from dsfunc.optim.from_config import update_from_config
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.update import ChainUpdate
+from dsfunc.remat import checkpoint_units
 from dsfunc.scaling import LossScaler
 from dsfunc.state import Metrics, TrainState
 from dsfunc.step import make_train_step, note_min_scale
@@ -71,6 +78,7 @@ def init_state(
     param_init_fn: Callable[[nn.Module], None] | None = None,
     device: torch.device | str | None = None,
     compile: bool | Mapping[str, Any] | None = None,
+    activation_checkpointing: str | Mapping[str, Any] | None = None,
 ) -> TrainState:
     """Build the training state for ``model`` as the DeepSpeed ``config`` describes.
 
@@ -89,6 +97,9 @@ def init_state(
       device: where the state lives (default: the current CUDA device, else the CPU).
       compile: compile each unit's forward with ``torch.compile`` (:mod:`dsfunc.compile`): ``True``, or a
         ``compile`` config section (``{"backend": ..., "kwargs": {...}}``); default: the config's section.
+      activation_checkpointing: which units recompute their forward in backward (:mod:`dsfunc.remat`):
+        a policy (``"units"``, ``"selective"``, ``"none"``) or an ``activation_checkpointing`` config section
+        (``{"policy": "units", "every": 2, "cpu_checkpointing": true}``); default: the config's section.
 
     Returns:
       A :class:`TrainState`; every rank of the process group must call this. ``model`` itself is
@@ -102,20 +113,15 @@ def init_state(
     skeleton = make_skeleton(model)
     params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn)
     scaler = LossScaler.from_config(cfg.fp16)
-    if optimizer is None:
-        update = update_from_config(cfg)
-    else:
-        update = optimizer if isinstance(optimizer, (ChainUpdate, FusedAdam)) else ChainUpdate(optimizer)
+    update = update_from_config(cfg) if optimizer is None else _as_update(optimizer)
     workspace = Workspace(
         plan, compute_dtype=cfg.compute_dtype, device=device,
         persistence_threshold=zero.stage3_param_persistence_threshold,
         max_live_elements=zero.stage3_max_live_parameters,
         prefetch=zero.overlap_comm and zero.stage3_prefetch_bucket_size > 0,
     )
-    install_unit_hooks(skeleton, workspace)
-    install_input_cast(skeleton, workspace, cfg.compute_dtype)
     compile_options = _compile_options(cfg, compile)
-    compile_units(skeleton, plan, compile_options)
+    _prepare_skeleton(skeleton, workspace, cfg, _remat_options(cfg, activation_checkpointing), compile_options)
     program = Program(
         config=cfg, plan=plan, skeleton=skeleton, slots=Slots(skeleton, plan, buffers.keys()),
         workspace=workspace, update=update, scaler=scaler, loss_fn=loss_fn, device=device,
@@ -123,7 +129,6 @@ def init_state(
         persistent_buffers=tuple(k for k in model.state_dict() if k in buffers),
         step_fn=_step_fn(compile_options), segment_norm=segment_norm_fn(plan, device),
     )
-    zero_scalar = torch.zeros((), device=device)
     scaler_state = scaler.init(device)
     state = TrainState(
         step=torch.zeros((), dtype=torch.int64),
@@ -132,9 +137,7 @@ def init_state(
         scaler=scaler_state,
         buffers=FrozenDict(buffers),
         rng=torch.tensor([seed], dtype=torch.int64),
-        metrics=Metrics(loss=zero_scalar.clone(), grad_norm=zero_scalar.clone(),
-                        loss_scale=scaler_state.scale.clone(), lr=zero_scalar.clone(),
-                        skipped=torch.zeros((), dtype=torch.int32, device=device)),
+        metrics=Metrics.before_training(scaler_state.scale),
         program=program,
     )
     workspace.refresh(state.params)
@@ -186,6 +189,27 @@ def _compile_options(cfg: Config, compile: bool | Mapping[str, Any] | None) -> C
         return cfg.compile
     section = {"enabled": True} if compile is True else {"enabled": False} if compile is False else compile
     return parse_compile({"enabled": True, **section})
+
+
+def _as_update(optimizer: Transform | ChainUpdate | FusedAdam) -> ChainUpdate | FusedAdam:
+    return optimizer if isinstance(optimizer, (ChainUpdate, FusedAdam)) else ChainUpdate(optimizer)
+
+
+def _prepare_skeleton(skeleton: nn.Module, workspace: Workspace, cfg: Config,
+                      remat: ActivationCheckpointingConfig, compile: CompileConfig) -> None:
+    """Hooks (stage-3 gathers, input cast), then checkpointing, then compilation, of the unit forwards."""
+    install_unit_hooks(skeleton, workspace)
+    install_input_cast(skeleton, workspace, cfg.compute_dtype)
+    checkpoint_units(skeleton, workspace.plan, remat)
+    compile_units(skeleton, workspace.plan, compile)
+
+
+def _remat_options(cfg: Config, given: str | Mapping[str, Any] | None) -> ActivationCheckpointingConfig:
+    """The config's ``activation_checkpointing`` section, or what ``init_state(activation_checkpointing=...)``
+    gives instead."""
+    if given is None:
+        return cfg.activation_checkpointing
+    return parse_activation_checkpointing({"policy": given} if isinstance(given, str) else given)
 
 
 def _step_fn(options: CompileConfig) -> Callable[..., TrainState]:

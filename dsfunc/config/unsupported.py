@@ -8,18 +8,6 @@ from dsfunc.config.schema import Rule
 _UNSUPPORTED_TOP: dict[str, Rule] = {
     "amp": _off("Apex AMP", 'Use "fp16" or "bf16" instead.'),
     "flops_profiler": _off("the FLOPs profiler"),
-    "activation_checkpointing": _only(
-        {
-            "partition_activations": False,
-            "contiguous_memory_optimization": False,
-            "cpu_checkpointing": False,
-            "number_checkpoints": None,
-            "synchronize_checkpoint_boundary": False,
-            "profile": False,
-        },
-        feature="DeepSpeed's activation checkpointing",
-        fix="Use torch.utils.checkpoint inside the model.",
-    ),
     "autotuning": _off("autotuning"),
     "elasticity": _off("elastic batch sizes"),
     "pipeline": _only(
