@@ -155,3 +155,30 @@ def test_a_hugging_face_models_own_gradient_checkpointing_works_at_every_stage()
     pytest.importorskip("transformers")
     for per_rank in run_world(hf_train, 2, [0, 1, 2, 3]):
         assert all(diff < 1e-6 for diff in per_rank.values()), per_rank
+
+
+def test_deepspeeds_checkpointing_api_checkpoints_a_call():
+    from dsfunc.deepspeed import checkpointing
+
+    checkpointing.reset()
+    assert not checkpointing.is_configured()
+    checkpointing.configure(None, deepspeed_config={"train_batch_size": 1,
+                                                  "activation_checkpointing": {"profile": True}},
+                            synchronize=True)
+    assert checkpointing.is_configured()
+    layer = torch.nn.Linear(4, 4)
+    expected = None
+    for cpu in (False, True):
+        checkpointing.configure(None, checkpoint_in_cpu=cpu)
+        x = torch.randn(3, 4, requires_grad=True, generator=torch.Generator().manual_seed(0))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            y = checkpointing.checkpoint(lambda v: torch.tanh(layer(v)), x)
+        y.sum().backward()
+        expected = torch.autograd.grad(torch.tanh(layer(x)).sum(), x)[0]
+        assert torch.allclose(x.grad, expected)
+        # only the input was kept, tanh and the matmul recompute (with cpu_checkpointing the host keeps it)
+        assert len(saved) == (0 if cpu else 1)
+    with pytest.raises(dsfunc.ConfigError, match="partition_activations"):
+        checkpointing.configure(None, partition_activations=True)
+    checkpointing.reset()
