@@ -167,12 +167,11 @@ def test_deepspeeds_checkpointing_api_checkpoints_a_call():
                             synchronize=True)
     assert checkpointing.is_configured()
     layer = torch.nn.Linear(4, 4)
-    expected = None
     for cpu in (False, True):
         checkpointing.configure(None, checkpoint_in_cpu=cpu)
         x = torch.randn(3, 4, requires_grad=True, generator=torch.Generator().manual_seed(0))
-        saved = []
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        saved: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, kept=saved: kept.append(t) or t, lambda t: t):
             y = checkpointing.checkpoint(lambda v: torch.tanh(layer(v)), x)
         y.sum().backward()
         expected = torch.autograd.grad(torch.tanh(layer(x)).sum(), x)[0]
