@@ -2,7 +2,8 @@
 
     torchrun --nproc_per_node 2 bench/bench_zero.py --model 1.3b --systems dsfunc:2,dsfunc:3,fsdp2,fsdp2c,deepspeed:3
 
-Systems: ``dsfunc:S`` (ZeRO stage S), ``fsdp2`` (per-block ``fully_shard``), ``fsdp2c`` (the same with each
+Systems: ``dsfunc:S`` (ZeRO stage S; ``dsfunc:S+compile`` compiles each block, ``+units`` / ``+selective``
+checkpoint every block), ``fsdp2`` (per-block ``fully_shard``), ``fsdp2c`` (the same with each
 block ``torch.compile``d first, torchtitan's order), ``deepspeed:S`` (DeepSpeed's engine at ZeRO stage S
 with its FusedAdam, built on first use; on the CPU its torch Adam). ``--device cpu --model tiny`` is a
 gloo smoke run of this script (tests/test_bench.py).
@@ -36,7 +37,8 @@ def batches(cfg: GPTConfig, micro: int, count: int, device: torch.device):
         yield tokens[:, :-1], tokens[:, 1:]
 
 
-def run_dsfunc(cfg: GPTConfig, stage: int, micro: int, warmup: int, steps: int, device: torch.device):
+def run_dsfunc(cfg: GPTConfig, stage: int, micro: int, warmup: int, steps: int, device: torch.device,
+               options: frozenset[str] = frozenset()):
     with torch.device("meta"):
         model = GPT(cfg)
     config = {
@@ -46,6 +48,9 @@ def run_dsfunc(cfg: GPTConfig, stage: int, micro: int, warmup: int, steps: int, 
         "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": stage},
+        "compile": {"enabled": "compile" in options},
+        "activation_checkpointing": {"policy": "units" if "units" in options else
+                                     "selective" if "selective" in options else "none"},
     }
     state = dsfunc.init_state(model, config, param_init_fn=init_weights, device=device)
     losses = []
@@ -145,9 +150,17 @@ SYSTEMS = {
 }
 
 
+def _shape(name: str) -> GPTConfig:
+    """A preset, or ``"LxD"``: L layers of width D with heads of 128 (the larger BENCH.md-style GPTs)."""
+    if "x" not in name:
+        return GPTConfig.preset(name)
+    layers, width = (int(v) for v in name.split("x"))
+    return GPTConfig(n_layer=layers, d_model=width, n_head=width // 128)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="1.3b", choices=["124m", "1.3b", "6.7b", "tiny"])
+    parser.add_argument("--model", default="1.3b", help='124m, 1.3b, 6.7b, tiny, or "LxD" (L layers of width D)')
     parser.add_argument("--device", default="cuda", help="cpu runs a gloo smoke test of this script")
     parser.add_argument("--systems", default="dsfunc:2,dsfunc:3,fsdp2")
     parser.add_argument("--micro", type=int, default=None)
@@ -168,7 +181,7 @@ def main() -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     world = dist.get_world_size()
     tiny = GPTConfig(vocab_size=512, seq_len=64, n_layer=2, n_head=2, d_model=64)
-    cfg = tiny if args.model == "tiny" else GPTConfig.preset(args.model)
+    cfg = tiny if args.model == "tiny" else _shape(args.model)
     micro = args.micro or (4 if args.model == "6.7b" else 8)
     if dist.get_rank() == 0:
         print(f"{args.model}: {world} x {torch.cuda.get_device_name()}, torch {torch.__version__}, micro {micro}")
@@ -179,11 +192,13 @@ def main() -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         leftover = torch.cuda.memory_allocated() / 2**30
-        kind, _, stage = system.partition(":")
+        kind, _, spec = system.partition(":")
+        stage, *options = spec.split("+") if spec else [""]
         label, run = SYSTEMS[kind]
         stages = (int(stage),) if stage else ()
-        elapsed, losses, model, note = run(cfg, *stages, micro, args.warmup, args.steps, device)
-        name = label.format(stage)
+        extra = {"options": frozenset(options)} if options else {}
+        elapsed, losses, model, note = run(cfg, *stages, micro, args.warmup, args.steps, device, **extra)
+        name = label.format(stage) + "".join(f" + {o}" for o in options)
         tokens = micro * cfg.seq_len * args.steps * world / elapsed
         mfu = tokens / world * model.flops_per_token() / PEAK_FLOPS
         peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device=device)

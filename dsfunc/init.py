@@ -11,24 +11,33 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from dsfunc.config import Config
+from dsfunc.compile import compile_units
+from dsfunc.config import (
+    ActivationCheckpointingConfig,
+    CompileConfig,
+    Config,
+    parse_activation_checkpointing,
+    parse_compile,
+)
 from dsfunc.dist import comm
 from dsfunc.errors import InputError
 from dsfunc.frozen import FrozenDict
 from dsfunc.grad import LossFn
+from dsfunc.graphs import GraphedStep
 from dsfunc.optim.base import Transform
 from dsfunc.optim.from_config import update_from_config
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.update import ChainUpdate
+from dsfunc.remat import checkpoint_units
 from dsfunc.scaling import LossScaler
 from dsfunc.state import Metrics, TrainState
-from dsfunc.step import make_train_step
+from dsfunc.step import make_train_step, note_min_scale
 from dsfunc.zero.binding import Slots
 from dsfunc.zero.gather import Workspace
 from dsfunc.zero.hooks import install_input_cast, install_unit_hooks
@@ -69,6 +78,8 @@ def init_state(
     unit_modules: Sequence[str] | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     device: torch.device | str | None = None,
+    compile: bool | Mapping[str, Any] | None = None,
+    activation_checkpointing: str | Mapping[str, Any] | None = None,
 ) -> TrainState:
     """Build the training state for ``model`` as the DeepSpeed ``config`` describes.
 
@@ -87,6 +98,11 @@ def init_state(
       unit_modules: module paths to shard as units (default: blocks of the largest ModuleList).
       param_init_fn: initialises a module materialised from ``meta`` (in place).
       device: where the state lives (default: the current CUDA device, else the CPU).
+      compile: compile each unit's forward with ``torch.compile`` (:mod:`dsfunc.compile`): ``True``, or a
+        ``compile`` config section (``{"backend": ..., "kwargs": {...}}``); default: the config's section.
+      activation_checkpointing: which units recompute their forward in backward (:mod:`dsfunc.remat`):
+        a policy (``"units"``, ``"selective"``, ``"none"``) or an ``activation_checkpointing`` config section
+        (``{"policy": "units", "every": 2, "cpu_checkpointing": true}``); default: the config's section.
 
     Returns:
       A :class:`TrainState`; every rank of the process group must call this. ``model`` itself is
@@ -113,16 +129,15 @@ def init_state(
         max_live_elements=zero.stage3_max_live_parameters,
         prefetch=zero.overlap_comm and zero.stage3_prefetch_bucket_size > 0,
     )
-    install_unit_hooks(skeleton, workspace)
-    install_input_cast(skeleton, workspace, cfg.compute_dtype)
+    compile_options = _compile_options(cfg, compile)
+    _prepare_skeleton(skeleton, workspace, cfg, _remat_options(cfg, activation_checkpointing), compile_options)
     program = Program(
         config=cfg, plan=plan, skeleton=skeleton, slots=Slots(skeleton, plan, buffers.keys()),
         workspace=workspace, update=update, scaler=scaler, loss_fn=loss_fn, device=device,
         compute_dtype=cfg.compute_dtype, comm_dtype=_COMM_DTYPES[cfg.communication_data_type],
         persistent_buffers=tuple(k for k in model.state_dict() if k in buffers),
-        step_fn=make_train_step(), segment_norm=segment_norm_fn(plan, device),
+        step_fn=_step_fn(compile_options), segment_norm=segment_norm_fn(plan, device),
     )
-    zero_scalar = torch.zeros((), device=device)
     scaler_state = scaler.init(device)
     state = TrainState(
         step=torch.zeros((), dtype=torch.int64),
@@ -131,9 +146,7 @@ def init_state(
         scaler=scaler_state,
         buffers=FrozenDict(buffers),
         rng=torch.tensor([seed], dtype=torch.int64),
-        metrics=Metrics(loss=zero_scalar.clone(), grad_norm=zero_scalar.clone(),
-                        loss_scale=scaler_state.scale.clone(), lr=zero_scalar.clone(),
-                        skipped=torch.zeros((), dtype=torch.int32, device=device)),
+        metrics=Metrics.before_training(scaler_state.scale),
         program=program,
     )
     workspace.refresh(state.params)
@@ -188,6 +201,36 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
         out[name] = state.buffers[name].detach().clone()
     order = [k for k, _ in program.skeleton.state_dict(keep_vars=True).items()]
     return {k: out[k] for k in order if k in out}
+
+
+def _compile_options(cfg: Config, compile: bool | Mapping[str, Any] | None) -> CompileConfig:
+    """The config's ``compile`` section, or the one ``init_state(compile=...)`` gives instead."""
+    if compile is None:
+        return cfg.compile
+    section = {"enabled": True} if compile is True else {"enabled": False} if compile is False else compile
+    return parse_compile({"enabled": True, **section})
+
+
+def _prepare_skeleton(skeleton: nn.Module, workspace: Workspace, cfg: Config,
+                      remat: ActivationCheckpointingConfig, compile: CompileConfig) -> None:
+    """Hooks (stage-3 gathers, input cast), then checkpointing, then compilation, of the unit forwards."""
+    install_unit_hooks(skeleton, workspace)
+    install_input_cast(skeleton, workspace, cfg.compute_dtype)
+    checkpoint_units(skeleton, workspace.plan, remat)
+    compile_units(skeleton, workspace.plan, compile)
+
+
+def _remat_options(cfg: Config, given: str | Mapping[str, Any] | None) -> ActivationCheckpointingConfig:
+    """The config's ``activation_checkpointing`` section, or what ``init_state(activation_checkpointing=...)``
+    gives instead."""
+    if given is None:
+        return cfg.activation_checkpointing
+    return parse_activation_checkpointing({"policy": given} if isinstance(given, str) else given)
+
+
+def _step_fn(options: CompileConfig) -> Callable[..., TrainState]:
+    step = make_train_step()
+    return GraphedStep(step, after_step=note_min_scale) if options.cuda_graph else step
 
 
 def _default_device() -> torch.device:

@@ -59,6 +59,13 @@ class Metrics:
     lr: torch.Tensor
     skipped: torch.Tensor
 
+    @classmethod
+    def before_training(cls, loss_scale: torch.Tensor) -> Metrics:
+        """Zeros (and the initial loss scale) on the scale's device, for a state no step has made yet."""
+        zero = torch.zeros((), device=loss_scale.device)
+        return cls(loss=zero.clone(), grad_norm=zero.clone(), loss_scale=loss_scale.clone(), lr=zero.clone(),
+                   skipped=torch.zeros((), dtype=torch.int32, device=loss_scale.device))
+
     def to_dict(self) -> dict[str, float]:
         """Host copies of every metric (this waits for the step to finish)."""
         return {f.name: getattr(self, f.name).item() for f in dataclasses.fields(self)}

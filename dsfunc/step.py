@@ -128,6 +128,13 @@ def apply_gradients(
     new = dataclasses.replace(
         state, step=state.step + 1, params=params, opt_state=opt_state, scaler=scaler, metrics=metrics,
     )
-    if program.scaler.dynamic and program.scaler.raise_error_at_min_scale:
-        _MIN_SCALE_CHECKS[new] = MinScaleCheck(new.scaler.dead)
+    if not (new.scaler.dead.is_cuda and torch.cuda.is_current_stream_capturing()):  # dsfunc.graphs: after replay
+        note_min_scale(new)
     return new
+
+
+def note_min_scale(state: TrainState) -> None:
+    """Start the host's copy of ``state.scaler.dead``, which :func:`check_min_scale` reads later."""
+    scaler = state.program.scaler
+    if scaler.dynamic and scaler.raise_error_at_min_scale:
+        _MIN_SCALE_CHECKS[state] = MinScaleCheck(state.scaler.dead)

@@ -28,3 +28,18 @@ def test_bench_zero_runs_every_system_on_gloo_ranks():
     for row in rows:
         first, last = (float(x) for x in row[6].split("->"))
         assert math.isfinite(first) and math.isfinite(last) and float(row[3].replace(",", "")) > 0
+
+
+def test_bench_single_runs_every_kind_of_system():
+    systems = ["plain", "plain+compile", "plain+ckpt", "dsfunc", "dsfunc+compile", "dsfunc+units",
+               "dsfunc+selective", "dsfunc+graph", "dsfunc+zero3+compile+units"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-W", "ignore", str(ROOT / "bench" / "bench_single.py"), "--device", "cpu",
+           "--model", "tiny", "--systems", ",".join(systems), "--warmup", "1", "--steps", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
+    assert [r[1].strip() for r in rows] == systems
+    first_losses = {r[1].strip(): float(r[6].split("->")[0]) for r in rows}
+    # every dsfunc variant computes the same first step (checkpointing, compiling, graphs change no math)
+    assert len({round(v, 4) for k, v in first_losses.items() if k.startswith("dsfunc")}) == 1, first_losses

@@ -43,6 +43,11 @@ Where dsfunc deliberately differs from DeepSpeed:
   untested-optimizer check.
 """
 
+from dsfunc.config.activation_checkpointing import (
+    ActivationCheckpointingConfig,
+    parse_activation_checkpointing,
+)
+from dsfunc.config.compile import CompileConfig, parse_compile
 from dsfunc.config.config import Config
 from dsfunc.config.errors import ConfigError
 from dsfunc.config.monitor import MonitorConfig
@@ -53,7 +58,9 @@ from dsfunc.config.zero import ZeroConfig
 from dsfunc.frozen import FrozenDict
 
 __all__ = [
+    "ActivationCheckpointingConfig",
     "BF16Config",
+    "CompileConfig",
     "Config",
     "ConfigError",
     "FP16Config",
@@ -62,6 +69,8 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "ZeroConfig",
+    "parse_activation_checkpointing",
+    "parse_compile",
     "parse_optimizer",
     "parse_scheduler",
 ]

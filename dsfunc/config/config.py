@@ -9,8 +9,10 @@ from typing import Any
 
 import torch
 
+from dsfunc.config.activation_checkpointing import ActivationCheckpointingConfig, _activation_checkpointing
 from dsfunc.config.batch import _batch_size, _check_triple, _resolve_batch, _world_size
 from dsfunc.config.checks import _DTYPE_NAME, _NON_NEGATIVE, _STEPS, _bool, _number, _optional
+from dsfunc.config.compile import CompileConfig, _compile
 from dsfunc.config.errors import ConfigError
 from dsfunc.config.monitor import MonitorConfig
 from dsfunc.config.optimizer import OptimizerConfig, _optimizer
@@ -47,6 +49,8 @@ class Config:
     grad_accum_dtype: str | None = None  # from data_types.grad_accum_dtype
     tensorboard: MonitorConfig = MonitorConfig()  # noqa: RUF009 (a frozen dataclass, safe to share)
     csv_monitor: MonitorConfig = MonitorConfig()  # noqa: RUF009
+    compile: CompileConfig = CompileConfig()  # noqa: RUF009
+    activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()  # noqa: RUF009
     raw: Mapping[str, Any] = FrozenDict()  # the user's dict as given
 
     def __post_init__(self) -> None:
@@ -122,8 +126,9 @@ class Config:
         for name in ("optimizer", "scheduler"):
             section = getattr(self, name)
             out[name] = None if section is None else {"type": section.type, "params": thaw(section.params)}
-        for name in ("fp16", "bf16", "zero_optimization", "tensorboard", "csv_monitor"):
-            out[name] = dataclasses.asdict(getattr(self, name))
+        for name in ("fp16", "bf16", "zero_optimization", "tensorboard", "csv_monitor", "compile",
+                     "activation_checkpointing"):
+            out[name] = thaw(dataclasses.asdict(getattr(self, name)))
         for f in dataclasses.fields(self):
             if "check" in f.metadata:
                 out[f.name] = getattr(self, f.name)
@@ -144,6 +149,8 @@ _TOP = _Schema(
         "data_types": _Spec(None, _grad_accum_dtype),
         "tensorboard": _Spec(MonitorConfig(), _section(MonitorConfig)),
         "csv_monitor": _Spec(MonitorConfig(), _section(MonitorConfig)),
+        "compile": _Spec(CompileConfig(), _compile),
+        "activation_checkpointing": _Spec(ActivationCheckpointingConfig(), _activation_checkpointing),
     }
     | _specs_of(Config),
     fixed=_UNSUPPORTED_TOP,

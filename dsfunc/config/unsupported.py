@@ -22,18 +22,6 @@ from dsfunc.config.schema import Rule
 
 _UNSUPPORTED_TOP: dict[str, Rule] = {
     "flops_profiler": _off("the FLOPs profiler", ds.FLOPS_PROFILER),
-    "activation_checkpointing": _only(
-        {
-            "partition_activations": False,
-            "contiguous_memory_optimization": False,
-            "cpu_checkpointing": False,
-            "number_checkpoints": None,
-            "synchronize_checkpoint_boundary": False,
-            "profile": False,
-        },
-        feature="DeepSpeed's activation checkpointing",
-        fix="Use torch.utils.checkpoint inside the model.",
-    ),
     "autotuning": _off("autotuning", ds.AUTOTUNING),
     "pipeline": _only(
         {
@@ -79,7 +67,6 @@ _UNSUPPORTED_TOP: dict[str, Rule] = {
     "gradient_allreduce_op": _only("mean", feature="summed gradient reduction"),
     "torch_autocast": _off("torch.autocast mixed precision", ds.TORCH_AUTOCAST, 'Use "fp16" or "bf16".'),
     "hybrid_engine": _off("the hybrid (RLHF) engine", ds.HYBRID_ENGINE),
-    "compile": _only(ds.COMPILE_DEFAULTS, feature="DeepSpeed's compiler (DeepCompile) options"),
     "weight_quantization": _empty("weight quantization"),
     "tensor_parallel": _empty("tensor parallelism"),
     "expert_parallel": _empty("expert parallelism"),

@@ -242,9 +242,18 @@ class MicroBatchRuntime:
     def _rng_scope(self, micro: int) -> Iterator[None]:
         """Seed dropout from (seed, step, micro-batch, rank) so a resumed run draws the same masks."""
         device = self.program.device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            seed = hash((int(self.state.rng[0]), int(self.state.step), micro, self.program.plan.rank))
-            torch.manual_seed(seed & 0x7FFF_FFFF_FFFF)
+        cuda = device.type == "cuda"
+        if cuda and torch.cuda.is_current_stream_capturing():  # a graphed step seeds per step (dsfunc.graphs)
+            yield
+            return
+        seed = hash((int(self.state.rng[0]), int(self.state.step), micro, self.program.plan.rank)) & 0x7FFF_FFFF_FFFF
+        with torch.random.fork_rng(devices=[device] if cuda else []):
+            # Seed the generators this step draws from, not torch.manual_seed: that one also seeds every
+            # other accelerator type lazily, recording a Python stack each time (half the step on a small
+            # model), and would change the other GPUs' streams.
+            torch.default_generator.manual_seed(seed)
+            if cuda:
+                torch.cuda.default_generators[device.index if device.index is not None else 0].manual_seed(seed)
             yield
 
 

@@ -103,14 +103,9 @@ def test_unimplemented_sections_accepted_when_off(section):
         (
             {"activation_checkpointing": {"partition_activations": True}},
             (
-                "activation_checkpointing.partition_activations = true: dsfunc does not support DeepSpeed's "
-                "activation checkpointing yet. Remove the key or set it to false (DeepSpeed's default). "
-                "Use torch.utils.checkpoint inside the model."
+                "activation_checkpointing.partition_activations = true: dsfunc does not support partitioned "
+                "activations (they split over model-parallel ranks; dsfunc has none) yet."
             ),
-        ),
-        (
-            {"activation_checkpointing": {"number_checkpoints": 4}},
-            "activation_checkpointing.number_checkpoints = 4",
         ),
         ({"autotuning": {"enabled": True}}, "dsfunc does not support autotuning yet"),
         ({"elasticity": {"enabled": False}}, "elasticity: elastic training has been removed"),

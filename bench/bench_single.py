@@ -1,0 +1,144 @@
+"""The BENCH.md workload on one GPU: plain PyTorch against dsfunc, eager, compiled and checkpointed, in one run.
+
+    python bench/bench_single.py --model 1.3b --systems plain,plain+compile,dsfunc,dsfunc+compile
+
+A system is a name and options joined by ``+``:
+
+* ``plain``: the model in bf16 autocast, fused AdamW, clip 1.0 (BENCH.md's "plain PyTorch");
+  ``+compile`` wraps it in ``torch.compile``; ``+ckpt`` puts ``torch.utils.checkpoint`` around every block.
+* ``dsfunc``: ``dsfunc.train_step`` at ZeRO stage 0 (``+zero3`` for stage 3), bf16, the same AdamW;
+  ``+compile`` compiles each block (``compile.enabled``), ``+graph`` replays the whole step as a CUDA graph
+  (``compile.cuda_graph``), ``+units`` / ``+selective`` checkpoint every block (``activation_checkpointing``).
+
+Systems run in the order given, each for ``--warmup`` then ``--steps`` timed steps; ``--rounds 2`` repeats the
+list (interleaved, so drifting clocks affect all alike). One Markdown row per system and round: tokens/s,
+MFU (BENCH.md's count, tied output projection included) and ``max_memory_allocated``.
+``--device cpu --model tiny`` is a smoke run of this script (tests/test_bench.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import dsfunc
+from dsfunc.models.gpt import GPT, GPTConfig, init_weights
+
+PEAK_FLOPS = 790e12  # bf16 matmul rate measured on these H200s (BENCH.md)
+
+
+def batches(cfg: GPTConfig, micro: int, count: int, device: torch.device):
+    g = torch.Generator(device=device).manual_seed(1234)
+    for _ in range(count):
+        tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len + 1), device=device, generator=g)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def make_model(cfg: GPTConfig, device: torch.device) -> GPT:
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(cfg)
+    model.apply(init_weights)
+    return model
+
+
+def run_plain(cfg: GPTConfig, options: set[str], micro: int, warmup: int, steps: int, device: torch.device):
+    model = make_model(cfg, device)
+    if "ckpt" in options:
+        for block in model.blocks:
+            block.forward = lambda x, f=block.forward: checkpoint(f, x, use_reentrant=False)
+    step_model = torch.compile(model) if "compile" in options else model
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
+    losses, start = [], None
+    for i, (x, y) in enumerate(batches(cfg, micro, warmup + steps, device)):
+        if i == warmup:
+            sync(device)
+            start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            logits = step_model(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i in (0, warmup + steps - 1):
+            losses.append(loss.item())
+    sync(device)
+    return time.perf_counter() - start, losses, model
+
+
+def run_dsfunc(cfg: GPTConfig, options: set[str], micro: int, warmup: int, steps: int, device: torch.device):
+    with torch.device("meta"):
+        model = GPT(cfg)
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 3 if "zero3" in options else 0},
+        "compile": {"enabled": "compile" in options, "cuda_graph": "graph" in options},
+    }
+    policy = "units" if "units" in options else "selective" if "selective" in options else "none"
+    config["activation_checkpointing"] = {"policy": policy}
+    state = dsfunc.init_state(model, config, param_init_fn=init_weights, device=device)
+    losses, start = [], None
+    for i, batch in enumerate(batches(cfg, micro, warmup + steps, device)):
+        if i == warmup:
+            sync(device)
+            start = time.perf_counter()
+        state = dsfunc.train_step(state, batch)
+        if i in (0, warmup + steps - 1):
+            losses.append(state.metrics.loss.item())
+    sync(device)
+    return time.perf_counter() - start, losses, model
+
+
+RUNNERS = {"plain": run_plain, "dsfunc": run_dsfunc}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="1.3b", choices=["124m", "1.3b", "6.7b", "tiny"])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--systems", default="plain,plain+compile,dsfunc,dsfunc+compile")
+    parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    tiny = GPTConfig(vocab_size=512, seq_len=64, n_layer=2, n_head=2, d_model=64)
+    cfg = tiny if args.model == "tiny" else GPTConfig.preset(args.model)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{args.model} on {name}, torch {torch.__version__}, micro {args.micro}, seq {cfg.seq_len}")
+    print("| size | system | round | tokens/s | MFU | peak GiB | loss first->last |")
+    print("|---|---|---|---|---|---|---|")
+    for round_ in range(1, args.rounds + 1):
+        for system in args.systems.split(","):
+            kind, *options = system.split("+")
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            torch._dynamo.reset()
+            elapsed, losses, model = RUNNERS[kind](cfg, set(options), args.micro, args.warmup, args.steps, device)
+            tokens = args.micro * cfg.seq_len * args.steps / elapsed
+            mfu = tokens * model.flops_per_token() / PEAK_FLOPS
+            peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+            print(f"| {args.model} | {system} | {round_} | {tokens:,.0f} | {mfu:.3f} | {peak:.1f} | "
+                  f"{losses[0]:.3f}->{losses[-1]:.3f} |", flush=True)
+            del model
+
+
+if __name__ == "__main__":
+    main()

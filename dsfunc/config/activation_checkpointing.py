@@ -1,0 +1,49 @@
+"""The ``activation_checkpointing`` section: DeepSpeed's keys, and dsfunc's per-unit policy.
+
+DeepSpeed's keys configure ``deepspeed.checkpointing.checkpoint`` (which model code calls itself):
+``cpu_checkpointing`` keeps the saved activations in pinned host memory, ``synchronize_checkpoint_boundary``
+synchronises the device around each checkpointed call, ``profile`` logs their times. Partitioning
+activations (and its contiguous buffers) splits them over model-parallel ranks, which dsfunc does not
+have: asking for it is an error. dsfunc's ``policy`` checkpoints units with no change to the model:
+``"units"`` (every ``every``-th unit recomputes its forward in backward), ``"selective"`` (the same, but
+matmul and attention outputs are saved and only the cheap rest is recomputed), ``"none"`` (the default).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dsfunc.config.checks import _bool, _choice, _integer, _only, _optional
+from dsfunc.config.schema import _key, _section
+
+POLICIES = ("none", "units", "selective")
+_NO_MODEL_PARALLELISM = "partitioned activations (they split over model-parallel ranks; dsfunc has none)"
+
+
+@dataclass(frozen=True)
+class ActivationCheckpointingConfig:
+    """``activation_checkpointing``: which units recompute their forward in backward, and how."""
+
+    policy: str = _key("none", _choice(*POLICIES))
+    every: int = _key(1, _integer(ge=1))
+    cpu_checkpointing: bool = _key(False, _bool)
+    synchronize_checkpoint_boundary: bool = _key(False, _bool)
+    profile: bool = _key(False, _bool)
+    number_checkpoints: int | None = _key(None, _optional(_integer(ge=1)))  # sizes DeepSpeed's contiguous buffer
+
+    def checkpoints(self, index: int) -> bool:
+        """Whether the ``index``-th unit module (0-based, in model order) is checkpointed."""
+        return self.policy != "none" and index % self.every == 0
+
+
+_FIXED = {
+    "partition_activations": _only(False, feature=_NO_MODEL_PARALLELISM),
+    "contiguous_memory_optimization": _only(False, feature=_NO_MODEL_PARALLELISM),
+}
+_activation_checkpointing = _section(ActivationCheckpointingConfig, _FIXED)
+
+
+def parse_activation_checkpointing(section: Any) -> ActivationCheckpointingConfig:
+    """An ``activation_checkpointing`` section, validated and completed as inside a whole config."""
+    return _activation_checkpointing(section, "activation_checkpointing")

@@ -1,0 +1,93 @@
+"""Activation checkpointing of units: a unit's forward keeps only its inputs and runs again in backward.
+
+Applied like regional compilation, to each selected unit module's own ``forward`` (the module hooks stay
+outside), with ``torch.utils.checkpoint`` in its non-reentrant form:
+
+* it composes with ZeRO-3: before a unit's backward the hook on its outputs re-gathers the unit
+  (:mod:`dsfunc.zero.runtime`), so the recomputed forward reads the gathered parameters, and the unit is
+  freed again once its gradient is reduced;
+* dropout draws the same masks in the recomputation (the checkpoint restores the RNG state of the
+  forward), so a checkpointed run trains bit for bit like one without, and resumes bit for bit;
+* the ``"selective"`` policy saves the outputs of matmuls and attention and recomputes the rest
+  (elementwise ops, norms), the usual trade of a little memory for most of the recompute time;
+* ``cpu_checkpointing`` keeps what is saved in pinned host memory (``torch.autograd.graph.save_on_cpu``).
+
+The same wrapper serves ``deepspeed.checkpointing.checkpoint(fn, *args)`` (:func:`checkpoint`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from dsfunc.config import ActivationCheckpointingConfig
+from dsfunc.zero.layout import ShardingPlan
+
+logger = logging.getLogger("dsfunc")
+
+_aten = torch.ops.aten
+# Outputs the selective policy keeps: the matmuls and attention, whose recompute would cost the most.
+_SAVED_OPS = {
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+    _aten._scaled_dot_product_flash_attention.default, _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default, _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def checkpoint_units(skeleton: nn.Module, plan: ShardingPlan, options: ActivationCheckpointingConfig) -> int:
+    """Checkpoint the forward of each unit module ``options`` selects, in place; returns how many."""
+    modules = [skeleton.get_submodule(u.module) for u in plan.units if u.module is not None]
+    chosen = [m for i, m in enumerate(modules) if options.checkpoints(i)]
+    if options.policy != "none" and not modules:
+        logger.warning("activation_checkpointing.policy = %r: the model has no unit modules (blocks of a "
+                       "ModuleList) to checkpoint; pass unit_modules=[...] to dsfunc.init_state", options.policy)
+    for module in chosen:
+        module.forward = functools.partial(checkpoint, module.forward, options=options)
+    return len(chosen)
+
+
+def checkpoint(function: Callable[..., Any], *args: Any, options: ActivationCheckpointingConfig | None = None,
+               **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)``, keeping only its inputs for backward and running it again there."""
+    options = options or ActivationCheckpointingConfig(policy="units")
+    context_fn = _selective if options.policy == "selective" else _no_context
+    on_cpu = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) \
+        if options.cpu_checkpointing else contextlib.nullcontext()
+    with _boundary(options, function), on_cpu:
+        return torch_checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective() -> tuple[Any, Any]:
+    return create_selective_checkpoint_contexts(_policy)
+
+
+def _no_context() -> tuple[Any, Any]:
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _boundary(options: ActivationCheckpointingConfig, function: Callable[..., Any]) -> Iterator[None]:
+    """DeepSpeed's ``synchronize_checkpoint_boundary`` and ``profile`` around one checkpointed forward."""
+    sync = options.synchronize_checkpoint_boundary or options.profile
+    if sync and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    yield
+    if sync and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    if options.profile:
+        name = getattr(function, "__qualname__", type(function).__name__)
+        logger.info("activation checkpointing: forward of %s took %.2f ms", name, (time.perf_counter() - start) * 1e3)
