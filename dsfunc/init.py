@@ -72,9 +72,11 @@ def init_state(
     """Build the training state for ``model`` as the DeepSpeed ``config`` describes.
 
     Args:
-      model: the ``nn.Module`` to train; it may live on the ``meta`` device, in which case each rank
-        materialises only its own shard, one module at a time (with each module's
-        ``reset_parameters()`` or ``param_init_fn(module)``), so no rank ever holds the whole model.
+      model: the ``nn.Module`` to train. Every rank starts from rank 0's parameters and buffers (they
+        are broadcast, as DeepSpeed does), so ranks need not seed alike. It may live on the ``meta``
+        device, in which case each rank materialises only its own shard, one module at a time (with
+        each module's ``reset_parameters()`` or ``param_init_fn(module)``, seeded by ``seed``, so every
+        rank draws the same values), and no rank ever holds the whole model.
       config: a DeepSpeed config: dict, JSON path, ``argparse.Namespace`` with ``deepspeed_config``,
         or a :class:`dsfunc.Config`.
       loss_fn: ``loss_fn(model, batch) -> scalar``; without it the model's forward returns the loss.
