@@ -2,9 +2,15 @@
 
 A state has two halves. The data half is the :class:`~dsfunc.TrainState`'s leaves. The static half is
 its :class:`Program`: what never changes during a run and is never checkpointed as tensors — the
-parsed config, the hook-free model skeleton (parameters on ``meta``), the sharding plan, the update, the
-loss scaler's rule and the composed step. The program's one mutable member is its
-:class:`~dsfunc.zero.gather.Workspace`, the run's cache of compute copies (see there).
+parsed config, the model skeleton, the sharding plan, the update, the loss scaler's rule and the
+composed step. The program's one mutable member is its :class:`~dsfunc.zero.gather.Workspace`, the
+run's cache of compute copies (see there).
+
+The skeleton is a hook-free copy of the user's module by default: the functional API leaves the module
+it was given alone (``model.load_state_dict(dsfunc.full_params(state))`` brings the weights back).
+With ``in_place=True`` — what the DeepSpeed engine passes, since in DeepSpeed the model passed in *is*
+the engine's module — the skeleton is the module itself: its parameters become resident views of the
+state's compute copies (:mod:`dsfunc.zero.binding`), so it holds the trained values after every step.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ def init_state(
     unit_modules: Sequence[str] | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     device: torch.device | str | None = None,
+    in_place: bool = False,
 ) -> TrainState:
     """Build the training state for ``model`` as the DeepSpeed ``config`` describes.
 
@@ -86,25 +93,31 @@ def init_state(
       unit_modules: module paths to shard as units (default: blocks of the largest ModuleList).
       param_init_fn: initialises a module materialised from ``meta`` (in place).
       device: where the state lives (default: the current CUDA device, else the CPU).
+      in_place: train ``model`` itself instead of a copy. Its parameters become views of the state's
+        compute copies on ``device`` (in the compute dtype; at ZeRO-3 empty outside a forward, as in
+        DeepSpeed: a forward through ``model`` gathers what it runs), its buffers the state's own, so
+        ``model`` holds the current weights after every step with no copy. Parameter objects keep
+        their identity unless they were on ``meta``.
 
     Returns:
-      A :class:`TrainState`; every rank of the process group must call this. ``model`` itself is
-      only read: the state trains a skeleton copy of it.
+      A :class:`TrainState`; every rank of the process group must call this. Unless ``in_place``,
+      ``model`` itself is only read: the state trains a skeleton copy of it.
     """
     cfg = Config.load(config, world_size=comm.world_size())
     device = torch.device(device) if device is not None else _default_device()
     zero = cfg.zero_optimization
     plan = make_plan(model, stage=zero.stage, world_size=comm.world_size(), rank=comm.rank(),
                      unit_modules=unit_modules)
-    skeleton = make_skeleton(model)
+    skeleton = model if in_place else make_skeleton(model)
     params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn)
+    slots = Slots(skeleton, plan, buffers.keys())
     scaler = LossScaler.from_config(cfg.fp16)
     if optimizer is None:
         update = update_from_config(cfg)
     else:
         update = optimizer if isinstance(optimizer, (ChainUpdate, FusedAdam)) else ChainUpdate(optimizer)
     workspace = Workspace(
-        plan, compute_dtype=cfg.compute_dtype, device=device,
+        plan, slots=slots, compute_dtype=cfg.compute_dtype, device=device,
         persistence_threshold=zero.stage3_param_persistence_threshold,
         max_live_elements=zero.stage3_max_live_parameters,
         prefetch=zero.overlap_comm and zero.stage3_prefetch_bucket_size > 0,
@@ -112,7 +125,7 @@ def init_state(
     install_unit_hooks(skeleton, workspace)
     install_input_cast(skeleton, workspace, cfg.compute_dtype)
     program = Program(
-        config=cfg, plan=plan, skeleton=skeleton, slots=Slots(skeleton, plan, buffers.keys()),
+        config=cfg, plan=plan, skeleton=skeleton, slots=slots,
         workspace=workspace, update=update, scaler=scaler, loss_fn=loss_fn, device=device,
         compute_dtype=cfg.compute_dtype, comm_dtype=_COMM_DTYPES[cfg.communication_data_type],
         persistent_buffers=tuple(k for k in model.state_dict() if k in buffers),
@@ -133,6 +146,7 @@ def init_state(
         program=program,
     )
     workspace.refresh(state.params)
+    slots.restore(state.buffers)
     return state
 
 

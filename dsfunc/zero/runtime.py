@@ -263,7 +263,7 @@ class MicroBatchRuntime:
 
     def _unbind(self) -> None:
         """Put the skeleton's resident tensors back, write buffers back, free lazy units: on this rank only."""
-        self.program.slots.restore()
+        self.program.slots.restore(self.state.buffers)
         self.workspace.active = None
         self._bound = False
         self._leaf_of, self._views = {}, {}
