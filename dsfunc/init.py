@@ -122,8 +122,10 @@ def init_state(
         max_live_elements=zero.stage3_max_live_parameters,
         prefetch=zero.overlap_comm and zero.stage3_prefetch_bucket_size > 0,
     )
-    install_unit_hooks(skeleton, workspace)
-    install_input_cast(skeleton, workspace, cfg.compute_dtype)
+    for handle in getattr(skeleton, "_dsfunc_hooks", ()):  # a module trained in place before: this state replaces that one
+        handle.remove()
+    skeleton._dsfunc_hooks = install_unit_hooks(skeleton, workspace) + install_input_cast(
+        skeleton, workspace, cfg.compute_dtype)
     program = Program(
         config=cfg, plan=plan, skeleton=skeleton, slots=slots,
         workspace=workspace, update=update, scaler=scaler, loss_fn=loss_fn, device=device,

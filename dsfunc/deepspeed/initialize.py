@@ -98,7 +98,7 @@ def initialize(
     else:
         schedule = client_lr if client_lr is not None else lr_schedule(cfg)
         update = update_from_config(cfg, schedule=client_lr) if client_lr is not None else None
-    state = init_state(model, cfg, optimizer=update, seed=seed)
+    state = init_state(model, cfg, optimizer=update, seed=seed, in_place=True)
     loader = None
     if training_data is not None:
         cuda = state.program.device.type == "cuda"

@@ -13,13 +13,15 @@ from typing import Any
 import optree
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from dsfunc.zero.gather import Workspace
 from dsfunc.zero.layout import Unit
 
 
-def install_unit_hooks(skeleton: nn.Module, workspace: Workspace) -> None:
+def install_unit_hooks(skeleton: nn.Module, workspace: Workspace) -> list[RemovableHandle]:
     """On each lazily gathered unit's module: gather and bind before its forward, free after it."""
+    handles = []
     for unit in workspace.plan.units:
         if not workspace.lazy(unit):
             continue
@@ -39,14 +41,15 @@ def install_unit_hooks(skeleton: nn.Module, workspace: Workspace) -> None:
             elif workspace.active is not None:
                 workspace.active.unit_forward_ends(u, output)
 
-        module.register_forward_pre_hook(pre)
-        module.register_forward_hook(post, always_call=True)
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post, always_call=True))
+    return handles
 
 
-def install_input_cast(skeleton: nn.Module, workspace: Workspace, dtype: torch.dtype) -> None:
+def install_input_cast(skeleton: nn.Module, workspace: Workspace, dtype: torch.dtype) -> list[RemovableHandle]:
     """Cast floating-point inputs of the model's forward to the compute dtype (as FSDP2 does)."""
     if dtype == torch.float32:
-        return
+        return []
 
     def cast(module: nn.Module, args: Any, kwargs: Any) -> Any:
         if workspace.active is None:
@@ -54,4 +57,4 @@ def install_input_cast(skeleton: nn.Module, workspace: Workspace, dtype: torch.d
         f = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
         return optree.tree_map(f, args), optree.tree_map(f, kwargs)
 
-    skeleton.register_forward_pre_hook(cast, with_kwargs=True)
+    return [skeleton.register_forward_pre_hook(cast, with_kwargs=True)]

@@ -205,6 +205,11 @@ class MicroBatchRuntime:
                 self._forwards, self.leaves, self._order = 0, [], []
 
     @property
+    def micro_backwards(self) -> int:
+        """Backwards (the runtime's and the script's own) in the current micro-batch."""
+        return self._backwards
+
+    @property
     def has_gradients(self) -> bool:
         """True once a backward reached this optimizer step (its gradients would be lost by dropping it)."""
         return self._backwards > 0 or self._micros_ended > 0
