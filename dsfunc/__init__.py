@@ -42,6 +42,7 @@ from dsfunc.grad import (
 )
 from dsfunc.init import full_params, init_state
 from dsfunc.optim import (
+    ParamGroups,
     Transform,
     adagrad,
     adam,
@@ -51,6 +52,7 @@ from dsfunc.optim import (
     clip_by_global_norm,
     current_lr,
     lamb,
+    multi_transform,
     named_chain,
     scale_by_adam,
     scale_by_factor,
@@ -79,6 +81,7 @@ __all__ = [  # noqa: RUF022 - grouped by layer, as the imports above
     "LossScaleState",
     "LossScaler",
     "Metrics",
+    "ParamGroups",
     "TrainState",
     "Transform",
     "UsageError",
@@ -97,6 +100,7 @@ __all__ = [  # noqa: RUF022 - grouped by layer, as the imports above
     "lamb",
     "lr_range_test",
     "make_train_step",
+    "multi_transform",
     "named_chain",
     "one_cycle",
     "scale_by_adam",

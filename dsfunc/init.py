@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,11 +25,13 @@ from torch import nn
 
 from dsfunc.config import Config
 from dsfunc.dist import comm
+from dsfunc.errors import InputError
 from dsfunc.frozen import FrozenDict
 from dsfunc.grad import LossFn
-from dsfunc.optim.base import Transform
-from dsfunc.optim.from_config import update_from_config
+from dsfunc.optim.base import Transform, multi_transform
+from dsfunc.optim.from_config import LrSchedule, update_from_config
 from dsfunc.optim.fused import FusedAdam
+from dsfunc.optim.groups import ParamGroups
 from dsfunc.optim.update import ChainUpdate
 from dsfunc.scaling import LossScaler
 from dsfunc.state import Metrics, TrainState
@@ -75,6 +77,8 @@ def init_state(
     param_init_fn: Callable[[nn.Module], None] | None = None,
     device: torch.device | str | None = None,
     in_place: bool = False,
+    param_groups: ParamGroups | None = None,
+    lr_schedule: LrSchedule | None = None,
 ) -> TrainState:
     """Build the training state for ``model`` as the DeepSpeed ``config`` describes.
 
@@ -88,7 +92,8 @@ def init_state(
         or a :class:`dsfunc.Config`.
       loss_fn: ``loss_fn(model, batch) -> scalar``; without it the model's forward returns the loss.
       optimizer: an update transform replacing the config's optimizer section (or an update made by
-        :func:`dsfunc.optim.update_from_config`).
+        :func:`dsfunc.optim.update_from_config`); with ``param_groups``, a mapping group -> transform
+        (optax's ``multi_transform``).
       seed: seeds dropout (and meta-device initialisation); the state carries it across resume.
       unit_modules: module paths to shard as units (default: blocks of the largest ModuleList).
       param_init_fn: initialises a module materialised from ``meta`` (in place).
@@ -98,6 +103,10 @@ def init_state(
         DeepSpeed: a forward through ``model`` gathers what it runs), its buffers the state's own, so
         ``model`` holds the current weights after every step with no copy. Parameter objects keep
         their identity unless they were on ``meta``.
+      param_groups: optimizer options per group of parameters, the groups named by a label function
+        over parameter names (:class:`dsfunc.ParamGroups`), e.g. no weight decay on biases and norms.
+      lr_schedule: ``lr_schedule(group_lr) -> Schedule`` replaces the config's scheduler section, once
+        per parameter group.
 
     Returns:
       A :class:`TrainState`; every rank of the process group must call this. Unless ``in_place``,
@@ -106,16 +115,14 @@ def init_state(
     cfg = Config.load(config, world_size=comm.world_size())
     device = torch.device(device) if device is not None else _default_device()
     zero = cfg.zero_optimization
+    groups = param_groups.order(n for n, p in model.named_parameters() if p.requires_grad) if param_groups else []
     plan = make_plan(model, stage=zero.stage, world_size=comm.world_size(), rank=comm.rank(),
-                     unit_modules=unit_modules)
+                     unit_modules=unit_modules, labels=param_groups.label_of if len(groups) > 1 else None)
     skeleton = model if in_place else make_skeleton(model)
     params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn)
     slots = Slots(skeleton, plan, buffers.keys())
     scaler = LossScaler.from_config(cfg.fp16)
-    if optimizer is None:
-        update = update_from_config(cfg)
-    else:
-        update = optimizer if isinstance(optimizer, (ChainUpdate, FusedAdam)) else ChainUpdate(optimizer)
+    update = _update(cfg, plan, optimizer, param_groups, groups, lr_schedule)
     workspace = Workspace(
         plan, slots=slots, compute_dtype=cfg.compute_dtype, device=device,
         persistence_threshold=zero.stage3_param_persistence_threshold,
@@ -150,6 +157,31 @@ def init_state(
     workspace.refresh(state.params)
     slots.restore(state.buffers)
     return state
+
+
+def _update(cfg: Config, plan: ShardingPlan, optimizer: Any, param_groups: ParamGroups | None, groups: list[str],
+            lr_schedule: LrSchedule | None) -> ChainUpdate | FusedAdam:
+    """The update the program applies: the config's (per parameter group), or the one given."""
+    unit_groups = {u.name: u.label for u in plan.units}
+    if optimizer is None:
+        options = None
+        if groups:
+            opts = param_groups.options
+            options = {None: opts.get(groups[0], {})} if len(groups) == 1 else {g: opts.get(g, {}) for g in groups}
+        return update_from_config(cfg, lr_schedule, group_options=options, unit_groups=unit_groups)
+    if param_groups is not None and param_groups.options or lr_schedule is not None:
+        raise InputError(
+            "param_groups options and lr_schedule configure the config's optimizer; with optimizer= give "
+            "each group its own transform instead: optimizer={label: transform, ...}"
+        )
+    if isinstance(optimizer, Mapping):
+        missing = sorted(set(groups) - set(optimizer))
+        if param_groups is None or missing:
+            raise InputError(f"optimizer={{label: transform}} needs param_groups= naming the groups and a "
+                             f"transform for each of them (missing: {missing})")
+        transform = optimizer[groups[0]] if len(groups) == 1 else multi_transform(dict(optimizer), unit_groups)
+        return ChainUpdate(transform)
+    return optimizer if isinstance(optimizer, (ChainUpdate, FusedAdam)) else ChainUpdate(optimizer)
 
 
 def make_skeleton(model: nn.Module) -> nn.Module:

@@ -48,10 +48,9 @@ from torch import nn
 from dsfunc import checkpoint
 from dsfunc.data import DistributedLoader
 from dsfunc.deepspeed import direct
-from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, schedule_count
+from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, GroupView, schedule_count
 from dsfunc.errors import InputError, UsageError
 from dsfunc.monitor import Monitor, tokens_in
-from dsfunc.schedules import Schedule
 from dsfunc.state import TrainState
 from dsfunc.step import apply_gradients, check_min_scale
 from dsfunc.zero.runtime import MicroBatchRuntime, Phase, zero_runtime
@@ -70,8 +69,8 @@ class Engine(nn.Module):
         *,
         model: nn.Module,
         local_rank: int = 0,
-        schedule: Schedule | None = None,
-        base_lr: float | None = None,
+        groups: list[GroupView] | None = None,
+        scheduled: bool = False,
         training_dataloader: DistributedLoader | None = None,
         progress_bar: bool = False,
         total_steps: int | None = None,
@@ -82,8 +81,7 @@ class Engine(nn.Module):
                              "in_place=True)")
         self.module = model
         self._state = state
-        self._schedule = schedule
-        self._base_lr = base_lr
+        self.groups = groups or []  # the parameter groups (none without an optimizer)
         self.local_rank = local_rank
         self.training_dataloader = training_dataloader
         program = state.program
@@ -91,8 +89,8 @@ class Engine(nn.Module):
         self.global_rank = program.plan.rank
         self.world_size = program.plan.world_size
         self.monitor = Monitor(state, progress_bar=progress_bar, total_steps=total_steps)
-        self.optimizer = EngineOptimizer(self) if base_lr is not None else None
-        self.lr_scheduler = EngineLRScheduler(self) if schedule is not None else None
+        self.optimizer = EngineOptimizer(self) if groups is not None else None
+        self.lr_scheduler = EngineLRScheduler(self) if groups is not None and scheduled else None
         self.micro_steps = 0
         self.global_samples = 0
         self._runtime: MicroBatchRuntime | None = None  # the optimizer step in progress
@@ -168,12 +166,11 @@ class Engine(nn.Module):
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def get_lr(self) -> list[float]:
-        """The lr the next optimizer step will use, as a one-element list (DeepSpeed's per-group list)."""
-        if self._base_lr is None:
+        """The lr the next optimizer step will use, per parameter group (DeepSpeed's list)."""
+        if not self.groups:
             return []
-        if self._schedule is None:
-            return [self._base_lr]
-        return [float(self._schedule(schedule_count(self._state.opt_state) - 1))]
+        t = schedule_count(self._state.opt_state) - 1
+        return [g.lr_at(t) for g in self.groups]
 
     def get_global_grad_norm(self) -> float:
         """The global gradient norm of the last optimizer step (unscaled, before clipping)."""
