@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -53,9 +54,12 @@ from dsfunc.errors import InputError, UsageError
 from dsfunc.monitor import Monitor, tokens_in
 from dsfunc.state import TrainState
 from dsfunc.step import apply_gradients, check_min_scale
+from dsfunc.zero.context import gathered_state_dict
 from dsfunc.zero.runtime import MicroBatchRuntime, Phase, zero_runtime
 
 logger = logging.getLogger("dsfunc")
+
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()  # live engines, for deepspeed.utils' per-parameter helpers
 
 ENGINE_KEY = "dsfunc_engine"  # engine counters inside a checkpoint's client state
 
@@ -97,6 +101,7 @@ class Engine(nn.Module):
         self._timings: dict[str, float] = {}
         self._tokens = 0
         direct.install(self)
+        _ENGINES.add(self)
 
     def __getattr__(self, name: str) -> Any:
         """The module's attribute when the engine has none of that name (as DeepSpeed's engine)."""
@@ -320,6 +325,28 @@ class Engine(nn.Module):
             torch.cuda.synchronize(self.device)
         self._timings[name] = self._timings.get(name, 0.0) + (time.perf_counter() - start) * 1000
 
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Save the module's weights in the compute dtype (``torch.save`` of a state_dict, rank 0 writes);
+        every rank calls it. At ZeRO-3 it gathers one unit at a time, and only with
+        ``stage3_gather_16bit_weights_on_model_save`` (else it returns False, as DeepSpeed)."""
+        path = os.path.join(save_dir, save_filename)
+        if self.zero_optimization_partition_weights():
+            if not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+                logger.info("Did not save the model %s because stage3_gather_16bit_weights_on_model_save is False",
+                            path)
+                return False
+            weights = gathered_state_dict(self.module, exclude_frozen_parameters=exclude_frozen_parameters)
+        elif self.global_rank == 0:
+            held = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+            weights = {k: v.detach().to("cpu", copy=True) for k, v in held.items()}
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(weights, path)
+        return True
+
+    save_fp16_model = save_16bit_model
+
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(
         self,
@@ -403,6 +430,17 @@ class Engine(nn.Module):
             if self.training_dataloader is not None:
                 self.training_dataloader.skip_to(self.micro_steps)
         return str(folder), client
+
+
+DeepSpeedEngine = Engine  # DeepSpeed's name (deepspeed.runtime.engine.DeepSpeedEngine, isinstance checks)
+
+
+def engine_of(workspace: Any) -> Engine:
+    """The live engine whose state's workspace is ``workspace``."""
+    for engine in _ENGINES:
+        if engine.state.program.workspace is workspace:
+            return engine
+    raise InputError("no live engine trains this parameter (the optimizer state lives in an engine's state)")
 
 
 def _call(model: nn.Module, args: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:

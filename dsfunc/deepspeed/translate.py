@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dsfunc.deepspeed.ops import DeepSpeedOptimizer
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.optim.from_config import LrSchedule
 from dsfunc.optim.groups import GROUP_METADATA, plain
@@ -43,9 +44,12 @@ def optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any],
     ``param_groups`` as ``(params, options)`` pairs, each group's options its own hyper-parameters.
 
     Maps ``torch.optim.Adam`` (L2, or decoupled with ``decoupled_weight_decay``), ``AdamW``, ``SGD`` and
-    ``Adagrad``; options that only choose an implementation (``foreach``, ``fused``, ...) are ignored;
+    ``Adagrad``, and DeepSpeed's optimizer classes (:mod:`dsfunc.deepspeed.ops`); options that only choose an implementation (``foreach``, ``fused``, ...) are ignored;
     any other option away from torch's default (``amsgrad``, ``maximize``, ...) is refused.
     """
+    if isinstance(optimizer, DeepSpeedOptimizer):
+        section = {"type": optimizer.config_type, "params": optimizer.config_params(optimizer.defaults)}
+        return section, [(list(g["params"]), optimizer.config_params(g)) for g in optimizer.param_groups]
     kind = type(optimizer)
     if kind not in _TORCH_OPTIMIZERS:
         raise InputTypeError(

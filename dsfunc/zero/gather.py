@@ -93,6 +93,7 @@ class Workspace:
         self.master: Mapping[str, torch.Tensor] = {}  # the masters the copies were last built from
         self._shown: dict[str, Any] = {}  # unit -> the flat its residents view (None: empty)
         self._exposed: dict[str, int] = {}  # lazy unit -> how many exposures hold it gathered
+        self._exposed_master: dict[str, torch.Tensor] = {}  # unit -> full fp32 master shown for writing
 
     def lazy(self, unit: Unit) -> bool:
         return self._lazy[unit.name]
@@ -157,7 +158,9 @@ class Workspace:
     def _show(self, unit: Unit) -> None:
         """Point ``unit``'s resident parameters at its current compute flat (empty for a lazy unit that
         is not exposed); nothing to do when they already view it."""
-        if self.aliases_master:
+        if unit.name in self._exposed_master:
+            flat = self._exposed_master[unit.name]
+        elif self.aliases_master:
             flat = self.master[unit.name]
         elif self.lazy(unit) and not self._exposed.get(unit.name):
             flat = None
@@ -184,6 +187,34 @@ class Workspace:
         if self.lazy(unit) and self._exposed[unit.name] == 1:
             self.ensure(unit, self.master)
             self._show(unit)
+
+    def expose_master(self, unit: Unit) -> None:
+        """Show the unit's full fp32 master in its residents, for writing (GatheredParameters with a
+        modifier rank): the master itself when it is not sharded, else a copy gathered from the shards.
+        :meth:`commit_master` writes it back."""
+        self._exposed_master[unit.name] = self.full_flat(unit, self.master[unit.name])
+        self._show(unit)
+
+    def full_flat(self, unit: Unit, shard: torch.Tensor) -> torch.Tensor:
+        """The unit's full flat (padded) from this rank's ``shard`` of it: all-gathered from every rank's
+        shard (a collective), or ``shard`` itself when the unit is not sharded."""
+        if self.plan.ways == 1:
+            return shard
+        full = torch.empty(self.plan.padded_size(unit), dtype=shard.dtype, device=shard.device)
+        comm.all_gather_flat(full, shard)
+        return full
+
+    @torch.no_grad()
+    def commit_master(self, units: Iterable[Unit], src: int) -> None:
+        """End :meth:`expose_master` for ``units``: rank ``src``'s values (what the script wrote there)
+        become every rank's master, and the compute copies are rebuilt from them."""
+        for unit in units:
+            full = self._exposed_master.pop(unit.name)
+            comm.broadcast(full, src=src)
+            if self.plan.ways > 1:
+                size = self.plan.shard_size(unit)
+                self.master[unit.name].copy_(full[self.plan.rank * size : (self.plan.rank + 1) * size])
+        self.refresh(self.master)
 
     def hide(self, unit: Unit) -> None:
         """Undo one :meth:`expose`; the last one empties the residents and frees the gathered copy."""
