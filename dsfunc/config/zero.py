@@ -76,8 +76,10 @@ _ZERO_FIXED: dict[str, Rule] = {
     "zeropp_loco_param": _only(None, feature="ZeRO++ LoCo"),
     "mics_shard_size": _only(-1, feature="MiCS sharding"),
     "mics_hierarchical_params_gather": _only(False, feature="MiCS hierarchical gathers"),
-    "memory_efficient_linear": _only(True, feature="disabling the memory-efficient linear"),
-    "override_module_apply": _only(True, feature="disabling the nn.Module.apply override"),
+    # DeepSpeed's ZeRO-3 patches of torch.nn.functional.linear and nn.Module.apply (under zero.Init); dsfunc
+    # patches neither, so either value describes it (DeepSpeed-Chat sets memory_efficient_linear: false)
+    "memory_efficient_linear": _bool,
+    "override_module_apply": _bool,
     "pipeline_loading_checkpoint": _only(False, feature="pipeline-mode checkpoint loading"),
     "log_trace_cache_warnings": _only(False, feature="trace-cache warnings"),
     "enable_sanity_checks": _only(False, feature="DeepSpeed's internal sanity checks"),
