@@ -115,9 +115,7 @@ def init_state(
     cfg = Config.load(config, world_size=comm.world_size())
     device = torch.device(device) if device is not None else _default_device()
     zero = cfg.zero_optimization
-    groups = param_groups.order(n for n, p in model.named_parameters() if p.requires_grad) if param_groups else []
-    plan = make_plan(model, stage=zero.stage, world_size=comm.world_size(), rank=comm.rank(),
-                     unit_modules=unit_modules, labels=param_groups.label_of if len(groups) > 1 else None)
+    plan, groups = _plan(model, zero.stage, unit_modules, param_groups)
     skeleton = model if in_place else make_skeleton(model)
     params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn)
     slots = Slots(skeleton, plan, buffers.keys())
@@ -129,10 +127,7 @@ def init_state(
         max_live_elements=zero.stage3_max_live_parameters,
         prefetch=zero.overlap_comm and zero.stage3_prefetch_bucket_size > 0,
     )
-    for handle in getattr(skeleton, "_dsfunc_hooks", ()):  # a module trained in place before: this state replaces that one
-        handle.remove()
-    skeleton._dsfunc_hooks = install_unit_hooks(skeleton, workspace) + install_input_cast(
-        skeleton, workspace, cfg.compute_dtype)
+    _hook(skeleton, workspace, cfg.compute_dtype)
     program = Program(
         config=cfg, plan=plan, skeleton=skeleton, slots=slots,
         workspace=workspace, update=update, scaler=scaler, loss_fn=loss_fn, device=device,
@@ -140,12 +135,22 @@ def init_state(
         persistent_buffers=tuple(k for k in model.state_dict() if k in buffers),
         step_fn=make_train_step(), segment_norm=segment_norm_fn(plan, device),
     )
+    state = _first_state(program, params, buffers, seed)
+    workspace.refresh(state.params)
+    slots.restore(state.buffers)
+    return state
+
+
+def _first_state(program: Program, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                 seed: int) -> TrainState:
+    """Step 0: fresh optimizer and loss-scaler states, zero metrics."""
+    device = program.device
     zero_scalar = torch.zeros((), device=device)
-    scaler_state = scaler.init(device)
-    state = TrainState(
+    scaler_state = program.scaler.init(device)
+    return TrainState(
         step=torch.zeros((), dtype=torch.int64),
         params=FrozenDict(params),
-        opt_state=update.init(params),
+        opt_state=program.update.init(params),
         scaler=scaler_state,
         buffers=FrozenDict(buffers),
         rng=torch.tensor([seed], dtype=torch.int64),
@@ -154,9 +159,24 @@ def init_state(
                         skipped=torch.zeros((), dtype=torch.int32, device=device)),
         program=program,
     )
-    workspace.refresh(state.params)
-    slots.restore(state.buffers)
-    return state
+
+
+def _plan(model: nn.Module, stage: int, unit_modules: Sequence[str] | None,
+          param_groups: ParamGroups | None) -> tuple[ShardingPlan, list[str]]:
+    """The sharding plan, with units split by parameter group when there are several groups, and the
+    groups in order."""
+    groups = param_groups.order(n for n, p in model.named_parameters() if p.requires_grad) if param_groups else []
+    plan = make_plan(model, stage=stage, world_size=comm.world_size(), rank=comm.rank(), unit_modules=unit_modules,
+                     labels=param_groups.label_of if len(groups) > 1 else None)
+    return plan, groups
+
+
+def _hook(skeleton: nn.Module, workspace: Workspace, dtype: torch.dtype) -> None:
+    """Install the skeleton's module hooks; a module trained in place before drops the hooks of that state,
+    which this one replaces."""
+    for handle in getattr(skeleton, "_dsfunc_hooks", ()):
+        handle.remove()
+    skeleton._dsfunc_hooks = install_unit_hooks(skeleton, workspace) + install_input_cast(skeleton, workspace, dtype)
 
 
 def _update(cfg: Config, plan: ShardingPlan, optimizer: Any, param_groups: ParamGroups | None, groups: list[str],
