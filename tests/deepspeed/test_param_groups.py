@@ -133,3 +133,25 @@ def test_deepspeeds_schedulers_set_every_group_as_deepspeed_does(name):
         engine.backward(engine(x, y))
         engine.step()
     assert seen == [pytest.approx(e, rel=1e-6) for e in expected]
+
+
+def test_an_engine_with_groups_resumes_exactly(tmp_path):
+    def engine_for(seed_model):
+        net = copy.deepcopy(seed_model)
+        cfg = config(micro=4, optimizer={"type": "AdamW", "params": {"lr": 1e-2}},
+                     scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 3}})
+        return net, initialize(model=net, model_parameters=hf_groups(net), config=cfg)[0]
+
+    torch.manual_seed(0)
+    model = NormNet()
+    data = batches(6, 4)
+    net, full = engine_for(model)
+    run(full, data)
+    _, first = engine_for(model)
+    run(first, data[:3])
+    first.save_checkpoint(tmp_path)
+    resumed_net, resumed = engine_for(model)
+    resumed.load_checkpoint(tmp_path)
+    run(resumed, data[3:])
+    assert relative_diff(resumed_net.state_dict(), net.state_dict()) == 0.0
+    assert resumed.get_lr() == full.get_lr() and len(resumed.get_lr()) == 2
