@@ -7,10 +7,15 @@ enabled (and an optimizer) it is a training forward of the current micro-batch (
 follows reaches the engine's gradients), otherwise an evaluation, bound only for this call. Inputs are
 moved to the engine's device. A call the engine itself makes (its runtime is bound then) passes through.
 Dropout in a direct training forward uses the global generator, not the engine's seeded one.
+
+Between a training forward and its backward the module's parameter tables hold that micro-batch's
+views (autograd needs them until the backward, e.g. for activation checkpointing's recompute), so the
+module's ``zero_grad()`` — which scripts call between the two (DeepSpeed's GAN example does) — skips them.
 """
 
 from __future__ import annotations
 
+import types
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +52,18 @@ def install(engine: Engine) -> None:
 
     module._dsfunc_hooks.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
     module._dsfunc_hooks.append(module.register_forward_hook(post, always_call=True))
+    module.zero_grad = types.MethodType(_zero_grad, module)
+
+
+def _zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
+    """``nn.Module.zero_grad`` over the module's own parameters, skipping a micro-batch's bound views (they
+    are not leaves and never hold gradients)."""
+    for p in module.parameters():
+        if p.is_leaf and p.grad is not None:
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
 
 
 def _begin(engine: Engine) -> tuple[str, Any, bool]:

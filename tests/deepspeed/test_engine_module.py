@@ -83,17 +83,18 @@ class Discriminator(nn.Module):
         return self.net(x).squeeze(-1)
 
 
-def gan_step(engine_d, engine_g, net_d, real, noise, *, direct_d: bool):
+def gan_step(engine_d, engine_g, net_d, net_g, real, noise, *, direct: bool):
     """DeepSpeed's GAN example: D backpropagates the real and the fake loss before its step, then G
-    backpropagates through D's output."""
-    d = net_d if direct_d else engine_d
+    backpropagates through D's output. ``direct`` calls the modules themselves, as that example does
+    (``netD(real)``, ``netG(noise)``, ``netD.zero_grad()``)."""
+    d, g = (net_d, net_g) if direct else (engine_d, engine_g)
     ones, zeros = torch.ones(len(real)), torch.zeros(len(real))
-    engine_d.zero_grad()
+    d.zero_grad()
     engine_d.backward(F.binary_cross_entropy_with_logits(d(real), ones))
-    fake = engine_g(noise)
+    fake = g(noise)
     engine_d.backward(F.binary_cross_entropy_with_logits(d(fake.detach()), zeros))
     engine_d.step()
-    engine_g.zero_grad()
+    g.zero_grad()
     engine_g.backward(F.binary_cross_entropy_with_logits(d(fake), ones))
     engine_g.step()
 
@@ -110,8 +111,8 @@ def torch_gan_step(opt_d, opt_g, net_d, net_g, real, noise):
     opt_g.step()
 
 
-@pytest.mark.parametrize("direct_d", [False, True])
-def test_a_two_engine_gan_matches_torch(direct_d, tmp_path):
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_two_engine_gan_matches_torch(direct, tmp_path):
     torch.manual_seed(0)
     net_d, net_g = Discriminator(), Generator()
     ref_d, ref_g = copy.deepcopy(net_d), copy.deepcopy(net_g)
@@ -125,7 +126,7 @@ def test_a_two_engine_gan_matches_torch(direct_d, tmp_path):
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
         real, noise = torch.randn(4, 4, generator=g) + 1, torch.randn(4, 3, generator=g)
-        gan_step(engine_d, engine_g, net_d, real, noise, direct_d=direct_d)
+        gan_step(engine_d, engine_g, net_d, net_g, real, noise, direct=direct)
         torch_gan_step(opt_d, opt_g, ref_d, ref_g, real, noise)
     assert relative_diff(net_d.state_dict(), ref_d.state_dict()) < 1e-5
     assert relative_diff(net_g.state_dict(), ref_g.state_dict()) < 1e-5
