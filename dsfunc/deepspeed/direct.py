@@ -81,7 +81,5 @@ def _end(token: tuple[str, Any, bool], output: Any) -> None:
     if kind == "train":
         if output is None:  # the forward raised
             engine._abandon_step()
-        else:
-            runtime.forward_ran(output)
     elif opened:
         runtime.end_evaluation()

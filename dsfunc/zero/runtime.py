@@ -24,14 +24,14 @@ The backward seed makes the step's gradient the mean over every micro-batch of e
 ``loss * loss_scale / ranks / micro_count`` (``ranks`` is the number of ranks the reducer sums over).
 ``torch.autograd.backward`` is called here and nowhere else.
 
-[Note: a backward the runtime does not run] A script may call ``loss.backward()`` itself. The runtime
-then applies the seed where the gradient enters the model: a hook on each output of the micro-batch's
-forwards multiplies its gradient by ``1 / ranks / micro_count`` (and the loss scale when the loss was
-not already multiplied by it with :meth:`MicroBatchRuntime.scale`), as DeepSpeed's output hooks do.
-The hooks pass gradients through unchanged while any runtime's :meth:`backward` runs (a GAN's generator
-backpropagates through the discriminator's outputs). A loss the runtime never sees is not in the mean
-loss (``nan`` when no loss of the step was seen). With a dynamic or static fp16 loss scale the loss must
-be multiplied by the scale before its backward, so a direct ``loss.backward()`` is an error then.
+[Note: a backward the runtime does not run] A script may call ``loss.backward()`` itself. The gradients
+still reach the micro-batch's leaves, and the runtime applies the seed there, as each unit's gradient
+arrives: ``1 / ranks / micro_count`` (a gradient is linear in the seed, so this is the mean the seed
+gives). DeepSpeed scales at the forward's outputs instead, which counts twice an output computed from
+another (a Hugging Face output's ``loss`` from its ``logits``). A loss the runtime never sees is not in
+the mean loss (``nan`` when no loss of the step was seen). Under fp16 the loss must be multiplied by the
+loss scale before its backward (:meth:`MicroBatchRuntime.scale`), so a direct ``loss.backward()`` of an
+unscaled loss is an error then.
 
 [Note: lazy binding at stage 3] Units whose compute copy is gathered on demand are bound by the module
 hooks (:mod:`dsfunc.zero.hooks`) just before the unit's forward and freed after it; a hook on the
@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, TypeVar
 
 import optree
@@ -119,13 +119,12 @@ class MicroBatchRuntime:
         except BaseException:
             self.drop_forward()
             raise
-        self.forward_ran(out)
         return out
 
     def begin_forward(self, micro: tuple[int, int] = (0, 1)) -> None:
         """Bind the parameters for a forward the caller runs itself (a call through the model): in
         ``IDLE`` it opens micro-batch ``micro``, in ``BACKWARD`` it binds again for another pair, in
-        ``FORWARD`` the binding stays. Call :meth:`forward_ran` with the outputs afterwards."""
+        ``FORWARD`` the binding stays."""
         if self.phase is Phase.IDLE:
             self.micro = micro
         elif micro != self.micro:
@@ -137,14 +136,6 @@ class MicroBatchRuntime:
             self._bind(grad=True)
         self._forwards += 1
         self.phase = Phase.FORWARD
-
-    def forward_ran(self, outputs: Any) -> None:
-        """Watch the outputs of a forward: a ``backward()`` the script calls itself gets the seed there
-        (see [Note: a backward the runtime does not run])."""
-        me = weakref.ref(self)
-        for t in optree.tree_leaves(outputs):
-            if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point():
-                t.register_hook(lambda g: me()._direct_seed(g) if me() is not None else g)
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale, for a script that calls ``backward()`` on it itself (fp16)."""
@@ -309,15 +300,15 @@ class MicroBatchRuntime:
 
     def _on_grad(self, unit: Unit, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
+        if not _BACKWARDS_RUNNING[0]:  # see [Note: a backward the runtime does not run]
+            grad = self._direct_seed(grad)
         index, count = self.micro
         self.reducer.add(unit, grad, last=index == count - 1)
         if self.workspace.lazy(unit):
             self.workspace.release(unit)
 
     def _direct_seed(self, grad: torch.Tensor) -> torch.Tensor:
-        """The seed of a backward the script called itself, applied at an output of this micro-batch."""
-        if _BACKWARDS_RUNNING[0] or self.phase is Phase.IDLE:
-            return grad
+        """A unit's gradient from a backward the script called itself, times the seed."""
         scaler = self.program.scaler
         if not self._prescaled and (scaler.dynamic or scaler.init_scale != 1.0):
             raise UsageError(
@@ -338,8 +329,8 @@ class MicroBatchRuntime:
     def unit_forward_ends(self, unit: Unit, output: Any) -> None:
         self.workspace.release(unit)
         me = weakref.ref(self)
-        for t in optree.tree_leaves(output):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+        for t in tensors_in(output):
+            if t.requires_grad:
                 t.register_hook(lambda g, u=unit: me()._unit_backward_begins(u, g))
 
     def _unit_backward_begins(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
@@ -376,6 +367,19 @@ class MicroBatchRuntime:
             seed = hash(key if forward == 0 else (*key, forward))
             torch.manual_seed(seed & 0x7FFF_FFFF_FFFF)
             yield
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a module's output: inside tuples, lists and mappings of any class (a Hugging Face
+    ``ModelOutput`` is an ``OrderedDict`` subclass that optree would take for a leaf)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from tensors_in(value)
+    elif isinstance(obj, (tuple, list)):
+        for value in obj:
+            yield from tensors_in(value)
 
 
 def zero_runtime(state: Any) -> MicroBatchRuntime:

@@ -107,14 +107,22 @@ def test_two_forwards_of_one_micro_batch_draw_different_dropout_masks():
     torch.testing.assert_close(again, first, rtol=0, atol=0)  # the same (step, micro-batch, forward): same masks
 
 
-def test_a_backward_the_script_calls_itself_gets_the_seed_at_the_outputs():
-    state = dsfunc.init_state(MLP(), config(micro=2, gas=2))
+class LossAndLogits(MLP):
+    """Returns a mapping of the loss and the logits it is computed from, as a Hugging Face model does."""
+
+    def forward(self, x, y):
+        logits = super().forward(x)
+        return {"logits": logits, "loss": torch.nn.functional.cross_entropy(logits, y)}
+
+
+def test_a_backward_the_script_calls_itself_gets_the_seed_at_the_leaves():
+    state = dsfunc.init_state(LossAndLogits(), config(micro=2, gas=2))
     micros = mlp_batches(2, 2)
     reference, direct = local_runtime(state), local_runtime(state)
     for i, micro in enumerate(micros):
-        reference.backward(reference.forward(_loss, micro, micro=(i, 2)))
+        reference.backward(reference.forward(_loss, micro, micro=(i, 2))["loss"])
         reference.end()
-        direct.forward(_loss, micro, micro=(i, 2)).backward()  # loss.backward(), as DeepSpeed scripts may
+        direct.forward(_loss, micro, micro=(i, 2))["loss"].backward()  # loss.backward(), as DeepSpeed scripts may
         assert direct.phase is Phase.FORWARD
         direct.end()
     _, expected = reference.finish()
@@ -132,6 +140,7 @@ def test_a_direct_backward_under_fp16_needs_the_scaled_loss():
     batch = mlp_batches(1, 2)[0]
     with pytest.raises(dsfunc.UsageError, match=r"fp16 training needs the loss multiplied by the loss scale"):
         runtime.forward(_loss, batch).backward()
+    assert all(leaf.grad is None for leaf in runtime.leaves)
     runtime.drop_forward()
     runtime.scale(runtime.forward(_loss, batch)).backward()
     runtime.end()
