@@ -5,7 +5,10 @@
         state = dsfunc.train_step(state, batch)
 
 The functional core comes first below; the DeepSpeed surface (``initialize``, the engine, the
-launcher's ``init_distributed``) is re-exported so that ``import dsfunc as deepspeed`` works.
+launcher's ``init_distributed``) is re-exported so that ``import dsfunc as deepspeed`` works, and
+DeepSpeed's modules answer under dsfunc (``deepspeed.accelerator`` is ``dsfunc.accelerator``, a script's
+``from deepspeed.comm import get_rank`` becomes ``from dsfunc.comm import get_rank``; see
+:mod:`dsfunc.deepspeed.namespace`).
 """
 
 from dsfunc.checkpoint import (
@@ -30,9 +33,30 @@ from dsfunc.config import (
     SchedulerConfig,
     ZeroConfig,
 )
-from dsfunc.deepspeed import Engine, add_config_arguments, initialize
+from dsfunc.deepspeed import (
+    DeepSpeedConfig,
+    DeepSpeedEngine,
+    DeepSpeedHybridEngine,
+    DeepSpeedOptimizer,
+    DeepSpeedTransformerConfig,
+    DeepSpeedTransformerLayer,
+    Engine,
+    InferenceEngine,
+    OnDevice,
+    PipelineEngine,
+    PipelineModule,
+    add_config_arguments,
+    add_tuning_arguments,
+    get_accelerator,
+    init_inference,
+    initialize,
+    log_dist,
+    logger,
+    tp_model_init,
+)
+from dsfunc.deepspeed import namespace as _namespace
 from dsfunc.dist import get_local_rank, get_rank, get_world_size, init_distributed
-from dsfunc.errors import Error, InputError, InputTypeError, UsageError
+from dsfunc.errors import Error, InputError, InputTypeError, NotSupportedError, UsageError
 from dsfunc.grad import (
     GradContext,
     GradResult,
@@ -44,6 +68,7 @@ from dsfunc.grad import (
 )
 from dsfunc.init import full_params, init_state
 from dsfunc.optim import (
+    ParamGroups,
     Transform,
     adagrad,
     adam,
@@ -53,6 +78,7 @@ from dsfunc.optim import (
     clip_by_global_norm,
     current_lr,
     lamb,
+    multi_transform,
     named_chain,
     scale_by_adam,
     scale_by_factor,
@@ -68,6 +94,14 @@ from dsfunc.step import apply_gradients, make_train_step, train_step
 
 __version__ = "0.1.0"
 
+_namespace.install()
+
+
+def __getattr__(name: str) -> object:
+    """DeepSpeed's top-level packages (``deepspeed.accelerator``, ``deepspeed.comm``, ``deepspeed.ops``,
+    ``deepspeed.utils``, ``deepspeed.runtime``, ``deepspeed.pipe``, ...), imported on first use."""
+    return _namespace.package(name)
+
 __all__ = [  # noqa: RUF022 - grouped by layer, as the imports above
     # functional core
     "DonatedStateError",
@@ -81,6 +115,8 @@ __all__ = [  # noqa: RUF022 - grouped by layer, as the imports above
     "LossScaleState",
     "LossScaler",
     "Metrics",
+    "NotSupportedError",
+    "ParamGroups",
     "TrainState",
     "Transform",
     "UsageError",
@@ -99,6 +135,7 @@ __all__ = [  # noqa: RUF022 - grouped by layer, as the imports above
     "lamb",
     "lr_range_test",
     "make_train_step",
+    "multi_transform",
     "named_chain",
     "one_cycle",
     "scale_by_adam",
@@ -137,8 +174,24 @@ __all__ = [  # noqa: RUF022 - grouped by layer, as the imports above
     "load_checkpoint",
     "save_checkpoint",
     "wait_for_checkpoint",
-    # the DeepSpeed surface
+    # the DeepSpeed surface (and deepspeed.accelerator, .comm, .ops, .utils, .zero, ... as modules)
+    "DeepSpeedConfig",
+    "DeepSpeedEngine",
+    "DeepSpeedHybridEngine",
+    "DeepSpeedOptimizer",
+    "DeepSpeedTransformerConfig",
+    "DeepSpeedTransformerLayer",
     "Engine",
+    "InferenceEngine",
+    "OnDevice",
+    "PipelineEngine",
+    "PipelineModule",
     "add_config_arguments",
+    "add_tuning_arguments",
+    "get_accelerator",
+    "init_inference",
     "initialize",
+    "log_dist",
+    "logger",
+    "tp_model_init",
 ]

@@ -27,3 +27,22 @@ class UsageError(Error, RuntimeError):
 
 class MissingDependencyError(Error, ImportError):
     """An optional package a requested feature needs is not installed (the message names it)."""
+
+
+class NotSupportedError(Error, NotImplementedError):
+    """A DeepSpeed feature dsfunc does not implement was called (the message names it and what to use)."""
+
+
+def unsupported(name: str, feature: str, hint: str = "") -> type:
+    """A stand-in for DeepSpeed's ``name`` that imports fine and raises :class:`NotSupportedError` when
+    called or instantiated, so a script that imports it at top level but never uses it still runs.
+
+    It is a class, so ``isinstance(x, name)`` is simply False.
+    """
+    message = f"{name} ({feature}) is not implemented by dsfunc" + (f"; {hint}" if hint else "")
+
+    def refuse(cls: type, *args: object, **kwargs: object) -> None:
+        raise NotSupportedError(message)
+
+    short = name.rpartition(".")[2]
+    return type(short, (), {"__new__": refuse, "__doc__": f"Not in dsfunc: {message}.", "__module__": "dsfunc"})

@@ -2,9 +2,15 @@
 
 A state has two halves. The data half is the :class:`~dsfunc.TrainState`'s leaves. The static half is
 its :class:`Program`: what never changes during a run and is never checkpointed as tensors — the
-parsed config, the hook-free model skeleton (parameters on ``meta``), the sharding plan, the update, the
-loss scaler's rule and the composed step. The program's one mutable member is its
-:class:`~dsfunc.zero.gather.Workspace`, the run's cache of compute copies (see there).
+parsed config, the model skeleton, the sharding plan, the update, the loss scaler's rule and the
+composed step. The program's one mutable member is its :class:`~dsfunc.zero.gather.Workspace`, the
+run's cache of compute copies (see there).
+
+The skeleton is a hook-free copy of the user's module by default: the functional API leaves the module
+it was given alone (``model.load_state_dict(dsfunc.full_params(state))`` brings the weights back).
+With ``in_place=True`` — what the DeepSpeed engine passes, since in DeepSpeed the model passed in *is*
+the engine's module — the skeleton is the module itself: its parameters become resident views of the
+state's compute copies (:mod:`dsfunc.zero.binding`), so it holds the trained values after every step.
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from dsfunc.errors import InputError
 from dsfunc.frozen import FrozenDict
 from dsfunc.grad import LossFn
 from dsfunc.graphs import GraphedStep
-from dsfunc.optim.base import Transform
-from dsfunc.optim.from_config import update_from_config
+from dsfunc.optim.base import Transform, multi_transform
+from dsfunc.optim.from_config import LrSchedule, update_from_config
 from dsfunc.optim.fused import FusedAdam
+from dsfunc.optim.groups import ParamGroups
 from dsfunc.optim.update import ChainUpdate
 from dsfunc.remat import checkpoint_units
 from dsfunc.scaling import LossScaler
@@ -80,20 +87,25 @@ def init_state(
     device: torch.device | str | None = None,
     compile: bool | Mapping[str, Any] | None = None,
     activation_checkpointing: str | Mapping[str, Any] | None = None,
+    in_place: bool = False,
+    param_groups: ParamGroups | None = None,
+    lr_schedule: LrSchedule | None = None,
 ) -> TrainState:
     """Build the training state for ``model`` as the DeepSpeed ``config`` describes.
 
     Args:
-      model: the ``nn.Module`` to train; it may live on the ``meta`` device, in which case each rank
-        materialises only its own shard, one module at a time (with each module's
-        ``reset_parameters()`` or ``param_init_fn(module)``), so no rank ever holds the whole model.
+      model: the ``nn.Module`` to train. Every rank starts from rank 0's parameters and buffers (they
+        are broadcast, as DeepSpeed does), so ranks need not seed alike. It may live on the ``meta``
+        device, in which case each rank materialises only its own shard, one module at a time (with
+        each module's ``reset_parameters()`` or ``param_init_fn(module)``, seeded by ``seed``, so every
+        rank draws the same values), and no rank ever holds the whole model.
       config: a DeepSpeed config: dict, JSON path, ``argparse.Namespace`` with ``deepspeed_config``,
         or a :class:`dsfunc.Config`.
       loss_fn: ``loss_fn(model, batch) -> scalar``; without it the model's forward returns the loss.
       optimizer: an update transform replacing the config's optimizer section (or an update made by
-        :func:`dsfunc.optim.update_from_config`). A transform's learning rate is its own (a float or a
-        schedule such as ``dsfunc.adamw(lr=dsfunc.warmup_lr(...))``), so a config with a ``scheduler``
-        section beside a transform is an error.
+        :func:`dsfunc.optim.update_from_config`); with ``param_groups``, a mapping group -> transform
+        (optax's ``multi_transform``). A transform's learning rate is its own (a float or a schedule such
+        as ``dsfunc.adamw(lr=dsfunc.warmup_lr(...))``), so a config ``scheduler`` beside it is an error.
       seed: seeds dropout (and meta-device initialisation); the state carries it across resume.
       unit_modules: module paths to shard as units (default: blocks of the largest ModuleList).
       param_init_fn: initialises a module materialised from ``meta`` (in place).
@@ -102,29 +114,32 @@ def init_state(
         ``compile`` config section (``{"backend": ..., "kwargs": {...}}``); default: the config's section.
       activation_checkpointing: which units recompute their forward in backward (:mod:`dsfunc.remat`):
         a policy (``"units"``, ``"selective"``, ``"none"``) or an ``activation_checkpointing`` config section
-        (``{"policy": "units", "every": 2, "cpu_checkpointing": true}``); default: the config's section.
+        (``{"policy": "units", "every": 2}``); default: the config's section.
+      in_place: train ``model`` itself instead of a copy. Its parameters become views of the state's
+        compute copies on ``device`` (in the compute dtype; at ZeRO-3 empty outside a forward, as in
+        DeepSpeed: a forward through ``model`` gathers what it runs), its buffers the state's own, so
+        ``model`` holds the current weights after every step with no copy. Parameter objects keep
+        their identity unless they were on ``meta``.
+      param_groups: optimizer options per group of parameters, the groups named by a label function
+        over parameter names (:class:`dsfunc.ParamGroups`), e.g. no weight decay on biases and norms.
+      lr_schedule: ``lr_schedule(group_lr) -> Schedule`` replaces the config's scheduler section, once
+        per parameter group.
 
     Returns:
-      A :class:`TrainState`; every rank of the process group must call this. ``model`` itself is
-      only read: the state trains a skeleton copy of it.
+      A :class:`TrainState`; every rank of the process group must call this. Unless ``in_place``,
+      ``model`` itself is only read: the state trains a skeleton copy of it.
     """
     cfg = Config.load(config, world_size=comm.world_size())
     device = torch.device(device) if device is not None else _default_device()
     zero = cfg.zero_optimization
-    plan = make_plan(model, stage=zero.stage, world_size=comm.world_size(), rank=comm.rank(),
-                     unit_modules=unit_modules)
-    skeleton = make_skeleton(model)
+    plan, groups = _plan(model, zero.stage, unit_modules, param_groups)
+    skeleton = model if in_place else make_skeleton(model)
     params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn)
+    slots = Slots(skeleton, plan, buffers.keys())
     scaler = LossScaler.from_config(cfg.fp16)
-    if optimizer is None:
-        update = update_from_config(cfg)
-    elif isinstance(optimizer, (ChainUpdate, FusedAdam)):
-        update = optimizer
-    else:
-        _check_no_scheduler(cfg)
-        update = ChainUpdate(optimizer)
+    update = _update(cfg, plan, optimizer, param_groups, groups, lr_schedule)
     workspace = Workspace(
-        plan, compute_dtype=cfg.compute_dtype, device=device,
+        plan, slots=slots, compute_dtype=cfg.compute_dtype, device=device,
         persistence_threshold=zero.stage3_param_persistence_threshold,
         max_live_elements=zero.stage3_max_live_parameters,
         prefetch=zero.overlap_comm and zero.stage3_prefetch_bucket_size > 0,
@@ -132,25 +147,101 @@ def init_state(
     compile_options = _compile_options(cfg, compile)
     _prepare_skeleton(skeleton, workspace, cfg, _remat_options(cfg, activation_checkpointing), compile_options)
     program = Program(
-        config=cfg, plan=plan, skeleton=skeleton, slots=Slots(skeleton, plan, buffers.keys()),
+        config=cfg, plan=plan, skeleton=skeleton, slots=slots,
         workspace=workspace, update=update, scaler=scaler, loss_fn=loss_fn, device=device,
         compute_dtype=cfg.compute_dtype, comm_dtype=_COMM_DTYPES[cfg.communication_data_type],
         persistent_buffers=tuple(k for k in model.state_dict() if k in buffers),
         step_fn=_step_fn(compile_options), segment_norm=segment_norm_fn(plan, device),
     )
-    scaler_state = scaler.init(device)
-    state = TrainState(
+    state = _first_state(program, params, buffers, seed)
+    workspace.refresh(state.params)
+    slots.restore(state.buffers)
+    return state
+
+
+def _first_state(program: Program, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
+                 seed: int) -> TrainState:
+    """Step 0: fresh optimizer and loss-scaler states, zero metrics."""
+    scaler_state = program.scaler.init(program.device)
+    return TrainState(
         step=torch.zeros((), dtype=torch.int64),
         params=FrozenDict(params),
-        opt_state=update.init(params),
+        opt_state=program.update.init(params),
         scaler=scaler_state,
         buffers=FrozenDict(buffers),
         rng=torch.tensor([seed], dtype=torch.int64),
         metrics=Metrics.before_training(scaler_state.scale),
         program=program,
     )
-    workspace.refresh(state.params)
-    return state
+
+
+def _plan(model: nn.Module, stage: int, unit_modules: Sequence[str] | None,
+          param_groups: ParamGroups | None) -> tuple[ShardingPlan, list[str]]:
+    """The sharding plan, with units split by parameter group when there are several groups, and the
+    groups in order."""
+    groups = param_groups.order(n for n, p in model.named_parameters() if p.requires_grad) if param_groups else []
+    plan = make_plan(model, stage=stage, world_size=comm.world_size(), rank=comm.rank(), unit_modules=unit_modules,
+                     labels=param_groups.label_of if len(groups) > 1 else None)
+    return plan, groups
+
+
+def _prepare_skeleton(skeleton: nn.Module, workspace: Workspace, cfg: Config,
+                      remat: ActivationCheckpointingConfig, compile: CompileConfig) -> None:
+    """Hooks (stage-3 gathers, input cast), then checkpointing, then compilation, of the unit forwards.
+
+    A module trained in place before first drops what that state installed, which this one replaces.
+    """
+    for handle in getattr(skeleton, "_dsfunc_hooks", ()):
+        handle.remove()
+    _restore_forwards(skeleton)
+    skeleton._dsfunc_hooks = (install_unit_hooks(skeleton, workspace)
+                              + install_input_cast(skeleton, workspace, cfg.compute_dtype))
+    for unit in workspace.plan.units:
+        if unit.module is not None:
+            module = skeleton.get_submodule(unit.module)
+            module._dsfunc_own_forward = module.__dict__.get("forward")
+    checkpoint_units(skeleton, workspace.plan, remat)
+    compile_units(skeleton, workspace.plan, compile)
+
+
+def _restore_forwards(skeleton: nn.Module) -> None:
+    """Undo the forward wrappers (checkpointing, compilation) a previous state put on these modules."""
+    for module in skeleton.modules():
+        if "_dsfunc_own_forward" not in module.__dict__:
+            continue
+        own = module.__dict__.pop("_dsfunc_own_forward")
+        if own is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = own
+
+
+def _update(cfg: Config, plan: ShardingPlan, optimizer: Any, param_groups: ParamGroups | None, groups: list[str],
+            lr_schedule: LrSchedule | None) -> ChainUpdate | FusedAdam:
+    """The update the program applies: the config's (per parameter group), or the one given."""
+    unit_groups = {u.name: u.label for u in plan.units}
+    if optimizer is None:
+        options = None
+        if groups:
+            opts = param_groups.options
+            options = {None: opts.get(groups[0], {})} if len(groups) == 1 else {g: opts.get(g, {}) for g in groups}
+        return update_from_config(cfg, lr_schedule, group_options=options, unit_groups=unit_groups)
+    if param_groups is not None and param_groups.options or lr_schedule is not None:
+        raise InputError(
+            "param_groups options and lr_schedule configure the config's optimizer; with optimizer= give "
+            "each group its own transform instead: optimizer={label: transform, ...}"
+        )
+    if isinstance(optimizer, (ChainUpdate, FusedAdam)):
+        return optimizer
+    _check_no_scheduler(cfg)
+    if isinstance(optimizer, Mapping):
+        missing = sorted(set(groups) - set(optimizer))
+        if param_groups is None or missing:
+            raise InputError(f"optimizer={{label: transform}} needs param_groups= naming the groups and a "
+                             f"transform for each of them (missing: {missing})")
+        transform = optimizer[groups[0]] if len(groups) == 1 else multi_transform(dict(optimizer), unit_groups)
+        return ChainUpdate(transform)
+    return ChainUpdate(optimizer)
 
 
 def _check_no_scheduler(cfg: Config) -> None:
@@ -209,15 +300,6 @@ def _compile_options(cfg: Config, compile: bool | Mapping[str, Any] | None) -> C
         return cfg.compile
     section = {"enabled": True} if compile is True else {"enabled": False} if compile is False else compile
     return parse_compile({"enabled": True, **section})
-
-
-def _prepare_skeleton(skeleton: nn.Module, workspace: Workspace, cfg: Config,
-                      remat: ActivationCheckpointingConfig, compile: CompileConfig) -> None:
-    """Hooks (stage-3 gathers, input cast), then checkpointing, then compilation, of the unit forwards."""
-    install_unit_hooks(skeleton, workspace)
-    install_input_cast(skeleton, workspace, cfg.compute_dtype)
-    checkpoint_units(skeleton, workspace.plan, remat)
-    compile_units(skeleton, workspace.plan, compile)
 
 
 def _remat_options(cfg: Config, given: str | Mapping[str, Any] | None) -> ActivationCheckpointingConfig:

@@ -107,7 +107,7 @@ def test_inductor_forward_matches_eager_and_a_new_shape_recompiles_once(caplog):
 def test_the_config_section_and_init_state_option_agree():
     with pytest.raises(dsfunc.ConfigError, match='compile.backnd".*"compile.backend"'):
         dsfunc.init_state(gpt(), config(0, 1, {"enabled": True, "backnd": "eager"}))
-    with pytest.raises(dsfunc.ConfigError, match="compile.deepcompile = true: dsfunc does not support DeepCompile"):
+    with pytest.raises(dsfunc.ConfigError, match=r"compile.deepcompile = true: dsfunc does not support DeepSpeed.s compiler \(DeepCompile\)"):
         dsfunc.init_state(gpt(), config(0, 1, None), compile={"deepcompile": True})
 
 

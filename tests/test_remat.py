@@ -158,7 +158,11 @@ def test_a_hugging_face_models_own_gradient_checkpointing_works_at_every_stage()
 
 
 def test_deepspeeds_checkpointing_api_checkpoints_a_call():
-    from dsfunc.deepspeed import checkpointing
+    from dsfunc.runtime.activation_checkpointing import checkpointing
+
+    import dsfunc as deepspeed
+
+    assert deepspeed.checkpointing is checkpointing  # both of DeepSpeed's paths
 
     checkpointing.reset()
     assert not checkpointing.is_configured()

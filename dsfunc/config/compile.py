@@ -12,9 +12,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dsfunc.config.checks import _bool, _integer, _only, _string
+from dsfunc.config.checks import _bool, _only, _string
+from dsfunc.config.deepspeed_keys import COMPILE_DEFAULTS
 from dsfunc.config.errors import _bad
-from dsfunc.config.schema import Check, Rule, _key, _section
+from dsfunc.config.schema import _key, _section
 from dsfunc.frozen import freeze
 
 
@@ -34,26 +35,9 @@ class CompileConfig:
     cuda_graph: bool = _key(False, _bool)  # dsfunc key: replay the whole step as a CUDA graph (dsfunc.graphs)
 
 
-def _typed(check: Check) -> Rule:
-    """A key that only tunes DeepCompile: with it off the value changes nothing, but it must be well-typed."""
-
-    def rule(value: Any, path: str) -> None:
-        check(value, path)
-
-    return rule
-
-
-_DEEPCOMPILE = "DeepCompile (DeepSpeed's compiler passes)"
-_COMPILE_FIXED = {
-    **{key: _only(False, feature=_DEEPCOMPILE) for key in (
-        "deepcompile", "autoep_non_moe", "free_activation", "offload_activation", "offload_opt_states",
-        "symmetric_memory", "offload_parameters", "keep_all_input_tensors")},
-    **{key: _typed(_bool) for key in (
-        "offload_activation_pin_memory", "double_buffer", "debug_log", "sync_before_reduce",
-        "sync_after_reduce", "sync_before_allgather", "sync_after_allgather", "keep_int_input_tensors")},
-    "free_activation_threshold": _typed(_integer(ge=0)),
-    "passes": _only(None, feature=_DEEPCOMPILE),
-}
+_DEEPCOMPILE = "DeepSpeed's compiler (DeepCompile) options"
+# DeepSpeed 0.19's keys of this section, each accepted at its default only (dsfunc has no DeepCompile passes)
+_COMPILE_FIXED = {key: _only(default, feature=_DEEPCOMPILE) for key, default in COMPILE_DEFAULTS.items()}
 _compile = _section(CompileConfig, _COMPILE_FIXED)
 
 

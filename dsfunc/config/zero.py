@@ -84,8 +84,10 @@ _ZERO_FIXED: dict[str, Rule] = {
     "zero_quantized_weights": _only(False, feature="ZeRO++ quantized weights"),
     "zero_quantized_nontrainable_weights": _only(False, feature="ZeRO++ quantized non-trainable weights"),
     "zero_quantized_gradients": _only(False, feature="ZeRO++ quantized gradients"),
-    "memory_efficient_linear": _only(True, feature="disabling the memory-efficient linear"),
-    "override_module_apply": _only(True, feature="disabling the nn.Module.apply override"),
+    # DeepSpeed's ZeRO-3 patches of torch.nn.functional.linear and nn.Module.apply (under zero.Init); dsfunc
+    # patches neither, so either value describes it (DeepSpeed-Chat sets memory_efficient_linear: false)
+    "memory_efficient_linear": _bool,
+    "override_module_apply": _bool,
     "pipeline_loading_checkpoint": _only(False, feature="pipeline-mode checkpoint loading"),
     "log_trace_cache_warnings": _only(False, feature="trace-cache warnings"),
     "enable_sanity_checks": _only(False, feature="DeepSpeed's internal sanity checks"),

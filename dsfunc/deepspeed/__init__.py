@@ -8,10 +8,48 @@ scripts written for DeepSpeed's engine::
         loss = criterion(engine(inputs), labels)
         engine.backward(loss)
         engine.step()
+
+The rest of DeepSpeed's namespace (``deepspeed.accelerator``, ``deepspeed.comm``, ``deepspeed.ops``,
+``deepspeed.utils``, ``deepspeed.zero``, ...) is answered by :mod:`dsfunc.deepspeed.namespace`.
 """
 
+from dsfunc.deepspeed.accelerator import get_accelerator
 from dsfunc.deepspeed.arguments import add_config_arguments
-from dsfunc.deepspeed.engine import Engine
+from dsfunc.deepspeed.engine import DeepSpeedEngine, Engine
 from dsfunc.deepspeed.initialize import initialize
+from dsfunc.deepspeed.namespace import (
+    DeepSpeedConfig,
+    DeepSpeedHybridEngine,
+    DeepSpeedTransformerConfig,
+    DeepSpeedTransformerLayer,
+    InferenceEngine,
+    PipelineEngine,
+    PipelineModule,
+    add_tuning_arguments,
+    init_inference,
+    tp_model_init,
+)
+from dsfunc.deepspeed.ops import DeepSpeedOptimizer
+from dsfunc.deepspeed.utils import OnDevice, log_dist, logger
 
-__all__ = ["Engine", "add_config_arguments", "initialize"]
+__all__ = [
+    "DeepSpeedConfig",
+    "DeepSpeedEngine",
+    "DeepSpeedHybridEngine",
+    "DeepSpeedOptimizer",
+    "DeepSpeedTransformerConfig",
+    "DeepSpeedTransformerLayer",
+    "Engine",
+    "InferenceEngine",
+    "OnDevice",
+    "PipelineEngine",
+    "PipelineModule",
+    "add_config_arguments",
+    "add_tuning_arguments",
+    "get_accelerator",
+    "init_inference",
+    "initialize",
+    "log_dist",
+    "logger",
+    "tp_model_init",
+]

@@ -1,31 +1,45 @@
 """DeepSpeed's ``DeepSpeedEngine`` as a shell over a :class:`~dsfunc.TrainState` and the micro-batch runtime.
 
-The engine holds the current state (``engine.state``) and translates DeepSpeed's three calls onto the
-one micro-batch runtime :func:`dsfunc.train_step` also uses (:mod:`dsfunc.zero.runtime`):
-``engine(...)`` is the runtime's ``forward``, ``engine.backward(loss)`` its ``backward`` and
-``engine.step()`` its ``end``; at the accumulation boundary the step's gradients go to
-:func:`dsfunc.apply_gradients`, which also advances the lr schedule unless the step overflowed. The
-engine keeps no gradient logic of its own, so the same config and data give the same parameters as
-the functional API, bit for bit.
+The engine holds the current state (``engine.state``) and translates DeepSpeed's calls onto the one
+micro-batch runtime :func:`dsfunc.train_step` also uses (:mod:`dsfunc.zero.runtime`): ``engine(...)``
+(or a call of the module itself) is the runtime's ``forward``, ``engine.backward(loss)`` (or
+``loss.backward()``) its ``backward`` and ``engine.step()`` its ``end``; at the accumulation boundary
+the step's gradients go to :func:`dsfunc.apply_gradients`, which also advances the lr schedule unless
+the step overflowed. The engine keeps no gradient logic of its own, so the same config and data give
+the same parameters as the functional API, bit for bit.
 
-Where dsfunc differs from DeepSpeed (each is a clear error or documented here):
+As in DeepSpeed, the engine is an ``nn.Module`` whose ``module`` is the model passed to ``initialize``,
+trained in place (``init_state(..., in_place=True)``): its parameters are views of the state's compute
+copies on the engine's device, so after every step they hold the current weights with no copy, and
+reading ``engine.module`` is never a collective. Parameters and buffers are the module's own;
+attributes the engine does not have are the module's.
 
-* Call ``forward``, ``backward`` and ``step`` once each per micro-batch, in that order.
-* ``engine.eval()`` or ``torch.no_grad()`` makes forwards evaluations: no graph, nothing to backward.
-* ``engine.module`` is the model you passed, refreshed with the current weights when you read it: a
-  gather of all parameters (every rank must read it at ZeRO stages 1-3) and a copy into the module,
-  once per optimizer step. dsfunc trains its own copy, so the module's own parameters go stale between
-  reads and writing to them changes nothing.
-* ``load_checkpoint`` also moves the engine's ``training_dataloader`` to where the saved run was, so a
-  resumed loop sees the same batches (do not skip batches by hand as well).
+* ZeRO 0-2: ``net.state_dict()`` holds the current weights (16-bit under bf16/fp16, as DeepSpeed's
+  module), on every rank, so a rank-0-only save works.
+* ZeRO 3: parameters of the gathered units are empty outside a forward (``ds_status`` NOT_AVAILABLE,
+  ``ds_shape`` the full shape), as DeepSpeed's, so ``net.state_dict()`` holds empty tensors for them.
+  A forward through ``net`` outside the engine gathers each unit for its own forward (every rank must
+  run it); for the full weights use ``engine.save_16bit_model`` or ``deepspeed.zero.GatheredParameters``
+  (collectives too), or ``dsfunc.full_params(engine.state)`` (fp32 masters).
+
+The training loop, as DeepSpeed's: forwards with autograd enabled are training forwards (whatever the
+module's mode); under ``torch.no_grad()`` they are evaluations. A micro-batch may hold several forwards
+and backwards before its ``engine.step()`` (a GAN); their gradients add up, each backward divided by the
+accumulation steps. ``loss.backward()`` instead of ``engine.backward(loss)`` works as in DeepSpeed (under
+fp16 use ``engine.scale(loss).backward()``; see :mod:`dsfunc.zero.runtime`); the engine then does not
+see the loss, so ``engine.state.metrics.loss`` is nan for such steps. ``zero_grad()`` does nothing: it
+never discards the step's gradients, nor the graph of a forward whose backward is still to come.
+
+``load_checkpoint`` also moves the engine's ``training_dataloader`` to where the saved run was, so a
+resumed loop sees the same batches (do not skip batches by hand as well).
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,21 +48,23 @@ from torch import nn
 
 from dsfunc import checkpoint
 from dsfunc.data import DistributedLoader
-from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, schedule_count
+from dsfunc.deepspeed import direct
+from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, GroupView, schedule_count
 from dsfunc.errors import InputError, UsageError
-from dsfunc.init import full_params
 from dsfunc.monitor import Monitor, tokens_in
-from dsfunc.schedules import Schedule
 from dsfunc.state import TrainState
 from dsfunc.step import apply_gradients, check_min_scale
+from dsfunc.zero.context import gathered_state_dict
 from dsfunc.zero.runtime import MicroBatchRuntime, Phase, zero_runtime
 
 logger = logging.getLogger("dsfunc")
 
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()  # live engines, for deepspeed.utils' per-parameter helpers
+
 ENGINE_KEY = "dsfunc_engine"  # engine counters inside a checkpoint's client state
 
 
-class Engine:
+class Engine(nn.Module):
     """DeepSpeed's ``DeepSpeedEngine`` over a :class:`~dsfunc.TrainState` (built by :func:`initialize`)."""
 
     def __init__(
@@ -57,16 +73,19 @@ class Engine:
         *,
         model: nn.Module,
         local_rank: int = 0,
-        schedule: Schedule | None = None,
-        base_lr: float | None = None,
+        groups: list[GroupView] | None = None,
+        scheduled: bool = False,
         training_dataloader: DistributedLoader | None = None,
         progress_bar: bool = False,
         total_steps: int | None = None,
     ) -> None:
+        super().__init__()
+        if state.program.skeleton is not model:
+            raise InputError("the engine trains its module in place: build the state with init_state(model, ..., "
+                             "in_place=True)")
+        self.module = model
         self._state = state
-        self._model = model
-        self._schedule = schedule
-        self._base_lr = base_lr
+        self.groups = groups or []  # the parameter groups (none without an optimizer)
         self.local_rank = local_rank
         self.training_dataloader = training_dataloader
         program = state.program
@@ -74,15 +93,28 @@ class Engine:
         self.global_rank = program.plan.rank
         self.world_size = program.plan.world_size
         self.monitor = Monitor(state, progress_bar=progress_bar, total_steps=total_steps)
-        self.optimizer = EngineOptimizer(self) if base_lr is not None else None
-        self.lr_scheduler = EngineLRScheduler(self) if schedule is not None else None
+        self.optimizer = EngineOptimizer(self) if groups is not None else None
+        self.lr_scheduler = EngineLRScheduler(self) if groups is not None and scheduled else None
         self.micro_steps = 0
         self.global_samples = 0
-        self.training = True
         self._runtime: MicroBatchRuntime | None = None  # the optimizer step in progress
         self._timings: dict[str, float] = {}
         self._tokens = 0
-        self._module_step: int | None = None
+        direct.install(self)
+        _ENGINES.add(self)
+
+    def __getattr__(self, name: str) -> Any:
+        """The module's attribute when the engine has none of that name (as DeepSpeed's engine)."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None:
+                try:
+                    return getattr(module, name)
+                except AttributeError:
+                    pass
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'") from None
 
     # -- accessors --------------------------------------------------------------------------------
     @property
@@ -113,23 +145,37 @@ class Engine:
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
 
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
     def fp16_enabled(self) -> bool:
         return self.config.fp16.enabled
 
     def bfloat16_enabled(self) -> bool:
         return self.config.bf16.enabled
 
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
+    def zero_optimization(self) -> bool:
+        return self.zero_optimization_stage() > 0
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.zero_optimization_stage() >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.zero_optimization_stage() == 3
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """True while the current micro-batch is the last of its optimizer step."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def get_lr(self) -> list[float]:
-        """The lr the next optimizer step will use, as a one-element list (DeepSpeed's per-group list)."""
-        if self._base_lr is None:
+        """The lr the next optimizer step will use, per parameter group (DeepSpeed's list)."""
+        if not self.groups:
             return []
-        if self._schedule is None:
-            return [self._base_lr]
-        return [float(self._schedule(schedule_count(self._state.opt_state) - 1))]
+        t = schedule_count(self._state.opt_state) - 1
+        return [g.lr_at(t) for g in self.groups]
 
     def get_global_grad_norm(self) -> float:
         """The global gradient norm of the last optimizer step (unscaled, before clipping)."""
@@ -139,89 +185,69 @@ class Engine:
         """False when the last optimizer step was skipped for overflow."""
         return not bool(self._state.metrics.skipped)
 
-    def zero_grad(self) -> None:
-        """Nothing to do: gradients never live on the module's parameters (kept for DeepSpeed scripts)."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: gradients never live on the module's parameters, and the step's gradients so far
+        are kept (a forward's graph stays usable: a GAN zeroes one engine between another's forward and
+        backward)."""
 
-    def train(self, mode: bool = True) -> Engine:
-        """Training mode: forwards with autograd enabled prepare a backward; the model runs in train mode."""
-        self.training = mode
-        self._state.program.skeleton.train(mode)
-        return self
-
-    def eval(self) -> Engine:
-        """Evaluation mode: forwards build no graph and leave gradients alone; the model runs in eval mode."""
-        return self.train(False)
-
-    @property
-    def module(self) -> nn.Module:
-        """The model passed to ``initialize``, holding the current full parameters and buffers.
-
-        Refreshed on read after each optimizer step: a gather of all parameters (at ZeRO stages 1-3 a
-        collective, so every rank must read it) and a copy into the module; a model built on ``meta``
-        gets real tensors (a full copy of the model on every rank). Treat it as a read-only snapshot.
-        """
-        state = self._state
-        step = int(state.step)
-        if self._module_step != step:
-            weights = full_params(state)
-            model = self._model
-            on_meta = any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers()))
-            model.load_state_dict(weights, assign=on_meta)
-            for name, value in state.buffers.items():  # non-persistent buffers are not in a state_dict
-                if name not in weights:
-                    path, _, attr = name.rpartition(".")
-                    owner = model.get_submodule(path) if path else model
-                    where = value.device if owner._buffers[attr].is_meta else owner._buffers[attr].device
-                    owner._buffers[attr] = value.detach().to(where, copy=True)
-            self._module_step = step
-        self._model.train(self.training)
-        return self._model
+    def module_state_dict(self, destination: Any = None, prefix: str = "", keep_vars: bool = False,
+                          exclude_frozen_parameters: bool = False) -> dict[str, Any]:
+        """The module's ``state_dict`` (what it holds: see the module docstring for ZeRO-3)."""
+        out = self.module.state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if exclude_frozen_parameters:
+            frozen = {prefix + n for n, p in self.module.named_parameters() if not p.requires_grad}
+            out = type(out)((k, v) for k, v in out.items() if k not in frozen)
+        return out
 
     # -- the training loop ------------------------------------------------------------------------
     @property
     def phase(self) -> Phase:
         """Where the current micro-batch is: ``IDLE`` (forward next), ``FORWARD`` (backward next) or
-        ``BACKWARD`` (step next)."""
+        ``BACKWARD`` (step next, or another forward/backward pair)."""
         return self._runtime.phase if self._runtime is not None else Phase.IDLE
-
-    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
-        return self.forward(*inputs, **kwargs)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the model on ``inputs`` (moved to the engine's device) with the current parameters.
 
-        In training mode with autograd enabled, the outputs carry a graph for :meth:`backward`; in
-        :meth:`eval` mode or under ``torch.no_grad()`` it is an evaluation.
+        With autograd enabled (and an optimizer), the outputs carry a graph for :meth:`backward`; under
+        ``torch.no_grad()`` it is an evaluation.
         """
-        if not (torch.is_grad_enabled() and self.training and self.optimizer is not None):
+        if not self.trains_now():
             return self._evaluate(inputs, kwargs)
-        if self.phase is Phase.FORWARD:
-            raise UsageError(
-                "engine(...) was called again before engine.backward() for the previous forward: call "
-                "engine.backward(loss) and engine.step() after each training forward (evaluate under "
-                "torch.no_grad() or after engine.eval())"
-            )
-        if self.phase is Phase.BACKWARD:
-            raise UsageError("engine.step() must follow engine.backward() before the next forward")
         start = self._clock()
-        if self._runtime is None:
-            check_min_scale(self._state)
-            self._runtime = zero_runtime(self._state)
-        gas = self.gradient_accumulation_steps()
+        runtime = self.runtime()
         self._tokens += tokens_in((inputs, kwargs))
         try:
-            out = self._runtime.forward(_call, (inputs, kwargs), micro=(self.micro_steps % gas, gas))
+            out = runtime.forward(_call, (inputs, kwargs), micro=self.micro())
         except BaseException:
             self._abandon_step()
             raise
         self._lap("forward", start)
         return out
 
+    def trains_now(self) -> bool:
+        """Whether a forward now is a training forward: autograd enabled and an optimizer to train."""
+        return torch.is_grad_enabled() and self.optimizer is not None
+
+    def runtime(self) -> MicroBatchRuntime:
+        """The runtime of the optimizer step in progress (opened by its first training forward)."""
+        if self._runtime is None:
+            check_min_scale(self._state)
+            self._runtime = zero_runtime(self._state)
+        return self._runtime
+
+    def micro(self) -> tuple[int, int]:
+        """``(index, count)`` of the current micro-batch in its optimizer step."""
+        gas = self.gradient_accumulation_steps()
+        return self.micro_steps % gas, gas
+
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Backpropagate ``loss`` (computed from this micro-batch's forward) into the engine's gradients.
+        """Backpropagate ``loss`` (computed from this micro-batch's forwards) into the engine's gradients.
 
         The seed is ``loss * loss_scale / (gradient_accumulation_steps * world_size)``, so the step's
-        gradient is the mean over all micro-batches of all ranks. Returns ``loss``.
+        gradient is the mean over all micro-batches of all ranks; several backwards before one
+        :meth:`step` add up. Returns ``loss / gradient_accumulation_steps`` (``loss`` without
+        ``scale_wrt_gas``), as DeepSpeed does.
         """
         if self.optimizer is None:
             raise UsageError(
@@ -231,21 +257,25 @@ class Engine:
         if self.phase is Phase.IDLE:
             raise UsageError(
                 "engine.backward() without a training forward: run `loss = criterion(engine(inputs), labels)` "
-                "first (forwards under torch.no_grad() or engine.eval() are evaluations and build no graph)"
+                "first (forwards under torch.no_grad() are evaluations and build no graph)"
             )
-        if self.phase is Phase.BACKWARD:
-            raise UsageError("engine.backward() was already called for this forward; call engine.step() next")
         start = self._clock()
         self._runtime.backward(loss, self._state.scaler.scale, retain_graph=retain_graph,
                                mean_over_micro=scale_wrt_gas)
         self._lap("backward", start)
-        return loss
+        return loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale, for ``engine.scale(loss).backward()`` (DeepSpeed's manual backward)."""
+        if self.phase is Phase.IDLE:
+            raise UsageError("engine.scale(loss) without a training forward: run the forward first")
+        return self._runtime.scale(loss)
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """End the micro-batch; at the accumulation boundary apply the update (or skip it on overflow)."""
         if lr_kwargs:
             raise InputError("lr_kwargs is not supported: dsfunc's lr schedule is a function of the step count")
-        if self.phase is not Phase.BACKWARD:
+        if self._runtime is None or self._runtime.micro_backwards == 0:
             raise UsageError(
                 "engine.step() before engine.backward() for this micro-batch: call engine(inputs), "
                 "engine.backward(loss), engine.step() for every micro-batch"
@@ -270,15 +300,13 @@ class Engine:
         self._timings, self._tokens = {}, 0
 
     def _evaluate(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.phase is Phase.FORWARD:
-            raise UsageError(
-                "an evaluation forward (torch.no_grad() or engine.eval()) while a training forward waits for "
-                "engine.backward(); finish that micro-batch first"
-            )
-        return zero_runtime(self._state).evaluate(_call, (inputs, kwargs))
+        runtime = self._runtime if self._runtime is not None else zero_runtime(self._state)
+        return runtime.evaluate(_call, (inputs, kwargs))
 
     def _abandon_step(self) -> None:
         """After a failed forward: drop this optimizer step's micro-batches and start it again."""
+        if self._runtime is not None:
+            self._runtime.drop_forward()
         self._runtime = None
         self.micro_steps -= self.micro_steps % self.gradient_accumulation_steps()
         logger.warning("the forward failed; the micro-batches of this optimizer step were dropped")
@@ -296,6 +324,28 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._timings[name] = self._timings.get(name, 0.0) + (time.perf_counter() - start) * 1000
+
+    def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Save the module's weights in the compute dtype (``torch.save`` of a state_dict, rank 0 writes);
+        every rank calls it. At ZeRO-3 it gathers one unit at a time, and only with
+        ``stage3_gather_16bit_weights_on_model_save`` (else it returns False, as DeepSpeed)."""
+        path = os.path.join(save_dir, save_filename)
+        if self.zero_optimization_partition_weights():
+            if not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+                logger.info("Did not save the model %s because stage3_gather_16bit_weights_on_model_save is False",
+                            path)
+                return False
+            weights = gathered_state_dict(self.module, exclude_frozen_parameters=exclude_frozen_parameters)
+        elif self.global_rank == 0:
+            held = self.module_state_dict(exclude_frozen_parameters=exclude_frozen_parameters)
+            weights = {k: v.detach().to("cpu", copy=True) for k, v in held.items()}
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(weights, path)
+        return True
+
+    save_fp16_model = save_16bit_model
 
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(
@@ -321,6 +371,9 @@ class Engine:
         client = dict(client_state if client_state is not None else client_sd or {})
         if ENGINE_KEY in client:
             raise InputError(f"client_state key {ENGINE_KEY!r} is reserved for the engine's counters; rename it")
+        if self._runtime is not None and not self._runtime.has_gradients:  # forwards no backward followed
+            self._runtime.drop_forward()
+            self._runtime = None
         if self._runtime is not None:
             raise UsageError(
                 f"save_checkpoint in the middle of an optimizer step (micro-batch "
@@ -373,7 +426,6 @@ class Engine:
         client = dict(client or {})
         counters = client.pop(ENGINE_KEY, None)
         self._state = loaded
-        self._module_step = None
         if not load_module_only:
             step = int(loaded.step)
             self.micro_steps = step * self.gradient_accumulation_steps()
@@ -383,6 +435,17 @@ class Engine:
             if self.training_dataloader is not None:
                 self.training_dataloader.skip_to(self.micro_steps)
         return str(folder), client
+
+
+DeepSpeedEngine = Engine  # DeepSpeed's name (deepspeed.runtime.engine.DeepSpeedEngine, isinstance checks)
+
+
+def engine_of(workspace: Any) -> Engine:
+    """The live engine whose state's workspace is ``workspace``."""
+    for engine in _ENGINES:
+        if engine.state.program.workspace is workspace:
+            return engine
+    raise InputError("no live engine trains this parameter (the optimizer state lives in an engine's state)")
 
 
 def _call(model: nn.Module, args: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:

@@ -21,13 +21,14 @@ from dsfunc.config import Config
 from dsfunc.data import DistributedLoader, check_dataset
 from dsfunc.deepspeed.arguments import config_source
 from dsfunc.deepspeed.engine import Engine
+from dsfunc.deepspeed.groups import Groups, freeze_all_but, labelled, parameter_groups
 from dsfunc.deepspeed.translate import client_schedule, optimizer_section
-from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer
+from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, group_views
 from dsfunc.dist import comm, init_distributed, launched_by_mpi
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.init import init_state
 from dsfunc.optim.base import chain
-from dsfunc.optim.from_config import lr_schedule, update_from_config
+from dsfunc.optim.from_config import LrSchedule
 
 logger = logging.getLogger("dsfunc")
 
@@ -57,10 +58,13 @@ def initialize(
       args: an ``argparse.Namespace``; its ``deepspeed_config`` (from :func:`add_config_arguments`) is
         the config unless ``config`` is given (giving both, or neither, is an error).
       model: the ``nn.Module`` to train (it may live on ``meta``; see :func:`dsfunc.init_state`).
-      optimizer: a fresh ``torch.optim`` Adam/AdamW/SGD/Adagrad, or a callable ``f(params) -> optimizer``;
-        it replaces the config's ``optimizer`` section. None uses the config's.
-      model_parameters: the parameters to train (a list, generator or filter); the model's other
-        parameters are frozen. None trains every parameter with ``requires_grad``.
+      optimizer: a fresh ``torch.optim`` Adam/AdamW/SGD/Adagrad (its param groups with their own options),
+        a DeepSpeed optimizer class (``deepspeed.ops.adam.FusedAdam``, ...), or a callable
+        ``f(params) -> optimizer``; it replaces the config's ``optimizer`` section. None uses the config's.
+      model_parameters: the parameters to train (a list, generator or filter), or a list of param-group
+        dicts with their own options (``lr``, ``betas``, ``eps``, ``weight_decay``, ...), as torch.optim
+        takes them; the model's other parameters are frozen. None trains every parameter with
+        ``requires_grad``.
       training_data: a map-style ``torch.utils.data.Dataset``; the engine then returns a
         :class:`~dsfunc.data.DistributedLoader` of this rank's micro-batches.
       lr_scheduler: a fresh torch lr scheduler built on ``optimizer``, or a callable ``f(optimizer)``;
@@ -87,18 +91,15 @@ def initialize(
     if training_data is not None:
         check_dataset(training_data)
 
-    chosen = _parameter_list(model_parameters) if model_parameters is not None else None
-    cfg, chosen, client_lr, from_client = _with_client_objects(cfg, optimizer, lr_scheduler, chosen, model)
-    if chosen is not None:
-        _freeze_all_but(model, chosen, "the client optimizer" if from_client else "model_parameters")
-
-    base_lr = float(cfg.optimizer.params["lr"]) if cfg.optimizer is not None else None
-    if cfg.optimizer is None:
-        update, schedule = chain(), None  # an engine without optimizer only evaluates
-    else:
-        schedule = client_lr if client_lr is not None else lr_schedule(cfg)
-        update = update_from_config(cfg, schedule=client_lr) if client_lr is not None else None
-    state = init_state(model, cfg, optimizer=update, seed=seed)
+    groups = parameter_groups(model_parameters) if model_parameters is not None else None
+    cfg, groups, client_lr, from_client = _with_client_objects(cfg, optimizer, lr_scheduler, groups, model)
+    if groups is not None:
+        freeze_all_but(model, [p for params, _ in groups for p in params],
+                       "the client optimizer" if from_client else "model_parameters")
+    param_groups = labelled(model, groups) if groups is not None and cfg.optimizer is not None else None
+    update = chain() if cfg.optimizer is None else None  # an engine without optimizer only evaluates
+    state = init_state(model, cfg, optimizer=update, seed=seed, in_place=True, param_groups=param_groups,
+                       lr_schedule=client_lr)
     loader = None
     if training_data is not None:
         cuda = state.program.device.type == "cuda"
@@ -107,8 +108,10 @@ def initialize(
             drop_last=cfg.dataloader_drop_last, collate_fn=collate_fn, num_workers=2 if cuda else 0,
             pin_memory=cuda,
         )
-    engine = Engine(state, model=model, local_rank=local_rank, schedule=schedule, base_lr=base_lr,
-                    training_dataloader=loader, progress_bar=progress_bar, total_steps=total_steps)
+    views = group_views(state, param_groups, client_lr) if cfg.optimizer is not None else None
+    engine = Engine(state, model=model, local_rank=local_rank, groups=views,
+                    scheduled=client_lr is not None or cfg.scheduler is not None, training_dataloader=loader,
+                    progress_bar=progress_bar, total_steps=total_steps)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
@@ -123,37 +126,44 @@ def _check_arguments(model: Any, mpu: Any, mesh_param: Any, config: Any, config_
         raise InputError("pass the config as config= only (config_params= is its deprecated name)")
 
 
-def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, chosen: list[torch.Tensor] | None,
-                         model: nn.Module) -> tuple[Config, list[torch.Tensor] | None, Any, bool]:
+def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, groups: Groups | None,
+                         model: nn.Module) -> tuple[Config, Groups | None, LrSchedule | None, bool]:
     """The config with a client torch optimizer translated into its ``optimizer`` section (and the
-    parameters it holds), and a client lr scheduler translated into a schedule (its section dropped).
+    parameter groups it holds), and a client lr scheduler translated into a per-group schedule (its
+    section dropped).
 
-    Returns ``(config, parameters to train or None, client schedule or None, parameters came from the
-    client optimizer)``.
+    Returns ``(config, parameter groups or None, client schedule or None, groups came from the client
+    optimizer)``.
     """
     client_opt = optimizer
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         if not callable(optimizer):
             raise InputTypeError(f"optimizer must be a torch.optim.Optimizer or a callable, got {type(optimizer).__name__}")
-        client_opt = optimizer(chosen if chosen is not None else [p for p in model.parameters() if p.requires_grad])
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        client_opt = optimizer([{"params": ps, **o} for ps, o in groups] if groups is not None else trainable)
         if not isinstance(client_opt, torch.optim.Optimizer):
             raise InputTypeError(f"the optimizer callable returned a {type(client_opt).__name__}, not a torch optimizer")
     raw = dict(cfg.raw)
     if client_opt is not None:
-        in_opt = [p for g in client_opt.param_groups for p in g["params"]]
-        if chosen is not None and {id(p) for p in chosen} != {id(p) for p in in_opt}:
+        section, in_opt = optimizer_section(client_opt)
+        if groups is not None and {id(p) for ps, _ in groups for p in ps} != {id(p) for ps, _ in in_opt for p in ps}:
             raise InputError("model_parameters and the client optimizer's parameters differ; pass the same set")
-        chosen = in_opt
-        raw["optimizer"] = optimizer_section(client_opt)
+        groups = in_opt
+        raw["optimizer"] = section
         if cfg.optimizer is not None:
             logger.warning("the client optimizer passed to initialize replaces the config's optimizer section")
     client_lr = None
     if lr_scheduler is not None:
-        client_lr = client_schedule(lr_scheduler, client_opt, cfg, model)
+        if client_opt is None and cfg.optimizer is None:
+            raise InputError("a client lr_scheduler needs an optimizer: configure one or pass optimizer=")
+        base = cfg.optimizer.params["lr"] if client_opt is None else None
+        trainable = [([p for p in model.parameters() if p.requires_grad], {})]
+        stand_in = [(ps, o.get("lr", base)) for ps, o in (groups if groups is not None else trainable)]
+        client_lr = client_schedule(lr_scheduler, client_opt, stand_in)
         raw.pop("scheduler", None)
         if cfg.scheduler is not None:
             logger.warning("the client lr_scheduler passed to initialize replaces the config's scheduler section")
-    return Config.load(raw, world_size=cfg.world_size), chosen, client_lr, client_opt is not None
+    return Config.load(raw, world_size=cfg.world_size), groups, client_lr, client_opt is not None
 
 
 def _join_world(distributed_port: int) -> None:
@@ -175,52 +185,3 @@ def _local_rank(args: Any) -> int:
     if args is not None and hasattr(args, "local_rank"):
         args.local_rank = local
     return local
-
-
-# --------------------------------------------------------------------------------------------------
-# which parameters train
-
-
-def _parameter_list(model_parameters: Any) -> list[torch.Tensor]:
-    """Flatten ``model_parameters`` (tensors, or param-group dicts without options) to a list."""
-    out: list[torch.Tensor] = []
-    for i, item in enumerate(model_parameters):
-        if isinstance(item, dict):
-            if "params" not in item:
-                raise InputError(f"model_parameters[{i}] is a dict without a 'params' entry")
-            options = sorted(k for k in item if k != "params")
-            if options:
-                raise InputError(
-                    f"model_parameters[{i}] is a parameter group with its own options {options}; dsfunc "
-                    "trains all parameters with the one optimizer configuration (per-group options are "
-                    "not supported). Pass a flat list of parameters; leave out the ones that should not train."
-                )
-            params = item["params"]
-            out.extend([params] if isinstance(params, torch.Tensor) else list(params))
-        elif isinstance(item, torch.Tensor):
-            out.append(item)
-        else:
-            hint = " (model.named_parameters() gives (name, tensor) pairs; pass model.parameters())" \
-                if isinstance(item, tuple) else ""
-            raise InputTypeError(f"model_parameters[{i}] is a {type(item).__name__}, not a parameter{hint}")
-    return out
-
-
-def _freeze_all_but(model: nn.Module, trainable: list[torch.Tensor], what: str) -> None:
-    """Set ``requires_grad=False`` on the model's parameters that are not in ``trainable``."""
-    ids = {id(p) for p in trainable}
-    named = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
-    strangers = [p for p in trainable if id(p) not in named]
-    if strangers:
-        raise InputError(
-            f"{what} holds {len(strangers)} tensor(s) that are not parameters of the model "
-            f"(shapes {[tuple(p.shape) for p in strangers[:4]]}); pass parameters of the model you train"
-        )
-    frozen = [name for name, p in model.named_parameters() if id(p) not in ids and p.requires_grad]
-    for name, p in model.named_parameters():
-        if id(p) not in ids:
-            p.requires_grad_(False)
-    if frozen:
-        logger.info("%s leaves out %d parameter(s); they are frozen: %s", what, len(frozen), frozen[:8])
-
-

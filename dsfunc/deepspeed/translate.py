@@ -2,8 +2,9 @@
 
 ``deepspeed.initialize(optimizer=..., lr_scheduler=...)`` takes torch objects; dsfunc trains with its
 own update, so a fresh torch Adam/AdamW/SGD/Adagrad becomes the equivalent DeepSpeed ``optimizer``
-section, and a fresh StepLR/MultiStepLR/ExponentialLR/LinearLR/ConstantLR/CosineAnnealingLR/LambdaLR the
-equivalent :data:`~dsfunc.schedules.Schedule`. Anything else is refused with a message.
+section (its ``param_groups`` parameter groups with their own options), and a fresh StepLR/MultiStepLR/
+ExponentialLR/LinearLR/ConstantLR/CosineAnnealingLR/LambdaLR the equivalent schedule of each group
+(torch's schedulers scale each group's own lr). Anything else is refused with a message.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
-from dsfunc.config import Config
-from dsfunc.deepspeed.views import plain
+from dsfunc.deepspeed.ops import DeepSpeedOptimizer
 from dsfunc.errors import InputError, InputTypeError
+from dsfunc.optim.from_config import LrSchedule
+from dsfunc.optim.groups import GROUP_METADATA, plain
 from dsfunc.schedules import Schedule
 
 _TORCH_OPTIMIZERS: dict[type, tuple[str, tuple[str, ...]]] = {
@@ -38,13 +39,17 @@ def _public_name(cls: type) -> str:
     return f"{module}.{cls.__qualname__}"
 
 
-def optimizer_section(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The DeepSpeed ``optimizer`` config section equivalent to a fresh torch optimizer.
+def optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[tuple[list[torch.Tensor], dict[str, Any]]]]:
+    """The DeepSpeed ``optimizer`` config section equivalent to a fresh torch optimizer, and its
+    ``param_groups`` as ``(params, options)`` pairs, each group's options its own hyper-parameters.
 
     Maps ``torch.optim.Adam`` (L2, or decoupled with ``decoupled_weight_decay``), ``AdamW``, ``SGD`` and
-    ``Adagrad``; options that only choose an implementation (``foreach``, ``fused``, ...) are ignored;
+    ``Adagrad``, and DeepSpeed's optimizer classes (:mod:`dsfunc.deepspeed.ops`); options that only choose an implementation (``foreach``, ``fused``, ...) are ignored;
     any other option away from torch's default (``amsgrad``, ``maximize``, ...) is refused.
     """
+    if isinstance(optimizer, DeepSpeedOptimizer):
+        section = {"type": optimizer.config_type, "params": optimizer.config_params(optimizer.defaults)}
+        return section, [(list(g["params"]), optimizer.config_params(g)) for g in optimizer.param_groups]
     kind = type(optimizer)
     if kind not in _TORCH_OPTIMIZERS:
         raise InputTypeError(
@@ -52,38 +57,37 @@ def optimizer_section(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
             "pass a torch.optim.Adam, AdamW, SGD or Adagrad (or a callable returning one), or leave "
             'optimizer out and describe it in the config\'s "optimizer" section (Adam, AdamW, SGD, Lamb, Adagrad)'
         )
-    name, hyper = _TORCH_OPTIMIZERS[kind]
+    name, _ = _TORCH_OPTIMIZERS[kind]
     if _has_stepped(optimizer):
         raise InputError(
             f"the client torch.optim.{name} has state (it has taken steps or loaded a state_dict); dsfunc "
             "starts the optimizer from scratch. Pass a fresh optimizer and resume with engine.load_checkpoint"
         )
-    groups = [{k: plain(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    for i, group in enumerate(groups[1:], 1):
-        differ = sorted(k for k in set(group) | set(groups[0]) if group.get(k) != groups[0].get(k))
-        if differ:
-            raise InputError(
-                f"the client torch.optim.{name}'s param_groups differ in {differ} (group 0 vs group {i}); "
-                "dsfunc trains all parameters with one set of hyper-parameters. Use a single group; freeze "
-                "parameters that should not train (requires_grad=False)"
-            )
-    group = groups[0]
     defaults = {n: plain(p.default) for n, p in inspect.signature(kind.__init__).parameters.items()
                 if p.default is not inspect.Parameter.empty}
+    section = {"type": name, "params": _hyper(kind, {k: plain(v) for k, v in optimizer.defaults.items()}, defaults)}
+    groups = [(list(g["params"]), _hyper(kind, {k: plain(v) for k, v in g.items() if k != "params"}, defaults))
+              for g in optimizer.param_groups]
+    return section, groups
+
+
+def _hyper(kind: type, group: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """A torch param group's (or the defaults') options as DeepSpeed ``optimizer.params``."""
+    name, hyper = _TORCH_OPTIMIZERS[kind]
     params: dict[str, Any] = {"lr": group.get("initial_lr", group["lr"])}
     if name == "Adam":
         params["adam_w_mode"] = bool(group.get("decoupled_weight_decay", False))
     for key, value in group.items():
         if key in hyper:
             params.setdefault(key, value)
-        elif key in _IMPLEMENTATION_ONLY or key in ("initial_lr", "decoupled_weight_decay"):
+        elif key in _IMPLEMENTATION_ONLY or key in ("initial_lr", "decoupled_weight_decay", *GROUP_METADATA):
             continue
         elif key not in defaults or value != defaults[key]:
             raise InputError(
                 f"torch.optim.{name}({key}={value!r}) has no dsfunc equivalent; drop that option or describe "
                 'the optimizer in the config\'s "optimizer" section'
             )
-    return {"type": name, "params": params}
+    return params
 
 
 def _has_stepped(optimizer: torch.optim.Optimizer) -> bool:
@@ -111,8 +115,9 @@ def _closed_form(sched: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return None
 
 
-def schedule_from_torch(sched: Any) -> Schedule:
-    """A dsfunc lr :data:`~dsfunc.schedules.Schedule` equal to a freshly built torch lr scheduler.
+def schedule_from_torch(sched: Any) -> LrSchedule:
+    """A dsfunc lr schedule per parameter group equal to a freshly built torch lr scheduler: a function
+    of a group's lr (its ``base_lrs`` entry) returning that group's :data:`~dsfunc.schedules.Schedule`.
 
     ``t`` is DeepSpeed's counter (the k-th applied step uses ``schedule(k - 1)``), so the k-th step
     uses the lr torch's scheduler would give after ``k`` calls of ``step()``. Supports LambdaLR (one
@@ -132,26 +137,25 @@ def schedule_from_torch(sched: Any) -> Schedule:
             f"lr_scheduler: the client {kind.__qualname__} has already been stepped (last_epoch="
             f"{getattr(sched, 'last_epoch', None)}); pass a fresh one and resume with engine.load_checkpoint"
         )
-    bases = list(sched.base_lrs)
-    if any(b != bases[0] for b in bases):
-        raise InputError(f"lr_scheduler: base learning rates differ between param groups ({bases}); use one group")
-    base = float(bases[0])
     if kind is sch.LambdaLR:
         fns = sched.lr_lambdas
         if any(f is not fns[0] for f in fns):
             raise InputError("lr_scheduler: LambdaLR with a different function per param group; use one function")
         fn = fns[0]
 
-        def lambda_schedule(t: torch.Tensor) -> torch.Tensor:
-            return torch.tensor(base * fn(int(t) + 1), dtype=torch.float32, device=t.device)
+        def lambda_schedule(base: float) -> Schedule:
+            return lambda t: torch.tensor(base * fn(int(t) + 1), dtype=torch.float32, device=t.device)
 
         return lambda_schedule
     if kind is sch.CosineAnnealingLR:
         t_max, eta_min = sched.T_max, sched.eta_min
 
-        def cosine(t: torch.Tensor) -> torch.Tensor:
-            k = (t + 1).to(torch.float64)
-            return (eta_min + (base - eta_min) * (1 + torch.cos(math.pi * k / t_max)) / 2).to(torch.float32)
+        def cosine(base: float) -> Schedule:
+            def schedule(t: torch.Tensor) -> torch.Tensor:
+                k = (t + 1).to(torch.float64)
+                return (eta_min + (base - eta_min) * (1 + torch.cos(math.pi * k / t_max)) / 2).to(torch.float32)
+
+            return schedule
 
         return cosine
     factor = _closed_form(sched)
@@ -161,10 +165,12 @@ def schedule_from_torch(sched: Any) -> Schedule:
             "MultiStepLR, ExponentialLR, CosineAnnealingLR, LinearLR or ConstantLR, or a config "
             '"scheduler" section (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)'
         )
-    return lambda t: (base * factor((t + 1).to(torch.float64))).to(torch.float32)
+    return lambda base: lambda t: (base * factor((t + 1).to(torch.float64))).to(torch.float32)
 
 
-def client_schedule(lr_scheduler: Any, client_opt: Any, cfg: Config, model: nn.Module) -> Schedule:
+def client_schedule(lr_scheduler: Any, client_opt: Any, groups: list[tuple[list[torch.Tensor], float]]) -> LrSchedule:
+    """The per-group schedule of a client lr scheduler (or of a callable ``f(optimizer)``, which gets the
+    client optimizer, or a stand-in carrying the engine's ``groups`` as ``(params, lr)``)."""
     scheduler = lr_scheduler
     if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
         if not callable(lr_scheduler):
@@ -172,10 +178,8 @@ def client_schedule(lr_scheduler: Any, client_opt: Any, cfg: Config, model: nn.M
                 f"lr_scheduler must be a torch lr scheduler or a callable, got {type(lr_scheduler).__name__}"
             )
         target = client_opt
-        if target is None:  # a stand-in torch optimizer carrying the config's lr, for the callable to use
-            if cfg.optimizer is None:
-                raise InputError("a client lr_scheduler needs an optimizer: configure one or pass optimizer=")
-            target = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.optimizer.params["lr"])
+        if target is None:  # a stand-in torch optimizer carrying the groups' lrs, for the callable to use
+            target = torch.optim.SGD([{"params": params, "lr": lr} for params, lr in groups])
         scheduler = lr_scheduler(target)
         client_opt = target
         if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
@@ -186,5 +190,3 @@ def client_schedule(lr_scheduler: Any, client_opt: Any, cfg: Config, model: nn.M
             "optimizer= too, or pass a callable lr_scheduler(optimizer)"
         )
     return schedule_from_torch(scheduler)
-
-

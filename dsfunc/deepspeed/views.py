@@ -1,8 +1,10 @@
 """What :func:`~dsfunc.deepspeed.initialize` returns as ``optimizer`` and ``lr_scheduler``: views of the
-engine's update, so scripts that read ``param_groups`` or ``get_last_lr()`` keep working."""
+engine's update, one entry per parameter group, so scripts that read ``param_groups`` or
+``get_last_lr()`` keep working."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -10,6 +12,10 @@ import torch
 
 from dsfunc.errors import InputError, UsageError
 from dsfunc.optim.base import ScheduleState, current_lr
+from dsfunc.optim.from_config import LrSchedule, group_section, lr_schedule_of
+from dsfunc.optim.groups import ParamGroups, plain
+from dsfunc.schedules import Schedule
+from dsfunc.state import TrainState
 
 if TYPE_CHECKING:
     from dsfunc.deepspeed.engine import Engine
@@ -23,20 +29,52 @@ def schedule_count(opt_state: Any) -> torch.Tensor:
     raise InputError("the optimizer state holds no learning-rate state")
 
 
-def plain(value: Any) -> Any:
-    """Python numbers and lists for tensors and tuples (what a torch optimizer's param_groups hold)."""
-    if isinstance(value, torch.Tensor):
-        return value.item()
-    if isinstance(value, (tuple, list)):
-        return [plain(v) for v in value]
-    return value
+@dataclasses.dataclass(frozen=True)
+class GroupView:
+    """One parameter group as the engine's optimizer shows it: its label (``None``: the only group), its
+    optimizer params, its own lr and schedule, and the module's parameters in it."""
+
+    label: str | None
+    hyper: dict[str, Any]
+    lr: float
+    schedule: Schedule | None
+    params: list[torch.Tensor]
+
+    def lr_at(self, t: torch.Tensor) -> float:
+        """The lr at DeepSpeed's schedule counter ``t`` (the k-th applied step uses ``t = k - 1``)."""
+        return self.lr if self.schedule is None else float(self.schedule(t))
+
+    def last_lr(self, opt_state: Any) -> torch.Tensor | None:
+        """The lr the last applied step used, from the group's part of the optimizer state."""
+        mine = opt_state["optimizer"][self.label] if self.label is not None else opt_state
+        return current_lr(mine)
+
+
+def group_views(state: TrainState, param_groups: ParamGroups | None, schedule_for: LrSchedule | None) -> list[GroupView]:
+    """The engine's parameter groups, in order, with what :func:`dsfunc.init_state` made of them."""
+    program = state.program
+    cfg, plan = program.config, program.plan
+    labels = list(dict.fromkeys(u.label for u in plan.units))
+    options = param_groups.options if param_groups is not None else {}
+    if labels == [None] and param_groups is not None:  # one group: its options went into the plain layout
+        first = param_groups.order(n for n, p in program.skeleton.named_parameters() if p.requires_grad)
+        options = {None: options.get(first[0], {})} if first else {}
+    views = []
+    for label in labels:
+        section = group_section(cfg.optimizer, options.get(label, {}), label)
+        lr = float(section.params["lr"])
+        schedule = schedule_for(lr) if schedule_for is not None else lr_schedule_of(cfg, lr)
+        params = [p for u in plan.units if u.label == label for p in program.slots.residents(u.name)]
+        views.append(GroupView(label, {k: plain(v) for k, v in section.params.items()}, lr, schedule, params))
+    order = {f"group{i}": i for i in range(len(views))}
+    return sorted(views, key=lambda v: order.get(v.label, -1))
 
 
 class EngineOptimizer:
     """What :func:`initialize` returns as ``optimizer``: a view of the engine's update.
 
-    ``param_groups[0]`` has the config's hyper-parameters with the current ``lr``; ``zero_grad()`` does
-    nothing; stepping or saving it is an error that points to the engine.
+    ``param_groups`` has, per parameter group, its hyper-parameters with the current ``lr`` and its
+    ``params``; ``zero_grad()`` is the engine's; stepping or saving it is an error that points to the engine.
     """
 
     def __init__(self, engine: Engine) -> None:
@@ -44,11 +82,12 @@ class EngineOptimizer:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        cfg = self._engine.config.optimizer
-        return [{**{k: plain(v) for k, v in cfg.params.items()}, "lr": self._engine.get_lr()[0]}]
+        lrs = self._engine.get_lr()
+        return [{**g.hyper, "lr": lr, "params": g.params} for g, lr in zip(self._engine.groups, lrs)]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Nothing to do: gradients never live on the module's parameters."""
+        """The engine's ``zero_grad`` (nothing to zero: gradients never live on the module's parameters)."""
+        self._engine.zero_grad()
 
     def step(self, closure: Any = None) -> None:
         raise UsageError("call engine.step() (after engine.backward(loss)); it applies the update")
@@ -75,14 +114,15 @@ class EngineLRScheduler:
         return int(schedule_count(self._engine.state.opt_state)) - 1
 
     def get_lr(self) -> list[float]:
-        """The lr the next optimizer step uses."""
+        """The lr the next optimizer step uses, per parameter group."""
         return self._engine.get_lr()
 
     def get_last_lr(self) -> list[float]:
-        """The lr the last applied optimizer step used."""
+        """The lr the last applied optimizer step used, per parameter group."""
         if self.last_batch_iteration < 0:
             raise UsageError("need to call step() first: no optimizer step has been applied yet")
-        return [float(current_lr(self._engine.state.opt_state))]
+        opt_state = self._engine.state.opt_state
+        return [float(g.last_lr(opt_state)) for g in self._engine.groups]
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise UsageError("the engine advances the lr schedule in engine.step(); remove lr_scheduler.step()")

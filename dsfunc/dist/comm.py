@@ -59,6 +59,17 @@ def reduce_scatter_sum(output: torch.Tensor, flat: torch.Tensor, *, async_op: bo
     return work if async_op else Done()
 
 
+def broadcast(tensor: torch.Tensor, src: int = 0) -> None:
+    """Overwrite ``tensor`` in place with global rank ``src``'s values (bool tensors travel as bytes: gloo
+    has no bool broadcast)."""
+    if world_size() == 1:
+        return
+    dense = tensor if tensor.is_contiguous() else tensor.contiguous()
+    dist.broadcast(dense.view(torch.uint8) if dense.dtype == torch.bool else dense, src=src)
+    if dense is not tensor:
+        tensor.copy_(dense)
+
+
 def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False) -> Pending:
     """``output`` (length W*S) gets every rank's ``shard`` (length S), concatenated in rank order."""
     if world_size() == 1:

@@ -115,6 +115,8 @@ def init_distributed(
     verbose: bool = True,
     timeout: datetime.timedelta | None = None,
     init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: object = None,
     rank: int = -1,
     world_size: int = -1,
 ) -> None:
@@ -128,13 +130,15 @@ def init_distributed(
         verbose: log how the group was formed (logger ``dsfunc``, INFO).
         timeout: collective timeout; default ``DEEPSPEED_TIMEOUT`` minutes if set, else torch's default.
         init_method: a torch init method (``tcp://...``, ``file://...``); default ``env://``.
+        dist_init_required: False leaves torch.distributed alone (the script initialises it itself).
+        config: DeepSpeed's comms-logger config; accepted, dsfunc has no comms logger.
         rank, world_size: explicit values (>= 0) override the environment.
 
     Example::
 
         dsfunc.init_distributed()          # in a script started by `dsfunc`, torchrun or mpirun
     """
-    if comm.is_distributed():
+    if comm.is_distributed() or dist_init_required is False:
         return
     explicit = init_method not in (None, "env://")
     missing = [k for k in REQUIRED_ENV if k not in os.environ]

@@ -1,9 +1,10 @@
 """Update transforms: optimizers, clipping and learning rates as pure ``(init, update)`` pairs (the optax
 pattern), and the updates a step applies (:mod:`~dsfunc.optim.update`, :mod:`~dsfunc.optim.fused`).
 
-Modules: :mod:`~dsfunc.optim.base` (``Transform``, ``chain``, ``named_chain``), ``transforms`` (the small
-factories), ``aliases`` (``adam``, ``adamw``, ``sgd``, ``lamb``, ``adagrad``), ``from_config`` (the one
-place a DeepSpeed config becomes an update), ``update`` and ``fused`` (applying an update to a state).
+Modules: :mod:`~dsfunc.optim.base` (``Transform``, ``chain``, ``named_chain``, ``multi_transform``),
+``transforms`` (the small factories), ``aliases`` (``adam``, ``adamw``, ``sgd``, ``lamb``, ``adagrad``),
+``groups`` (``ParamGroups``: options per group of parameters), ``from_config`` (the one place a
+DeepSpeed config becomes an update), ``update`` and ``fused`` (applying an update to a state).
 """
 
 from dsfunc.optim.aliases import adagrad, adam, adamw, lamb, sgd
@@ -19,6 +20,7 @@ from dsfunc.optim.base import (
     chain,
     current_lr,
     identity,
+    multi_transform,
     named_chain,
     stateless,
 )
@@ -30,6 +32,7 @@ from dsfunc.optim.from_config import (
     update_from_config,
 )
 from dsfunc.optim.fused import FusedAdam
+from dsfunc.optim.groups import ParamGroups
 from dsfunc.optim.transforms import (
     add_decayed_weights,
     clip_by_global_norm,
@@ -48,6 +51,7 @@ __all__ = [
     "ChainUpdate",
     "EmptyState",
     "FusedAdam",
+    "ParamGroups",
     "ScaleByAdamState",
     "ScaleByRssState",
     "ScaleByScheduleState",
@@ -68,6 +72,7 @@ __all__ = [
     "lamb",
     "lr_schedule",
     "momentum_schedule_from_config",
+    "multi_transform",
     "named_chain",
     "optimizer_from_config",
     "scale_by_adam",

@@ -9,7 +9,7 @@ chain. Nothing here reads a tensor back to the host or branches on a tensor's va
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -173,6 +173,39 @@ def named_chain(*named: tuple[str, Transform]) -> Transform:
         for n, t in named:
             updates, new_state[n] = t.update(updates, state[n], params, **extra)
         return updates, new_state
+
+    return Transform(init, update)
+
+
+def multi_transform(transforms: Mapping[str, Transform], labels: Mapping[str, str] | Callable[[str], str]) -> Transform:
+    """optax's ``multi_transform`` over a flat mapping: each key's label picks the transform that updates
+    it (a step's keys are its units, each holding one parameter group). The state is ``{label: state}``.
+
+    >>> from dsfunc.optim import sgd
+    >>> tx = multi_transform({"decay": sgd(lr=0.1, weight_decay=0.5), "none": sgd(lr=0.1)},
+    ...                      lambda key: "none" if key.endswith("bias") else "decay")
+    >>> params = {"w": torch.ones(2), "bias": torch.ones(2)}
+    >>> updates, _ = tx.update({k: torch.zeros(2) for k in params}, tx.init(params), params)
+    >>> updates["w"].tolist(), updates["bias"].abs().tolist()
+    ([-0.05000000074505806, -0.05000000074505806], [0.0, 0.0])
+    """
+    label_of = labels.__getitem__ if isinstance(labels, Mapping) else labels
+
+    def split(tree: Any, label: str) -> Any:
+        return None if tree is None else {k: v for k, v in tree.items() if label_of(k) == label}
+
+    def init(params: Params) -> dict[str, OptState]:
+        unknown = sorted({label_of(k) for k in params} - set(transforms))
+        _check(not unknown, f"multi_transform: labels {unknown} have no transform; transforms are {sorted(transforms)}")
+        return {label: t.init(split(params, label)) for label, t in transforms.items()}
+
+    def update(updates: Updates, state: dict, params: Params | None = None,
+               **extra: Any) -> tuple[Updates, dict]:
+        out, new_state = {}, {}
+        for label, t in transforms.items():
+            part, new_state[label] = t.update(split(updates, label), state[label], split(params, label), **extra)
+            out.update(part)
+        return {k: out[k] for k in updates}, new_state
 
     return Transform(init, update)
 

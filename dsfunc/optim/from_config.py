@@ -9,14 +9,22 @@ here that take a raw section validate it there too.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from dsfunc.config import Config, OptimizerConfig, SchedulerConfig, parse_optimizer, parse_scheduler
+from dsfunc.config import (
+    Config,
+    ConfigError,
+    OptimizerConfig,
+    SchedulerConfig,
+    parse_optimizer,
+    parse_scheduler,
+)
 from dsfunc.errors import InputError
 from dsfunc.optim.aliases import adagrad, adam, adamw, lamb, sgd
-from dsfunc.optim.base import Transform, named_chain
+from dsfunc.optim.base import Transform, multi_transform, named_chain
 from dsfunc.optim.fused import FusedAdam
+from dsfunc.optim.groups import GROUP_METADATA, plain
 from dsfunc.optim.transforms import clip_by_global_norm, scale_by_factor
 from dsfunc.optim.update import ChainUpdate
 from dsfunc.schedules import (
@@ -40,32 +48,74 @@ _OPTIMIZERS = {"adam": adam, "adamw": adamw, "lamb": lamb, "sgd": sgd, "adagrad"
 _NO_EFFECT = ("torch_adam",)  # picks DeepSpeed's implementation (torch vs fused Adam); the math is the same
 
 
-def update_from_config(cfg: Config, schedule: Schedule | None = None) -> ChainUpdate | FusedAdam:
-    """The update ``cfg`` describes; ``schedule`` replaces the config's lr schedule when given."""
+LrSchedule = Callable[[float], "Schedule | None"]  # a parameter group's lr -> that group's lr schedule
+
+
+def update_from_config(cfg: Config, schedule_for: LrSchedule | None = None, *,
+                       group_options: Mapping[str | None, Mapping[str, Any]] | None = None,
+                       unit_groups: Mapping[str, str | None] | None = None) -> ChainUpdate | FusedAdam:
+    """The update ``cfg`` describes.
+
+    Args:
+      cfg: the config; its ``optimizer`` section gives every group's defaults.
+      schedule_for: ``schedule_for(group_lr)`` is a group's lr schedule, replacing the config's ``scheduler``
+        section (which, like DeepSpeed's schedulers, runs per group from the group's lr).
+      group_options: label -> options overriding the optimizer's params for that parameter group (see
+        :class:`~dsfunc.optim.groups.ParamGroups`); ``{None: options}`` (or None) is one group, whose
+        state keeps the plain layout.
+      unit_groups: unit name -> its group's label (a plan with groups splits units by group).
+    """
     if cfg.optimizer is None:
         raise InputError(
             'the config has no "optimizer" section; add one, e.g. '
             '"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, or pass optimizer=... to init_state'
         )
+    options = dict(group_options) if group_options else {None: {}}
+    sections = {label: group_section(cfg.optimizer, opts, label) for label, opts in options.items()}
     momentum = None
-    if schedule is None:
-        schedule = lr_schedule(cfg)
+    if schedule_for is None:
+        schedule_for = lambda lr: lr_schedule_of(cfg, lr)  # the config's rule, per group
         momentum = _momentum_schedule(cfg.scheduler) if cfg.scheduler is not None else None
+    schedules = {label: schedule_for(float(section.params["lr"])) for label, section in sections.items()}
+    chains = {label: _optimizer_chain(section, schedules[label], momentum) for label, section in sections.items()}
+    groups = dict(unit_groups or {})
+    optimizer = chains[None] if None in chains else multi_transform(chains, groups)
     chain = named_chain(
         ("unscale", scale_by_factor("grad_scale")),
         ("clip", clip_by_global_norm(cfg.gradient_clipping)),
-        ("optimizer", _optimizer_chain(cfg.optimizer, schedule, momentum)),
+        ("optimizer", optimizer),
     )
-    fused = FusedAdam.from_config(cfg, chain, schedule) if momentum is None else None
+    fused = None
+    if momentum is None:
+        fused = FusedAdam.from_sections(sections, schedules, groups, cfg.gradient_clipping, chain)
     return fused if fused is not None else ChainUpdate(chain)
 
 
+def group_section(base: OptimizerConfig, options: Mapping[str, Any], label: str | None) -> OptimizerConfig:
+    """The optimizer section of one parameter group: ``base``'s params with the group's ``options``,
+    validated as the config validates them (keys that only name a group, such as ``name``, are ignored)."""
+    opts = {k: plain(v) for k, v in options.items() if k not in GROUP_METADATA}
+    if not opts:
+        return base
+    try:
+        return parse_optimizer({"type": base.type, "params": {**base.params, **opts}})
+    except ConfigError as e:
+        raise ConfigError(f"parameter group {label!r}: {e}") from None
+
+
 def lr_schedule(cfg: Config) -> Schedule | None:
-    """The config's lr schedule (``None`` without a scheduler section: the optimizer's constant lr)."""
+    """The config's lr schedule for the optimizer's own lr (``None`` without a scheduler section: the
+    optimizer's constant lr)."""
+    return lr_schedule_of(cfg, float(cfg.optimizer.params["lr"]) if cfg.optimizer is not None else None)
+
+
+def lr_schedule_of(cfg: Config, group_lr: float | None) -> Schedule | None:
+    """The config's lr schedule for a parameter group whose lr is ``group_lr``, as DeepSpeed's schedulers
+    set each group: WarmupLR without ``warmup_max_lr`` and WarmupCosineLR follow the group's lr; the
+    others (WarmupLR with ``warmup_max_lr`` too) give every group the same lr."""
     if cfg.scheduler is None:
         return None
-    base_lr = float(cfg.optimizer.params["lr"]) if cfg.optimizer is not None else None
-    return _schedule(cfg.scheduler, base_lr)
+    return _schedule(cfg.scheduler, group_lr)
 
 
 def optimizer_from_config(opt_cfg_type: str, params: Mapping[str, Any], schedule: Schedule | None,

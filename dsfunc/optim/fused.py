@@ -7,7 +7,8 @@ writes the compute-dtype copy that the next all-gather sends: one pass over memo
 kernel in ``ops/``; elsewhere the op's plain-torch reference runs (the same math as the chain
 ``scale_by_factor -> clip_by_global_norm -> adam``, up to the unscale and clip factors being multiplied
 once instead of twice). Its state is the equivalent chain's (:meth:`FusedAdam.init`), so checkpoints and
-the chain read it unchanged.
+the chain read it unchanged. With parameter groups each unit belongs to one group (the plan splits
+units by group), and the op takes that group's hyper-parameters and lr.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from dsfunc import kernels
-from dsfunc.config import Config
+from dsfunc.config import OptimizerConfig
 from dsfunc.frozen import FrozenDict
 from dsfunc.optim.base import Transform
 from dsfunc.optim.update import UpdateContext
@@ -28,8 +29,8 @@ Schedule = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)
-class FusedAdam:
-    """The config's Adam/AdamW: its hyper-parameters, its lr schedule, and the chain whose state it keeps."""
+class AdamGroup:
+    """One parameter group's Adam/AdamW hyper-parameters and lr schedule."""
 
     beta1: float
     beta2: float
@@ -37,26 +38,40 @@ class FusedAdam:
     weight_decay: float
     adam_w_mode: bool
     bias_correction: bool
-    max_norm: float
-    schedule: Schedule | None
     lr: float
-    chain: Transform  # unscale -> clip -> adam: the same math, and the layout of the state
+    schedule: Schedule | None
+
+    @classmethod
+    def from_section(cls, section: OptimizerConfig, schedule: Schedule | None) -> AdamGroup:
+        p = section.params
+        beta1, beta2 = p["betas"]
+        return cls(beta1=float(beta1), beta2=float(beta2), eps=float(p["eps"]),
+                   weight_decay=float(p["weight_decay"]),
+                   adam_w_mode=section.type == "adamw" or bool(p["adam_w_mode"]),
+                   bias_correction=bool(p["bias_correction"]), lr=float(p["lr"]), schedule=schedule)
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedAdam:
+    """The config's Adam/AdamW: each parameter group's hyper-parameters and lr schedule, the unit -> group
+    map, and the chain whose state it keeps. Without groups the one group is ``None`` and the state is the
+    plain chain's; with groups it is :func:`~dsfunc.optim.base.multi_transform`'s, ``{label: chain}``."""
+
+    groups: Mapping[str | None, AdamGroup]
+    unit_groups: Mapping[str, str | None]
+    max_norm: float
+    chain: Transform  # unscale -> clip -> adam (per group): the same math, and the layout of the state
     writes_compute_copy = True  # the update writes this rank's slice of the 16-bit compute copy
 
     @classmethod
-    def from_config(cls, cfg: Config, chain: Transform, schedule: Schedule | None) -> FusedAdam | None:
-        """The fused update for ``cfg``'s optimizer, or None when it is not plain Adam/AdamW."""
-        opt = cfg.optimizer
-        if opt is None or opt.type not in ("adam", "adamw"):
+    def from_sections(cls, sections: Mapping[str | None, OptimizerConfig],
+                      schedules: Mapping[str | None, Schedule | None], unit_groups: Mapping[str, str | None],
+                      max_norm: float, chain: Transform) -> FusedAdam | None:
+        """The fused update for these groups' optimizer sections, or None when one is not plain Adam/AdamW."""
+        if any(section.type not in ("adam", "adamw") for section in sections.values()):
             return None
-        p = opt.params
-        beta1, beta2 = p["betas"]
-        return cls(
-            beta1=float(beta1), beta2=float(beta2), eps=float(p["eps"]), weight_decay=float(p["weight_decay"]),
-            adam_w_mode=opt.type == "adamw" or bool(p["adam_w_mode"]),
-            bias_correction=bool(p["bias_correction"]), max_norm=float(cfg.gradient_clipping),
-            schedule=schedule, lr=float(p["lr"]), chain=chain,
-        )
+        groups = {label: AdamGroup.from_section(section, schedules[label]) for label, section in sections.items()}
+        return cls(groups=groups, unit_groups=unit_groups, max_norm=float(max_norm), chain=chain)
 
     def init(self, params: Mapping[str, torch.Tensor]) -> Any:
         return self.chain.init(dict(params))
@@ -65,29 +80,33 @@ class FusedAdam:
               ctx: UpdateContext) -> tuple[FrozenDict, Any]:
         """Update ``params``, the moments and ``ctx.lowp`` in place; return them with the new counters."""
         loss_scale, grad_norm, finite = ctx.loss_scale, ctx.grad_norm, ctx.finite
-        chain = opt_state["optimizer"]
-        adam, sched = chain["adam"], chain["lr"]
-        if self.schedule is None:
-            lr = torch.full((), self.lr, dtype=torch.float32, device=loss_scale.device)
-        else:
-            lr = self.schedule(sched.count - 1).to(torch.float32)
         clip = torch.ones_like(grad_norm)
         if self.max_norm > 0:
             clip = torch.clamp((grad_norm + 1e-6) / self.max_norm, min=1.0)
         grad_scale = (1.0 / (loss_scale * clip)).to(torch.float32)
-        step = (adam.count + 1).to(torch.float32)
         skip = ~finite
-        for name, param in params.items():
-            kernels.adam_step_(
-                param, grads[name], adam.mu[name], adam.nu[name],
-                grad_scale=grad_scale, lr=lr, step=step, skip=skip, lowp=ctx.lowp.get(name),
-                beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay,
-                adam_w_mode=self.adam_w_mode, bias_correction=self.bias_correction,
-            )
-        applied = finite.to(adam.count.dtype)
-        chain = {
-            **chain,
-            "adam": adam._replace(count=adam.count + applied),
-            "lr": sched._replace(count=sched.count + applied, lr=torch.where(finite, lr, sched.lr)),
-        }
-        return FrozenDict(params), {**opt_state, "optimizer": chain}
+        states = opt_state["optimizer"]
+        new_states = {}
+        for label, group in self.groups.items():
+            chain = states if label is None else states[label]
+            adam, sched = chain["adam"], chain["lr"]
+            if group.schedule is None:
+                lr = torch.full((), group.lr, dtype=torch.float32, device=loss_scale.device)
+            else:
+                lr = group.schedule(sched.count - 1).to(torch.float32)
+            step = (adam.count + 1).to(torch.float32)
+            for name in (n for n in params if self.unit_groups.get(n) == label):
+                kernels.adam_step_(
+                    params[name], grads[name], adam.mu[name], adam.nu[name],
+                    grad_scale=grad_scale, lr=lr, step=step, skip=skip, lowp=ctx.lowp.get(name),
+                    beta1=group.beta1, beta2=group.beta2, eps=group.eps, weight_decay=group.weight_decay,
+                    adam_w_mode=group.adam_w_mode, bias_correction=group.bias_correction,
+                )
+            applied = finite.to(adam.count.dtype)
+            new_states[label] = {
+                **chain,
+                "adam": adam._replace(count=adam.count + applied),
+                "lr": sched._replace(count=sched.count + applied, lr=torch.where(finite, lr, sched.lr)),
+            }
+        optimizer = new_states.get(None, new_states)
+        return FrozenDict(params), {**opt_state, "optimizer": optimizer}

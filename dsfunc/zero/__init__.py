@@ -11,21 +11,44 @@ What each stage keeps per rank (Ψ = parameter count):
 Modules: :mod:`~dsfunc.zero.layout` (units, flat buffers, the ``torch.chunk`` split), ``binding``
 (parameters into the skeleton), ``gather`` (compute copies; stage-3 gather and free), ``reduce``
 (gradients over ranks), ``hooks`` (module hooks), ``runtime`` (one micro-batch's forward/backward),
-``materialize`` (from ``meta``), ``norms`` (norms over shards), ``memory`` (bytes per rank).
+``materialize`` (from ``meta``), ``norms`` (norms over shards), ``memory`` (bytes per rank), and
+``context``: DeepSpeed's ``zero.Init`` and ``zero.GatheredParameters``, which scripts call as
+``deepspeed.zero.Init`` (so they are here, in dsfunc's ZeRO package, too).
 """
 
+from dsfunc.errors import unsupported
+from dsfunc.zero.binding import ZeroParamStatus
+from dsfunc.zero.context import (
+                                    GatheredParameters,
+                                    Init,
+                                    register_external_parameter,
+                                    unregister_external_parameter,
+)
 from dsfunc.zero.layout import ROOT, ParamSlot, ShardingPlan, Unit, chunk_range, make_plan
 from dsfunc.zero.memory import memory_estimate
 from dsfunc.zero.runtime import MicroBatchRuntime, Phase
 
+MiCS_Init = unsupported("deepspeed.zero.MiCS_Init", "MiCS sharding", "use deepspeed.zero.Init")
+TiledLinear = unsupported("deepspeed.zero.TiledLinear", "ZeRO-3 tiled linear layers", "use torch.nn.Linear")
+TiledLinearReturnBias = unsupported("deepspeed.zero.TiledLinearReturnBias", "ZeRO-3 tiled linear layers",
+                                    "use torch.nn.Linear")
+
 __all__ = [
     "ROOT",
+    "GatheredParameters",
+    "Init",
+    "MiCS_Init",
     "MicroBatchRuntime",
     "ParamSlot",
     "Phase",
     "ShardingPlan",
+    "TiledLinear",
+    "TiledLinearReturnBias",
     "Unit",
+    "ZeroParamStatus",
     "chunk_range",
     "make_plan",
     "memory_estimate",
+    "register_external_parameter",
+    "unregister_external_parameter",
 ]

@@ -1,13 +1,23 @@
-"""Binding: pointing the hook-free skeleton's parameter and buffer tables at this micro-batch's tensors.
+"""Binding: pointing the skeleton's parameter and buffer tables at this micro-batch's tensors, and at the
+*resident* tensors between micro-batches.
 
-The skeleton keeps ``meta`` placeholders between micro-batches, so it holds no reference to any step's
-graph or buffers. For a micro-batch, each unit's parameters are bound as views of one flat autograd leaf
-(what ``torch.func.functional_call`` does, but per unit, so ZeRO-3 can bind a unit lazily inside the
+For a micro-batch, each unit's parameters are bound as views of one flat autograd leaf (what
+``torch.func.functional_call`` does, but per unit, so ZeRO-3 can bind a unit lazily inside the
 forward), and the buffers as the state's tensors (cast to the compute dtype when floating).
+
+Between micro-batches the tables hold the residents: ``nn.Parameter`` objects whose data are views of
+the workspace's persistent compute copies (:meth:`Slots.show`; at fp32 stage 0 the masters themselves,
+in bf16/fp16 16-bit like DeepSpeed's module), empty tensors for a ZeRO-3 unit that is not gathered, and
+the state's own buffers. So a module trained in place (``init_state(..., in_place=True)``, what the
+DeepSpeed engine does) holds the live values after every update without a copy, and a module whose
+parameters were real keeps its parameter objects (only their ``.data`` changes). A resident replaces
+an object only where that is impossible: a parameter on ``meta`` (or the skeleton's placeholders).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -16,40 +26,71 @@ from torch import nn
 
 from dsfunc.zero.layout import ShardingPlan
 
-_Entry = tuple[dict[str, Any], str, Any]  # (module._parameters or ._buffers, attribute, meta placeholder)
+_Place = tuple[dict[str, Any], str]  # (module._parameters or ._buffers, attribute)
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's ``ds_status`` of a ZeRO-3 parameter: whether its data is the full tensor right now."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+
+
+@dataclasses.dataclass
+class _Slot:
+    """One tensor of the module: where it sits (every alias), and what sits there between micro-batches."""
+
+    places: list[_Place]
+    resident: Any
+    is_param: bool
 
 
 class Slots:
     """Where each unit's parameters (under every alias) and each buffer sit in the skeleton."""
 
     def __init__(self, skeleton: nn.Module, plan: ShardingPlan, buffer_names: Iterable[str]) -> None:
-        def place(name: str) -> _Entry:
+        def place(name: str) -> tuple[_Place, bool]:
             path, _, attr = name.rpartition(".")
             module = skeleton.get_submodule(path) if path else skeleton
-            table = module._parameters if attr in module._parameters else module._buffers
-            return table, attr, table[attr]
+            is_param = attr in module._parameters
+            return ((module._parameters if is_param else module._buffers), attr), is_param
 
-        self.units: dict[str, list[list[_Entry]]] = {
-            unit.name: [[place(alias) for alias in slot.aliases] for slot in unit.params] for unit in plan.units
+        def slot(names: Sequence[str]) -> _Slot:
+            places = [place(n) for n in names]
+            (table, attr), is_param = places[0]
+            return _Slot([p for p, _ in places], table[attr], is_param)
+
+        self.plan = plan
+        self.units: dict[str, list[_Slot]] = {
+            unit.name: [slot(p.aliases) for p in unit.params] for unit in plan.units
         }
-        self.buffers: dict[str, _Entry] = {name: place(name) for name in buffer_names}
+        self.buffers: dict[str, _Slot] = {name: slot([name]) for name in buffer_names}
+        self.bound = False
+        self._ds_ids = iter(range(1 << 62))
+
+    def residents(self, unit: str) -> list[nn.Parameter]:
+        """The parameter objects the module holds for ``unit`` between micro-batches (layout order)."""
+        return [s.resident for s in self.units[unit]]
 
     def bind_unit(self, unit: str, views: Sequence[torch.Tensor]) -> None:
-        for entries, view in zip(self.units[unit], views):
-            for table, attr, _ in entries:
+        self.bound = True
+        for s, view in zip(self.units[unit], views):
+            for table, attr in s.places:
                 table[attr] = view
 
     def bind_buffers(self, buffers: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Callable[[], None]:
         """Bind ``buffers`` (floating ones cast to ``dtype``); return the function that writes the cast
         copies back into ``buffers`` (BatchNorm's running statistics change in forward)."""
+        self.bound = True
         written = []
         for name, t in buffers.items():
             bound = t
             if t.is_floating_point() and t.dtype != dtype:
                 bound = t.to(dtype)
                 written.append((t, bound))
-            table, attr, _ = self.buffers[name]
-            table[attr] = bound
+            for table, attr in self.buffers[name].places:
+                table[attr] = bound
 
         def write_back() -> None:
             with torch.no_grad():
@@ -58,11 +99,39 @@ class Slots:
 
         return write_back
 
-    def restore(self) -> None:
-        """Put the meta placeholders back so the skeleton keeps no reference to this micro-batch."""
-        for per_param in self.units.values():
-            for entries in per_param:
-                for table, attr, placeholder in entries:
-                    table[attr] = placeholder
-        for table, attr, placeholder in self.buffers.values():
-            table[attr] = placeholder
+    def restore(self, buffers: Mapping[str, torch.Tensor]) -> None:
+        """Put the residents back, the buffers being ``buffers`` (the state's), so the skeleton keeps no
+        reference to this micro-batch."""
+        for name, t in buffers.items():
+            self._hold(self.buffers[name], t, requires_grad=False)
+        for per_param in (*self.units.values(), [*self.buffers.values()]):
+            for s in per_param:
+                for table, attr in s.places:
+                    table[attr] = s.resident
+        self.bound = False
+
+    def show(self, unit: str, views: Sequence[torch.Tensor], *, status: ZeroParamStatus | None = None) -> None:
+        """Make ``unit``'s residents hold ``views`` (in layout order). ``status`` (ZeRO-3 only) sets
+        DeepSpeed's ``ds_status`` and the ``ds_id``/``ds_shape``/``ds_numel`` scripts read."""
+        for s, view, p in zip(self.units[unit], views, self.plan.unit(unit).params):
+            self._hold(s, view, requires_grad=s.resident.requires_grad)
+            if status is not None:
+                resident = s.resident
+                if not hasattr(resident, "ds_id"):
+                    resident.ds_id, resident.ds_shape, resident.ds_numel = next(self._ds_ids), torch.Size(p.shape), p.numel
+                resident.ds_status = status
+
+    def _hold(self, s: _Slot, value: torch.Tensor, *, requires_grad: bool) -> None:
+        """``s.resident`` holds ``value``: its ``.data`` becomes ``value`` when that can be done in place."""
+        resident = s.resident
+        if resident is value or (isinstance(resident, torch.Tensor) and resident.data_ptr() == value.data_ptr()
+                                 and resident.shape == value.shape and resident.dtype == value.dtype
+                                 and value.numel() > 0):
+            return
+        if s.is_param and isinstance(resident, nn.Parameter) and not resident.is_meta:
+            resident.data = value
+            return
+        s.resident = nn.Parameter(value, requires_grad=requires_grad) if s.is_param else value
+        if not self.bound:
+            for table, attr in s.places:
+                table[attr] = s.resident

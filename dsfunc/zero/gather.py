@@ -9,19 +9,40 @@ all-gathers in flight. It also points at the micro-batch runtime that is bound r
 Persistent units (stages 0-2, and stage-3 units below ``stage3_param_persistence_threshold``) keep a
 full copy, rebuilt after every update. Lazy units (stage 3) are all-gathered on demand into a buffer
 whose storage is freed after use; autograd's saved views of the buffer see the refill.
+
+The workspace also decides what the model's resident parameters show between micro-batches
+(:meth:`~dsfunc.zero.binding.Slots.show`): views of the persistent copies, and for a lazy unit an
+empty tensor, or the gathered copy while it is *exposed* (:meth:`Workspace.expose`: a forward through
+the module outside a step, ``GatheredParameters``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from dsfunc.dist import comm
-from dsfunc.zero.layout import ShardingPlan, Unit
+from dsfunc.zero.binding import Slots, ZeroParamStatus
+from dsfunc.zero.layout import ShardingPlan, Unit, unit_views
+
+# id(resident parameter) -> (the parameter, its workspace, its unit's name), all weak: how
+# GatheredParameters finds what to gather (keyed by id: tensors compare elementwise, so no WeakKeyDictionary)
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref, str]] = {}
+
+
+def _register(param: torch.Tensor, workspace: Workspace, unit: str) -> None:
+    key = id(param)
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        if _OWNERS.get(key, (None,))[0] is ref:
+            del _OWNERS[key]
+
+    _OWNERS[key] = (weakref.ref(param, forget), weakref.ref(workspace), unit)
 
 
 class UnitState(enum.Enum):
@@ -50,9 +71,10 @@ class ZeroStats:
 class Workspace:
     """Compute copies per unit: persistent ones refreshed after updates, lazy ones gathered and freed."""
 
-    def __init__(self, plan: ShardingPlan, *, compute_dtype: torch.dtype, device: torch.device,
+    def __init__(self, plan: ShardingPlan, *, slots: Slots, compute_dtype: torch.dtype, device: torch.device,
                  persistence_threshold: int, max_live_elements: int, prefetch: bool) -> None:
         self.plan = plan
+        self.slots = slots
         self.compute_dtype = compute_dtype
         self.device = device
         self.max_live_elements = max_live_elements
@@ -68,6 +90,10 @@ class Workspace:
         self.inflight: dict[str, tuple[comm.Pending, torch.Tensor, Any]] = {}
         self.synced_with: tuple[Any, ...] | None = None
         self.aliases_master = plan.stage == 0 and compute_dtype == torch.float32
+        self.master: Mapping[str, torch.Tensor] = {}  # the masters the copies were last built from
+        self._shown: dict[str, Any] = {}  # unit -> the flat its residents view (None: empty)
+        self._exposed: dict[str, int] = {}  # lazy unit -> how many exposures hold it gathered
+        self._exposed_master: dict[str, torch.Tensor] = {}  # unit -> full fp32 master shown for writing
 
     def lazy(self, unit: Unit) -> bool:
         return self._lazy[unit.name]
@@ -98,7 +124,7 @@ class Workspace:
         those only need the all-gather.
         """
         if self.aliases_master:
-            self.synced_with = _signature(master)
+            self._synced(master)
             return
         written = set(written)
         works = []
@@ -120,7 +146,82 @@ class Workspace:
             works.append((comm.all_gather_flat(buf, src, async_op=True) if self.plan.stage else _copy(buf, src), src))
         for work, _ in works:
             work.wait()
+        self._synced(master)
+
+    def _synced(self, master: Mapping[str, torch.Tensor]) -> None:
         self.synced_with = _signature(master)
+        self.master = master
+        for unit in self.plan.units:
+            self._show(unit)
+
+    # -- what the module shows between micro-batches -----------------------------------------------
+    def _show(self, unit: Unit) -> None:
+        """Point ``unit``'s resident parameters at its current compute flat (empty for a lazy unit that
+        is not exposed); nothing to do when they already view it."""
+        if unit.name in self._exposed_master:
+            flat = self._exposed_master[unit.name]
+        elif self.aliases_master:
+            flat = self.master[unit.name]
+        elif self.lazy(unit) and not self._exposed.get(unit.name):
+            flat = None
+        else:
+            flat = self.buffers[unit.name]
+        residents = self.slots.residents(unit.name)
+        if self._shown.get(unit.name, False) is flat and (flat is None or residents[0].data_ptr() == flat.data_ptr()):
+            return
+        if flat is None:
+            views = [torch.empty(0, dtype=self.compute_dtype, device=self.device)] * len(unit.params)
+        else:
+            views = unit_views(unit, flat)
+        status = None
+        if self.plan.stage == 3:
+            status = ZeroParamStatus.NOT_AVAILABLE if flat is None else ZeroParamStatus.AVAILABLE
+        self.slots.show(unit.name, views, status=status)
+        self._shown[unit.name] = flat
+        for p in self.slots.residents(unit.name):
+            _register(p, self, unit.name)
+
+    def expose(self, unit: Unit) -> None:
+        """Gather a lazy unit into its residents until the matching :meth:`hide` (nested calls count)."""
+        self._exposed[unit.name] = self._exposed.get(unit.name, 0) + 1
+        if self.lazy(unit) and self._exposed[unit.name] == 1:
+            self.ensure(unit, self.master)
+            self._show(unit)
+
+    def expose_master(self, unit: Unit) -> None:
+        """Show the unit's full fp32 master in its residents, for writing (GatheredParameters with a
+        modifier rank): the master itself when it is not sharded, else a copy gathered from the shards.
+        :meth:`commit_master` writes it back."""
+        self._exposed_master[unit.name] = self.full_flat(unit, self.master[unit.name])
+        self._show(unit)
+
+    def full_flat(self, unit: Unit, shard: torch.Tensor) -> torch.Tensor:
+        """The unit's full flat (padded) from this rank's ``shard`` of it: all-gathered from every rank's
+        shard (a collective), or ``shard`` itself when the unit is not sharded."""
+        if self.plan.ways == 1:
+            return shard
+        full = torch.empty(self.plan.padded_size(unit), dtype=shard.dtype, device=shard.device)
+        comm.all_gather_flat(full, shard)
+        return full
+
+    @torch.no_grad()
+    def commit_master(self, units: Iterable[Unit], src: int) -> None:
+        """End :meth:`expose_master` for ``units``: rank ``src``'s values (what the script wrote there)
+        become every rank's master, and the compute copies are rebuilt from them."""
+        for unit in units:
+            full = self._exposed_master.pop(unit.name)
+            comm.broadcast(full, src=src)
+            if self.plan.ways > 1:
+                size = self.plan.shard_size(unit)
+                self.master[unit.name].copy_(full[self.plan.rank * size : (self.plan.rank + 1) * size])
+        self.refresh(self.master)
+
+    def hide(self, unit: Unit) -> None:
+        """Undo one :meth:`expose`; the last one empties the residents and frees the gathered copy."""
+        self._exposed[unit.name] -= 1
+        if self.lazy(unit) and self._exposed[unit.name] == 0:
+            self._show(unit)
+            self.release(unit)
 
     def ensure(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The unit's full compute flat, gathered if needed."""
@@ -166,8 +267,10 @@ class Workspace:
         self.stats.note(self.plan)
 
     def release(self, unit: Unit) -> None:
-        """Free a lazy unit's gathered storage (idempotent)."""
+        """Free a lazy unit's gathered storage (idempotent; an exposed unit stays until its last hide)."""
         if not self.lazy(unit) or self.status.get(unit.name, UnitState.FREE) is UnitState.FREE:
+            return
+        if self._exposed.get(unit.name):
             return
         if unit.name in self.inflight:
             self._wait(unit)
@@ -197,6 +300,15 @@ class Workspace:
             if live + self.plan.padded_size(unit) > self.max_live_elements:
                 return
             self._start_gather(unit, master)
+
+
+def owner(param: torch.Tensor) -> tuple[Workspace, Unit] | None:
+    """The workspace and unit whose resident ``param`` is (None for any other tensor)."""
+    found = _OWNERS.get(id(param))
+    if found is None or found[0]() is not param or found[1]() is None:
+        return None
+    workspace = found[1]()
+    return workspace, workspace.plan.unit(found[2])
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> comm.Pending:

@@ -4,13 +4,18 @@ Parameters are grouped into **units** (default: each block of the model's larges
 a root unit for everything else). A unit's parameters live in one flat buffer in a fixed order that does
 not depend on the world size; the buffer is split like ``torch.chunk``: ``S = ceil(N / W)`` elements per
 rank, padding only at the tail. That is why a checkpoint saved at one world size loads at another.
+
+With parameter groups (a label per parameter, :class:`dsfunc.ParamGroups`) a unit holds one group's
+parameters of one module, ``"<module>[<label>]"``, so each unit has one group's optimizer options and
+the update applies them per unit; without groups the names are the plain ones (checkpoints stay
+compatible).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -41,6 +46,7 @@ class Unit:
     name: str
     module: str | None  # the module whose forward brackets this unit's use; None for the root unit
     params: tuple[ParamSlot, ...]
+    label: str | None = None  # the parameter group, when the plan has groups
 
     @property
     def numel(self) -> int:
@@ -109,8 +115,12 @@ def make_plan(
     world_size: int,
     rank: int,
     unit_modules: Sequence[str] | None = None,
+    labels: Callable[[str], str] | None = None,
 ) -> ShardingPlan:
-    """Group ``model``'s trainable parameters into units (``unit_modules`` overrides the default)."""
+    """Group ``model``'s trainable parameters into units (``unit_modules`` overrides the default).
+
+    ``labels`` maps a parameter's (first) name to its group: units are then split by group.
+    """
     modules = list(find_unit_modules(model) if unit_modules is None else unit_modules)
     for path in modules:
         model.get_submodule(path)  # raises AttributeError naming the bad path
@@ -126,7 +136,9 @@ def make_plan(
                 return path
         return ROOT
 
-    members: dict[str, list[tuple[str, tuple[str, ...], torch.Size]]] = {ROOT: [], **{m: [] for m in modules}}
+    members: dict[tuple[str, str | None], list[tuple[str, tuple[str, ...], torch.Size]]] = {}
+    for path in [ROOT, *modules]:
+        members[path, None] = []
     frozen = []
     for pid, names in names_of.items():
         p = tensors[pid]
@@ -134,16 +146,19 @@ def make_plan(
             frozen.append(names[0])
             continue
         owners = {owner(n) for n in names}
-        members[owners.pop() if len(owners) == 1 else ROOT].append((names[0], tuple(names), p.shape))
+        key = (owners.pop() if len(owners) == 1 else ROOT, None if labels is None else labels(names[0]))
+        members.setdefault(key, []).append((names[0], tuple(names), p.shape))
     units = []
-    for uname, params in members.items():
-        if not params:
-            continue
-        slots, offset = [], 0
-        for name, aliases, shape in params:
-            slots.append(ParamSlot(name, tuple(shape), offset, aliases))
-            offset += math.prod(shape)
-        units.append(Unit(name=uname, module=None if uname == ROOT else uname, params=tuple(slots)))
+    for path in [ROOT, *modules]:
+        for (where, label), params in members.items():
+            if where != path or not params:
+                continue
+            slots, offset = [], 0
+            for name, aliases, shape in params:
+                slots.append(ParamSlot(name, tuple(shape), offset, aliases))
+                offset += math.prod(shape)
+            units.append(Unit(name=path if label is None else f"{path}[{label}]",
+                              module=None if path == ROOT else path, params=tuple(slots), label=label))
     if not units:
         raise InputError("the model has no trainable parameters (every parameter has requires_grad=False)")
     return ShardingPlan(tuple(units), stage, world_size, rank, tuple(frozen))

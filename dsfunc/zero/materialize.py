@@ -1,8 +1,11 @@
 """Materialising the fp32 masters: from the user's module, or from ``meta`` one module at a time.
 
-A model built on the ``meta`` device never exists in full on any rank: each rank materialises one
-owning module at a time (``reset_parameters()`` or the user's ``param_init_fn``, seeded per module so
-every rank draws the same values), flattens each unit and keeps only its own shard.
+A materialised model starts from rank 0's values, as DeepSpeed's engine does: each unit's flat buffer,
+and every buffer and frozen parameter, is broadcast from rank 0 before each rank keeps its shard, so a
+script that does not seed its ranks alike still trains one model. A model built on the ``meta`` device
+never exists in full on any rank: each rank materialises one owning module at a time
+(``reset_parameters()`` or the user's ``param_init_fn``, seeded per module so every rank draws the
+same values, which is why nothing needs broadcasting), flattens each unit and keeps only its own shard.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from dsfunc.dist import comm
 from dsfunc.errors import InputError
 from dsfunc.zero.layout import ShardingPlan, flatten_unit, local_shard
 
@@ -45,6 +49,8 @@ def materialize(
             values = {slot.name: tensors[slot.name].detach() for slot in unit.params}
         values = {k: v.to(device=device, dtype=torch.float32) for k, v in values.items()}
         flat = flatten_unit(unit, values, plan.padded_size(unit))
+        if source is None:
+            comm.broadcast(flat, src=0)
         INIT_STATS.max_elements = max(INIT_STATS.max_elements, flat.numel())
         params[unit.name] = flat if plan.ways == 1 else local_shard(plan, unit, flat)
         del flat, values
@@ -53,6 +59,9 @@ def materialize(
     if source is not None:
         extra = source.unit_tensors(list(extra))
     buffers = {k: v.detach().to(device).clone() for k, v in extra.items()}
+    if source is None:
+        for t in buffers.values():
+            comm.broadcast(t, src=0)
     return params, buffers
 
 

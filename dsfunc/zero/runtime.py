@@ -13,9 +13,25 @@ One runtime serves one optimizer step::
         runtime.end()                                    # -> Phase.IDLE: the micro-batch's reductions issued
     loss, grads = runtime.finish()                     # mean loss, this rank's reduced fp32 gradients
 
+A micro-batch may hold several forwards and backwards before ``end()`` (a GAN's discriminator sees a
+real and a fake batch; two losses of one forward): a forward in ``FORWARD`` keeps the binding, a forward
+in ``BACKWARD`` binds afresh, a backward in ``BACKWARD`` backpropagates another loss of the micro-batch
+(a graph kept with ``retain_graph``, or a forward before the last backward). Gradients add up; the
+micro-batch's loss is the sum of the losses backpropagated in it, and ``finish()`` returns their mean
+over micro-batches. A forward that no backward follows is dropped by ``end()`` or :meth:`drop_forward`.
+
 The backward seed makes the step's gradient the mean over every micro-batch of every rank:
 ``loss * loss_scale / ranks / micro_count`` (``ranks`` is the number of ranks the reducer sums over).
 ``torch.autograd.backward`` is called here and nowhere else.
+
+[Note: a backward the runtime does not run] A script may call ``loss.backward()`` itself. The gradients
+still reach the micro-batch's leaves, and the runtime applies the seed there, as each unit's gradient
+arrives: ``1 / ranks / micro_count`` (a gradient is linear in the seed, so this is the mean the seed
+gives). DeepSpeed scales at the forward's outputs instead, which counts twice an output computed from
+another (a Hugging Face output's ``loss`` from its ``logits``). A loss the runtime never sees is not in
+the mean loss (``nan`` when no loss of the step was seen). Under fp16 the loss must be multiplied by the
+loss scale before its backward (:meth:`MicroBatchRuntime.scale`), so a direct ``loss.backward()`` of an
+unscaled loss is an error then.
 
 [Note: lazy binding at stage 3] Units whose compute copy is gathered on demand are bound by the module
 hooks (:mod:`dsfunc.zero.hooks`) just before the unit's forward and freed after it; a hook on the
@@ -27,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, TypeVar
 
 import optree
@@ -40,13 +56,15 @@ from dsfunc.zero.reduce import Grads, LocalReducer, ZeroReducer
 
 T = TypeVar("T")
 
+_BACKWARDS_RUNNING = [0]  # how many MicroBatchRuntime.backward calls are inside autograd right now
+
 
 class Phase(enum.Enum):
     """Where a runtime is in its current micro-batch."""
 
     IDLE = enum.auto()  # no micro-batch open: forward() next (or finish())
-    FORWARD = enum.auto()  # parameters bound and the forward ran: backward() next
-    BACKWARD = enum.auto()  # gradients taken and parameters unbound: end() next
+    FORWARD = enum.auto()  # parameters bound and a forward ran: backward() next (or another forward)
+    BACKWARD = enum.auto()  # a backward ran and parameters are unbound: end() next (or another pair)
 
 
 class Reducer(Protocol):
@@ -69,46 +87,74 @@ class MicroBatchRuntime:
         self.ranks = ranks
         self.phase = Phase.IDLE
         self.micro: tuple[int, int] = (0, 1)
-        self.leaves: list[torch.Tensor] = []
+        self.leaves: list[torch.Tensor] = []  # every autograd leaf bound in this micro-batch
+        self._bound = False
+        self._grad_binding = True  # False while an evaluation is bound: views without leaves
         self._leaf_of: dict[str, torch.Tensor] = {}
         self._views: dict[str, list[torch.Tensor]] = {}
-        self._order: list[str] = []  # lazy units in the order this micro-batch's forward ran them
+        self._order: list[str] = []  # lazy units in the order this micro-batch's forwards ran them
         self._write_back: Callable[[], None] | None = None
+        self._forwards = 0  # forwards run in this micro-batch (each draws its own dropout masks)
+        self._backwards = 0  # backwards in this micro-batch, the runtime's and the script's own
+        self._micro_loss: torch.Tensor | None = None
+        self._prescaled = False  # scale() multiplied a loss by the loss scale for a direct backward
         self._loss_sum: torch.Tensor | None = None
         self._losses = 0
+        self._micros_ended = 0
 
     # -- a micro-batch ------------------------------------------------------------------------------
     def forward(self, fn: Callable[[nn.Module, Any], T], inputs: Any, *, micro: tuple[int, int] = (0, 1)) -> T:
         """Bind the parameters, move ``inputs`` to the device and return ``fn(model, inputs)``.
 
         ``micro`` is ``(index, count)`` of this micro-batch in the optimizer step: it seeds dropout and
-        tells the reducer which micro-batch is the last. If ``fn`` raises, the micro-batch is abandoned
-        (everything unbound on this rank) and the error propagates.
+        tells the reducer which micro-batch is the last. If ``fn`` raises, this forward is dropped
+        (everything it bound is unbound on this rank) and the error propagates.
         """
-        self._expect(Phase.IDLE, "forward")
         inputs = self._to_device(inputs)
-        self._bind(micro)
+        index = self._forwards
+        self.begin_forward(micro)
         try:
-            with self._rng_scope(micro[0]):
+            with self._rng_scope(micro[0], index):
                 out = fn(self.program.skeleton, inputs)
         except BaseException:
-            self._unbind()
+            self.drop_forward()
             raise
-        self.phase = Phase.FORWARD
         return out
+
+    def begin_forward(self, micro: tuple[int, int] = (0, 1)) -> None:
+        """Bind the parameters for a forward the caller runs itself (a call through the model): in
+        ``IDLE`` it opens micro-batch ``micro``, in ``BACKWARD`` it binds again for another pair, in
+        ``FORWARD`` the binding stays."""
+        if self.phase is Phase.IDLE:
+            self.micro = micro
+        elif micro != self.micro:
+            raise UsageError(
+                f"micro-batch runtime: a forward for micro-batch {micro} while micro-batch {self.micro} is "
+                "open; call end() first"
+            )
+        if not self._bound:
+            self._bind(grad=True)
+        self._forwards += 1
+        self.phase = Phase.FORWARD
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale, for a script that calls ``backward()`` on it itself (fp16)."""
+        self._check_loss(loss)
+        self._prescaled = True
+        return loss * self.state.scaler.scale
 
     def backward(self, loss: torch.Tensor, loss_scale: torch.Tensor | float = 1.0, *,
                  retain_graph: bool = False, mean_over_micro: bool = True) -> None:
-        """Backpropagate this micro-batch's ``loss``; each unit's gradient goes to the reducer as it is made.
+        """Backpropagate ``loss`` (of this micro-batch's forwards); each unit's gradient goes to the
+        reducer as it is made.
 
         The seed is ``loss * loss_scale / ranks / micro_count`` (without the micro count when
         ``mean_over_micro`` is false). The parameters are unbound afterwards. If autograd raises, the
         micro-batch is ended and the error propagates.
         """
-        self._expect(Phase.FORWARD, "backward")
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise InputError(f"backward() needs a scalar floating-point loss, got {what}")
+        if self.phase is Phase.IDLE:
+            self._expect(Phase.FORWARD, "backward")
+        self._check_loss(loss)
         if loss.grad_fn is None or not self.leaves:
             raise InputError(
                 "the loss has no graph: it does not depend on any trainable parameter bound for this "
@@ -118,60 +164,104 @@ class MicroBatchRuntime:
         seed = loss_scale / self.ranks
         if mean_over_micro:
             seed = seed / self.micro[1]
+        _BACKWARDS_RUNNING[0] += 1
         try:
             torch.autograd.backward(loss.reshape(()) * seed, inputs=self.leaves, retain_graph=retain_graph)
         except BaseException:
             self._unbind()
             self._end_micro()
             raise
+        finally:
+            _BACKWARDS_RUNNING[0] -= 1
         self._unbind()
         value = loss.detach().float()
-        self._loss_sum = value if self._loss_sum is None else self._loss_sum + value
-        self._losses += 1
+        self._micro_loss = value if self._micro_loss is None else self._micro_loss + value
+        self._backwards += 1
         self.phase = Phase.BACKWARD
 
     def end(self) -> None:
-        """Let the reducer finish this micro-batch: units no loss reached still join the collectives."""
-        self._expect(Phase.BACKWARD, "end")
+        """Let the reducer finish this micro-batch: units no loss reached still join the collectives.
+        A forward after the last backward is dropped."""
+        if self._backwards == 0:
+            self._expect(Phase.BACKWARD, "end")
         self._end_micro()
+
+    def drop_forward(self) -> None:
+        """Drop the forwards since the last backward (unbound on this rank; nothing reaches the reducer)."""
+        if self._bound:
+            self._unbind()
+        if self.phase is Phase.FORWARD:
+            self.phase = Phase.BACKWARD if self._backwards else Phase.IDLE
+            if self.phase is Phase.IDLE:
+                self._forwards, self.leaves, self._order = 0, [], []
+
+    @property
+    def micro_backwards(self) -> int:
+        """Backwards (the runtime's and the script's own) in the current micro-batch."""
+        return self._backwards
+
+    @property
+    def has_gradients(self) -> bool:
+        """True once a backward reached this optimizer step (its gradients would be lost by dropping it)."""
+        return self._backwards > 0 or self._micros_ended > 0
 
     def finish(self) -> tuple[torch.Tensor, Grads]:
         """The mean loss of the micro-batches run, and the reduced gradients (after the last ``end``)."""
         self._expect(Phase.IDLE, "finish")
+        if not self.has_gradients:
+            raise UsageError("no micro-batch has run backward() in this runtime yet")
         return self.mean_loss(), self.reducer.finish()
 
     def mean_loss(self) -> torch.Tensor:
-        """The mean loss of the micro-batches run so far."""
+        """The mean over micro-batches of the losses backpropagated so far (``nan`` when every backward
+        was the script's own, whose loss the runtime never sees)."""
         if self._loss_sum is None:
-            raise UsageError("no micro-batch has run backward() in this runtime yet")
+            if not self.has_gradients:
+                raise UsageError("no micro-batch has run backward() in this runtime yet")
+            return torch.full((), float("nan"), device=self.workspace.device)
         return self._loss_sum / self._losses
 
     def evaluate(self, fn: Callable[[nn.Module, Any], T], inputs: Any) -> T:
-        """``fn(model, inputs)`` under ``torch.no_grad()``: an evaluation, bound and unbound around it."""
-        self._expect(Phase.IDLE, "evaluate")
+        """``fn(model, inputs)`` under ``torch.no_grad()``: an evaluation, bound and unbound around it
+        (inside an open forward it runs on that forward's binding)."""
         inputs = self._to_device(inputs)
         with torch.no_grad():
-            self._bind((0, 1))
+            opened = self.begin_evaluation()
             try:
-                with self._rng_scope(0):
+                with self._rng_scope(0, 0):
                     return fn(self.program.skeleton, inputs)
             finally:
-                self._unbind()
+                if opened:
+                    self.end_evaluation()
+
+    def begin_evaluation(self) -> bool:
+        """Bind the parameters without autograd leaves for an evaluation the caller runs; False (nothing
+        to undo) when a forward's binding is already in place."""
+        if self._bound:
+            return False
+        self._bind(grad=False)
+        return True
+
+    def end_evaluation(self) -> None:
+        """Unbind what :meth:`begin_evaluation` bound."""
+        self._unbind()
 
     # -- binding -------------------------------------------------------------------------------------
-    def _bind(self, micro: tuple[int, int]) -> None:
-        self.micro = micro
+    def _bind(self, *, grad: bool) -> None:
+        self._grad_binding = grad
+        self._bound = True
         self.workspace.active = self
-        self.leaves, self._leaf_of, self._views, self._order = [], {}, {}, []
+        self._leaf_of, self._views = {}, {}
         for unit in self.program.plan.units:
             if not self.workspace.lazy(unit):
                 self._bind_unit(unit)
         self._write_back = self.program.slots.bind_buffers(self.state.buffers, self.program.compute_dtype)
 
     def _unbind(self) -> None:
-        """Restore the skeleton's placeholders, write buffers back, free lazy units: on this rank only."""
-        self.program.slots.restore()
+        """Put the skeleton's resident tensors back, write buffers back, free lazy units: on this rank only."""
+        self.program.slots.restore(self.state.buffers)
         self.workspace.active = None
+        self._bound = False
         self._leaf_of, self._views = {}, {}
         self.workspace.release_all()
         if self._write_back is not None:
@@ -179,35 +269,58 @@ class MicroBatchRuntime:
             self._write_back = None
 
     def _end_micro(self) -> None:
+        if self._bound:
+            self._unbind()
         index, count = self.micro
         self.reducer.end_micro(last=index == count - 1)
+        if self._micro_loss is not None:
+            self._loss_sum = self._micro_loss if self._loss_sum is None else self._loss_sum + self._micro_loss
+            self._losses += 1
+        self._micros_ended += 1
+        self._micro_loss, self._forwards, self._backwards, self._prescaled = None, 0, 0, False
+        self.leaves, self._order = [], []
         self.phase = Phase.IDLE
 
     def _bind_unit(self, unit: Unit) -> None:
-        """Make ``unit``'s parameters visible to the skeleton as views of a fresh autograd leaf."""
-        if unit.name in self._leaf_of:
+        """Make ``unit``'s parameters visible to the skeleton: views of a fresh autograd leaf (a training
+        binding) or of the compute copy itself (an evaluation)."""
+        if unit.name in self._views:
             self.program.slots.bind_unit(unit.name, self._views[unit.name])
             return
         flat = self.workspace.ensure(unit, self.state.params)
-        leaf = flat.detach().requires_grad_()
-        me = weakref.ref(self)  # weak: a cycle leaf -> hook -> runtime -> leaf would keep whole states alive
-        leaf.register_post_accumulate_grad_hook(lambda t, u=unit: me()._on_grad(u, t))
-        self._leaf_of[unit.name] = leaf
-        self.leaves.append(leaf)
-        views = unit_views(unit, leaf)
+        if self._grad_binding:
+            flat = flat.detach().requires_grad_()
+            me = weakref.ref(self)  # weak: a cycle leaf -> hook -> runtime -> leaf would keep whole states alive
+            flat.register_post_accumulate_grad_hook(lambda t, u=unit: me()._on_grad(u, t))
+            self._leaf_of[unit.name] = flat
+            self.leaves.append(flat)
+        views = unit_views(unit, flat)
         self._views[unit.name] = views
         self.program.slots.bind_unit(unit.name, views)
 
     def _on_grad(self, unit: Unit, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
+        if not _BACKWARDS_RUNNING[0]:  # see [Note: a backward the runtime does not run]
+            grad = self._direct_seed(grad)
         index, count = self.micro
         self.reducer.add(unit, grad, last=index == count - 1)
         if self.workspace.lazy(unit):
             self.workspace.release(unit)
 
+    def _direct_seed(self, grad: torch.Tensor) -> torch.Tensor:
+        """A unit's gradient from a backward the script called itself, times the seed."""
+        scaler = self.program.scaler
+        if not self._prescaled and (scaler.dynamic or scaler.init_scale != 1.0):
+            raise UsageError(
+                "loss.backward() was called directly, but fp16 training needs the loss multiplied by the "
+                "loss scale before its backward; call engine.backward(loss), or engine.scale(loss).backward()"
+            )
+        self._backwards += 1
+        return grad / (self.ranks * self.micro[1])
+
     # -- stage-3 module hooks (see [Note: lazy binding at stage 3]) -------------------------------------
     def unit_forward_begins(self, unit: Unit) -> None:
-        if unit.name not in self._order:
+        if self._grad_binding and unit.name not in self._order:
             self._order.append(unit.name)
         self.workspace.ensure(unit, self.state.params)  # a unit run twice in one forward is re-gathered
         self._bind_unit(unit)
@@ -216,13 +329,13 @@ class MicroBatchRuntime:
     def unit_forward_ends(self, unit: Unit, output: Any) -> None:
         self.workspace.release(unit)
         me = weakref.ref(self)
-        for t in optree.tree_leaves(output):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+        for t in tensors_in(output):
+            if t.requires_grad:
                 t.register_hook(lambda g, u=unit: me()._unit_backward_begins(u, g))
 
     def _unit_backward_begins(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
         self.workspace.ensure(unit, self.state.params)
-        i = self._order.index(unit.name)
+        i = self._order.index(unit.name) if unit.name in self._order else 0
         if i > 0:
             self.workspace.prefetch([self.program.plan.unit(self._order[i - 1])], self.state.params)
         return grad
@@ -232,6 +345,12 @@ class MicroBatchRuntime:
         if self.phase is not phase:
             raise UsageError(f"micro-batch runtime: {call}() in phase {self.phase.name}, expected {phase.name}")
 
+    @staticmethod
+    def _check_loss(loss: Any) -> None:
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise InputError(f"backward() needs a scalar floating-point loss, got {what}")
+
     def _to_device(self, inputs: Any) -> Any:
         device = self.program.device
         return optree.tree_map(
@@ -239,14 +358,16 @@ class MicroBatchRuntime:
         )
 
     @contextlib.contextmanager
-    def _rng_scope(self, micro: int) -> Iterator[None]:
-        """Seed dropout from (seed, step, micro-batch, rank) so a resumed run draws the same masks."""
+    def _rng_scope(self, micro: int, forward: int) -> Iterator[None]:
+        """Seed dropout from (seed, step, micro-batch, rank, and the forward's index in the micro-batch
+        after the first) so a resumed run draws the same masks and two forwards draw different ones."""
         device = self.program.device
         cuda = device.type == "cuda"
         if cuda and torch.cuda.is_current_stream_capturing():  # a graphed step seeds per step (dsfunc.graphs)
             yield
             return
-        seed = hash((int(self.state.rng[0]), int(self.state.step), micro, self.program.plan.rank)) & 0x7FFF_FFFF_FFFF
+        key = (int(self.state.rng[0]), int(self.state.step), micro, self.program.plan.rank)
+        seed = hash(key if forward == 0 else (*key, forward)) & 0x7FFF_FFFF_FFFF
         with torch.random.fork_rng(devices=[device] if cuda else []):
             # Seed the generators this step draws from, not torch.manual_seed: that one also seeds every
             # other accelerator type lazily, recording a Python stack each time (half the step on a small
@@ -255,6 +376,19 @@ class MicroBatchRuntime:
             if cuda:
                 torch.cuda.default_generators[device.index if device.index is not None else 0].manual_seed(seed)
             yield
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a module's output: inside tuples, lists and mappings of any class (a Hugging Face
+    ``ModelOutput`` is an ``OrderedDict`` subclass that optree would take for a leaf)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            yield from tensors_in(value)
+    elif isinstance(obj, (tuple, list)):
+        for value in obj:
+            yield from tensors_in(value)
 
 
 def zero_runtime(state: Any) -> MicroBatchRuntime:

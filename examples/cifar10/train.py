@@ -1,4 +1,6 @@
-"""DeepSpeed's CIFAR-10 tutorial, run by dsfunc: only the import changed (and the data loading, see below).
+"""DeepSpeed's CIFAR-10 tutorial, run by dsfunc: only the import changed (and the data loading, see below; and
+``.to(model_engine.device)`` where the tutorial writes ``.to(model_engine.local_rank)``, a CUDA index that
+the CPU does not take). As in the tutorial, the original ``net`` is evaluated: the engine trains it in place.
 
     dsfunc --num_gpus 2 examples/cifar10/train.py --deepspeed_config examples/cifar10/ds_config.json
 
@@ -28,6 +30,8 @@ def add_argument():
                         help="print the running loss every N micro-batches (default: four times an epoch)")
     parser.add_argument("--data_dir", default="./data", help="folder holding cifar-10-batches-py/")
     parser.add_argument("--local_rank", type=int, default=-1, help="local rank passed from distributed launcher")
+    parser.add_argument("--compare_with_engine", action="store_true",
+                        help="also evaluate through the engine (the same weights: net is the engine's module)")
     # Include DeepSpeed configuration arguments
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
@@ -139,26 +143,43 @@ def main():
     if rank0:
         print("Finished Training")
 
-    # Evaluate through the engine: dsfunc trains its own copy of the weights, not `net` in place.
+    # Evaluate with the original `net`, as the tutorial does: the engine trained it in place. (On a GPU the
+    # tutorial writes .to(model_engine.local_rank); model_engine.device is that device, and the CPU.)
     testloader = torch.utils.data.DataLoader(testset, batch_size=4, shuffle=False)
-    correct = total = 0
-    class_correct, class_total = [0] * len(classes), [0] * len(classes)
+    correct = 0
+    total = 0
     with torch.no_grad():
-        for images, labels in testloader:
-            outputs = model_engine(images.to(model_engine.device))
+        for data in testloader:
+            images, labels = data
+            outputs = net(images.to(model_engine.device))
             _, predicted = torch.max(outputs.data, 1)
-            hits = (predicted == labels.to(model_engine.device)).cpu()
             total += labels.size(0)
-            correct += hits.sum().item()
-            for label, hit in zip(labels.tolist(), hits.tolist()):
-                class_correct[label] += hit
+            correct += (predicted == labels.to(model_engine.device)).sum().item()
+    if rank0:  # every rank evaluated the same weights on the same test set: one report
+        print(f"Accuracy of the network on the {total} test images: {100 * correct // total} %")
+
+    class_correct = [0] * len(classes)
+    class_total = [0] * len(classes)
+    with torch.no_grad():
+        for data in testloader:
+            images, labels = data
+            outputs = net(images.to(model_engine.device))
+            _, predicted = torch.max(outputs, 1)
+            c = (predicted == labels.to(model_engine.device)).squeeze(0)
+            for i in range(len(labels)):
+                label = labels[i]
+                class_correct[label] += c[i].item()
                 class_total[label] += 1
-    if not rank0:  # every rank evaluated the same weights on the same test set: one table
-        return
-    print(f"Accuracy of the network on the {total} test images: {100 * correct // total} %")
-    for i, name in enumerate(classes):
-        if class_total[i]:
-            print(f"Accuracy of {name:5s} : {100 * class_correct[i] // class_total[i]:2d} %")
+    for i in range(len(classes)):
+        if class_total[i] and rank0:
+            print(f"Accuracy of {classes[i]:5s} : {100 * class_correct[i] // class_total[i]:2d} %")
+
+    if args.compare_with_engine:
+        with torch.no_grad():
+            hits = sum((model_engine(x).argmax(1).cpu() == y).sum().item() for x, y in testloader)
+        if rank0:
+            print(f"Accuracy through the engine on the {total} test images: {100 * hits // total} %")
+
 
 if __name__ == "__main__":
     main()

@@ -202,7 +202,7 @@ def test_unknown_key_inside_default_only_section():
          'Unknown config key "data_efficiency.data_sampling.num_epoch". Did you mean'),
         ({"data_efficiency": {"data_routing": {"random_ltd": {"enabled": True}}}},
          "data_efficiency.data_routing.random_ltd.enabled = true: dsfunc does not support data efficiency"),
-        ({"compile": {"enabled": False}}, 'Unknown config key "compile.enabled"'),
+        ({"compile": {"enabeld": True}}, 'Unknown config key "compile.enabeld". Did you mean "compile.enabled"'),
         ({"compile": {"deepcompile": True}}, "compile.deepcompile = true: dsfunc does not support DeepSpeed's compiler"),
         ({"vocabulary_size": "big"}, 'vocabulary_size = "big" is invalid: expected an integer >= 1'),
         ({"zero_force_ds_cpu_optimizer": 1}, "zero_force_ds_cpu_optimizer = 1 is invalid: expected true or false"),

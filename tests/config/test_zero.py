@@ -104,6 +104,8 @@ def test_sizes_accept_5e8_style_floats():
         {"zero_quantized_weights": False},
         {"zero_hpz_partition_size": 1},
         {"memory_efficient_linear": True},
+        {"memory_efficient_linear": False},  # DeepSpeed-Chat's configs
+        {"override_module_apply": False},
         {"stage3_model_persistence_threshold": 2**63 - 1},
         {"elastic_checkpoint": False},
         {"leaf_module": {}},

@@ -24,14 +24,15 @@ CIFAR_CONFIG = os.path.join(ROOT, "examples", "cifar10", "ds_config.json")
 
 def run_script(script: str, world: int, *args: str, launcher: str = "torchrun", timeout: float = 240) -> str:
     """Run ``script`` with ``import dsfunc as deepspeed`` on ``world`` processes (through torch.distributed.run,
-    or the dsfunc launcher); return the output."""
+    or the dsfunc launcher, which also starts a lone rank; torchrun's one rank is the plain process); return
+    the output."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     launch = [sys.executable]
     if world > 1 and launcher == "torchrun":
         launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master_port", str(free_port())]
-    elif world > 1:
+    elif world > 1 or launcher == "dsfunc":
         launch += ["-m", "dsfunc.cli", "--num_gpus", str(world), "--master_port", str(free_port())]
     proc = subprocess.run(launch + [script, *args], cwd=ROOT, env=env, capture_output=True, text=True, check=False,
                           timeout=timeout)
@@ -92,9 +93,11 @@ def test_cifar10_example_on_digits_one_process():
 
 def test_cifar10_example_through_the_launcher_on_two_gloo_ranks():
     out = run_script(CIFAR, 2, "--deepspeed", "--deepspeed_config", CIFAR_CONFIG, "--data_dir", "/nonexistent",
-                     launcher="dsfunc")
+                     "--compare_with_engine", launcher="dsfunc")
     assert "ZeRO stage 0 over 2 rank(s)" in out
-    assert len(accuracy(out)) == 1 and accuracy(out)[0] >= 80  # rank 0 alone prints the table
+    # the tutorial evaluates the original `net`: trained in place, it scores what the engine scores
+    through_engine = [int(a) for a in re.findall(r"Accuracy through the engine on the \d+ test images: (\d+) %", out)]
+    assert len(accuracy(out)) == 1 and accuracy(out)[0] >= 80 and accuracy(out) == through_engine  # rank 0 prints
     assert len(re.findall(r"^\[1, +\d+\] loss: [\d.]+$", out, re.MULTILINE)) == 4  # four times an epoch, rank 0
     assert re.search(r"\[dsfunc\] step=100, skipped=0, loss=", out)  # the engine's line, steps_per_print 100
 
@@ -111,3 +114,27 @@ def test_cifar10_example_reads_the_python_pickle_format(tmp_path):
     out = run_script(CIFAR, 1, "--deepspeed_config", CIFAR_CONFIG, "--data_dir", str(tmp_path), "--epochs", "1")
     assert "CIFAR-10 not found" not in out
     assert "Accuracy of the network on the 12 test images" in out and "Finished Training" in out
+
+
+DS_API = os.path.join(ROOT, "tests", "deepspeed", "scripts", "ds_api.py")
+
+
+def api_run(tmp_path, world: int, stage: int) -> tuple[dict, dict]:
+    out = run_script(DS_API, world, "--stage", str(stage), "--out", str(tmp_path / f"s{stage}w{world}"),
+                     launcher="dsfunc")
+    report = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    return report, torch.load(tmp_path / f"s{stage}w{world}" / "pytorch_model.bin")
+
+
+def test_a_script_of_deepspeeds_module_api_runs_unchanged_on_one_and_two_ranks(tmp_path):
+    one, weights_one = api_run(tmp_path, 1, 3)
+    two, weights_two = api_run(tmp_path, 2, 3)
+    zero, weights_zero = api_run(tmp_path, 2, 0)
+    for report in (one, two, zero):
+        assert report["saved"] and report["seen_equal"] and report["memory"]
+    assert two["world"] == 2 and one["head_sum"] == pytest.approx(two["head_sum"], rel=1e-5)
+    assert weights_one.keys() == weights_two.keys() and weights_two["layers.0.0.weight"].shape == (16, 16)
+    # built under zero.Init, the model starts from the same seeded init on any number of ranks
+    for name, value in weights_one.items():
+        torch.testing.assert_close(weights_two[name], value, rtol=1e-5, atol=1e-6)
+    assert weights_zero.keys() == weights_one.keys()

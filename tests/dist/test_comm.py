@@ -19,6 +19,8 @@ def test_lone_process_collectives_are_the_identity():
     assert out.tolist() == [5.0, 6.0]
     comm.all_gather_flat(out, out)  # gathering a buffer into itself is a no-op
     assert out.tolist() == [5.0, 6.0]
+    comm.broadcast(out)
+    assert out.tolist() == [5.0, 6.0]
 
 
 def _collectives(rank, world_size):
@@ -28,11 +30,16 @@ def _collectives(rank, world_size):
     comm.reduce_scatter_sum(shard, torch.arange(4.0) + rank, async_op=True).wait()
     full = torch.zeros(4)
     comm.all_gather_flat(full, torch.full((2,), float(rank))).wait()
-    return comm.is_distributed(), comm.rank(), comm.world_size(), total.tolist(), shard.tolist(), full.tolist()
+    flags = torch.tensor([rank == 0, rank == 1])
+    strided = torch.full((2, 3), float(rank)).t()  # not contiguous
+    comm.broadcast(flags)
+    comm.broadcast(strided, src=1)
+    return (comm.is_distributed(), comm.rank(), comm.world_size(), total.tolist(), shard.tolist(), full.tolist(),
+            flags.tolist(), strided.sum().item())
 
 
 def test_collectives_over_two_ranks():
     assert run_world(_collectives, 2) == [
-        (True, 0, 2, [3.0] * 4, [1.0, 3.0], [0.0, 0.0, 1.0, 1.0]),
-        (True, 1, 2, [3.0] * 4, [5.0, 7.0], [0.0, 0.0, 1.0, 1.0]),
+        (True, 0, 2, [3.0] * 4, [1.0, 3.0], [0.0, 0.0, 1.0, 1.0], [True, False], 6.0),
+        (True, 1, 2, [3.0] * 4, [5.0, 7.0], [0.0, 0.0, 1.0, 1.0], [True, False], 6.0),
     ]

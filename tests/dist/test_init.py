@@ -67,6 +67,11 @@ def test_missing_environment_names_the_variables(bare_env):
     assert not dist.is_initialized()
 
 
+def test_dist_init_required_false_leaves_torch_distributed_alone(bare_env):
+    init_distributed(dist_init_required=False, config={"comms_logger": {"enabled": False}})  # DeepSpeed's arguments
+    assert not dist.is_initialized()
+
+
 def test_init_method_needs_rank_and_world_size(bare_env):
     with pytest.raises(
         ValueError, match=r"init_method='tcp://127.0.0.1:1'\) also needs rank= and world_size="

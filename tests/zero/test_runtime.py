@@ -19,6 +19,11 @@ def _loss(model, batch):
     return model(*batch)
 
 
+def unbound(state) -> bool:
+    """The skeleton holds its resident parameters (leaves of their own), not a micro-batch's views."""
+    return all(isinstance(t, torch.nn.Parameter) and t.grad_fn is None for t in state.program.skeleton.parameters())
+
+
 def test_phases_follow_forward_backward_end():
     state = dsfunc.init_state(MLP(), config(micro=2, gas=2))
     runtime = zero_runtime(state)
@@ -29,7 +34,7 @@ def test_phases_follow_forward_backward_end():
         assert runtime.phase is Phase.FORWARD and len(runtime.leaves) == len(state.program.plan.units)
         runtime.backward(loss)
         assert runtime.phase is Phase.BACKWARD
-        assert all(t.is_meta for t in state.program.skeleton.parameters())  # unbound after backward
+        assert unbound(state)  # unbound after backward
         runtime.end()
         assert runtime.phase is Phase.IDLE
     loss, grads = runtime.finish()
@@ -46,8 +51,8 @@ def test_calls_out_of_order_are_usage_errors():
     with pytest.raises(dsfunc.UsageError, match="no micro-batch has run backward"):
         runtime.finish()
     loss = runtime.forward(_loss, batch)
-    with pytest.raises(dsfunc.UsageError, match=r"forward\(\) in phase FORWARD"):
-        runtime.forward(_loss, batch)
+    with pytest.raises(dsfunc.UsageError, match=r"a forward for micro-batch \(1, 2\) while micro-batch \(0, 1\)"):
+        runtime.forward(_loss, batch, micro=(1, 2))
     with pytest.raises(dsfunc.UsageError, match=r"end\(\) in phase FORWARD, expected BACKWARD"):
         runtime.end()
     with pytest.raises(dsfunc.InputError, match="the loss has no graph"):
@@ -55,6 +60,96 @@ def test_calls_out_of_order_are_usage_errors():
     runtime.backward(loss)
     runtime.end()
     assert torch.equal(runtime.finish()[0], loss.detach())
+
+
+def _grads_of(state, pairs) -> tuple[torch.Tensor, dict]:
+    """One micro-batch of several forward/backward calls: ``pairs`` lists, per backward, the batches whose
+    forwards run before it."""
+    runtime = local_runtime(state)
+    for forwards in pairs:
+        losses = [runtime.forward(_loss, batch) for batch in forwards]
+        runtime.backward(sum(losses))
+    runtime.end()
+    return runtime.finish()
+
+
+def test_several_forwards_and_backwards_in_one_micro_batch_add_up():
+    state = dsfunc.init_state(MLP(), config(micro=2))
+    a, b = mlp_batches(2, 2)
+    loss_one, one = _grads_of(state, [[a, b]])  # two forwards, one backward of the sum
+    loss_two, two = _grads_of(state, [[a], [b]])  # a pair, then another pair (a GAN's discriminator)
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(loss_two, loss_one)  # the micro-batch's loss is the sum of its losses
+    runtime = local_runtime(state)
+    first = runtime.forward(_loss, a)
+    second = runtime.forward(_loss, a)  # the binding stays: one leaf per unit
+    assert len(runtime.leaves) == len(state.program.plan.units)
+    runtime.backward(first, retain_graph=True)
+    runtime.backward(second)  # a backward in BACKWARD: another loss of the micro-batch
+    runtime.forward(_loss, b)  # a forward no backward follows is dropped by end()
+    assert runtime.phase is Phase.FORWARD
+    runtime.end()
+    loss, _ = runtime.finish()
+    torch.testing.assert_close(loss, first.detach() + second.detach())
+    assert unbound(state)
+
+
+def test_two_forwards_of_one_micro_batch_draw_different_dropout_masks():
+    state = dsfunc.init_state(MLP(dropout=0.5), config(micro=2))
+    runtime = local_runtime(state)
+    x, _ = mlp_batches(1, 2)[0]
+    first, second = (runtime.forward(lambda model, b: model(b), x) for _ in range(2))
+    assert not torch.equal(first, second)
+    runtime.drop_forward()
+    assert runtime.phase is Phase.IDLE and not runtime.has_gradients
+    again = runtime.forward(lambda model, b: model(b), x)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)  # the same (step, micro-batch, forward): same masks
+
+
+class LossAndLogits(MLP):
+    """Returns a mapping of the loss and the logits it is computed from, as a Hugging Face model does."""
+
+    def forward(self, x, y):
+        logits = super().forward(x)
+        return {"logits": logits, "loss": torch.nn.functional.cross_entropy(logits, y)}
+
+
+def test_a_backward_the_script_calls_itself_gets_the_seed_at_the_leaves():
+    state = dsfunc.init_state(LossAndLogits(), config(micro=2, gas=2))
+    micros = mlp_batches(2, 2)
+    reference, direct = local_runtime(state), local_runtime(state)
+    for i, micro in enumerate(micros):
+        reference.backward(reference.forward(_loss, micro, micro=(i, 2))["loss"])
+        reference.end()
+        direct.forward(_loss, micro, micro=(i, 2))["loss"].backward()  # loss.backward(), as DeepSpeed scripts may
+        assert direct.phase is Phase.FORWARD
+        direct.end()
+    _, expected = reference.finish()
+    loss, grads = direct.finish()
+    for name in expected:
+        torch.testing.assert_close(grads[name], expected[name], rtol=1e-6, atol=0)
+    assert torch.isnan(loss)  # the runtime never saw the loss
+
+
+def test_a_direct_backward_under_fp16_needs_the_scaled_loss():
+    cfg = config(micro=2)
+    cfg["fp16"] = {"enabled": True}
+    state = dsfunc.init_state(MLP(), cfg)
+    runtime = zero_runtime(state)
+    batch = mlp_batches(1, 2)[0]
+    with pytest.raises(dsfunc.UsageError, match=r"fp16 training needs the loss multiplied by the loss scale"):
+        runtime.forward(_loss, batch).backward()
+    assert all(leaf.grad is None for leaf in runtime.leaves)
+    runtime.drop_forward()
+    runtime.scale(runtime.forward(_loss, batch)).backward()
+    runtime.end()
+    _, grads = runtime.finish()
+    reference = zero_runtime(state)
+    reference.backward(reference.forward(_loss, batch), state.scaler.scale)
+    reference.end()
+    for name, g in reference.finish()[1].items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=0)
 
 
 def test_a_failing_forward_leaves_nothing_bound():
@@ -68,7 +163,7 @@ def test_a_failing_forward_leaves_nothing_bound():
     with pytest.raises(KeyError):
         runtime.forward(broken, mlp_batches(1, 2)[0])
     assert runtime.phase is Phase.IDLE and state.program.workspace.active is None
-    assert all(t.is_meta for t in state.program.skeleton.parameters())
+    assert unbound(state)
 
 
 def test_shard_must_be_outside_accumulate():

@@ -199,3 +199,36 @@ def test_lamb_trust_ratios_on_every_rank_equal_one_process(stage):
         reference = dsfunc.train_step(reference, batch)
     for rank, full in enumerate(run_world(lamb_ranks, 2, stage)):
         assert relative_diff(full, dsfunc.full_params(reference)) < 1e-6, (stage, rank)
+
+
+def ranks_start_from_rank_zero(rank: int, world: int) -> dict:
+    out = {}
+    for stage in (0, 3):
+        torch.manual_seed(rank)  # every rank builds a different model, as an unseeded script does
+        model = ConvBNUnits()
+        model.bn.running_mean.fill_(float(rank + 1))
+        mine = {k: v.clone() for k, v in model.state_dict().items()}
+        state = dsfunc.init_state(model, config(micro=2, world=world, stage=stage))
+        out[stage] = {"mine": mine, "full": dsfunc.full_params(state)}
+    return out
+
+
+class ConvBNUnits(torch.nn.Module):
+    """Units (a ModuleList), a root layer and a BatchNorm with its buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(2))
+        self.bn = torch.nn.BatchNorm1d(4)
+
+    def forward(self, x, y):
+        return self.bn(self.blocks[1](self.blocks[0](x))).pow(2).mean()
+
+
+def test_every_rank_starts_from_rank_zeros_parameters_and_buffers():
+    results = run_world(ranks_start_from_rank_zero, 2)
+    for stage in (0, 3):
+        rank0 = results[0][stage]["mine"]
+        assert relative_diff(results[1][stage]["mine"], rank0) > 0  # the ranks did build different models
+        for r in results:
+            assert relative_diff(r[stage]["full"], rank0) == 0.0, stage

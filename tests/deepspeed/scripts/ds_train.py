@@ -2,7 +2,7 @@
 
 Trains to ``--steps`` optimizer steps; ``--save_at N`` saves a checkpoint with client state after step
 N; ``--load_dir`` resumes from the latest checkpoint there. Writes, per rank, ``<out>.rank<r>.pt`` with
-the final parameters (``engine.module``), the losses of the steps it ran and the engine's counters.
+the final parameters (``engine.module``, gathered), the losses of the steps it ran and the engine's counters.
 """
 
 import argparse
@@ -70,8 +70,10 @@ while done < args.steps:
         if done == args.steps:
             break
 
+with deepspeed.zero.GatheredParameters(list(model_engine.module.parameters())):  # full at ZeRO-3 too
+    params = {k: v.clone() for k, v in model_engine.module.state_dict().items()}
 torch.save({
-    "params": {k: v.clone() for k, v in model_engine.module.state_dict().items()},
+    "params": params,
     "losses": losses,
     "global_steps": model_engine.global_steps,
     "global_samples": model_engine.global_samples,

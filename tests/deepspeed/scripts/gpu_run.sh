@@ -36,6 +36,8 @@ for name, k in [(f"data_batch_{i}", 64) for i in range(1, 6)] + [("test_batch", 
     with open(os.path.join(root, name), "wb") as f:
         pickle.dump({b"data": rng.integers(0, 256, (k, 3072), dtype=np.uint8), b"labels": rng.integers(0, 10, k).tolist()}, f)
 PY
-run examples/cifar10/train.py --deepspeed_config examples/cifar10/ds_config.json --data_dir "$tmp" --epochs 1 \
-    | grep -E "Accuracy of the network|Finished|Error|error" | sort | uniq -c
+# the tutorial's own device argument: .to(model_engine.local_rank) (the example writes model_engine.device for the CPU)
+sed 's/model_engine\.device/model_engine.local_rank/g' examples/cifar10/train.py > "$tmp/cifar10_tutorial.py"
+run "$tmp/cifar10_tutorial.py" --deepspeed_config examples/cifar10/ds_config.json --data_dir "$tmp" --epochs 1 \
+    --compare_with_engine | grep -E "Accuracy of the network|through the engine|Finished|Error|error" | sort | uniq -c
 rm -rf "$tmp"

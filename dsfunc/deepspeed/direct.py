@@ -1,0 +1,85 @@
+"""A forward through the engine's module itself — ``net(x)`` instead of ``engine(x)`` — as DeepSpeed allows.
+
+DeepSpeed trains the module in place, so scripts call it directly: a GAN feeds the generator's output
+to the discriminator's module, an evaluation loop calls the original ``net``. Two hooks on the module
+translate such a call onto the engine's runtime, exactly as ``engine(x)`` would run it: with autograd
+enabled (and an optimizer) it is a training forward of the current micro-batch (the backward that
+follows reaches the engine's gradients), otherwise an evaluation, bound only for this call. Inputs are
+moved to the engine's device. A call the engine itself makes (its runtime is bound then) passes through.
+Dropout in a direct training forward uses the global generator, not the engine's seeded one.
+
+Between a training forward and its backward the module's parameter tables hold that micro-batch's
+views (autograd needs them until the backward, e.g. for activation checkpointing's recompute), so the
+module's ``zero_grad()`` — which scripts call between the two (DeepSpeed's GAN example does) — skips them.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import optree
+import torch
+from torch import nn
+
+from dsfunc.zero.runtime import zero_runtime
+
+if TYPE_CHECKING:
+    from dsfunc.deepspeed.engine import Engine
+
+
+def install(engine: Engine) -> None:
+    """Hook ``engine.module`` so that calling it directly runs through ``engine``'s runtime."""
+    module: nn.Module = engine.module
+    me = weakref.ref(engine)  # the module outlives a dropped engine; its hooks then do nothing
+    opened: list[Any] = []  # per call in flight: what the pre-hook opened (None: nothing)
+
+    def pre(mod: nn.Module, args: Any, kwargs: Any) -> Any:
+        engine = me()
+        if engine is None or engine.state.program.workspace.active is not None:
+            opened.append(None)
+            return None
+        opened.append(_begin(engine))
+        device = engine.device
+        move = lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+        return optree.tree_map(move, args), optree.tree_map(move, kwargs)
+
+    def post(mod: nn.Module, args: Any, output: Any) -> None:
+        token = opened.pop()
+        if token is not None:
+            _end(token, output)
+
+    module._dsfunc_hooks.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
+    module._dsfunc_hooks.append(module.register_forward_hook(post, always_call=True))
+    module.zero_grad = types.MethodType(_zero_grad, module)
+
+
+def _zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
+    """``nn.Module.zero_grad`` over the module's own parameters, skipping a micro-batch's bound views (they
+    are not leaves and never hold gradients)."""
+    for p in module.parameters():
+        if p.is_leaf and p.grad is not None:
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
+
+
+def _begin(engine: Engine) -> tuple[str, Any, bool]:
+    """Open the binding of a direct call: a training forward of the current micro-batch, or an evaluation."""
+    if engine.trains_now():
+        runtime = engine.runtime()
+        runtime.begin_forward(engine.micro())
+        return "train", (engine, runtime), True
+    runtime = engine._runtime if engine._runtime is not None else zero_runtime(engine.state)
+    return "eval", (engine, runtime), runtime.begin_evaluation()
+
+
+def _end(token: tuple[str, Any, bool], output: Any) -> None:
+    kind, (engine, runtime), opened = token
+    if kind == "train":
+        if output is None:  # the forward raised
+            engine._abandon_step()
+    elif opened:
+        runtime.end_evaluation()

@@ -1,0 +1,159 @@
+"""DeepSpeed's module names under dsfunc, so that ``import dsfunc as deepspeed`` runs scripts as written.
+
+A script's ``deepspeed.accelerator.get_accelerator()`` becomes ``dsfunc.accelerator.get_accelerator()``
+and its ``from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus`` becomes
+``from dsfunc.runtime...``: dsfunc answers DeepSpeed's module paths. :data:`ALIASES` maps the ones dsfunc
+implements to the shells that implement them (the same module object: ``dsfunc.comm`` *is*
+:mod:`dsfunc.deepspeed.comm`). Every other module under DeepSpeed's top-level packages
+(:data:`PACKAGES`) imports as a stand-in whose public names import too and raise
+:class:`~dsfunc.errors.NotSupportedError` naming the feature when called, so a script that imports
+pipeline or MoE pieces at top level but never uses them runs, and one that uses them fails at the call,
+never with an ImportError at import. dsfunc's own packages (``zero``, ``checkpoint``, ``monitor``,
+``launcher``, ...) keep their names; DeepSpeed's ``zero.Init`` and ``zero.GatheredParameters`` live in
+:mod:`dsfunc.zero`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+from typing import Any
+
+from dsfunc.errors import unsupported
+
+# DeepSpeed's module (below "deepspeed.") -> the dsfunc module implementing it
+ALIASES = {
+    "accelerator": "dsfunc.deepspeed.accelerator",
+    "accelerator.real_accelerator": "dsfunc.deepspeed.accelerator",
+    "comm": "dsfunc.deepspeed.comm",
+    "comm.comm": "dsfunc.deepspeed.comm",
+    "ops.adam": "dsfunc.deepspeed.ops",
+    "ops.adam.fused_adam": "dsfunc.deepspeed.ops",
+    "ops.adam.cpu_adam": "dsfunc.deepspeed.ops",
+    "ops.lamb": "dsfunc.deepspeed.ops",
+    "ops.adagrad": "dsfunc.deepspeed.ops",
+    "ops.lion": "dsfunc.deepspeed.ops",
+    "utils": "dsfunc.deepspeed.utils",
+    "utils.logging": "dsfunc.deepspeed.utils",
+    "runtime.utils": "dsfunc.deepspeed.utils",
+    "runtime.dataloader": "dsfunc.deepspeed.utils",
+    "runtime.engine": "dsfunc.deepspeed.engine",
+    "runtime.zero": "dsfunc.zero",
+    "runtime.zero.partition_parameters": "dsfunc.zero",
+    "moe.utils": "dsfunc.deepspeed.moe",
+    "compression.helper": "dsfunc.deepspeed.compression",
+    "checkpointing": "dsfunc.deepspeed.checkpointing",
+    "runtime.activation_checkpointing": "dsfunc.deepspeed.checkpointing",
+    "runtime.activation_checkpointing.checkpointing": "dsfunc.deepspeed.checkpointing",
+}
+
+# DeepSpeed's top-level packages dsfunc answers for (implemented in part, per ALIASES, or not at all)
+PACKAGES = {
+    "accelerator": "DeepSpeed's accelerator abstraction",
+    "comm": "DeepSpeed's communication layer",
+    "ops": "DeepSpeed's native ops",
+    "utils": "a DeepSpeed utility",
+    "runtime": "a part of DeepSpeed's runtime",
+    "moe": "mixture of experts",
+    "pipe": "pipeline parallelism",
+    "compression": "model compression",
+    "checkpointing": "DeepSpeed's activation checkpointing",
+    "inference": "DeepSpeed inference",
+    "module_inject": "kernel injection for inference",
+    "model_implementations": "DeepSpeed's inference models",
+    "profiling": "the FLOPs profiler",
+    "elasticity": "elastic training",
+    "autotuning": "autotuning",
+    "sequence": "sequence parallelism",
+    "linear": "DeepSpeed's optimized linear layers",
+    "nvme": "NVMe offload",
+    "compile": "DeepSpeed's torch.compile integration",
+    "io": "DeepSpeed's I/O library",
+    "datastates": "DataStates checkpointing",
+    "env_report": "DeepSpeed's environment report",
+    "git_version_info": "DeepSpeed's build information",
+}
+
+_PREFIX = "dsfunc."
+
+
+def _deepspeed_path(fullname: str) -> str | None:
+    """``"runtime.zero"`` for ``"dsfunc.runtime.zero"`` when that is under one of :data:`PACKAGES`."""
+    if not fullname.startswith(_PREFIX):
+        return None
+    path = fullname[len(_PREFIX):]
+    return path if path.partition(".")[0] in PACKAGES else None
+
+
+class _Loader(importlib.abc.Loader):
+    """Loads an alias (the implementing module itself) or a stand-in module."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        if self.path in ALIASES:
+            module = importlib.import_module(ALIASES[self.path])
+            if not hasattr(module, "__path__"):  # so that DeepSpeed's submodules of it resolve (as stand-ins)
+                module.__path__ = []
+            return module
+        return _stand_in(spec.name, self.path)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        """Nothing to run: the module is complete."""
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Finds DeepSpeed's module paths under ``dsfunc.`` (after the real modules: it sits last)."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        where = _deepspeed_path(fullname)
+        if where is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _Loader(where), is_package=True)
+
+
+def _stand_in(fullname: str, path: str) -> types.ModuleType:
+    """A module for DeepSpeed's ``deepspeed.<path>``: its submodules import, its names are stand-ins."""
+    module = types.ModuleType(fullname, f"Not in dsfunc: deepspeed.{path} ({PACKAGES[path.partition('.')[0]]}).")
+    module.__path__ = []
+
+    def attribute(name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if f"{path}.{name}" in ALIASES:
+            return importlib.import_module(f"{fullname}.{name}")
+        return unsupported(f"deepspeed.{path}.{name}", PACKAGES[path.partition(".")[0]])
+
+    module.__getattr__ = attribute  # type: ignore[method-assign]
+    return module
+
+
+def install() -> None:
+    """Answer DeepSpeed's module paths under ``dsfunc.`` from now on (idempotent)."""
+    if not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.append(_Finder())
+
+
+def package(name: str) -> types.ModuleType:
+    """``dsfunc.<name>`` for one of DeepSpeed's top-level packages (``dsfunc.__getattr__`` calls this)."""
+    if name not in PACKAGES:
+        raise AttributeError(f"module 'dsfunc' has no attribute {name!r}")
+    return importlib.import_module(_PREFIX + name)
+
+
+# DeepSpeed's top-level names dsfunc does not implement (``deepspeed.init_inference``, ...)
+init_inference = unsupported("deepspeed.init_inference", "DeepSpeed inference", "run the model with torch")
+tp_model_init = unsupported("deepspeed.tp_model_init", "tensor parallelism")
+PipelineModule = unsupported("deepspeed.PipelineModule", "pipeline parallelism")
+PipelineEngine = unsupported("deepspeed.PipelineEngine", "pipeline parallelism")
+InferenceEngine = unsupported("deepspeed.InferenceEngine", "DeepSpeed inference")
+DeepSpeedHybridEngine = unsupported("deepspeed.DeepSpeedHybridEngine", "the hybrid (RLHF) engine")
+DeepSpeedTransformerLayer = unsupported("deepspeed.DeepSpeedTransformerLayer", "DeepSpeed's fused transformer kernels")
+DeepSpeedTransformerConfig = unsupported("deepspeed.DeepSpeedTransformerConfig", "DeepSpeed's fused transformer kernels")
+DeepSpeedConfig = unsupported("deepspeed.DeepSpeedConfig", "DeepSpeed's config object", "use dsfunc.Config.load")
+add_tuning_arguments = unsupported("deepspeed.add_tuning_arguments", "the lr-schedule command-line flags",
+                                   "describe the schedule in the config's scheduler section")

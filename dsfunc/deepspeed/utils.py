@@ -1,0 +1,205 @@
+"""``deepspeed.utils`` (and ``deepspeed.runtime.utils``): the helpers DeepSpeed scripts import.
+
+Logging (``logger``, ``log_dist``), ``RepeatingLoader``, ``OnDevice``, ``set_random_seed``,
+``see_memory_usage``, the module helpers ``recursive_getattr``/``recursive_setattr``, and the
+``safe_get_full_fp32_param`` family, which reads and writes one parameter's fp32 master weights and
+Adam moments in an engine's state (a collective at ZeRO stages 1-3: every rank calls it). Gradients
+are reduced inside ``engine.step()`` and never sit on a parameter, so ``safe_get_full_grad`` and its
+friends are refused; other names of DeepSpeed's utils import and raise when called.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import optree
+import torch
+from torch import nn
+
+from dsfunc.dist import comm
+from dsfunc.errors import InputError, NotSupportedError, unsupported
+from dsfunc.optim.base import ScaleByAdamState
+from dsfunc.zero.gather import Workspace, owner
+from dsfunc.zero.layout import ParamSlot, Unit
+
+logger = logging.getLogger("dsfunc")
+_ONCE: set[str] = set()
+
+
+def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:
+    """Log ``message`` on the given ranks (all when ``ranks`` is None or holds -1), as DeepSpeed's."""
+    if ranks is None or -1 in ranks or comm.rank() in ranks:
+        logger.log(level, "[Rank %d] %s", comm.rank(), message)
+
+
+def log_dist_once(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:
+    """:func:`log_dist`, once per message."""
+    if message not in _ONCE:
+        _ONCE.add(message)
+        log_dist(message, ranks, level)
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators (DeepSpeed's ``runtime.utils.set_random_seed``)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed % 2**63)
+
+
+def see_memory_usage(message: str, force: bool = False) -> None:
+    """Log the accelerator's memory (only with ``force``, as DeepSpeed's)."""
+    if not force:
+        return
+    from dsfunc.deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    log_dist(f"{message} | MA {acc.memory_allocated() / 2**30:.2f} GB | Max_MA {acc.max_memory_allocated() / 2**30:.2f} GB",
+             ranks=[0])
+
+
+class RepeatingLoader:
+    """Wraps an iterable so that it restarts when exhausted (an endless loader), as DeepSpeed's."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.data_iter = iter(self.loader)
+
+    def __iter__(self) -> RepeatingLoader:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)
+
+
+@contextlib.contextmanager
+def OnDevice(dtype: torch.dtype | None = None, device: str | torch.device = "meta", enabled: bool = True) -> Iterator[None]:
+    """Create tensors on ``device`` (default ``meta``) and floating ones in ``dtype`` inside the block."""
+    if not enabled:
+        yield
+        return
+    previous = torch.get_default_dtype()
+    with torch.device(device):
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous)
+
+
+def recursive_getattr(model: nn.Module, module_name: str) -> Any:
+    """``model.a.b.c`` for ``"a.b.c"``."""
+    out: Any = model
+    for part in module_name.split("."):
+        out = getattr(out, part)
+    return out
+
+
+def recursive_setattr(model: nn.Module, module_name: str, module: Any) -> None:
+    """Set ``model.a.b.c = module`` for ``"a.b.c"``."""
+    path, _, last = module_name.rpartition(".")
+    setattr(recursive_getattr(model, path) if path else model, last, module)
+
+
+# -- one parameter's master weights and optimizer state ------------------------------------------------
+def _locate(param: torch.Tensor) -> tuple[Workspace, Unit, ParamSlot]:
+    found = owner(param)
+    if found is None:
+        raise InputError("the tensor is not a parameter of a module an engine (or init_state(in_place=True)) trains")
+    workspace, unit = found
+    index = next(i for i, p in enumerate(workspace.slots.residents(unit.name)) if p is param)
+    return workspace, unit, unit.params[index]
+
+
+def _full(param: torch.Tensor, shard_of: Any) -> torch.Tensor:
+    workspace, unit, slot = _locate(param)
+    full = workspace.full_flat(unit, shard_of(workspace, unit))
+    return full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+
+
+def _write(workspace: Workspace, unit: Unit, slot: ParamSlot, shard: torch.Tensor, value: torch.Tensor) -> None:
+    """Write ``value`` at ``slot`` of the unit's flat whose shard on this rank is ``shard``."""
+    full = workspace.full_flat(unit, shard)
+    with torch.no_grad():
+        full[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
+        if full is not shard:
+            size = workspace.plan.shard_size(unit)
+            shard.copy_(full[workspace.plan.rank * size : (workspace.plan.rank + 1) * size])
+
+
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
+    """The full fp32 master weight of ``param`` (every rank calls it at ZeRO stages 1-3)."""
+    return _full(param, lambda ws, unit: ws.master[unit.name])
+
+
+def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Make ``value`` the fp32 master weight of ``param`` (and its compute copy); every rank calls it."""
+    workspace, unit, slot = _locate(param)
+    _write(workspace, unit, slot, workspace.master[unit.name], value)
+    workspace.refresh(workspace.master)
+
+
+_MOMENTS = {"exp_avg": "mu", "exp_avg_sq": "nu"}
+
+
+def _moments(workspace: Workspace, unit: Unit) -> ScaleByAdamState:
+    from dsfunc.deepspeed.engine import engine_of
+
+    opt_state = engine_of(workspace).state.opt_state
+    for node in optree.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByAdamState)):
+        if isinstance(node, ScaleByAdamState) and unit.name in node.mu:
+            return node
+    raise InputError("the engine's optimizer keeps no Adam moments (exp_avg, exp_avg_sq) for this parameter")
+
+
+def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor:
+    """The full ``exp_avg`` or ``exp_avg_sq`` of ``param`` in its engine's Adam state (every rank calls it)."""
+    if optim_state_key not in _MOMENTS:
+        raise InputError(f"optim_state_key {optim_state_key!r}: dsfunc keeps 'exp_avg' and 'exp_avg_sq'")
+    field = _MOMENTS[optim_state_key]
+    return _full(param, lambda ws, unit: getattr(_moments(ws, unit), field)[unit.name])
+
+
+def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
+    """Make ``value`` the full ``exp_avg``/``exp_avg_sq`` of ``param`` (every rank calls it)."""
+    if optim_state_key not in _MOMENTS:
+        raise InputError(f"optim_state_key {optim_state_key!r}: dsfunc keeps 'exp_avg' and 'exp_avg_sq'")
+    workspace, unit, slot = _locate(param)
+    _write(workspace, unit, slot, getattr(_moments(workspace, unit), _MOMENTS[optim_state_key])[unit.name], value)
+
+
+def _no_grads(name: str) -> Any:
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise NotSupportedError(
+            f"deepspeed.utils.{name}: dsfunc reduces gradients inside engine.step() and never keeps them on the "
+            "parameters; read the step's gradient norm with engine.get_global_grad_norm()"
+        )
+
+    return refuse
+
+
+safe_get_full_grad = _no_grads("safe_get_full_grad")
+safe_set_full_grad = _no_grads("safe_set_full_grad")
+safe_get_local_grad = _no_grads("safe_get_local_grad")
+safe_set_local_grad = _no_grads("safe_set_local_grad")
+
+
+def instrument_w_nvtx(func: Any) -> Any:
+    """DeepSpeed's NVTX range decorator: the function itself."""
+    return func
+
+
+def __getattr__(name: str) -> Any:
+    """Any other public name of DeepSpeed's utils imports, and raises when called."""
+    if name.startswith("_"):
+        raise AttributeError(name)
+    return unsupported(f"deepspeed.utils.{name}", "a DeepSpeed utility dsfunc does not provide")

@@ -1,0 +1,80 @@
+"""zero.Init builds on meta; GatheredParameters shows full ZeRO-3 parameters and commits a modifier rank's writes
+to every rank's masters; the per-parameter helpers read and write one parameter of an engine's state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsfunc
+import dsfunc as deepspeed
+from dsfunc.zero import GatheredParameters, Init, ZeroParamStatus
+from dsfunc.zero.context import gathered_state_dict
+from tests.models import MLP, config, mlp_batches
+from tests.multiprocess import run_world
+
+
+def test_zero_init_builds_on_meta_and_initialize_materialises():
+    with Init(config_dict_or_path={"zero_optimization": {"stage": 3}}):
+        net = MLP()
+    assert all(p.is_meta for p in net.parameters())
+    with Init(enabled=False):
+        assert not MLP().inp.weight.is_meta
+    with pytest.raises(dsfunc.InputError, match="meta device.*writes would be lost"):
+        GatheredParameters(net.inp.weight, modifier_rank=0)
+    with GatheredParameters(net.inp.weight):  # nothing to gather yet
+        pass
+    deepspeed.initialize(model=net, config=config(micro=2, stage=3))
+    assert not any(p.is_meta for p in net.parameters())
+    with pytest.raises(dsfunc.NotSupportedError, match="parameter offload"):
+        Init(remote_device="cpu")
+
+
+def test_tensors_no_state_trains_are_left_alone():
+    t = torch.nn.Parameter(torch.ones(3))
+    with GatheredParameters([t], modifier_rank=0):
+        t.data.fill_(2.0)
+    assert t.tolist() == [2.0, 2.0, 2.0]
+
+
+def gathered_on_ranks(rank: int, world: int, stage: int) -> dict:
+    torch.manual_seed(0)
+    net = MLP(width=10, depth=3)
+    cfg = config(micro=2, world=world, stage=stage)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = deepspeed.initialize(model=net, config=cfg)
+    for x, y in mlp_batches(2, 2 * world):
+        engine.backward(engine(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]))
+        engine.step()
+    block = net.blocks[1][0].weight
+    outside = (tuple(block.shape), getattr(block, "ds_status", None))
+    with GatheredParameters(net.parameters()):
+        inside = (block.detach().clone(), getattr(block, "ds_status", None))
+    with GatheredParameters([block], modifier_rank=1):
+        if rank == 1:
+            block.data.fill_(0.25)
+    full = dsfunc.full_params(engine.state)
+    consolidated = gathered_state_dict(net)
+    fp32 = deepspeed.utils.safe_get_full_fp32_param(net.blocks[2][0].bias)
+    deepspeed.utils.safe_set_full_fp32_param(net.blocks[2][0].bias, torch.arange(10.0))
+    moment = deepspeed.utils.safe_get_full_optimizer_state(net.blocks[2][0].bias, "exp_avg")
+    return {"outside": outside, "inside": inside, "full": full, "consolidated": consolidated, "fp32": fp32,
+            "after_set": dsfunc.full_params(engine.state)["blocks.2.0.bias"], "moment": moment}
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_gathered_parameters_and_the_per_parameter_helpers_on_two_ranks(stage):
+    results = run_world(gathered_on_ranks, 2, stage)
+    for rank, r in enumerate(results):
+        if stage == 3:
+            assert r["outside"] == ((0,), ZeroParamStatus.NOT_AVAILABLE)
+            assert r["inside"][1] is ZeroParamStatus.AVAILABLE
+        assert r["inside"][0].shape == (10, 10)
+        assert torch.equal(r["full"]["blocks.1.0.weight"], torch.full((10, 10), 0.25))  # rank 1's write, everywhere
+        assert r["after_set"].tolist() == [float(i) for i in range(10)]
+        assert r["moment"].shape == (10,) and r["moment"].abs().sum() > 0
+        assert torch.equal(r["fp32"], results[0]["fp32"])
+    consolidated = results[0]["consolidated"]
+    assert results[1]["consolidated"] is None and consolidated["blocks.1.0.weight"].shape == (10, 10)
+    for name, value in consolidated.items():
+        assert torch.equal(value, results[0]["full"][name]), name
