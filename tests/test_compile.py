@@ -122,3 +122,29 @@ def test_cuda_graph_off_cuda_falls_back_to_the_eager_step_and_says_why(caplog):
     assert relative_diff(dsfunc.full_params(graphed), dsfunc.full_params(eager)) == 0.0
     [line] = [r.getMessage() for r in caplog.records if "cuda_graph" in r.getMessage()]
     assert "runs eagerly: the state lives on cpu" in line
+
+
+def test_deepspeeds_engine_compile_trains_like_eager():
+    """``engine.compile(backend=...)`` after ``initialize`` compiles the unit forwards (not the engine's own
+    Python, as ``nn.Module.compile`` would), and the compiled engine trains like an eager one."""
+    from torch._dynamo.utils import counters
+
+    results = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        net = gpt(dropout=0.0)
+        engine, *_ = dsfunc.initialize(model=net, config=config(1, 1, None))
+        assert not engine.is_compiled
+        if compiled:
+            engine.compile(backend="aot_eager")
+            assert engine.is_compiled
+        for x, y in batches(0, 1)[:4]:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+        results.append({k: v.detach().clone() for k, v in net.state_dict().items()})
+        assert (counters["stats"]["unique_graphs"] > 0) == compiled
+    assert relative_diff(results[1], results[0]) < 1e-5
+    with pytest.raises(dsfunc.NotSupportedError, match="DeepCompile"):
+        engine.compile(schedule=[(0, "pass")])

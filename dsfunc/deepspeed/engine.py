@@ -47,10 +47,12 @@ import torch
 from torch import nn
 
 from dsfunc import checkpoint
+from dsfunc.compile import compile_units
+from dsfunc.config import parse_compile
 from dsfunc.data import DistributedLoader
 from dsfunc.deepspeed import direct
 from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, GroupView, schedule_count
-from dsfunc.errors import InputError, UsageError
+from dsfunc.errors import InputError, NotSupportedError, UsageError
 from dsfunc.monitor import Monitor, tokens_in
 from dsfunc.state import TrainState
 from dsfunc.step import apply_gradients, check_min_scale
@@ -100,6 +102,7 @@ class Engine(nn.Module):
         self._runtime: MicroBatchRuntime | None = None  # the optimizer step in progress
         self._timings: dict[str, float] = {}
         self._tokens = 0
+        self._compiled = self.config.compile.enabled
         direct.install(self)
         _ENGINES.add(self)
 
@@ -184,6 +187,26 @@ class Engine(nn.Module):
     def was_step_applied(self) -> bool:
         """False when the last optimizer step was skipped for overflow."""
         return not bool(self._state.metrics.skipped)
+
+    def compile(self, backend: str | None = None, compile_kwargs: dict[str, Any] | None = None,
+                schedule: Any = None) -> None:
+        """DeepSpeed's ``engine.compile()``: compile each unit's forward, as the config's ``compile`` section
+        does (not ``nn.Module.compile``, which would compile the engine's own Python)."""
+        if schedule is not None:
+            raise NotSupportedError("engine.compile(schedule=...) (DeepSpeed's compiler, DeepCompile) is not "
+                                    "implemented by dsfunc; engine.compile() compiles each unit's forward")
+        if self.is_compiled:
+            logger.warning("engine.compile(): the engine is already compiled; nothing to do")
+            return
+        section = {"enabled": True, "kwargs": dict(compile_kwargs or {})}
+        if backend is not None:
+            section["backend"] = backend
+        compile_units(self.module, self._state.program.plan, parse_compile(section))
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Nothing to do: gradients never live on the module's parameters, and the step's gradients so far
