@@ -2,7 +2,8 @@
 
     python bench/bench_step_overhead.py [--device cpu|cuda] [--steps 200]
 
-Prints milliseconds per step for a tiny model (where the step is all overhead) and a small GPT.
+Prints milliseconds per step for a tiny model (where the step is all overhead) and a small GPT, for
+``train_step`` eager and, on CUDA, replayed as one CUDA graph (``compile.cuda_graph``).
 """
 
 from __future__ import annotations
@@ -51,11 +52,12 @@ def plain(model: nn.Module, batch, steps: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-def functional(model: nn.Module, batch, steps: int, device: torch.device) -> float:
+def functional(model: nn.Module, batch, steps: int, device: torch.device, graph: bool = False) -> float:
     config = {
         "train_micro_batch_size_per_gpu": batch[0].shape[0],
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
         "gradient_clipping": 1.0,
+        "compile": {"cuda_graph": graph},
     }
     state = dsfunc.init_state(model, config, device=device)
     for i in range(steps + 10):
@@ -81,13 +83,19 @@ def main() -> None:
     tokens = torch.randint(0, 256, (8, 65), device=device)
     gpt_batch = (tokens[:, :-1], tokens[:, 1:])
     print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps")
-    print("| model | params | plain PyTorch ms/step | dsfunc ms/step | overhead ms/step |")
-    print("|---|---|---|---|---|")
+    graphs = device.type == "cuda"
+    print("| model | params | plain PyTorch ms/step | dsfunc ms/step | dsfunc / plain |"
+          + (" dsfunc, CUDA graph ms/step | graph / plain |" if graphs else ""))
+    print("|---|---|---|---|---|" + ("---|---|" if graphs else ""))
     for name, model, batch in (("tiny MLP", tiny, tiny_batch), ("GPT 4x128", gpt, gpt_batch)):
         n = sum(p.numel() for p in model.parameters())
         a = plain(model, batch, args.steps, device)
         b = functional(model, batch, args.steps, device)
-        print(f"| {name} | {n:,} | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
+        row = f"| {name} | {n:,} | {a:.3f} | {b:.3f} | {b / a:.2f} |"
+        if graphs:
+            g = functional(model, batch, args.steps, device, graph=True)
+            row += f" {g:.3f} | {g / a:.2f} |"
+        print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# Everything dsfunc measures on the GPU machine, in one go: GPU tests, then the benchmarks.
-#   bash bench/run_gpu.sh [OUTDIR] [PART]     PART: tests | engine | zero13 | zero67 | all (default)
-# Needs optree (pip install, or the wheels in .whl/). Logs go to OUTDIR (default ./gpu-logs).
+# Everything dsfunc measures on the GPU machine: GPU tests, then the benchmarks, one log file per part.
+#   bash bench/run_gpu.sh [OUTDIR] [PARTS]     PARTS: comma-separated, of
+#     tests      the CUDA tests (kernels, steps, CUDA graphs, activation memory, offload)
+#     overhead   bench_step_overhead: the per-step cost of train_step against a plain loop (tiny MLP, small GPT)
+#     engine     the engine on NCCL ranks: engine vs functional, an exact resume, DeepSpeed's CIFAR-10 tutorial
+#     single13   bench_single at 1.3b: plain / compiled / checkpointed PyTorch against dsfunc's variants
+#     single124  bench_single at 124m
+#     offload    the capped 24 GiB GPU: the largest GPT without and with offload, and DeepSpeed ZeRO-Offload
+#     zero13     bench_zero at 1.3b on every GPU: dsfunc ZeRO-2/3 against FSDP2 and DeepSpeed
+#   default: tests,overhead,engine,single13,single124
+# Needs optree (pip install, or the wheels in .whl/, which also hold DeepSpeed for the comparisons).
 set -uo pipefail
 out=${1:-gpu-logs}
-part=${2:-all}
+parts=",${2:-tests,overhead,engine,single13,single124},"
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/dsfunc-extensions}
@@ -13,25 +21,42 @@ if [ -d .whl ] && ! python3 -c "import optree" 2>/dev/null; then
     export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/gpus.txt"
-python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$out/gpus.txt"
+want() { [[ $parts == *",$1,"* ]]; }
+{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; python3 -c "import torch; print('torch', torch.__version__)"; 
+  date -u; } | tee "$out/machine.txt"
 ngpu=$(nvidia-smi -L | wc -l)
 
-if [ "$part" = tests ] || [ "$part" = all ]; then
-    for t in tests/kernels/test_kernels_cuda.py tests/zero/test_zero_cuda.py "tests/optim tests/test_scaling.py" \
-             tests/test_step.py; do  # one process each: CUDA settings a test changes stay with it
-        timeout 150 python3 -m pytest -q -p no:cacheprovider $t 2>&1 | tail -40
-    done | tee "$out/tests.txt"
-    timeout 60 python3 bench/bench_step_overhead.py --device cuda --steps 100 2>&1 | tee "$out/overhead.txt"
+if want tests; then
+    for t in tests/kernels/test_kernels_cuda.py tests/kernels/test_kernels.py "tests/optim tests/test_scaling.py" \
+             tests/test_step.py tests/zero/test_zero_cuda.py tests/test_graphs_cuda.py tests/test_remat_cuda.py \
+             tests/zero/test_offload_cuda.py; do  # one process each: CUDA settings a test changes stay with it
+        [ -e "${t%% *}" ] || continue
+        echo "== $t"
+        timeout 200 python3 -m pytest -q -p no:cacheprovider -rs $t 2>&1 | tail -25
+    done 2>&1 | tee "$out/tests.txt"
 fi
-if [ "$part" = engine ] || [ "$part" = all ]; then  # checkpoints and the engine on NCCL ranks
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/checkpoint/test_distributed.py -k cuda 2>&1 | tail -30 \
-        | tee "$out/checkpoint-cuda.txt"
-    timeout 300 bash tests/deepspeed/scripts/gpu_run.sh "$ngpu" 2>&1 | tail -40 | tee "$out/engine-cuda.txt"
+if want overhead; then
+    timeout 120 python3 bench/bench_step_overhead.py --device cuda --steps 200 2>&1 | tee "$out/overhead.txt"
 fi
-run_zero() {  # model systems
-    timeout 150 python3 -m torch.distributed.run --nproc_per_node "$ngpu" bench/bench_zero.py \
-        --model "$1" --systems "$2" 2>&1 | grep -vE "^W1|^\s*$|OMP_NUM_THREADS|\*\*\*\*" | tee "$out/zero-$1.txt"
+if want engine; then  # the engine on NCCL ranks, DeepSpeed's CIFAR-10 tutorial as written
+    timeout 300 bash tests/deepspeed/scripts/gpu_run.sh "$ngpu" 2>&1 | tail -40 | tee "$out/engine.txt"
+fi
+single() {  # model systems [extra args]
+    timeout "$3" python3 bench/bench_single.py --model "$1" --systems "$2" --warmup 5 --steps 15 2>&1 \
+        | grep -vE "^\s*$|UserWarning|warnings.warn" | tail -40 | tee "$out/single-$1.txt"
 }
-if [ "$part" = zero13 ] || [ "$part" = all ]; then run_zero 1.3b dsfunc:2,dsfunc:3,fsdp2; fi
-if [ "$part" = zero67 ] || [ "$part" = all ]; then run_zero 6.7b dsfunc:3,fsdp2; fi
+if want single13; then
+    single 1.3b plain,plain+ckpt,plain+compile,dsfunc,dsfunc+units,dsfunc+selective,dsfunc+compile,dsfunc+compile+graph 330
+fi
+if want single124; then
+    single 124m plain,plain+compile,dsfunc,dsfunc+compile,dsfunc+compile+graph 200
+fi
+if want offload; then
+    timeout 400 python3 bench/bench_offload.py --cap_gib 24 2>&1 | grep -vE "^\s*$|UserWarning|warnings.warn" \
+        | tail -40 | tee "$out/offload.txt"
+fi
+if want zero13; then
+    timeout 300 python3 -m torch.distributed.run --nproc_per_node "$ngpu" bench/bench_zero.py \
+        --model 1.3b --systems dsfunc:2,dsfunc:3,dsfunc:3+compile,fsdp2,fsdp2c,deepspeed:2,deepspeed:3 2>&1 \
+        | grep -vE "^W1|^\s*$|OMP_NUM_THREADS|\*\*\*\*" | tail -30 | tee "$out/zero-1.3b.txt"
+fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The engine on CUDA ranks (NCCL), for the GPU machine: engine vs functional API, an exact resume of a
-# DeepSpeed-API script at ZeRO-3 in bf16, and the CIFAR-10 example on stand-in CIFAR pickles.
+# DeepSpeed-API script at ZeRO-3 in bf16, and DeepSpeed's CIFAR-10 tutorial (evaluating the original net).
 #   bash tests/deepspeed/scripts/gpu_run.sh [NGPU]
 set -uo pipefail
 n=${1:-2}
@@ -27,17 +27,9 @@ for r in range(n):
     losses = all(full["losses"][k] == v for k, v in b["losses"].items())
     print(f"rank {r}: resumed params equal {same}, losses equal {losses}, steps {sorted(b['losses'])}")
 PY
-echo "== cifar10 example"
-python3 - "$tmp" <<'PY'
-import os, pickle, sys, numpy as np
-root = os.path.join(sys.argv[1], "cifar-10-batches-py"); os.makedirs(root)
-rng = np.random.default_rng(0)
-for name, k in [(f"data_batch_{i}", 64) for i in range(1, 6)] + [("test_batch", 32)]:
-    with open(os.path.join(root, name), "wb") as f:
-        pickle.dump({b"data": rng.integers(0, 256, (k, 3072), dtype=np.uint8), b"labels": rng.integers(0, 10, k).tolist()}, f)
-PY
+echo "== cifar10 tutorial (the digits stand-in: no CIFAR-10 on this machine)"
 # the tutorial's own device argument: .to(model_engine.local_rank) (the example writes model_engine.device for the CPU)
 sed 's/model_engine\.device/model_engine.local_rank/g' examples/cifar10/train.py > "$tmp/cifar10_tutorial.py"
-run "$tmp/cifar10_tutorial.py" --deepspeed_config examples/cifar10/ds_config.json --data_dir "$tmp" --epochs 1 \
+run "$tmp/cifar10_tutorial.py" --deepspeed_config examples/cifar10/ds_config.json --data_dir /nonexistent \
     --compare_with_engine | grep -E "Accuracy of the network|through the engine|Finished|Error|error" | sort | uniq -c
 rm -rf "$tmp"
