@@ -40,9 +40,11 @@ WARMUP_STEPS = 2  # eager steps before a capture: CUDA libraries allocate their 
 class GraphedStep:
     """``step(state, batch, donate)`` that replays a captured CUDA graph of ``step_fn`` where it can."""
 
-    def __init__(self, step_fn: StepFn, after_step: Callable[[TrainState], None]) -> None:
+    def __init__(self, step_fn: StepFn, before_step: Callable[[TrainState], None],
+                 after_step: Callable[[TrainState], None]) -> None:
         self.step_fn = step_fn
-        self.after_step = after_step  # host work that must not be captured (the min-loss-scale check)
+        # host work that must not be captured: the min-loss-scale check of the state given, and its start
+        self.before_step, self.after_step = before_step, after_step
         self.key: Any = None
         self.warm = 0
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -66,6 +68,7 @@ class GraphedStep:
                 new = self.step_fn(state, batch, donate)
             torch.cuda.current_stream().wait_stream(side)
             return new
+        self.before_step(state)
         if self.graph is None:
             self._capture(state, batch)
         return self._replay(state, batch)

@@ -44,7 +44,7 @@ from dsfunc.optim.update import ChainUpdate
 from dsfunc.remat import checkpoint_units
 from dsfunc.scaling import LossScaler
 from dsfunc.state import Metrics, TrainState
-from dsfunc.step import make_train_step, note_min_scale
+from dsfunc.step import check_min_scale, make_train_step, note_min_scale
 from dsfunc.zero.binding import Slots
 from dsfunc.zero.gather import Workspace
 from dsfunc.zero.hooks import install_input_cast, install_unit_hooks
@@ -312,7 +312,7 @@ def _remat_options(cfg: Config, given: str | Mapping[str, Any] | None) -> Activa
 
 def _step_fn(options: CompileConfig) -> Callable[..., TrainState]:
     step = make_train_step()
-    return GraphedStep(step, after_step=note_min_scale) if options.cuda_graph else step
+    return GraphedStep(step, before_step=check_min_scale, after_step=note_min_scale) if options.cuda_graph else step
 
 
 def _default_device() -> torch.device:

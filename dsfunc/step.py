@@ -70,7 +70,8 @@ def check_min_scale(state: TrainState) -> None:
     """Raise :class:`~dsfunc.LossScaleError` if the step that made ``state`` overflowed at the minimum
     loss scale (once the device has got there; never waits for it)."""
     check = _MIN_SCALE_CHECKS.get(state)
-    if check is not None:
+    if check is not None and not (check.event is not None and torch.cuda.is_current_stream_capturing()):
+        # (while dsfunc.graphs captures a step, the event query would break the capture: it checks first)
         check.raise_if_dead(state.program.scaler, state.scaler)
 
 

@@ -9,6 +9,7 @@ fails on one rank raises on all of them (:func:`collective`).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import itertools
@@ -43,8 +44,20 @@ def _side() -> _Side:
     global _SIDE
     world = dist.group.WORLD
     if _SIDE is None or _SIDE.world is not world:
+        if _SIDE is None:
+            atexit.register(_release)  # after init_distributed's: runs before it destroys the default group
         _SIDE = _Side(world, dist.new_group(backend="gloo"), {})
     return _SIDE
+
+
+def _release() -> None:
+    """At exit, destroy the side group and let go of the process groups held here, while the interpreter
+    is alive: a gloo group still referenced when the interpreter finalizes is freed during finalization,
+    which aborts the process ("terminate called without an active exception") after a run that saved."""
+    global _SIDE, _CALLS
+    side, _SIDE, _CALLS = _SIDE, None, None
+    if side is not None and dist.is_initialized() and side.world is dist.group.WORLD:
+        dist.destroy_process_group(side.group)
 
 
 def side_group() -> dist.ProcessGroup:

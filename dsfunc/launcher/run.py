@@ -237,6 +237,11 @@ def _dispatch(runner: str, job: Launch, args: argparse.Namespace, ssh_args: list
     if runner == "local":
         if args.no_ssh and args.node_rank < 0:
             raise LauncherError("--no_ssh runs one node of the job; pass its --node_rank")
+        if args.no_ssh and args.node_rank >= len(hosts):
+            raise LauncherError(
+                f"--node_rank {args.node_rank} names no node: the job has {len(hosts)} "
+                f"({', '.join(hosts)}); give 0 to {len(hosts) - 1}, the node's line in the hostfile"
+            )
         node_rank = args.node_rank if args.no_ssh else 0  # without --no_ssh, a local job is one node
         os.environ.update(job.exports)
         return run_node(

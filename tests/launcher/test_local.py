@@ -223,6 +223,16 @@ def test_no_ssh_nodes_started_by_hand_form_one_world(job):
     assert not any("Error waiting on exit barrier" in err for _, err in results)
 
 
+def test_no_ssh_with_a_node_rank_past_the_hostfile_is_an_error(job):
+    cwd, out, env = job
+    hostfile = cwd / "hostfile"
+    hostfile.write_text("first slots=2\nsecond slots=1\n")
+    res = run_dsfunc(["--hostfile", str(hostfile), "--no_ssh", "--node_rank", "2", "--master_addr", "127.0.0.1",
+                      REPORT, str(out)], cwd, env)
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "--node_rank 2 names no node: the job has 2 (first, second); give 0 to 1" in res.stderr
+
+
 @pytest.mark.parametrize("how", ["sys.exit", "os._exit"])
 def test_the_rank_that_failed_first_is_reported_with_its_exit_code(job, how):
     """Rank 1 exits 3 without a traceback while rank 0 waits in an all-reduce (which then breaks, or torch

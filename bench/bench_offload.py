@@ -1,0 +1,199 @@
+"""The "24 GB GPU": the largest BENCH.md-style GPT that trains on one GPU capped to ``--cap_gib``, without
+offload, with optimizer offload and with optimizer + parameter offload; DeepSpeed ZeRO-Offload on a model.
+
+    python bench/bench_offload.py --cap_gib 24 --trials none:24x2048/32x2560,opt:32x3200/40x3584 --deepspeed 32x2560
+
+Every trial is a process of its own (``--one SHAPE SETTING SYSTEM``), so a failed allocation, pinned host
+memory and the memory cap stay with it. ``--trials`` lists, per setting, sizes (``LxD``: L layers of width
+D) to try in order, stopping at the first that does not fit. All trials: ZeRO-3 on one GPU, bf16 with fp32 master weights, AdamW lr 3e-4, clipping
+1.0, every block checkpointed (dsfunc's ``activation_checkpointing`` policy "units"; for DeepSpeed,
+``torch.utils.checkpoint`` around each block), micro-batch ``--micro`` of 1024 random tokens, 2 warm-up
+steps and ``--steps`` timed steps. Settings: ``none``, ``opt`` (``offload_optimizer`` to pinned CPU
+memory), ``opt+param`` (and ``offload_param``). ``--deepspeed SHAPE`` also runs DeepSpeed 0.19.x's engine
+with ZeRO-Offload (its DeepSpeedCPUAdam, built on first use) on SHAPE with the ``opt`` setting, beside
+dsfunc's trial of the same shape and setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+PEAK_FLOPS = 790e12  # bf16 matmul rate measured on these H200s (BENCH.md)
+
+
+def shape(name: str):
+    from dsfunc.models.gpt import GPTConfig
+
+    layers, width = (int(v) for v in name.split("x"))
+    return GPTConfig(n_layer=layers, d_model=width, n_head=width // 128)
+
+
+def zero_section(setting: str) -> dict:
+    section = {"stage": 3}
+    if "opt" in setting.split("+"):
+        section["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if "param" in setting.split("+"):
+        section["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return section
+
+
+def config(micro: int, setting: str) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "zero_optimization": zero_section(setting),
+        "steps_per_print": 10**9,
+    }
+
+
+def batches(cfg, micro: int, count: int):
+    g = torch.Generator(device="cuda").manual_seed(1234)
+    for _ in range(count):
+        tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len + 1), device="cuda", generator=g)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def timed(step, cfg, micro: int, steps: int) -> tuple[float, list[float]]:
+    losses, start = [], None
+    for i, batch in enumerate(batches(cfg, micro, 2 + steps)):
+        if i == 2:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        losses.append(step(batch))
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, losses
+
+
+def run_dsfunc(cfg, setting: str, micro: int, steps: int):
+    import dsfunc
+    from dsfunc.models.gpt import GPT, init_weights
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    cfg_ds = {**config(micro, setting), "activation_checkpointing": {"policy": "units"}}
+    box = [dsfunc.init_state(model, cfg_ds, param_init_fn=init_weights, device="cuda")]
+
+    def step(batch) -> float:
+        box[0] = dsfunc.train_step(box[0], batch)
+        return box[0].metrics.loss
+
+    elapsed, losses = timed(step, cfg, micro, steps)
+    return elapsed, [float(x) for x in losses], model.flops_per_token()
+
+
+def run_deepspeed(cfg, setting: str, micro: int, steps: int):
+    import deepspeed
+    from torch.utils.checkpoint import checkpoint
+
+    from dsfunc.models.gpt import GPT, init_weights
+
+    deepspeed.init_distributed(dist_backend="nccl")
+    config_ds = config(micro, setting)
+    model = GPT(cfg)  # on the host; initialize partitions it onto the GPU
+    model.apply(init_weights)
+    for block in model.blocks:
+        block.forward = lambda x, f=block.forward: checkpoint(f, x, use_reentrant=False)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config_ds)
+
+    def step(batch) -> float:
+        loss = engine(*batch)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    elapsed, losses = timed(step, cfg, micro, steps)
+    flops = model.flops_per_token()
+    engine.destroy()
+    return elapsed, [float(x) for x in losses], flops
+
+
+def one(size: str, setting: str, system: str, cap_gib: float, micro: int, steps: int) -> None:
+    """One trial in this process: print one JSON line with what it measured (or why it failed)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29731")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total))
+    cfg = shape(size)
+    try:
+        runner = run_deepspeed if system == "deepspeed" else run_dsfunc
+        elapsed, losses, flops = runner(cfg, setting, micro, steps)
+    except torch.OutOfMemoryError as e:
+        print(json.dumps({"fits": False, "why": str(e).splitlines()[0][:160]}))
+        return
+    tokens = micro * cfg.seq_len * steps / elapsed
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**20
+    print(json.dumps({"fits": True, "tokens": tokens, "mfu": tokens * flops / PEAK_FLOPS,
+                      "peak": torch.cuda.max_memory_allocated() / 2**30, "host": rss,
+                      "loss": [losses[0], losses[-1]], "params": flops}))
+
+
+def trial(size: str, setting: str, system: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--one", size, setting, system, "--cap_gib", str(args.cap_gib),
+           "--micro", str(args.micro), "--steps", str(args.steps)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.trial_timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"fits": False, "why": f"over {args.trial_timeout} s"}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"fits": False, "why": f"exit {proc.returncode}: {' / '.join(tail)[:300]}"}
+    return json.loads(lines[-1])
+
+
+def billions(size: str) -> float:
+    c = shape(size)
+    return (12 * c.n_layer * c.d_model**2 + c.vocab_size * c.d_model) / 1e9
+
+
+def row(size: str, setting: str, system: str, r: dict) -> str:
+    if not r["fits"]:
+        return f"| {size} ({billions(size):.1f}B) | {system} | {setting} | does not fit: {r['why']} | | | | |"
+    return (f"| {size} ({billions(size):.1f}B) | {system} | {setting} | {r['tokens']:,.0f} | {r['mfu']:.3f} | "
+            f"{r['peak']:.1f} | {r['host']:.1f} | {r['loss'][0]:.3f}->{r['loss'][1]:.3f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cap_gib", type=float, default=24.0)
+    parser.add_argument("--trials", default="none:24x2048/32x2560,opt:32x2560/32x3200/40x3584,opt+param:40x3584")
+    parser.add_argument("--deepspeed", default="", help="a size to run DeepSpeed ZeRO-Offload on (opt setting)")
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--trial_timeout", type=float, default=240)
+    parser.add_argument("--one", nargs=3, metavar=("SIZE", "SETTING", "SYSTEM"))
+    args = parser.parse_args()
+    if args.one:
+        one(*args.one, args.cap_gib, args.micro, args.steps)
+        return
+    print(f"{torch.cuda.get_device_name()} capped to {args.cap_gib} GiB, torch {torch.__version__}, "
+          f"micro {args.micro} x 1024 tokens, {args.steps} timed steps")
+    print("| model | system | offload | tokens/s | MFU | peak GiB (GPU) | peak GiB (host RSS) | loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    for entry in args.trials.split(","):
+        setting, _, sizes = entry.partition(":")
+        for size in sizes.split("/"):
+            r = trial(size, setting, "dsfunc", args)
+            print(row(size, setting, "dsfunc", r), flush=True)
+            if not r["fits"]:
+                break
+    if args.deepspeed:
+        for system in ("dsfunc", "deepspeed"):
+            print(row(args.deepspeed, "opt", system, trial(args.deepspeed, "opt", system, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
