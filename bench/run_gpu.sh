@@ -8,6 +8,7 @@
 #     single124  bench_single at 124m
 #     offload    the capped 24 GiB GPU: the largest GPT without and with offload, and DeepSpeed ZeRO-Offload
 #     zero13     bench_zero at 1.3b on every GPU: dsfunc ZeRO-2/3 against FSDP2 and DeepSpeed
+#     why124     dsfunc+compile at 124m again, with dynamo's recompile and graph-break logs
 #   default: tests,overhead,engine,single13,single124
 # Needs optree (pip install, or the wheels in .whl/, which also hold DeepSpeed for the comparisons).
 set -uo pipefail
@@ -50,6 +51,11 @@ if want single13; then
 fi
 if want single124; then
     single 124m plain,plain+compile,dsfunc,dsfunc+compile,dsfunc+compile+graph 200
+fi
+if want why124; then
+    TORCH_LOGS=recompiles,graph_breaks timeout 150 python3 bench/bench_single.py --model 124m \
+        --systems dsfunc,dsfunc+compile --warmup 5 --steps 30 2>&1 | grep -vE "^\s*$|UserWarning|warnings.warn" \
+        | tail -30 | tee "$out/why124.txt"
 fi
 if want offload; then
     timeout 400 python3 bench/bench_offload.py --cap_gib 24 2>&1 | grep -vE "^\s*$|UserWarning|warnings.warn" \
