@@ -13,7 +13,8 @@ A system is a name and options joined by ``+``:
 Systems run in the order given, each for ``--warmup`` then ``--steps`` timed steps; ``--rounds 2`` repeats the
 list (interleaved, so drifting clocks affect all alike). One Markdown row per system and round: tokens/s,
 MFU (BENCH.md's count, tied output projection included) and ``max_memory_allocated``.
-``--device cpu --model tiny`` is a smoke run of this script (tests/test_bench.py).
+``--profile`` prints each system's top ops by host and device time. ``--device cpu --model tiny`` is a smoke
+run of this script (tests/test_bench.py).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def run_plain(cfg: GPTConfig, options: set[str], micro: int, warmup: int, steps:
         if i == warmup:
             sync(device)
             start = time.perf_counter()
+            PROFILER.start()
         with torch.autocast(device.type, dtype=torch.bfloat16):
             logits = step_model(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
@@ -74,6 +76,7 @@ def run_plain(cfg: GPTConfig, options: set[str], micro: int, warmup: int, steps:
         if i in (0, warmup + steps - 1):
             losses.append(loss.item())
     sync(device)
+    PROFILER.stop()
     return time.perf_counter() - start, losses, model
 
 
@@ -96,14 +99,41 @@ def run_dsfunc(cfg: GPTConfig, options: set[str], micro: int, warmup: int, steps
         if i == warmup:
             sync(device)
             start = time.perf_counter()
+            PROFILER.start()
         state = dsfunc.train_step(state, batch)
         if i in (0, warmup + steps - 1):
             losses.append(state.metrics.loss.item())
     sync(device)
+    PROFILER.stop()
     return time.perf_counter() - start, losses, model
 
 
 RUNNERS = {"plain": run_plain, "dsfunc": run_dsfunc}
+
+
+class Profiler:
+    """With ``--profile``: torch.profiler over each system's timed steps, then its top ops by host and by
+    device time (where a slower step spends it)."""
+
+    def __init__(self) -> None:
+        self.enabled, self.prof = False, None
+
+    def start(self) -> None:
+        if self.enabled:
+            self.prof = torch.profiler.profile()
+            self.prof.__enter__()
+
+    def stop(self) -> None:
+        if self.prof is None:
+            return
+        self.prof.__exit__(None, None, None)
+        averages = self.prof.key_averages()
+        for key in ("self_cpu_time_total", "self_device_time_total"):
+            print(averages.table(sort_by=key, row_limit=12, max_name_column_width=60), flush=True)
+        self.prof = None
+
+
+PROFILER = Profiler()
 
 
 def main() -> None:
@@ -115,7 +145,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--profile", action="store_true", help="print each system's top ops (host and device)")
     args = parser.parse_args()
+    PROFILER.enabled = args.profile
     device = torch.device(args.device)
     tiny = GPTConfig(vocab_size=512, seq_len=64, n_layer=2, n_head=2, d_model=64)
     cfg = tiny if args.model == "tiny" else GPTConfig.preset(args.model)

@@ -9,6 +9,8 @@
 #     offload    the capped 24 GiB GPU: the largest GPT without and with offload, and DeepSpeed ZeRO-Offload
 #     zero13     bench_zero at 1.3b on every GPU: dsfunc ZeRO-2/3 against FSDP2 and DeepSpeed
 #     why124     dsfunc+compile at 124m again, with dynamo's recompile and graph-break logs
+#     profile124 the top ops (host and device) of plain+compile, dsfunc and dsfunc+compile at 124m
+#     graphs     tests/test_graphs_cuda.py, and the activation-memory test with its figures printed
 #   default: tests,overhead,engine,single13,single124
 # Needs optree (pip install, or the wheels in .whl/, which also hold DeepSpeed for the comparisons).
 set -uo pipefail
@@ -51,6 +53,15 @@ if want single13; then
 fi
 if want single124; then
     single 124m plain,plain+compile,dsfunc,dsfunc+compile,dsfunc+compile+graph 200
+fi
+if want graphs; then
+    { timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_graphs_cuda.py 2>&1 | tail -15
+      timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/test_remat_cuda.py 2>&1 | tail -5; } \
+        | tee "$out/graphs.txt"
+fi
+if want profile124; then
+    timeout 200 python3 bench/bench_single.py --model 124m --systems plain+compile,dsfunc,dsfunc+compile \
+        --warmup 5 --steps 5 --profile 2>&1 | grep -vE "UserWarning|warnings.warn|USDT" > "$out/profile124.txt"
 fi
 if want why124; then
     TORCH_LOGS=recompiles,graph_breaks timeout 150 python3 bench/bench_single.py --model 124m \
