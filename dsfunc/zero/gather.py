@@ -212,9 +212,10 @@ class Workspace:
     def full_flat(self, unit: Unit, shard: torch.Tensor) -> torch.Tensor:
         """The unit's full flat (padded) from this rank's ``shard`` of it: all-gathered from every rank's
         shard (a collective), or ``shard`` itself when the unit is not sharded."""
+        if shard.device != self.device:
+            shard = shard.to(self.device)  # an offloaded master is gathered, and shown, on the device
         if self.plan.ways == 1:
             return shard
-        shard = shard.to(self.device)  # an offloaded master is gathered on the device
         full = torch.empty(self.plan.padded_size(unit), dtype=shard.dtype, device=shard.device)
         comm.all_gather_flat(full, shard)
         return full
@@ -226,9 +227,10 @@ class Workspace:
         for unit in units:
             full = self._exposed_master.pop(unit.name)
             comm.broadcast(full, src=src)
-            if self.plan.ways > 1:
-                size = self.plan.shard_size(unit)
-                self.master[unit.name].copy_(full[self.plan.rank * size : (self.plan.rank + 1) * size])
+            master = self.master[unit.name]
+            if full is not master:  # sharded, or offloaded
+                start = self.plan.rank * master.numel() if self.plan.ways > 1 else 0
+                master.copy_(full[start : start + master.numel()])
         self.refresh(self.master)
 
     def hide(self, unit: Unit) -> None:

@@ -44,6 +44,7 @@ class HostOffload:
         self._grads: dict[str, torch.Tensor] = {}  # unit -> fp32 gradient shard (host)
         self._lowp: dict[str, torch.Tensor] = {}  # unit -> compute-dtype parameter shard (host, 16-bit only)
         self._sumsq: dict[str, torch.Tensor] = {}  # unit -> sum of squares of its gradient (device)
+        self._sent: torch.cuda.Event | None = None  # after the last host-to-device copy of a staged shard
 
     @classmethod
     def from_config(cls, plan: ShardingPlan, zero: ZeroConfig, *, compute_device: torch.device,
@@ -105,6 +106,9 @@ class HostOffload:
         buf = self._lowp.get(unit.name)
         if buf is None:
             buf = self._lowp[unit.name] = self.empty(src.numel(), self.compute_dtype)
+        if self._sent is not None:  # a copy out of it may still be in flight
+            self._sent.synchronize()
+            self._sent = None
         return buf.copy_(src)
 
     def staged(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -114,7 +118,11 @@ class HostOffload:
     def send(self, host: torch.Tensor) -> torch.Tensor:
         """A new device copy of a staged shard (non-blocking from pinned memory; a real copy on the CPU too)."""
         out = torch.empty(host.numel(), dtype=self.compute_dtype, device=self.compute_device)
-        return out.copy_(host, non_blocking=True)
+        out.copy_(host, non_blocking=True)
+        if out.is_cuda:
+            self._sent = torch.cuda.Event()
+            self._sent.record(torch.cuda.current_stream(self.compute_device))
+        return out
 
     def host_bytes(self) -> int:
         """Host bytes of the buffers besides the masters and optimizer state: gradient and parameter shards."""

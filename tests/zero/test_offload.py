@@ -134,7 +134,7 @@ def test_checkpoints_move_between_offloaded_and_resident_states_and_world_sizes(
     saved = run_world(save_offloaded, 2, str(tmp_path))
     for r in saved:
         assert relative_diff(r["resumed"], r["uninterrupted"]) == 0.0  # exact resume with offload
-    plain = run_world(load_elsewhere, 1, str(tmp_path), "none", 3)[0]
+    plain = load_elsewhere(0, 1, str(tmp_path), "none", 3)  # in this process: no process group
     moved = run_world(load_elsewhere, 4, str(tmp_path), "param", 3)
     assert relative_diff(plain["loaded"], saved[0]["saved"]) == 0.0
     for r in moved:
@@ -182,3 +182,24 @@ def test_memory_estimate_splits_host_and_device():
     assert est[3, "optimizer"]["device"] - est[3, "param"]["device"] == 2 * lazy  # the shards kept on the device
     assert est[3, "param"]["host"] == off["host"]
     assert "ZeRO-Offload:" in startup_summary(state) and "parameters streamed from the host" in startup_summary(state)
+
+
+def test_the_engine_trains_offloaded_and_gathered_writes_reach_the_host_masters():
+    import dsfunc as deepspeed
+
+    full = {}
+    for mode in ("none", "optimizer"):
+        torch.manual_seed(0)
+        net = MLP(width=10, depth=3)
+        cfg = config(micro=2, gas=2, stage=2)
+        cfg["zero_optimization"].update(MODES[mode])
+        engine, _, _, _ = deepspeed.initialize(model=net, config=cfg)
+        for x, y in mlp_batches(3, 4):
+            for i in (0, 2):
+                engine.backward(engine(x[i : i + 2], y[i : i + 2]))
+                engine.step()
+        with deepspeed.zero.GatheredParameters([net.inp.weight], modifier_rank=0):
+            net.inp.weight.data.fill_(0.5)
+        full[mode] = dsfunc.full_params(engine.state)
+    assert (full["optimizer"]["inp.weight"] == 0.5).all()
+    assert relative_diff(full["optimizer"], full["none"]) < 1e-6
