@@ -203,3 +203,25 @@ def test_the_engine_trains_offloaded_and_gathered_writes_reach_the_host_masters(
         full[mode] = dsfunc.full_params(engine.state)
     assert (full["optimizer"]["inp.weight"] == 0.5).all()
     assert relative_diff(full["optimizer"], full["none"]) < 1e-6
+
+
+def test_a_deepspeed_checkpoint_resumes_into_an_offloaded_state(tmp_path):
+    """DeepSpeed's ZeRO-2 fp32 checkpoint (2 ranks), resumed here on one rank with the optimizer offloaded:
+    the next steps equal DeepSpeed's own resume (its Adam and torch's CPU Adam agree to 1e-5)."""
+    from tests.checkpoint.deepspeed.common import CASES, RESUMED, SAVE_AT, Net, batch, extract
+
+    case = next(c for c in CASES if c.name == "s2_w2_fp32")
+    root = extract(tmp_path)
+    cfg = case.config(world=1, stage=2)
+    cfg["zero_optimization"]["offload_optimizer"] = OPTIMIZER
+    torch.manual_seed(1)
+    state, _ = dsfunc.load_checkpoint(root / case.name, dsfunc.init_state(Net(), cfg))
+    assert all(p.device.type == "cpu" for p in state.params.values()) and state.program.offload is not None
+    losses = []
+    for step in range(SAVE_AT, SAVE_AT + RESUMED):
+        state = dsfunc.train_step(state, batch(step))
+        losses.append(state.metrics.loss.item())
+    reference = torch.load(root / case.name / "reference.pt")
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference["losses"])) < 1e-5
+    full = dsfunc.full_params(state)
+    assert relative_diff({k: full[k] for k in reference["params"]}, reference["params"]) < 1e-5
