@@ -225,3 +225,19 @@ def test_a_deepspeed_checkpoint_resumes_into_an_offloaded_state(tmp_path):
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference["losses"])) < 1e-5
     full = dsfunc.full_params(state)
     assert relative_diff({k: full[k] for k in reference["params"]}, reference["params"]) < 1e-5
+
+
+def test_parameter_groups_update_on_the_host_with_their_own_options():
+    """One group through torch's CPU Adam, one without bias correction through dsfunc's op on the host."""
+    groups = dsfunc.ParamGroups(label=lambda name: "bias" if name.endswith("bias") else "weight",
+                                options={"bias": {"bias_correction": False, "weight_decay": 0.0, "lr": 3e-3}})
+    full = {}
+    for mode in ("none", "optimizer"):
+        torch.manual_seed(0)
+        cfg = config(micro=4, stage=1, gradient_clipping=0.05)
+        cfg["zero_optimization"].update(MODES[mode])
+        state = dsfunc.init_state(MLP(width=10, depth=3), cfg, param_groups=groups)
+        for batch in mlp_batches(STEPS, 4):
+            state = dsfunc.train_step(state, batch)
+        full[mode] = dsfunc.full_params(state)
+    assert relative_diff(full["optimizer"], full["none"]) < 1e-6
