@@ -15,8 +15,8 @@ from (seed, step), so a graphed run is reproducible and resumable, but its masks
 run's (which are seeded per micro-batch). The min-loss-scale check runs outside the graph.
 
 Falls back to the eager step, with one log line saying why, where a graph cannot hold the step: not on
-CUDA, ZeRO-3 (it frees and re-gathers storage inside the step), several processes on gloo, or
-``donate=False``. A batch of other shapes or dtypes is captured anew (after two warm-up steps).
+CUDA, ZeRO-3 (it frees and re-gathers storage inside the step), the optimizer offloaded (its update runs
+on the CPU), several processes on gloo, or ``donate=False``. A batch of other shapes or dtypes is captured anew (after two warm-up steps).
 """
 
 from __future__ import annotations
@@ -115,6 +115,8 @@ def _why_not(state: TrainState, donate: bool) -> str | None:
         return f"the state lives on {program.device}, not a CUDA device"
     if program.plan.stage == 3:
         return "ZeRO-3 frees and re-gathers parameter storage inside the step"
+    if program.offload is not None:
+        return "the optimizer is offloaded: the update runs on the CPU, outside any CUDA graph"
     if program.plan.world_size > 1 and torch.distributed.get_backend() != "nccl":
         return "several processes on a backend other than NCCL"
     if not donate:

@@ -51,6 +51,7 @@ from dsfunc.zero.hooks import install_input_cast, install_unit_hooks
 from dsfunc.zero.layout import ShardingPlan, make_plan, unit_views
 from dsfunc.zero.materialize import materialize
 from dsfunc.zero.norms import segment_norm_fn
+from dsfunc.zero.offload import HostOffload
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, None: torch.float32}
 
@@ -73,6 +74,7 @@ class Program:
     persistent_buffers: tuple[str, ...]
     step_fn: Callable[..., TrainState]
     segment_norm: Callable[[Any], Any] | None = None
+    offload: HostOffload | None = None  # the host side when the optimizer is offloaded (dsfunc.zero.offload)
 
 
 def init_state(
@@ -134,7 +136,8 @@ def init_state(
     zero = cfg.zero_optimization
     plan, groups = _plan(model, zero.stage, unit_modules, param_groups)
     skeleton = model if in_place else make_skeleton(model)
-    params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn)
+    host = HostOffload.from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype)
+    params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn, host)
     slots = Slots(skeleton, plan, buffers.keys())
     scaler = LossScaler.from_config(cfg.fp16)
     update = _update(cfg, plan, optimizer, param_groups, groups, lr_schedule)
@@ -142,7 +145,7 @@ def init_state(
         plan, slots=slots, compute_dtype=cfg.compute_dtype, device=device,
         persistence_threshold=zero.stage3_param_persistence_threshold,
         max_live_elements=zero.stage3_max_live_parameters,
-        prefetch=zero.overlap_comm and zero.stage3_prefetch_bucket_size > 0,
+        prefetch=zero.overlap_comm and zero.stage3_prefetch_bucket_size > 0, host=host,
     )
     compile_options = _compile_options(cfg, compile)
     _prepare_skeleton(skeleton, workspace, cfg, _remat_options(cfg, activation_checkpointing), compile_options)
@@ -151,7 +154,7 @@ def init_state(
         workspace=workspace, update=update, scaler=scaler, loss_fn=loss_fn, device=device,
         compute_dtype=cfg.compute_dtype, comm_dtype=_COMM_DTYPES[cfg.communication_data_type],
         persistent_buffers=tuple(k for k in model.state_dict() if k in buffers),
-        step_fn=_step_fn(compile_options), segment_norm=segment_norm_fn(plan, device),
+        step_fn=_step_fn(compile_options), segment_norm=segment_norm_fn(plan, device), offload=host,
     )
     state = _first_state(program, params, buffers, seed)
     workspace.refresh(state.params)
@@ -282,7 +285,7 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
     plan = program.plan
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
-        shard = state.params[unit.name]
+        shard = state.params[unit.name].to(program.device)  # an offloaded master is gathered on the device
         flat = torch.empty(plan.padded_size(unit), dtype=torch.float32, device=shard.device)
         comm.all_gather_flat(flat, shard) if plan.ways > 1 else flat.copy_(shard)
         for slot, view in zip(unit.params, unit_views(unit, flat)):

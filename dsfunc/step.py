@@ -108,22 +108,24 @@ def apply_gradients(
             "the gradient function returned gradients for units "
             f"{sorted(grads)} but the state holds {sorted(params)}; wrap it in dsfunc.shard()"
         )
-    sumsq, loss = global_norm_and_loss(program.plan, grads, loss)
+    sumsq = None
+    if program.offload is not None:  # the update runs on the host: the gradients go there
+        grads, sumsq = program.offload.host_grads(grads)
+    sumsq, loss = global_norm_and_loss(program.plan, grads, loss, sumsq=sumsq)
     scale = state.scaler.scale
     finite = torch.isfinite(sumsq)
     grad_norm = sumsq.sqrt() / scale
 
     update = ChainUpdate(optimizer) if optimizer is not None else program.update
     lowp = program.workspace.lowp_targets() if update.writes_compute_copy else {}
-    ctx = UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=lowp,
-                        segment_norm=program.segment_norm)
+    ctx = _update_context(program, scale, grad_norm, finite, lowp)
     params, opt_state = update.apply(params, grads, state.opt_state, ctx)
     program.workspace.refresh(params, written=lowp)
     scaler = program.scaler.update(state.scaler, ~finite)
     lr = current_lr(opt_state)
     metrics = Metrics(
         loss=loss.detach(), grad_norm=grad_norm.detach(), loss_scale=scale.detach().clone(),
-        lr=torch.zeros((), device=program.device) if lr is None else lr.detach().clone(),
+        lr=torch.zeros((), device=program.device) if lr is None else lr.detach().to(program.device).clone(),
         skipped=(~finite).to(torch.int32),
     )
     new = dataclasses.replace(
@@ -132,6 +134,16 @@ def apply_gradients(
     if not (new.scaler.dead.is_cuda and torch.cuda.is_current_stream_capturing()):  # dsfunc.graphs: after replay
         note_min_scale(new)
     return new
+
+
+def _update_context(program: Any, scale: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor,
+                    lowp: Mapping[str, torch.Tensor]) -> UpdateContext:
+    """The step's facts for the update, on the device the update runs on (the host when offloaded)."""
+    if program.offload is not None:
+        host = program.offload.device
+        scale, grad_norm, finite = (t.to(host) for t in (scale, grad_norm, finite))
+    return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=lowp,
+                         segment_norm=program.segment_norm, host=program.offload is not None)
 
 
 def note_min_scale(state: TrainState) -> None:

@@ -17,7 +17,7 @@ Where dsfunc deliberately differs from DeepSpeed:
 * Unknown or misspelled keys are errors that suggest the closest valid key (DeepSpeed ignores unknown
   top-level keys and keys in its older sections, and only fails on optimizer/scheduler params when the class
   is constructed).
-* Known DeepSpeed features that dsfunc does not have (offload, ZeRO++, MiCS, pipeline parallelism, Apex AMP,
+* Known DeepSpeed features that dsfunc does not have (offload to NVMe, ZeRO++, MiCS, pipeline parallelism, Apex AMP,
   the FLOPs profiler, wandb, ...) are accepted only while disabled or at their default value; asking for them
   is an error saying dsfunc does not support them, never a silent no-op.
 * ``"auto"`` values are errors: they are placeholders the Hugging Face Trainer fills in (DeepSpeed drops them

@@ -1,7 +1,7 @@
 """The checks and rules section tables are written with.
 
 A check (``_bool``, ``_number(ge=0.0)``, ...) normalises the value of a key dsfunc implements; a rule
-(``_only``, ``_off``, ``_offload``, ...) accepts a known DeepSpeed key only in its default or disabled form,
+(``_only``, ``_off``, ``_empty``, ...) accepts a known DeepSpeed key only in its default or disabled form,
 so that asking for a feature dsfunc lacks is an error rather than a silent no-op.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dsfunc.config.errors import ConfigError, _auto, _bad, _join, _or, _show, _unknown, _unsupported
-from dsfunc.config.schema import Check, Rule, _as_is, _parse, _Schema, _Spec
+from dsfunc.config.schema import Check, Rule, _parse, _Schema, _Spec
 
 # Checks, for the keys dsfunc implements.
 
@@ -238,27 +238,6 @@ def _removed(message: str, see: str) -> Rule:
 
     def rule(value: Any, path: str) -> None:
         raise ConfigError(f'{path}: {message} DeepSpeed 0.19.8 refuses this key too: remove "{path}" (see {see}).')
-
-    return rule
-
-
-def _offload(what: str, keys: Mapping[str, Check]) -> Rule:
-    """``offload_optimizer`` / ``offload_param``: DeepSpeed's keys (``keys`` besides ``device``), device "none"."""
-    check = _fields({"device": _as_is, **keys})
-
-    def rule(value: Any, path: str) -> None:
-        if value is None:
-            return
-        if not isinstance(value, Mapping):
-            raise _bad(path, value, 'a JSON object such as {"device": "none"}')
-        check(value, path)
-        device = value.get("device", "none")
-        if device not in (None, "none"):
-            raise ConfigError(
-                f"{path}.device = {_show(device)}: offloading {what} to CPU/NVMe (ZeRO-Offload / "
-                f'ZeRO-Infinity) is not supported by dsfunc. Remove "{path}" or set its device to "none"; '
-                f"ZeRO stage 3 shards parameters, gradients and optimizer state across ranks instead."
-            )
 
     return rule
 

@@ -38,7 +38,7 @@ _UNSUPPORTED_TOP: dict[str, Rule] = {
     "wandb": _off("the Weights & Biases monitor", ds.WANDB, 'dsfunc has "tensorboard" and "csv_monitor".'),
     "comet": _off("the Comet monitor", ds.COMET, 'dsfunc has "tensorboard" and "csv_monitor".'),
     "comms_logger": _off("the communication logger", ds.COMMS_LOGGER),
-    "aio": _accepted(_fields(ds.AIO)),  # tunes NVMe I/O, which only offload (rejected) uses
+    "aio": _accepted(_fields(ds.AIO)),  # tunes NVMe I/O, which only offload to NVMe (refused) uses
     "checkpoint": _only(
         {
             "tag_validation": "Warn",
@@ -62,7 +62,7 @@ _UNSUPPORTED_TOP: dict[str, Rule] = {
         fix='dsfunc logs to the "dsfunc" logger; set its level with the logging module.',
     ),
     "vocabulary_size": _accepted(_integer(ge=1)),  # DeepSpeed only warns when it is not a multiple of 8
-    "zero_force_ds_cpu_optimizer": _accepted(_bool),  # only concerns CPU offload, which is rejected
+    "zero_force_ds_cpu_optimizer": _accepted(_bool),  # dsfunc's offload updates on the host with any optimizer
     "disable_allgather": _only(False, feature="disable_allgather"),
     "gradient_allreduce_op": _only("mean", feature="summed gradient reduction"),
     "torch_autocast": _off("torch.autocast mixed precision", ds.TORCH_AUTOCAST, 'Use "fp16" or "bf16".'),

@@ -13,12 +13,23 @@ from dsfunc.config.checks import (
     _bool,
     _empty,
     _integer,
-    _offload,
     _only,
     _optional,
     _removed,
 )
+from dsfunc.config.errors import ConfigError, _show
+from dsfunc.config.offload import OffloadConfig, check_offload_stage, offload_optimizer, offload_param
 from dsfunc.config.schema import Rule, _key, _section
+
+
+def _renamed(new: str) -> Rule:
+    """DeepSpeed's deprecated boolean spelling of an offload section: false is accepted, true names the section."""
+
+    def rule(value: Any, path: str) -> None:
+        if value not in (None, False):
+            raise ConfigError(f"{path} = {_show(value)} is DeepSpeed's deprecated spelling; write {new} instead.")
+
+    return rule
 
 
 @dataclass(frozen=True)
@@ -40,10 +51,13 @@ class ZeroConfig:
     ignore_unused_parameters: bool = _key(True, _bool)
     sub_group_size: int = _key(1_000_000_000, _SIZE)
     round_robin_gradients: bool = _key(False, _bool)
+    offload_optimizer: OffloadConfig | None = _key(None, offload_optimizer)  # noqa: RUF009 (None: off)
+    offload_param: OffloadConfig | None = _key(None, offload_param)  # noqa: RUF009
 
     def __post_init__(self) -> None:
         if self.overlap_comm is None:
             object.__setattr__(self, "overlap_comm", self.stage == 3)
+        check_offload_stage(self.stage, self.offload_optimizer, self.offload_param)
 
 
 _ZERO_ALIASES = {
@@ -61,10 +75,8 @@ _ZERO_ALIASES = {
     "partition_stream_chunk_size": "stage3_partition_stream_chunk_size",
 }
 _ZERO_FIXED: dict[str, Rule] = {
-    "offload_optimizer": _offload("optimizer state", ds.OFFLOAD_OPTIMIZER),
-    "offload_param": _offload("parameters", ds.OFFLOAD_PARAM),
-    "cpu_offload": _only(None, False, feature="ZeRO-Offload (cpu_offload)"),
-    "cpu_offload_param": _only(None, False, feature="ZeRO-Offload of parameters (cpu_offload_param)"),
+    "cpu_offload": _renamed('"offload_optimizer": {"device": "cpu"}'),
+    "cpu_offload_param": _renamed('"offload_param": {"device": "cpu"}'),
     "cpu_offload_use_pin_memory": _accepted(_optional(_bool)),
     "zenflow": _only(None, feature="ZenFlow"),
     "use_multi_rank_bucket_allreduce": _only(True, feature="disabling multi-rank bucket all-reduce"),
@@ -94,6 +106,8 @@ _ZERO_FIXED: dict[str, Rule] = {
     "save_muon_momentum_buffer_in_memory": _only(False, feature="the Muon optimizer"),
     "leaf_module": _empty("ZeRO-3 leaf modules"),
 } | {key: _removed(message, ds.REMOVED_SEE) for key, message in ds.REMOVED_ZERO.items()}
+
+
 _ZERO_SECTION = _section(ZeroConfig, _ZERO_FIXED, _ZERO_ALIASES)
 
 

@@ -80,8 +80,15 @@ def startup_summary(state: Any) -> str:
             "[dsfunc] model states per rank (estimate, no activations): "
             f"{mib['total']:.2f} MiB = fp32 master {mib['master']:.2f} + optimizer {mib['optimizer']:.2f} "
             f"+ gradients {mib['gradients']:.2f} + compute copy {mib['compute']:.2f} + buffers {mib['buffers']:.2f}"
+            + (f" + host buffers {mib['host_buffers']:.2f}" if est["host"] else "")
         ),
     ]
+    if est["host"]:
+        lines.append(
+            f"[dsfunc] ZeRO-Offload: {mib['device']:.2f} MiB on the device, {mib['host']:.2f} MiB in host memory "
+            "(fp32 master, optimizer state and host buffers)"
+            + (", parameters streamed from the host" if program.offload.params else "")
+        )
     return "\n".join(lines)
 
 

@@ -8,7 +8,9 @@ kernel in ``ops/``; elsewhere the op's plain-torch reference runs (the same math
 ``scale_by_factor -> clip_by_global_norm -> adam``, up to the unscale and clip factors being multiplied
 once instead of twice). Its state is the equivalent chain's (:meth:`FusedAdam.init`), so checkpoints and
 the chain read it unchanged. With parameter groups each unit belongs to one group (the plan splits
-units by group), and the op takes that group's hyper-parameters and lr.
+units by group), and the op takes that group's hyper-parameters and lr. With the optimizer offloaded
+(``ctx.host``) each group's units are updated by one call of torch's fused CPU Adam instead
+(:mod:`dsfunc.optim.host_adam`), except a group without bias correction, which that kernel lacks.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dsfunc import kernels
 from dsfunc.config import OptimizerConfig
 from dsfunc.frozen import FrozenDict
 from dsfunc.optim.base import Transform
+from dsfunc.optim.host_adam import host_adam_
 from dsfunc.optim.update import UpdateContext
 
 Schedule = Callable[[torch.Tensor], torch.Tensor]
@@ -95,13 +98,22 @@ class FusedAdam:
             else:
                 lr = group.schedule(sched.count - 1).to(torch.float32)
             step = (adam.count + 1).to(torch.float32)
-            for name in (n for n in params if self.unit_groups.get(n) == label):
-                kernels.adam_step_(
-                    params[name], grads[name], adam.mu[name], adam.nu[name],
-                    grad_scale=grad_scale, lr=lr, step=step, skip=skip, lowp=ctx.lowp.get(name),
-                    beta1=group.beta1, beta2=group.beta2, eps=group.eps, weight_decay=group.weight_decay,
-                    adam_w_mode=group.adam_w_mode, bias_correction=group.bias_correction,
+            names = [n for n in params if self.unit_groups.get(n) == label]
+            if ctx.host and group.bias_correction:
+                host_adam_(
+                    [params[n] for n in names], [grads[n] for n in names], [adam.mu[n] for n in names],
+                    [adam.nu[n] for n in names], grad_divisor=(loss_scale * clip).to(torch.float32), lr=lr,
+                    step=step, skip=skip, beta1=group.beta1, beta2=group.beta2, eps=group.eps,
+                    weight_decay=group.weight_decay, adam_w_mode=group.adam_w_mode,
                 )
+            else:
+                for name in names:
+                    kernels.adam_step_(
+                        params[name], grads[name], adam.mu[name], adam.nu[name],
+                        grad_scale=grad_scale, lr=lr, step=step, skip=skip, lowp=ctx.lowp.get(name),
+                        beta1=group.beta1, beta2=group.beta2, eps=group.eps, weight_decay=group.weight_decay,
+                        adam_w_mode=group.adam_w_mode, bias_correction=group.bias_correction,
+                    )
             applied = finite.to(adam.count.dtype)
             new_states[label] = {
                 **chain,

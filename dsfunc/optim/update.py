@@ -29,6 +29,7 @@ class UpdateContext:
     finite: torch.Tensor  # 0-d bool: False skips the update (nothing changes)
     lowp: Mapping[str, torch.Tensor]  # where the update may write the new 16-bit compute copy
     segment_norm: Callable[[Any], Any] | None  # per-parameter norms over flat shards (Lamb)
+    host: bool = False  # the update runs on the host (ZeRO-Offload): every tensor here is in host memory
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,17 +34,19 @@ class Init:
 
     The arguments are DeepSpeed's; ``enabled=False`` makes it a no-op, ``module=`` (converting a built
     model) needs nothing since ``initialize`` shards any model, and the rest configure DeepSpeed's own
-    partitioning, which ``initialize`` does here, so they are accepted and unused. ``remote_device``
-    (parameter offload) is refused.
+    partitioning, which ``initialize`` does here, so they are accepted and unused. ``remote_device="cpu"``
+    is accepted too: where the state lives is the config's ``offload_optimizer`` / ``offload_param``
+    (host memory), the model is still built on ``meta``; ``"nvme"`` is refused.
     """
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
                  mem_efficient_linear: bool = True, remote_device: str | None = None, pin_memory: bool = False,
                  config_dict_or_path: Any = None, config: Any = None, enabled: bool = True,
                  dtype: torch.dtype | None = None, mpu: Any = None, **kwargs: Any) -> None:
-        if remote_device not in (None, "none"):
-            raise NotSupportedError(f"zero.Init(remote_device={remote_device!r}): parameter offload is not "
-                                    "implemented by dsfunc; leave remote_device out")
+        if remote_device not in (None, "none", "cpu"):
+            raise NotSupportedError(f"zero.Init(remote_device={remote_device!r}): parameter offload to NVMe is not "
+                                    'built in dsfunc; use remote_device="cpu" with "offload_param": {"device": '
+                                    '"cpu"} in the config, or leave remote_device out')
         self.enabled = enabled and module is None
         self._meta: torch.device | None = None
 

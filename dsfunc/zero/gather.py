@@ -10,6 +10,11 @@ Persistent units (stages 0-2, and stage-3 units below ``stage3_param_persistence
 full copy, rebuilt after every update. Lazy units (stage 3) are all-gathered on demand into a buffer
 whose storage is freed after use; autograd's saved views of the buffer see the refill.
 
+With the optimizer offloaded (:mod:`dsfunc.zero.offload`) the masters are in host memory: each copy is
+built from the unit's compute-dtype shard staged on the host and copied to the device. A lazy unit then
+keeps that device shard between gathers, so a gather costs no host-to-device copy, unless the parameters
+are offloaded too (``offload_param``), when each gather streams it from the host again.
+
 The workspace also decides what the model's resident parameters show between micro-batches
 (:meth:`~dsfunc.zero.binding.Slots.show`): views of the persistent copies, and for a lazy unit an
 empty tensor, or the gathered copy while it is *exposed* (:meth:`Workspace.expose`: a forward through
@@ -29,6 +34,7 @@ import torch
 from dsfunc.dist import comm
 from dsfunc.zero.binding import Slots, ZeroParamStatus
 from dsfunc.zero.layout import ShardingPlan, Unit, unit_views
+from dsfunc.zero.offload import HostOffload
 
 # id(resident parameter) -> (the parameter, its workspace, its unit's name), all weak: how
 # GatheredParameters finds what to gather (keyed by id: tensors compare elementwise, so no WeakKeyDictionary)
@@ -72,8 +78,10 @@ class Workspace:
     """Compute copies per unit: persistent ones refreshed after updates, lazy ones gathered and freed."""
 
     def __init__(self, plan: ShardingPlan, *, slots: Slots, compute_dtype: torch.dtype, device: torch.device,
-                 persistence_threshold: int, max_live_elements: int, prefetch: bool) -> None:
+                 persistence_threshold: int, max_live_elements: int, prefetch: bool,
+                 host: HostOffload | None = None) -> None:
         self.plan = plan
+        self.host = host
         self.slots = slots
         self.compute_dtype = compute_dtype
         self.device = device
@@ -88,6 +96,7 @@ class Workspace:
         self.buffers: dict[str, torch.Tensor] = {}
         self.status: dict[str, UnitState] = {}
         self.inflight: dict[str, tuple[comm.Pending, torch.Tensor, Any]] = {}
+        self.shards: dict[str, torch.Tensor] = {}  # offload, lazy unit -> its compute-dtype shard on the device
         self.synced_with: tuple[Any, ...] | None = None
         self.aliases_master = plan.stage == 0 and compute_dtype == torch.float32
         self.master: Mapping[str, torch.Tensor] = {}  # the masters the copies were last built from
@@ -104,8 +113,9 @@ class Workspace:
     # -- persistent copies -------------------------------------------------------------------------
     def lowp_targets(self) -> dict[str, torch.Tensor]:
         """Where an update may write this rank's new parameters in the compute dtype (persistent units,
-        when that dtype is 16-bit): the whole copy at stage 0, this rank's slice of it otherwise."""
-        if self.compute_dtype not in (torch.bfloat16, torch.float16):
+        when that dtype is 16-bit): the whole copy at stage 0, this rank's slice of it otherwise. None with
+        the optimizer offloaded: the update runs on the host, and the host stages the copy itself."""
+        if self.host is not None or self.compute_dtype not in (torch.bfloat16, torch.float16):
             return {}
         out = {}
         for unit in self.plan.units:
@@ -130,6 +140,10 @@ class Workspace:
         works = []
         for unit in self.plan.units:
             if self.lazy(unit):
+                if self.host is not None:
+                    staged = self.host.stage(unit, master)
+                    if not self.host.params:
+                        self.shards[unit.name] = self.host.send(staged)
                 continue
             buf = self.buffers.get(unit.name)
             if buf is None:
@@ -142,7 +156,7 @@ class Workspace:
                     src = buf[self.plan.rank * size : (self.plan.rank + 1) * size]
                     works.append((comm.all_gather_flat(buf, src, async_op=True), src))
                 continue
-            src = master[unit.name].to(self.compute_dtype)
+            src = self._shard(unit, master)
             works.append((comm.all_gather_flat(buf, src, async_op=True) if self.plan.stage else _copy(buf, src), src))
         for work, _ in works:
             work.wait()
@@ -198,6 +212,8 @@ class Workspace:
     def full_flat(self, unit: Unit, shard: torch.Tensor) -> torch.Tensor:
         """The unit's full flat (padded) from this rank's ``shard`` of it: all-gathered from every rank's
         shard (a collective), or ``shard`` itself when the unit is not sharded."""
+        if shard.device != self.device:
+            shard = shard.to(self.device)  # an offloaded master is gathered, and shown, on the device
         if self.plan.ways == 1:
             return shard
         full = torch.empty(self.plan.padded_size(unit), dtype=shard.dtype, device=shard.device)
@@ -211,9 +227,10 @@ class Workspace:
         for unit in units:
             full = self._exposed_master.pop(unit.name)
             comm.broadcast(full, src=src)
-            if self.plan.ways > 1:
-                size = self.plan.shard_size(unit)
-                self.master[unit.name].copy_(full[self.plan.rank * size : (self.plan.rank + 1) * size])
+            master = self.master[unit.name]
+            if full is not master:  # sharded, or offloaded
+                start = self.plan.rank * master.numel() if self.plan.ways > 1 else 0
+                master.copy_(full[start : start + master.numel()])
         self.refresh(self.master)
 
     def hide(self, unit: Unit) -> None:
@@ -253,7 +270,7 @@ class Workspace:
             buf = self.buffers[unit.name] = torch.empty(n, dtype=self.compute_dtype, device=self.device)
         elif buf.untyped_storage().size() == 0:
             buf.untyped_storage().resize_(n * buf.element_size())
-        src = master[unit.name].to(self.compute_dtype)
+        src = self._gather_source(unit, master)
         # [Note: refills hidden from autograd] Autograd's saved views of this buffer must stay valid across
         # a free and a refill, so the refill must not bump the buffer's version counter. The version is
         # taken now and restored after wait(): gloo bumps it when the work completes, even in the background.
@@ -265,6 +282,23 @@ class Workspace:
         self.stats.live_units.add(unit.name)
         self.stats.gathers += 1
         self.stats.note(self.plan)
+
+    def _shard(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """This rank's shard of ``unit`` (all of it at stage 0) in the compute dtype, on the device."""
+        if self.host is None:
+            return master[unit.name].to(self.compute_dtype)
+        return self.host.send(self.host.stage(unit, master))
+
+    def _gather_source(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """What a lazy unit's all-gather sends: the shard cast from the master, or with offload the device
+        shard kept since the last update, or (``offload_param``) the host shard streamed to the device."""
+        if self.host is None:
+            return master[unit.name].to(self.compute_dtype)
+        if self.synced_with != _signature(master):
+            self.refresh(master)
+        if self.host.params:
+            return self.host.send(self.host.staged(unit, master))
+        return self.shards[unit.name]
 
     def release(self, unit: Unit) -> None:
         """Free a lazy unit's gathered storage (idempotent; an exposed unit stays until its last hide)."""

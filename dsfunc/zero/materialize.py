@@ -20,6 +20,7 @@ from torch import nn
 from dsfunc.dist import comm
 from dsfunc.errors import InputError
 from dsfunc.zero.layout import ShardingPlan, flatten_unit, local_shard
+from dsfunc.zero.offload import HostOffload
 
 
 @dataclasses.dataclass
@@ -35,9 +36,14 @@ INIT_STATS = InitStats()
 @torch.no_grad()
 def materialize(
     model: nn.Module, skeleton: nn.Module, plan: ShardingPlan, device: torch.device, seed: int,
-    param_init_fn: Callable[[nn.Module], None] | None,
+    param_init_fn: Callable[[nn.Module], None] | None, host: HostOffload | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """This rank's fp32 master shards (by unit) and its buffers (and frozen parameters) by name."""
+    """This rank's fp32 master shards (by unit) and its buffers (and frozen parameters) by name.
+
+    The masters are made on ``device`` (the broadcast from rank 0 runs there) and kept there, or in host
+    memory when ``host`` offloads them: this is where the state's masters, and so its optimizer state
+    (initialised like them), are placed.
+    """
     on_meta = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
     source = _MetaSource(skeleton, device, seed, param_init_fn) if on_meta else None
     tensors = dict(model.named_parameters(remove_duplicate=False))
@@ -52,8 +58,9 @@ def materialize(
         if source is None:
             comm.broadcast(flat, src=0)
         INIT_STATS.max_elements = max(INIT_STATS.max_elements, flat.numel())
-        params[unit.name] = flat if plan.ways == 1 else local_shard(plan, unit, flat)
-        del flat, values
+        shard = flat if plan.ways == 1 else local_shard(plan, unit, flat)
+        params[unit.name] = shard if host is None else host.to_host(shard)
+        del flat, values, shard
     extra = dict(model.named_buffers())
     extra.update({name: tensors[name] for name in plan.frozen})
     if source is not None:

@@ -14,11 +14,15 @@ def memory_estimate(state: Any) -> dict[str, int]:
     ``master`` (fp32 weights: this rank's shard), ``optimizer`` (moments etc., measured in the state),
     ``gradients`` (fp32: the full flat at stages 0-1, the shard at 2-3), ``compute`` (the compute-dtype
     copy forward reads: none at stage 0 in fp32, where it aliases the master; the whole model at
-    stages 1-2; at stage 3 the persistent units plus the two largest gathered units), ``buffers``
-    (buffers and frozen parameters), and their ``total``. Activations are not included.
+    stages 1-2; at stage 3 the persistent units plus the two largest gathered units, and with the optimizer
+    offloaded but not the parameters each gathered unit's shard kept between gathers), ``buffers`` (buffers
+    and frozen parameters), ``host_buffers`` (offload: the host copies of the gradient and compute-dtype
+    shards), and where they are: ``device``, ``host`` (master, optimizer and host buffers when the optimizer
+    is offloaded, else 0) and their ``total``. Activations are not included.
     """
     program = state.program
     plan = program.plan
+    offload = program.offload
     lazy = [u for u in plan.units if program.workspace.lazy(u)]
     cbytes = torch.empty((), dtype=program.compute_dtype).element_size()
     full = sum(u.numel for u in plan.units)
@@ -28,13 +32,18 @@ def memory_estimate(state: Any) -> dict[str, int]:
     else:
         persistent = sum(plan.padded_size(u) for u in plan.units if u not in lazy)
         largest = sorted((plan.padded_size(u) for u in lazy), reverse=True)[:2]
-        compute = (persistent + sum(largest)) * cbytes
+        kept = sum(plan.shard_size(u) for u in lazy) if offload is not None and not offload.params else 0
+        compute = (persistent + sum(largest) + kept) * cbytes
     out = {
         "master": sum(p.numel() * p.element_size() for p in state.params.values()),
         "optimizer": sum(t.numel() * t.element_size() for t in optree.tree_leaves(state.opt_state) if t.dim() > 0),
         "gradients": 4 * (full if plan.stage <= 1 else shard),
         "compute": compute,
         "buffers": sum(t.numel() * t.element_size() for t in state.buffers.values()),
+        "host_buffers": 0 if offload is None else offload.host_bytes(),
     }
-    out["total"] = sum(out.values())
+    host = 0 if offload is None else out["master"] + out["optimizer"] + out["host_buffers"]
+    out["device"] = sum(out.values()) - host
+    out["host"] = host
+    out["total"] = out["device"] + host
     return out

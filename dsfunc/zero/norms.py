@@ -16,11 +16,13 @@ from dsfunc.dist import comm
 from dsfunc.zero.layout import ShardingPlan
 
 
-def global_norm_and_loss(plan: ShardingPlan, grads: Mapping[str, torch.Tensor],
-                         loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def global_norm_and_loss(plan: ShardingPlan, grads: Mapping[str, torch.Tensor], loss: torch.Tensor, *,
+                         sumsq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The sum of squares of every rank's ``grads`` (inf/nan anywhere make it non-finite, on every rank
-    alike) and the mean of ``loss`` over ranks, with one small all-reduce."""
-    sumsq = kernels.sum_of_squares(list(grads.values()))
+    alike) and the mean of ``loss`` over ranks, with one small all-reduce. ``sumsq``: this rank's sum of
+    squares, already taken (on the device, before offloaded gradients left it)."""
+    if sumsq is None:
+        sumsq = kernels.sum_of_squares(list(grads.values()))
     if plan.world_size > 1:
         packed = torch.stack([sumsq if plan.ways > 1 else torch.zeros_like(sumsq), loss.float()])
         comm.all_reduce_sum(packed)
@@ -36,6 +38,7 @@ def segment_norm_fn(plan: ShardingPlan, device: torch.device) -> Callable[[Any],
     (Adam, SGD, ...) pay no memory for it.
     """
     ids: dict[str, torch.Tensor] = {}
+    where = device
 
     def segment_ids() -> dict[str, torch.Tensor]:
         for unit in plan.units:
@@ -45,10 +48,12 @@ def segment_norm_fn(plan: ShardingPlan, device: torch.device) -> Callable[[Any],
                 lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, stop)
                 if lo < hi:
                     seg[lo - start : hi - start] = i
-            ids[unit.name] = seg.to(device)
+            ids[unit.name] = seg.to(where)
         return ids
 
     def segment_norm(squares: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        nonlocal where
+        where = next(iter(squares.values())).device  # the device, or the host when offloaded
         seg = ids or segment_ids()
         sums = {
             name: torch.zeros(len(plan.unit(name).params) + 1, dtype=torch.float32, device=sq.device)
@@ -56,9 +61,10 @@ def segment_norm_fn(plan: ShardingPlan, device: torch.device) -> Callable[[Any],
             for name, sq in squares.items()
         }
         if plan.ways > 1:
-            packed = torch.cat(list(sums.values()))
+            host = next(iter(sums.values())).device  # offloaded shards: reduce on the device, as NCCL needs
+            packed = torch.cat(list(sums.values())).to(device)
             comm.all_reduce_sum(packed)
-            sums = dict(zip(sums, packed.split([s.numel() for s in sums.values()])))
+            sums = dict(zip(sums, packed.to(host).split([s.numel() for s in sums.values()])))
         return {name: s.sqrt()[seg[name]].to(squares[name].dtype) for name, s in sums.items()}
 
     return segment_norm

@@ -12,6 +12,10 @@ the ZeRO stage says:
 Reductions are issued asynchronously, so communication overlaps the rest of backward; at most two are
 in flight (each holds a full-size gradient until it finishes). Every collective is a SUM: the runtime
 folds the 1/world factor of the mean into the backward seed.
+
+With the optimizer offloaded, a ``sink`` (:meth:`dsfunc.zero.offload.HostOffload.put_grad`) takes each
+unit's shard as its last reduction of the step lands, to start its copy to host memory while backward
+goes on; :meth:`ZeroReducer.finish` then returns the host copies.
 """
 
 from __future__ import annotations
@@ -59,8 +63,9 @@ class ZeroReducer:
     max_inflight = 2  # reductions in flight during backward; older ones are waited for as new ones start
 
     def __init__(self, plan: ShardingPlan, *, comm_dtype: torch.dtype, bucket_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, sink: Callable[[Unit, torch.Tensor], torch.Tensor] | None = None) -> None:
         self.plan = plan
+        self.sink = sink
         self.comm_dtype = comm_dtype
         self.bucket_size = bucket_size
         self.device = device
@@ -68,6 +73,7 @@ class ZeroReducer:
         self._pending: list[tuple[comm.Pending, Callable[[], None]]] = []
         self._reduced: set[str] = set()  # units reduced in this micro-batch
         self._grads: dict[str, torch.Tensor] = {}
+        self._sunk: dict[str, torch.Tensor] = {}  # unit -> what the sink returned for its final gradient
 
     def add(self, unit: Unit, grad: torch.Tensor, *, last: bool) -> None:
         self._reduced.add(unit.name)
@@ -84,11 +90,11 @@ class ZeroReducer:
             for chunk in chunks[:-1]:
                 self._pending.append((comm.all_reduce_sum(chunk, async_op=True), lambda: None))
             work = comm.all_reduce_sum(chunks[-1], async_op=True)
-            self._pending.append((work, lambda u=unit, t=full: self._store(u, t)))
+            self._pending.append((work, lambda u=unit, t=full: self._store(u, t, last)))
         else:
             out = torch.empty(self.plan.shard_size(unit), dtype=self.comm_dtype, device=full.device)
             work = comm.reduce_scatter_sum(out, full, async_op=True)
-            self._pending.append((work, lambda u=unit, t=out, keep=full: self._store(u, t)))
+            self._pending.append((work, lambda u=unit, t=out, keep=full: self._store(u, t, last)))
         self._drain(keep=self.max_inflight)
 
     def end_micro(self, *, last: bool) -> None:
@@ -104,14 +110,16 @@ class ZeroReducer:
     def finish(self) -> Grads:
         """This rank's reduced fp32 gradients by unit, after the last micro-batch."""
         self._drain()
-        grads: Grads = dict(self._grads)
-        self._grads = {}
+        grads: Grads = {name: self._sunk.get(name, g) for name, g in self._grads.items()}
+        self._grads, self._sunk = {}, {}
         return grads
 
-    def _store(self, unit: Unit, reduced: torch.Tensor) -> None:
+    def _store(self, unit: Unit, reduced: torch.Tensor, last: bool) -> None:
         reduced = reduced.float()
         prev = self._grads.get(unit.name)
         self._grads[unit.name] = reduced if prev is None else prev.add_(reduced)
+        if last and self.sink is not None:
+            self._sunk[unit.name] = self.sink(unit, self._grads[unit.name])
 
     def _drain(self, keep: int = 0) -> None:
         """Finish all but the ``keep`` newest reductions (their full-size inputs are then freed)."""

@@ -395,7 +395,8 @@ def zero_runtime(state: Any) -> MicroBatchRuntime:
     """A runtime whose gradients are reduced over the ranks as the state's ZeRO stage says."""
     program = state.program
     reducer = ZeroReducer(program.plan, comm_dtype=program.comm_dtype, device=program.workspace.device,
-                          bucket_size=program.config.zero_optimization.reduce_bucket_size)
+                          bucket_size=program.config.zero_optimization.reduce_bucket_size,
+                          sink=None if program.offload is None else program.offload.put_grad)
     return MicroBatchRuntime(state, reducer, ranks=program.plan.world_size)
 
 

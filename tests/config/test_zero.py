@@ -1,10 +1,11 @@
-"""The zero_optimization section: defaults, legacy forms and aliases, ZeRO features dsfunc lacks."""
+"""The zero_optimization section: defaults, legacy forms and aliases, offload, ZeRO features dsfunc lacks."""
 
 from __future__ import annotations
 
 import pytest
 
 from dsfunc.config import ZeroConfig
+from dsfunc.config.offload import OPTIMIZER_DEFAULTS, PARAM_DEFAULTS, OffloadConfig
 from tests.config.helpers import error, load
 
 
@@ -119,18 +120,18 @@ def test_zero_keys_at_default_are_accepted(zero):
     "zero, expected",
     [
         (
-            {"offload_optimizer": {"device": "cpu"}},
-            (
-                'zero_optimization.offload_optimizer.device = "cpu": offloading optimizer state to CPU/NVMe '
-                "(ZeRO-Offload / ZeRO-Infinity) is not supported by dsfunc."
-            ),
-        ),
-        (
             {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}},
-            'zero_optimization.offload_param.device = "nvme": offloading parameters to CPU/NVMe',
+            ('zero_optimization.offload_param.device = "nvme": offloading parameters to NVMe (ZeRO-Infinity) is '
+            'not built in dsfunc; use "device": "cpu"'),
         ),
-        ({"offload_optimizer": {"pin_memory": True, "device": "cpu"}}, 'set its device to "none"'),
-        ({"cpu_offload": True}, "zero_optimization.cpu_offload = true: dsfunc does not support ZeRO-Offload"),
+        ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}},
+         "zero_optimization.offload_optimizer.ratio = 0.5: dsfunc's offload to the CPU has no use for it"),
+        ({"offload_optimizer": {"device": "cpu", "nvme_path": "/nvme"}}, 'offload_optimizer.nvme_path = "/nvme"'),
+        ({"offload_optimizer": {"device": "cpu", "super_offload": True}}, "Remove the key or set it to false"),
+        ({"offload_param": {"device": "cpu", "offload_optimizer": 1}}, 'Unknown config key "zero_optimization.'),
+        ({"offload_optimizer": {"device": "GPU"}}, 'device = "GPU" is invalid: expected "none", "cpu" or "nvme"'),
+        ({"offload_param": {"device": "cpu"}}, 'offload_param needs "offload_optimizer": {"device": "cpu"} too'),
+        ({"cpu_offload": True}, 'cpu_offload = true is DeepSpeed\'s deprecated spelling; write "offload_optimizer"'),
         (
             {"zero_quantized_weights": True},
             (
@@ -159,3 +160,39 @@ def test_zero_keys_at_default_are_accepted(zero):
 )
 def test_zero_features_dsfunc_lacks(zero, expected):
     assert expected in error({"train_batch_size": 8, "zero_optimization": {"stage": 3, **zero}})
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_optimizer_to_cpu_is_on_at_stages_1_to_3(stage):
+    section = {"device": "cpu", "pin_memory": False, "buffer_count": 4, "ratio": 1, "fast_init": False}
+    z = load({"zero_optimization": {"stage": stage, "offload_optimizer": section}}).zero_optimization
+    assert z.offload_optimizer == OffloadConfig(device="cpu", pin_memory=False) and z.offload_param is None
+    both = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu", "max_in_cpu": 1e9}}
+    z = load({"zero_optimization": both}).zero_optimization
+    assert z.offload_optimizer == z.offload_param == OffloadConfig(device="cpu", pin_memory=True)
+    assert load({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "none"}}}).zero_optimization \
+        == ZeroConfig()
+
+
+@pytest.mark.parametrize(
+    "zero, expected",
+    [
+        ({"stage": 0, "offload_optimizer": {"device": "cpu"}},
+         "zero_optimization.offload_optimizer needs ZeRO (stage 1, 2 or 3), as in DeepSpeed; this config has stage 0"),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+         "zero_optimization.offload_param needs ZeRO stage 3"),
+        ({"stage": 1, "offload_optimizer": {"device": "nvme"}}, "use \"device\": \"cpu\" (host memory) or \"none\""),
+    ],
+)
+def test_offload_where_it_cannot_apply_is_an_error(zero, expected):
+    assert expected in error({"train_batch_size": 8, "zero_optimization": zero})
+
+
+def test_offload_defaults_are_deepspeeds():
+    """The keys that must keep their default under CPU offload have DeepSpeed 0.19.8's defaults."""
+    offload_config = pytest.importorskip("deepspeed.runtime.zero.offload_config")
+    optimizer = offload_config.DeepSpeedZeroOffloadOptimizerConfig()
+    param = offload_config.DeepSpeedZeroOffloadParamConfig()
+    for defaults, ds in ((OPTIMIZER_DEFAULTS, optimizer), (PARAM_DEFAULTS, param)):
+        assert {key: getattr(ds, key) for key in defaults} == dict(defaults)
+    assert optimizer.pin_memory is param.pin_memory is True and OffloadConfig().pin_memory is True

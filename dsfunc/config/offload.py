@@ -1,0 +1,94 @@
+"""``zero_optimization.offload_optimizer`` / ``offload_param``: ZeRO-Offload to host memory.
+
+``device: "cpu"`` turns it on, ``"none"`` (DeepSpeed's default, or the section absent) leaves it off, and
+``"nvme"`` (ZeRO-Infinity) is not built. DeepSpeed's other keys of the sections tune NVMe swapping, tiles
+or Superchip offload, none of which dsfunc has: with offload on they must keep DeepSpeed's default
+(``tests/config/test_zero.py`` checks these defaults against DeepSpeed's own classes). With offload off
+any valid value is accepted, as DeepSpeed ignores them then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dsfunc.config import deepspeed_keys as ds
+from dsfunc.config.checks import _fields
+from dsfunc.config.errors import ConfigError, _bad, _show
+from dsfunc.config.schema import _as_is
+
+# DeepSpeed 0.19.8's defaults (runtime/zero/offload_config.py) of the keys that cannot apply to CPU offload
+OPTIMIZER_DEFAULTS: Mapping[str, Any] = {
+    "nvme_path": None, "buffer_count": 4, "pipeline_read": False, "pipeline_write": False, "fast_init": False,
+    "ratio": 1.0, "super_offload": False, "cpuadam_cores_perc": 0.8,
+}
+PARAM_DEFAULTS: Mapping[str, Any] = {
+    "nvme_path": None, "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000,
+}
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """An offload section that is on: where to (always ``"cpu"``) and whether host memory is pinned."""
+
+    device: str = "cpu"
+    pin_memory: bool = True  # DeepSpeed's default since 0.19.5; pinned only where CUDA is available
+
+
+def _offload_section(what: str, keys: Mapping[str, Any], defaults: Mapping[str, Any]):
+    """The check of one offload section: ``None`` when off, else an :class:`OffloadConfig`."""
+    check = _fields({"device": _as_is, **keys})
+
+    def parse(value: Any, path: str) -> OffloadConfig | None:
+        if value is None:
+            return None
+        if not isinstance(value, Mapping):
+            raise _bad(path, value, 'a JSON object such as {"device": "cpu"}')
+        values = check(value, path)
+        device = value.get("device", "none")
+        if device in (None, "none"):
+            return None
+        if device == "nvme":
+            raise ConfigError(
+                f'{path}.device = "nvme": offloading {what} to NVMe (ZeRO-Infinity) is not built in dsfunc; '
+                f'use "device": "cpu" (host memory) or "none".'
+            )
+        if device != "cpu":
+            raise _bad(f"{path}.device", device, '"none", "cpu" or "nvme"')
+        for key, default in defaults.items():
+            if key in value and value[key] != default:
+                raise ConfigError(
+                    f"{path}.{key} = {_show(value[key])}: dsfunc's offload to the CPU has no use for it (it tunes "
+                    f"NVMe swapping, tiled or partial offload, which dsfunc lacks). Remove the key or set it to "
+                    f"{_show(default)} (DeepSpeed's default)."
+                )
+        return OffloadConfig(pin_memory=True if values["pin_memory"] is None else values["pin_memory"])
+
+    return parse
+
+
+offload_optimizer = _offload_section("optimizer state", ds.OFFLOAD_OPTIMIZER, OPTIMIZER_DEFAULTS)
+offload_param = _offload_section("parameters", ds.OFFLOAD_PARAM, PARAM_DEFAULTS)
+
+
+def check_offload_stage(stage: int, optimizer: OffloadConfig | None, param: OffloadConfig | None) -> None:
+    """DeepSpeed offloads only under ZeRO, and parameters only at stage 3; dsfunc also needs the optimizer
+    offloaded to offload parameters (the compute copies are made from the masters, see the README)."""
+    if stage == 0 and (optimizer or param):
+        which = "offload_optimizer" if optimizer else "offload_param"
+        raise ConfigError(
+            f"zero_optimization.{which} needs ZeRO (stage 1, 2 or 3), as in DeepSpeed; this config has stage 0. "
+            'Set "zero_optimization": {"stage": 2, ...} (or 1 or 3), or set its device to "none".'
+        )
+    if param and stage != 3:
+        raise ConfigError(
+            f"zero_optimization.offload_param needs ZeRO stage 3 (stages 1-2 keep every parameter on each rank), "
+            f'as in DeepSpeed; this config has stage {stage}. Use "stage": 3, or offload_optimizer alone.'
+        )
+    if param and not optimizer:
+        raise ConfigError(
+            'zero_optimization.offload_param needs "offload_optimizer": {"device": "cpu"} too in dsfunc: the '
+            "16-bit parameters are made from the fp32 master weights, which live on the device unless the "
+            "optimizer is offloaded, so offloading the parameters alone would save no device memory."
+        )

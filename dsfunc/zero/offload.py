@@ -1,0 +1,131 @@
+"""ZeRO-Offload: the fp32 masters and optimizer state in host memory, the update on the CPU.
+
+With ``offload_optimizer: {"device": "cpu"}`` the state's ``params`` and ``opt_state`` live in host memory
+(pinned when CUDA is there and ``pin_memory`` is on) while forward and backward run on the compute device.
+A :class:`HostOffload` owns the host side of that traffic:
+
+* gradients out: each unit's reduced fp32 gradient shard is copied to a host buffer as soon as its last
+  reduction of the step lands (:meth:`HostOffload.put_grad`, non-blocking from the device), its sum of
+  squares for the global norm taken on the device first, so only one number per unit is summed there;
+* the update then runs where the masters are (:mod:`dsfunc.optim.host_adam` for the config's Adam/AdamW);
+* parameters back: each unit's new shard is cast to the compute dtype on the host (a pinned buffer) and
+  copied to the device (:meth:`HostOffload.stage`, :meth:`HostOffload.send`), half the bytes of the fp32
+  master. With ``offload_param`` at stage 3 that host copy is the only one between gathers: each gather
+  streams it host to device.
+
+The same path runs when the compute device is the CPU (the tests' case): the host buffers are separate
+tensors, the copies are real copies and the update is the host one, so nothing of it goes untested.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from dsfunc import kernels
+from dsfunc.config import ZeroConfig
+from dsfunc.zero.layout import ShardingPlan, Unit
+
+_LOWP = (torch.bfloat16, torch.float16)
+
+
+class HostOffload:
+    """The host buffers of a run with the optimizer offloaded, reused every step."""
+
+    def __init__(self, plan: ShardingPlan, *, compute_device: torch.device, compute_dtype: torch.dtype,
+                 pin_memory: bool, params: bool) -> None:
+        self.plan = plan
+        self.device = torch.device("cpu")  # where the masters and optimizer state live
+        self.compute_device = compute_device
+        self.compute_dtype = compute_dtype
+        self.pin = pin_memory and torch.cuda.is_available()
+        self.params = params  # offload_param: no device copy of a stage-3 unit's shard between its gathers
+        self._grads: dict[str, torch.Tensor] = {}  # unit -> fp32 gradient shard (host)
+        self._lowp: dict[str, torch.Tensor] = {}  # unit -> compute-dtype parameter shard (host, 16-bit only)
+        self._sumsq: dict[str, torch.Tensor] = {}  # unit -> sum of squares of its gradient (device)
+        self._sent: torch.cuda.Event | None = None  # after the last host-to-device copy of a staged shard
+
+    @classmethod
+    def from_config(cls, plan: ShardingPlan, zero: ZeroConfig, *, compute_device: torch.device,
+                    compute_dtype: torch.dtype) -> HostOffload | None:
+        """The host side for ``zero``'s offload sections, or None when the optimizer is not offloaded."""
+        if zero.offload_optimizer is None:
+            return None
+        return cls(plan, compute_device=compute_device, compute_dtype=compute_dtype,
+                   pin_memory=zero.offload_optimizer.pin_memory, params=zero.offload_param is not None)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer, pinned when it will take part in non-blocking copies with a GPU."""
+        return torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pin)
+
+    def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``tensor`` (a master shard as it is materialised)."""
+        return self.empty(tensor.numel(), tensor.dtype).copy_(tensor.reshape(-1)).view(tensor.shape)
+
+    # -- gradients out ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def put_grad(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
+        """Start copying ``unit``'s reduced fp32 gradient shard to its host buffer (returned), after taking its
+        sum of squares on the device. A later call for the same unit (another backward of the last
+        micro-batch) replaces both."""
+        self._sumsq[unit.name] = kernels.sum_of_squares([grad])
+        buf = self._grads.get(unit.name)
+        if buf is None or buf.numel() != grad.numel():
+            buf = self._grads[unit.name] = self.empty(grad.numel(), torch.float32)
+        buf.copy_(grad, non_blocking=True)
+        return buf
+
+    @torch.no_grad()
+    def host_grads(self, grads: Mapping[str, torch.Tensor | None]
+                   ) -> tuple[dict[str, torch.Tensor | None], torch.Tensor]:
+        """Every unit's gradient in host memory (copied now where the reducer did not already) once the copies
+        have landed, and the sum of squares of them all, on the compute device."""
+        out: dict[str, torch.Tensor | None] = {}
+        sums = []
+        for name, grad in grads.items():
+            if grad is not None and grad is not self._grads.get(name):
+                grad = self.put_grad(self.plan.unit(name), grad)
+            if grad is not None:
+                sums.append(self._sumsq[name])
+            out[name] = grad
+        self._sumsq = {}
+        if self.compute_device.type == "cuda":
+            torch.cuda.current_stream(self.compute_device).synchronize()  # the host reads them next
+        total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.compute_device)
+        return out, total
+
+    # -- parameters back ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def stage(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``unit``'s master shard in the compute dtype, in host memory: cast into its host buffer (16-bit),
+        or the fp32 master itself."""
+        src = master[unit.name]
+        if self.compute_dtype not in _LOWP:
+            return src
+        buf = self._lowp.get(unit.name)
+        if buf is None:
+            buf = self._lowp[unit.name] = self.empty(src.numel(), self.compute_dtype)
+        if self._sent is not None:  # a copy out of it may still be in flight
+            self._sent.synchronize()
+            self._sent = None
+        return buf.copy_(src)
+
+    def staged(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """What :meth:`stage` last wrote for ``unit`` (the offloaded parameter shard)."""
+        return self._lowp[unit.name] if self.compute_dtype in _LOWP else master[unit.name]
+
+    def send(self, host: torch.Tensor) -> torch.Tensor:
+        """A new device copy of a staged shard (non-blocking from pinned memory; a real copy on the CPU too)."""
+        out = torch.empty(host.numel(), dtype=self.compute_dtype, device=self.compute_device)
+        out.copy_(host, non_blocking=True)
+        if out.is_cuda:
+            self._sent = torch.cuda.Event()
+            self._sent.record(torch.cuda.current_stream(self.compute_device))
+        return out
+
+    def host_bytes(self) -> int:
+        """Host bytes of the buffers besides the masters and optimizer state: gradient and parameter shards."""
+        shard = sum(self.plan.shard_size(u) for u in self.plan.units)
+        lowp = torch.empty((), dtype=self.compute_dtype).element_size() if self.compute_dtype in _LOWP else 0
+        return shard * (4 + lowp)

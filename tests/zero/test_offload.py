@@ -1,0 +1,243 @@
+"""ZeRO-Offload on real gloo processes: the masters and optimizer state in host memory, the update on the
+host, and the same parameters as the run without it.
+
+On the CPU the compute device is the host too, but the offload path still runs: its host buffers are
+separate tensors, gradients and parameters are copied through them, and the update is torch's fused CPU
+Adam. Adam therefore agrees to float32 rounding (the kernels round differently), a chain update bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import dsfunc
+from dsfunc import checkpoint as ckpt
+from dsfunc.zero import memory_estimate
+from tests.models import MLP, config, mlp_batches, relative_diff
+from tests.multiprocess import run_world
+
+STEPS = 4
+OPTIMIZER = {"device": "cpu"}
+# offload modes: none, the optimizer (stages 1-3), the optimizer and the parameters (stage 3)
+MODES = {"none": {}, "optimizer": {"offload_optimizer": OPTIMIZER},
+         "param": {"offload_optimizer": OPTIMIZER, "offload_param": {"device": "cpu"}}}
+
+
+def make_state(world: int, stage: int, mode: str, *, micro: int = 2, gas: int = 2, seed: int = 0,
+               **extra: object) -> dsfunc.TrainState:
+    torch.manual_seed(seed)
+    cfg = config(micro=micro, gas=gas, world=world, stage=stage, gradient_clipping=0.05, **extra)
+    cfg["zero_optimization"].update(MODES[mode], stage3_param_persistence_threshold=0)
+    return dsfunc.init_state(MLP(width=10, depth=3), cfg)
+
+
+def train(state: dsfunc.TrainState, rank: int, world: int, steps: int = STEPS, start: int = 0,
+          poison: int | None = None) -> dsfunc.TrainState:
+    """``steps`` steps of the global batch; ``poison``: the step whose input holds an inf on rank 0."""
+    n = state.program.config.train_micro_batch_size_per_gpu * state.program.config.gradient_accumulation_steps
+    for i, (x, y) in enumerate(mlp_batches(start + steps, n * world)[start:], start):
+        x, y = x[rank * n : (rank + 1) * n].clone(), y[rank * n : (rank + 1) * n]
+        if i == poison and rank == 0:
+            x[0, 0] = float("inf")
+        state = dsfunc.train_step(state, (x, y))
+    return state
+
+
+def every_mode(rank: int, world: int) -> dict:
+    out = {}
+    for stage in (1, 2, 3):
+        for mode in MODES if stage == 3 else ("none", "optimizer"):
+            state = train(make_state(world, stage, mode), rank, world)
+            host = [t.device.type == "cpu" for t in state.params.values()]
+            offload = state.program.offload
+            out[stage, mode] = {
+                "full": dsfunc.full_params(state), "host": all(host), "offload": offload is not None,
+                "separate": offload is None or all(
+                    b.data_ptr() != p.data_ptr() for b, p in zip(state.program.workspace.buffers.values(),
+                                                                 state.params.values())),
+                "grad_norm": state.metrics.grad_norm.item(),
+            }
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_offload_gives_the_parameters_of_the_run_without_it(world):
+    """Stages 1-3, two micro-batches per step, clipping on; offload_param at stage 3 too."""
+    for rank, results in enumerate(run_world(every_mode, world)):
+        for (stage, mode), r in results.items():
+            reference = results[stage, "none"]
+            assert r["offload"] == (mode != "none") and r["host"] and r["separate"]
+            diff = relative_diff(r["full"], reference["full"])
+            assert diff < 1e-6, f"world {world} rank {rank} stage {stage} {mode}: {diff}"
+            assert abs(r["grad_norm"] - reference["grad_norm"]) <= 1e-6 * reference["grad_norm"]
+            assert reference["grad_norm"] > 0.05  # clipping did act
+
+
+def chain_update(rank: int, world: int) -> dict:
+    lamb = {"type": "Lamb", "params": {"lr": 1e-2}}
+    return {mode: dsfunc.full_params(train(make_state(world, 2, mode, optimizer=lamb), rank, world))
+            for mode in ("none", "optimizer")}
+
+
+def test_a_chain_update_on_the_host_is_bitwise_the_same():
+    """Lamb runs as a transform chain (no fused kernel): the same arithmetic, on the host."""
+    for r in run_world(chain_update, 2):
+        assert relative_diff(r["optimizer"], r["none"]) == 0.0
+
+
+def fp16_overflow(rank: int, world: int) -> dict:
+    out = {}
+    for mode in ("none", "optimizer", "param"):
+        state = make_state(world, 3, mode, fp16={"enabled": True, "initial_scale_power": 8},
+                           scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 3}})
+        state = train(state, rank, world, steps=2, poison=1)
+        skipped = int(state.metrics.skipped)
+        state = train(state, rank, world, steps=2, start=2)
+        out[mode] = {"skipped": skipped, "full": dsfunc.full_params(state), "scale": state.scaler.scale.item(),
+                     "lr": state.metrics.lr.item(), "lr_device": state.metrics.lr.device.type}
+    return out
+
+
+def test_fp16_overflow_skips_the_host_update_on_every_rank():
+    for r in run_world(fp16_overflow, 2):
+        reference = r["none"]
+        assert reference["skipped"] == 1
+        for mode in ("optimizer", "param"):
+            assert r[mode]["skipped"] == 1 and r[mode]["scale"] == reference["scale"]
+            assert r[mode]["lr"] == reference["lr"]  # the schedule did not advance on the skipped step either
+            assert relative_diff(r[mode]["full"], reference["full"]) < 1e-6, mode
+
+
+def save_offloaded(rank: int, world: int, root: str) -> dict:
+    """Offloaded at stage 2: 3 steps, save, 2 more; then a fresh offloaded state resumes from the save."""
+    state = train(make_state(world, 2, "optimizer", micro=4, gas=1), rank, world, steps=3)
+    ckpt.save_checkpoint(state, Path(root) / "off", tag="s3")
+    saved = dsfunc.full_params(state)
+    state = train(state, rank, world, steps=2, start=3)
+    resumed, _ = ckpt.load_checkpoint(Path(root) / "off", make_state(world, 2, "optimizer", micro=4, gas=1, seed=5))
+    resumed = train(resumed, rank, world, steps=2, start=3)
+    return {"saved": saved, "uninterrupted": dsfunc.full_params(state), "resumed": dsfunc.full_params(resumed)}
+
+
+def load_elsewhere(rank: int, world: int, root: str, mode: str, stage: int) -> dict:
+    """The offloaded checkpoint at another world size, with or without offload: loaded, then 2 steps."""
+    state, _ = ckpt.load_checkpoint(Path(root) / "off", make_state(world, stage, mode, micro=8 // world, gas=1,
+                                                                   seed=5))
+    loaded = dsfunc.full_params(state)
+    return {"loaded": loaded, "after": dsfunc.full_params(train(state, rank, world, steps=2, start=3))}
+
+
+def test_checkpoints_move_between_offloaded_and_resident_states_and_world_sizes(tmp_path):
+    saved = run_world(save_offloaded, 2, str(tmp_path))
+    for r in saved:
+        assert relative_diff(r["resumed"], r["uninterrupted"]) == 0.0  # exact resume with offload
+    plain = load_elsewhere(0, 1, str(tmp_path), "none", 3)  # in this process: no process group
+    moved = run_world(load_elsewhere, 4, str(tmp_path), "param", 3)
+    assert relative_diff(plain["loaded"], saved[0]["saved"]) == 0.0
+    for r in moved:
+        assert relative_diff(r["loaded"], saved[0]["saved"]) == 0.0
+        assert relative_diff(r["after"], plain["after"]) < 1e-6
+    assert relative_diff(plain["after"], saved[0]["uninterrupted"]) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "zero, expected",
+    [
+        ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme"}},
+         'offload_optimizer.device = "nvme": offloading optimizer state to NVMe (ZeRO-Infinity) is not built'),
+        ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, "offload_optimizer needs ZeRO (stage 1, 2 or 3)"),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+         "offload_param needs ZeRO stage 3"),
+        ({"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 8}, "offload_optimizer": {"device": "cpu"}},
+         "offload_param.buffer_count = 8: dsfunc's offload to the CPU has no use for it"),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu", "pipeline_read": True}},
+         "offload_optimizer.pipeline_read = true"),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memroy": False}},
+         'Unknown config key "zero_optimization.offload_optimizer.pin_memroy". Did you mean'),
+    ],
+)
+def test_offload_config_errors(zero, expected):
+    with pytest.raises(dsfunc.ConfigError) as raised:
+        dsfunc.init_state(MLP(), {"train_batch_size": 2, "zero_optimization": zero})
+    assert expected in str(raised.value)
+
+
+def test_memory_estimate_splits_host_and_device():
+    from dsfunc.monitor.progress import startup_summary
+
+    est = {}
+    for stage, mode in ((2, "none"), (2, "optimizer"), (3, "optimizer"), (3, "param")):
+        state = make_state(1, stage, mode, bf16={"enabled": True})
+        est[stage, mode] = memory_estimate(state)
+    psi = sum(p.numel() for p in state.params.values())
+    plan = state.program.plan
+    lazy = sum(plan.shard_size(u) for u in plan.units if state.program.workspace.lazy(u))
+    resident, off = est[2, "none"], est[2, "optimizer"]
+    assert resident["host"] == 0 and resident["device"] == resident["total"]
+    assert off["host"] == 4 * psi + 8 * psi + (4 + 2) * psi  # master, moments, host gradient and bf16 shards
+    assert off["device"] == resident["device"] - 12 * psi
+    assert est[3, "optimizer"]["device"] - est[3, "param"]["device"] == 2 * lazy  # the shards kept on the device
+    assert est[3, "param"]["host"] == off["host"]
+    assert "ZeRO-Offload:" in startup_summary(state) and "parameters streamed from the host" in startup_summary(state)
+
+
+def test_the_engine_trains_offloaded_and_gathered_writes_reach_the_host_masters():
+    import dsfunc as deepspeed
+
+    full = {}
+    for mode in ("none", "optimizer"):
+        torch.manual_seed(0)
+        net = MLP(width=10, depth=3)
+        cfg = config(micro=2, gas=2, stage=2)
+        cfg["zero_optimization"].update(MODES[mode])
+        engine, _, _, _ = deepspeed.initialize(model=net, config=cfg)
+        for x, y in mlp_batches(3, 4):
+            for i in (0, 2):
+                engine.backward(engine(x[i : i + 2], y[i : i + 2]))
+                engine.step()
+        with deepspeed.zero.GatheredParameters([net.inp.weight], modifier_rank=0):
+            net.inp.weight.data.fill_(0.5)
+        full[mode] = dsfunc.full_params(engine.state)
+    assert (full["optimizer"]["inp.weight"] == 0.5).all()
+    assert relative_diff(full["optimizer"], full["none"]) < 1e-6
+
+
+def test_a_deepspeed_checkpoint_resumes_into_an_offloaded_state(tmp_path):
+    """DeepSpeed's ZeRO-2 fp32 checkpoint (2 ranks), resumed here on one rank with the optimizer offloaded:
+    the next steps equal DeepSpeed's own resume (its Adam and torch's CPU Adam agree to 1e-5)."""
+    from tests.checkpoint.deepspeed.common import CASES, RESUMED, SAVE_AT, Net, batch, extract
+
+    case = next(c for c in CASES if c.name == "s2_w2_fp32")
+    root = extract(tmp_path)
+    cfg = case.config(world=1, stage=2)
+    cfg["zero_optimization"]["offload_optimizer"] = OPTIMIZER
+    torch.manual_seed(1)
+    state, _ = dsfunc.load_checkpoint(root / case.name, dsfunc.init_state(Net(), cfg))
+    assert all(p.device.type == "cpu" for p in state.params.values()) and state.program.offload is not None
+    losses = []
+    for step in range(SAVE_AT, SAVE_AT + RESUMED):
+        state = dsfunc.train_step(state, batch(step))
+        losses.append(state.metrics.loss.item())
+    reference = torch.load(root / case.name / "reference.pt")
+    assert max(abs(a - b) / abs(b) for a, b in zip(losses, reference["losses"])) < 1e-5
+    full = dsfunc.full_params(state)
+    assert relative_diff({k: full[k] for k in reference["params"]}, reference["params"]) < 1e-5
+
+
+def test_parameter_groups_update_on_the_host_with_their_own_options():
+    """One group through torch's CPU Adam, one without bias correction through dsfunc's op on the host."""
+    groups = dsfunc.ParamGroups(label=lambda name: "bias" if name.endswith("bias") else "weight",
+                                options={"bias": {"bias_correction": False, "weight_decay": 0.0, "lr": 3e-3}})
+    full = {}
+    for mode in ("none", "optimizer"):
+        torch.manual_seed(0)
+        cfg = config(micro=4, stage=1, gradient_clipping=0.05)
+        cfg["zero_optimization"].update(MODES[mode])
+        state = dsfunc.init_state(MLP(width=10, depth=3), cfg, param_groups=groups)
+        for batch in mlp_batches(STEPS, 4):
+            state = dsfunc.train_step(state, batch)
+        full[mode] = dsfunc.full_params(state)
+    assert relative_diff(full["optimizer"], full["none"]) < 1e-6

@@ -1,0 +1,108 @@
+"""ZeRO-Offload on a GPU (skips without CUDA): the device memory it saves, measured, and the same training.
+
+The saving is the fp32 master shard and both Adam moments, 12 bytes per parameter of the shard, moved to
+(pinned) host memory; the gradient shard and the bf16 compute copy stay on the device.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import dsfunc
+from dsfunc.models.gpt import GPT, GPTConfig, init_weights
+from tests.models import relative_diff
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+# about 300M parameters (the tied embedding once): big enough that model states dwarf activations at this batch
+BIG = GPTConfig(vocab_size=50304, seq_len=128, n_layer=12, n_head=16, d_model=1280)
+SMALL = GPTConfig(vocab_size=512, seq_len=64, n_layer=4, n_head=4, d_model=128)
+
+
+def gpt(cfg: GPTConfig) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    model.apply(init_weights)
+    return model
+
+
+def ds_config(stage: int, offload: bool, precision: str | None) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage},
+    }
+    if precision:
+        cfg[precision] = {"enabled": True}
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    return cfg
+
+
+def batches(cfg: GPTConfig, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        idx = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), generator=g)
+        out.append((idx[:, :-1], idx[:, 1:]))
+    return out
+
+
+def run(cfg: GPTConfig, stage: int, offload: bool, precision: str | None, steps: int) -> dict:
+    """Train ``steps`` steps on cuda:0; the peak device memory from before the state was built."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    state = dsfunc.init_state(gpt(cfg), ds_config(stage, offload, precision), device="cuda:0")
+    for batch in batches(cfg, steps):
+        state = dsfunc.train_step(state, batch)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    out = {
+        "peak": peak, "shard": sum(p.numel() for p in state.params.values()),
+        "full": {k: v.cpu() for k, v in dsfunc.full_params(state).items()}, "loss": state.metrics.loss.item(),
+        "on_host": all(p.device.type == "cpu" for p in state.params.values()),
+        "pinned": all(p.is_pinned() for p in state.params.values()),
+    }
+    del state
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+@needs_cuda
+@pytest.mark.parametrize("stage", [1, 2])
+def test_optimizer_offload_frees_12_bytes_per_parameter_of_the_shard(stage):
+    resident = run(BIG, stage, False, "bf16", steps=2)
+    offloaded = run(BIG, stage, True, "bf16", steps=2)
+    assert offloaded["on_host"] and offloaded["pinned"] and not resident["on_host"]
+    saved = resident["peak"] - offloaded["peak"]
+    assert saved >= 12 * offloaded["shard"], (resident["peak"], offloaded["peak"], offloaded["shard"])
+    assert abs(resident["loss"] - offloaded["loss"]) < 1e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_on_the_gpu_trains_like_the_resident_run(stage):
+    resident = run(SMALL, stage, False, None, steps=4)
+    offloaded = run(SMALL, stage, True, None, steps=4)
+    assert relative_diff(offloaded["full"], resident["full"]) < 1e-5
+    assert abs(offloaded["loss"] - resident["loss"]) < 1e-5 * abs(resident["loss"])
+
+
+@needs_cuda
+def test_parameter_offload_at_stage3_on_the_gpu_trains_like_the_resident_run():
+    resident = run(SMALL, 3, False, "bf16", steps=3)
+    torch.manual_seed(0)
+    cfg = ds_config(3, True, "bf16")
+    cfg["zero_optimization"].update(offload_param={"device": "cpu"}, stage3_param_persistence_threshold=0)
+    state = dsfunc.init_state(gpt(SMALL), cfg, device="cuda:0")
+    for batch in batches(SMALL, 3):
+        state = dsfunc.train_step(state, batch)
+    assert not state.program.workspace.shards  # nothing of a gathered unit stays on the device between gathers
+    full = {k: v.cpu() for k, v in dsfunc.full_params(state).items()}
+    assert relative_diff(full, resident["full"]) < 1e-2 and abs(state.metrics.loss.item() - resident["loss"]) < 1e-2
