@@ -1,7 +1,7 @@
 """The "24 GB GPU": the largest BENCH.md-style GPT that trains on one GPU capped to ``--cap_gib``, without
 offload, with optimizer offload and with optimizer + parameter offload; DeepSpeed ZeRO-Offload on a model.
 
-    python bench/bench_offload.py --cap_gib 24 --trials none:24x2048/32x2560,opt:32x3200/40x3584 --deepspeed 32x2560
+    python bench/bench_offload.py --cap_gib 24 --trials opt+param:40x3584,deepspeed:32x2560,none:24x2048/32x2560
 
 Every trial is a process of its own (``--one SHAPE SETTING SYSTEM``), so a failed allocation, pinned host
 memory and the memory cap stay with it. ``--trials`` lists, per setting, sizes (``LxD``: L layers of width
@@ -9,7 +9,7 @@ D) to try in order, stopping at the first that does not fit. All trials: ZeRO-3 
 1.0, every block checkpointed (dsfunc's ``activation_checkpointing`` policy "units"; for DeepSpeed,
 ``torch.utils.checkpoint`` around each block), micro-batch ``--micro`` of 1024 random tokens, 2 warm-up
 steps and ``--steps`` timed steps. Settings: ``none``, ``opt`` (``offload_optimizer`` to pinned CPU
-memory), ``opt+param`` (and ``offload_param``). ``--deepspeed SHAPE`` also runs DeepSpeed 0.19.x's engine
+memory), ``opt+param`` (and ``offload_param``). The entry ``deepspeed:SHAPE`` runs DeepSpeed 0.19.x's engine
 with ZeRO-Offload (its DeepSpeedCPUAdam, built on first use) on SHAPE with the ``opt`` setting, beside
 dsfunc's trial of the same shape and setting.
 """
@@ -137,7 +137,7 @@ def one(size: str, setting: str, system: str, cap_gib: float, micro: int, steps:
         rss = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**20
     print(json.dumps({"fits": True, "tokens": tokens, "mfu": tokens * flops / PEAK_FLOPS,
                       "peak": torch.cuda.max_memory_allocated() / 2**30, "host": rss,
-                      "loss": [losses[0], losses[-1]], "params": flops}))
+                      "loss": [losses[0], losses[-1]]}))
 
 
 def trial(size: str, setting: str, system: str, args) -> dict:
@@ -169,8 +169,8 @@ def row(size: str, setting: str, system: str, r: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cap_gib", type=float, default=24.0)
-    parser.add_argument("--trials", default="none:24x2048/32x2560,opt:32x2560/32x3200/40x3584,opt+param:40x3584")
-    parser.add_argument("--deepspeed", default="", help="a size to run DeepSpeed ZeRO-Offload on (opt setting)")
+    parser.add_argument("--trials", default="none:24x2048/32x2560,opt:32x2560/32x3200/40x3584,opt+param:40x3584,"
+                                          "deepspeed:32x2560")
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--trial_timeout", type=float, default=240)
@@ -185,14 +185,15 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for entry in args.trials.split(","):
         setting, _, sizes = entry.partition(":")
+        if setting == "deepspeed":
+            for system in ("dsfunc", "deepspeed"):
+                print(row(sizes, "opt", system, trial(sizes, "opt", system, args)), flush=True)
+            continue
         for size in sizes.split("/"):
             r = trial(size, setting, "dsfunc", args)
             print(row(size, setting, "dsfunc", r), flush=True)
             if not r["fits"]:
                 break
-    if args.deepspeed:
-        for system in ("dsfunc", "deepspeed"):
-            print(row(args.deepspeed, "opt", system, trial(args.deepspeed, "opt", system, args)), flush=True)
 
 
 if __name__ == "__main__":
