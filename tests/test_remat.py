@@ -185,3 +185,16 @@ def test_deepspeeds_checkpointing_api_checkpoints_a_call():
     with pytest.raises(dsfunc.ConfigError, match="partition_activations"):
         checkpointing.configure(None, partition_activations=True)
     checkpointing.reset()
+
+
+def test_a_module_trained_in_place_again_is_checkpointed_once():
+    """A second state over the same module (the engine's in_place) replaces the first one's checkpointing: the
+    forwards are not wrapped twice, and a state without checkpointing leaves them as they were."""
+    model = gpt()
+    block = model.blocks[0]
+    own = block.forward
+    for _ in range(2):
+        dsfunc.init_state(model, config(0), activation_checkpointing="units", in_place=True)
+        assert block.forward.func is dsfunc.remat.checkpoint and block.forward.args == (own,)
+    dsfunc.init_state(model, config(0), in_place=True)
+    assert block.forward == own and "forward" not in block.__dict__
