@@ -53,7 +53,7 @@ def test_gpt_example_trains_evaluates_samples_and_resumes_exactly(tmp_path):
 
 
 def test_gpt_example_through_the_launcher_on_two_ranks(tmp_path):
-    out = run([sys.executable, "-m", "dsfunc.cli", "--num_gpus", "2", "--master_port", "29611", GPT, "--steps", "40",
+    out = run([sys.executable, "-m", "dsfunc.cli", "--num_gpus", "2", "--master_port", str(free_port()), GPT, "--steps", "40",
                "--out_dir", str(tmp_path)])
     assert "world size 2" in out and "done: loss" in out and sorted(val_losses(out)) == [40]
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step40"
