@@ -46,7 +46,6 @@ ALIASES = {
     "moe.utils": "dsfunc.deepspeed.moe",
     "compression.helper": "dsfunc.deepspeed.compression",
     "checkpointing": "dsfunc.deepspeed.checkpointing",
-    "runtime.activation_checkpointing": "dsfunc.deepspeed.checkpointing",
     "runtime.activation_checkpointing.checkpointing": "dsfunc.deepspeed.checkpointing",
 }
 
