@@ -11,7 +11,9 @@ D) to try in order, stopping at the first that does not fit. All trials: ZeRO-3 
 steps and ``--steps`` timed steps. Settings: ``none``, ``opt`` (``offload_optimizer`` to pinned CPU
 memory), ``opt+param`` (and ``offload_param``). The entry ``deepspeed:SHAPE`` runs DeepSpeed 0.19.x's engine
 with ZeRO-Offload (its DeepSpeedCPUAdam, built on first use) on SHAPE with the ``opt`` setting, beside
-dsfunc's trial of the same shape and setting.
+dsfunc's trial of the same shape and setting; ``deepspeed-SETTING:SHAPE`` with another setting. DeepSpeed
+builds the model under ``deepspeed.zero.Init`` (partitioned as it is made, its documented way for models
+that do not fit one device), with the modules' own initialisation.
 """
 
 from __future__ import annotations
@@ -94,12 +96,12 @@ def run_deepspeed(cfg, setting: str, micro: int, steps: int):
     import deepspeed
     from torch.utils.checkpoint import checkpoint
 
-    from dsfunc.models.gpt import GPT, init_weights
+    from dsfunc.models.gpt import GPT
 
     deepspeed.init_distributed(dist_backend="nccl")
     config_ds = config(micro, setting)
-    model = GPT(cfg)  # on the host; initialize partitions it onto the GPU
-    model.apply(init_weights)
+    with deepspeed.zero.Init(config_dict_or_path=config_ds):
+        model = GPT(cfg)
     for block in model.blocks:
         block.forward = lambda x, f=block.forward: checkpoint(f, x, use_reentrant=False)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config_ds)
@@ -186,9 +188,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for entry in args.trials.split(","):
         setting, _, sizes = entry.partition(":")
-        if setting == "deepspeed":
+        if setting.startswith("deepspeed"):
+            compared = setting.partition("-")[2] or "opt"
             for system in ("dsfunc", "deepspeed"):
-                print(row(sizes, "opt", system, trial(sizes, "opt", system, args)), flush=True)
+                print(row(sizes, compared, system, trial(sizes, compared, system, args)), flush=True)
             continue
         for size in sizes.split("/"):
             r = trial(size, setting, "dsfunc", args)

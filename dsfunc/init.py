@@ -52,6 +52,7 @@ from dsfunc.zero.layout import ShardingPlan, make_plan, unit_views
 from dsfunc.zero.materialize import materialize
 from dsfunc.zero.norms import segment_norm_fn
 from dsfunc.zero.offload import HostOffload
+from dsfunc.zero.reduce import exact_dtype
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, None: torch.float32}
 
@@ -136,7 +137,11 @@ def init_state(
     zero = cfg.zero_optimization
     plan, groups = _plan(model, zero.stage, unit_modules, param_groups)
     skeleton = model if in_place else make_skeleton(model)
-    host = HostOffload.from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype)
+    comm_dtype = _COMM_DTYPES[cfg.communication_data_type]
+    host_grad_dtype = exact_dtype(cfg.compute_dtype, comm_dtype, plan.ways) \
+        if cfg.gradient_accumulation_steps == 1 else torch.float32
+    host = HostOffload.from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype,
+                                   grad_dtype=host_grad_dtype)
     params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn, host)
     slots = Slots(skeleton, plan, buffers.keys())
     scaler = LossScaler.from_config(cfg.fp16)
@@ -152,7 +157,7 @@ def init_state(
     program = Program(
         config=cfg, plan=plan, skeleton=skeleton, slots=slots,
         workspace=workspace, update=update, scaler=scaler, loss_fn=loss_fn, device=device,
-        compute_dtype=cfg.compute_dtype, comm_dtype=_COMM_DTYPES[cfg.communication_data_type],
+        compute_dtype=cfg.compute_dtype, comm_dtype=comm_dtype,
         persistent_buffers=tuple(k for k in model.state_dict() if k in buffers),
         step_fn=_step_fn(compile_options), segment_norm=segment_norm_fn(plan, device), offload=host,
     )

@@ -109,7 +109,7 @@ class FusedAdam:
             else:
                 for name in names:
                     kernels.adam_step_(
-                        params[name], grads[name], adam.mu[name], adam.nu[name],
+                        params[name], grads[name].float(), adam.mu[name], adam.nu[name],
                         grad_scale=grad_scale, lr=lr, step=step, skip=skip, lowp=ctx.lowp.get(name),
                         beta1=group.beta1, beta2=group.beta2, eps=group.eps, weight_decay=group.weight_decay,
                         adam_w_mode=group.adam_w_mode, bias_correction=group.bias_correction,

@@ -8,6 +8,10 @@ they round differently from the reference (AdamW's weight decay is applied to th
 step, the step size is ``lr / bc1``), so an offloaded run agrees with one that is not to float32 rounding,
 not bit for bit. Their ``grad_scale`` divides the gradients (which are overwritten, unscaled) and a
 ``found_inf`` of 1 turns the call into a no-op.
+
+The host gradient buffers may be 16-bit (:mod:`dsfunc.zero.offload`): each unit is then widened into one
+fp32 scratch buffer just before its update, so the widened copy costs the bytes of the largest unit, not
+of the model.
 """
 
 from __future__ import annotations
@@ -24,15 +28,18 @@ def host_adam_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ex
     """One Adam (``adam_w_mode=False``: L2 decay) or AdamW step of host shards, in place.
 
     Args:
-      params, grads, exp_avgs, exp_avg_sqs: flat fp32 CPU tensors, one of each per unit (grads are unscaled
-        in place).
+      params, grads, exp_avgs, exp_avg_sqs: flat CPU tensors, one of each per unit, fp32 but for 16-bit
+        grads (fp32 grads are unscaled in place).
       grad_divisor: 0-d fp32, what the gradients are divided by first (loss scale times clip coefficient).
       lr: 0-d fp32 learning rate. step: 0-d fp32 count of applied steps including this one.
       skip: 0-d bool; when true nothing is written.
     """
-    if not params:
-        return
     fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
-    fused(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), [], [step] * len(params),
-          lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
-          grad_scale=grad_divisor, found_inf=skip.to(torch.float32))
+    found_inf = skip.to(torch.float32)
+    scratch = torch.empty(max((g.numel() for g in grads if g.dtype != torch.float32), default=0))
+    for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        if grad.dtype != torch.float32:
+            grad = scratch[: grad.numel()].view(grad.shape).copy_(grad)
+        fused([param], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=lr, beta1=beta1, beta2=beta2,
+              weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=grad_divisor,
+              found_inf=found_inf)

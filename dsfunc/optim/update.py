@@ -45,6 +45,7 @@ class ChainUpdate:
     def apply(self, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], opt_state: Any,
               ctx: UpdateContext) -> tuple[FrozenDict, Any]:
         """New params and optimizer state, written into the old buffers (unchanged where not finite)."""
+        grads = {name: g.float() for name, g in grads.items()}  # offloaded host gradients may be 16-bit
         updates, new_opt_state = self.transform.update(
             grads, opt_state, dict(params),
             grad_scale=1.0 / ctx.loss_scale, global_norm=ctx.grad_norm, segment_norm=ctx.segment_norm,

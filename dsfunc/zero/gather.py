@@ -143,7 +143,7 @@ class Workspace:
                 if self.host is not None:
                     staged = self.host.stage(unit, master)
                     if not self.host.params:
-                        self.shards[unit.name] = self.host.send(staged)
+                        self.shards[unit.name] = self.host.send(unit, staged)
                 continue
             buf = self.buffers.get(unit.name)
             if buf is None:
@@ -287,7 +287,7 @@ class Workspace:
         """This rank's shard of ``unit`` (all of it at stage 0) in the compute dtype, on the device."""
         if self.host is None:
             return master[unit.name].to(self.compute_dtype)
-        return self.host.send(self.host.stage(unit, master))
+        return self.host.send(unit, self.host.stage(unit, master))
 
     def _gather_source(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """What a lazy unit's all-gather sends: the shard cast from the master, or with offload the device
@@ -297,7 +297,7 @@ class Workspace:
         if self.synced_with != _signature(master):
             self.refresh(master)
         if self.host.params:
-            return self.host.send(self.host.staged(unit, master))
+            return self.host.send(unit, self.host.staged(unit, master))
         return self.shards[unit.name]
 
     def release(self, unit: Unit) -> None:

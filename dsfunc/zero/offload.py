@@ -4,14 +4,24 @@ With ``offload_optimizer: {"device": "cpu"}`` the state's ``params`` and ``opt_s
 (pinned when CUDA is there and ``pin_memory`` is on) while forward and backward run on the compute device.
 A :class:`HostOffload` owns the host side of that traffic:
 
-* gradients out: each unit's reduced fp32 gradient shard is copied to a host buffer as soon as its last
+* gradients out: each unit's reduced gradient shard is copied to a host buffer as soon as its last
   reduction of the step lands (:meth:`HostOffload.put_grad`, non-blocking from the device), its sum of
   squares for the global norm taken on the device first, so only one number per unit is summed there;
+  the reducer then drops its device copy, so backward holds no gradient shards on the device beyond the
+  reductions in flight (with gradient accumulation, the micro-batches before the last still sum there).
+  The buffer has the narrowest dtype that holds the gradient exactly
+  (:func:`dsfunc.zero.reduce.exact_dtype`: 16 bits for one micro-batch on one rank, or with 16-bit
+  communication), half the host bytes of fp32 and the same numbers;
 * the update then runs where the masters are (:mod:`dsfunc.optim.host_adam` for the config's Adam/AdamW);
 * parameters back: each unit's new shard is cast to the compute dtype on the host (a pinned buffer) and
   copied to the device (:meth:`HostOffload.stage`, :meth:`HostOffload.send`), half the bytes of the fp32
-  master. With ``offload_param`` at stage 3 that host copy is the only one between gathers: each gather
-  streams it host to device.
+  master; the cast of one unit overlaps the copy of the one before. With ``offload_param`` at stage 3
+  that host copy is the only one between gathers: each gather streams it host to device.
+
+Only the buffers that take part in copies with the GPU are pinned (the masters and moments are read by
+the host alone), and they are pinned at their exact size with ``cudaHostRegister``: torch's pinned
+allocator (``pin_memory=True``) rounds every allocation up to a power of two, 1.6x the bytes for a
+unit of 79M parameters.
 
 The same path runs when the compute device is the CPU (the tests' case): the host buffers are separate
 tensors, the copies are real copies and the update is the host one, so nothing of it goes untested.
@@ -19,6 +29,8 @@ tensors, the copies are real copies and the update is the host one, so nothing o
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -27,52 +39,98 @@ from dsfunc import kernels
 from dsfunc.config import ZeroConfig
 from dsfunc.zero.layout import ShardingPlan, Unit
 
+logger = logging.getLogger("dsfunc")
 _LOWP = (torch.bfloat16, torch.float16)
+
+
+class _Pinned:
+    """Host tensors page-locked at their exact size, unlocked when released or when their owner goes."""
+
+    def __init__(self, owner: object) -> None:
+        self.ptrs: set[int] = set()
+        self.failed = False
+        weakref.finalize(owner, _Pinned._unregister_all, self.ptrs)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(numel, dtype=dtype)
+        if self.failed or out.numel() == 0:
+            return out
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(out.data_ptr(), out.numel() * out.element_size(), 0)) != 0:
+            self.failed = True  # e.g. the locked-memory limit (ulimit -l): pageable copies are slower, not wrong
+            logger.warning("offload: page-locking %d host bytes failed; host buffers stay pageable", out.nbytes)
+            return out
+        self.ptrs.add(out.data_ptr())
+        return out
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Unlock ``tensor`` before it is dropped, once the device is done with it."""
+        if tensor.data_ptr() in self.ptrs:
+            torch.cuda.synchronize()  # a non-blocking copy into or out of it may still be in flight
+            self.ptrs.discard(tensor.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+    @staticmethod
+    def _unregister_all(ptrs: set[int]) -> None:
+        # Runs as the owner goes, while its buffers are still referenced by its attributes. A buffer that
+        # outlives it is pageable memory from then on: copies with it are synchronous, still correct.
+        if ptrs:
+            torch.cuda.synchronize()
+        for ptr in ptrs:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        ptrs.clear()
 
 
 class HostOffload:
     """The host buffers of a run with the optimizer offloaded, reused every step."""
 
     def __init__(self, plan: ShardingPlan, *, compute_device: torch.device, compute_dtype: torch.dtype,
-                 pin_memory: bool, params: bool) -> None:
+                 pin_memory: bool, params: bool, grad_bytes: int = 4) -> None:
         self.plan = plan
         self.device = torch.device("cpu")  # where the masters and optimizer state live
         self.compute_device = compute_device
         self.compute_dtype = compute_dtype
         self.pin = pin_memory and torch.cuda.is_available()
         self.params = params  # offload_param: no device copy of a stage-3 unit's shard between its gathers
-        self._grads: dict[str, torch.Tensor] = {}  # unit -> fp32 gradient shard (host)
+        self.grad_bytes = grad_bytes  # per element of a host gradient buffer, as the config lets expect
+        self._pinned = _Pinned(self) if self.pin else None
+        self._grads: dict[str, torch.Tensor] = {}  # unit -> gradient shard (host)
         self._lowp: dict[str, torch.Tensor] = {}  # unit -> compute-dtype parameter shard (host, 16-bit only)
         self._sumsq: dict[str, torch.Tensor] = {}  # unit -> sum of squares of its gradient (device)
-        self._sent: torch.cuda.Event | None = None  # after the last host-to-device copy of a staged shard
+        self._sent: dict[str, torch.cuda.Event] = {}  # unit -> after the last copy out of its staged shard
 
     @classmethod
     def from_config(cls, plan: ShardingPlan, zero: ZeroConfig, *, compute_device: torch.device,
-                    compute_dtype: torch.dtype) -> HostOffload | None:
-        """The host side for ``zero``'s offload sections, or None when the optimizer is not offloaded."""
+                    compute_dtype: torch.dtype, grad_dtype: torch.dtype) -> HostOffload | None:
+        """The host side for ``zero``'s offload sections, or None when the optimizer is not offloaded.
+        ``grad_dtype``: what the host gradient buffers are expected to hold (for the memory estimate)."""
         if zero.offload_optimizer is None:
             return None
         return cls(plan, compute_device=compute_device, compute_dtype=compute_dtype,
-                   pin_memory=zero.offload_optimizer.pin_memory, params=zero.offload_param is not None)
+                   pin_memory=zero.offload_optimizer.pin_memory, params=zero.offload_param is not None,
+                   grad_bytes=torch.empty((), dtype=grad_dtype).element_size())
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer, pinned when it will take part in non-blocking copies with a GPU."""
-        return torch.empty(numel, dtype=dtype, device=self.device, pin_memory=self.pin)
+        """A host buffer for copies with the compute device: pinned when that is a GPU and pinning is on."""
+        return torch.empty(numel, dtype=dtype) if self._pinned is None else self._pinned.empty(numel, dtype)
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host copy of ``tensor`` (a master shard as it is materialised)."""
-        return self.empty(tensor.numel(), tensor.dtype).copy_(tensor.reshape(-1)).view(tensor.shape)
+        """A host copy of ``tensor`` (a master shard as it is materialised; pageable: only the host reads it)."""
+        return tensor.reshape(-1).to(self.device, copy=True).view(tensor.shape)
 
     # -- gradients out ------------------------------------------------------------------------------
     @torch.no_grad()
-    def put_grad(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
-        """Start copying ``unit``'s reduced fp32 gradient shard to its host buffer (returned), after taking its
-        sum of squares on the device. A later call for the same unit (another backward of the last
+    def put_grad(self, unit: Unit, grad: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Start copying ``unit``'s reduced fp32 gradient shard to its host buffer (returned) in ``dtype``, which
+        holds it exactly, after taking its sum of squares on the device. The caller may drop ``grad`` at once
+        (the copy is ordered on its stream). A later call for the same unit (another backward of the last
         micro-batch) replaces both."""
         self._sumsq[unit.name] = kernels.sum_of_squares([grad])
         buf = self._grads.get(unit.name)
-        if buf is None or buf.numel() != grad.numel():
-            buf = self._grads[unit.name] = self.empty(grad.numel(), torch.float32)
+        if buf is None or buf.numel() != grad.numel() or buf.dtype != dtype:
+            if buf is not None and self._pinned is not None:
+                self._pinned.release(buf)
+            buf = self._grads[unit.name] = self.empty(grad.numel(), dtype)
         buf.copy_(grad, non_blocking=True)
         return buf
 
@@ -106,26 +164,27 @@ class HostOffload:
         buf = self._lowp.get(unit.name)
         if buf is None:
             buf = self._lowp[unit.name] = self.empty(src.numel(), self.compute_dtype)
-        if self._sent is not None:  # a copy out of it may still be in flight
-            self._sent.synchronize()
-            self._sent = None
+        sent = self._sent.pop(unit.name, None)
+        if sent is not None:  # a copy out of it may still be in flight
+            sent.synchronize()
         return buf.copy_(src)
 
     def staged(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """What :meth:`stage` last wrote for ``unit`` (the offloaded parameter shard)."""
         return self._lowp[unit.name] if self.compute_dtype in _LOWP else master[unit.name]
 
-    def send(self, host: torch.Tensor) -> torch.Tensor:
-        """A new device copy of a staged shard (non-blocking from pinned memory; a real copy on the CPU too)."""
+    def send(self, unit: Unit, host: torch.Tensor) -> torch.Tensor:
+        """A new device copy of ``unit``'s staged shard (non-blocking from pinned memory; a real copy on the CPU
+        too)."""
         out = torch.empty(host.numel(), dtype=self.compute_dtype, device=self.compute_device)
         out.copy_(host, non_blocking=True)
         if out.is_cuda:
-            self._sent = torch.cuda.Event()
-            self._sent.record(torch.cuda.current_stream(self.compute_device))
+            sent = self._sent[unit.name] = torch.cuda.Event()
+            sent.record(torch.cuda.current_stream(self.compute_device))
         return out
 
     def host_bytes(self) -> int:
         """Host bytes of the buffers besides the masters and optimizer state: gradient and parameter shards."""
         shard = sum(self.plan.shard_size(u) for u in self.plan.units)
         lowp = torch.empty((), dtype=self.compute_dtype).element_size() if self.compute_dtype in _LOWP else 0
-        return shard * (4 + lowp)
+        return shard * (self.grad_bytes + lowp)

@@ -15,7 +15,7 @@ folds the 1/world factor of the mean into the backward seed.
 
 With the optimizer offloaded, a ``sink`` (:meth:`dsfunc.zero.offload.HostOffload.put_grad`) takes each
 unit's shard as its last reduction of the step lands, to start its copy to host memory while backward
-goes on; :meth:`ZeroReducer.finish` then returns the host copies.
+goes on, and the device copy is dropped; :meth:`ZeroReducer.finish` then returns the host copies.
 """
 
 from __future__ import annotations
@@ -28,6 +28,16 @@ from dsfunc.dist import comm
 from dsfunc.zero.layout import ShardingPlan, Unit
 
 Grads = dict[str, torch.Tensor | None]
+Sink = Callable[[Unit, torch.Tensor, torch.dtype], torch.Tensor]
+
+
+def exact_dtype(grad_dtype: torch.dtype, comm_dtype: torch.dtype, ways: int) -> torch.dtype:
+    """The narrowest dtype that holds exactly a reduced gradient made of one micro-batch's ``grad_dtype``
+    gradient: the collective's output dtype over several ranks; on one rank the reduction is the identity,
+    so the gradient as rounded to ``comm_dtype``."""
+    if ways > 1 or grad_dtype in (comm_dtype, torch.float32):
+        return comm_dtype
+    return grad_dtype if comm_dtype == torch.float32 else torch.float32
 
 
 def _accumulate(sums: dict[str, torch.Tensor], name: str, grad: torch.Tensor) -> None:
@@ -63,7 +73,7 @@ class ZeroReducer:
     max_inflight = 2  # reductions in flight during backward; older ones are waited for as new ones start
 
     def __init__(self, plan: ShardingPlan, *, comm_dtype: torch.dtype, bucket_size: int,
-                 device: torch.device, sink: Callable[[Unit, torch.Tensor], torch.Tensor] | None = None) -> None:
+                 device: torch.device, sink: Sink | None = None) -> None:
         self.plan = plan
         self.sink = sink
         self.comm_dtype = comm_dtype
@@ -83,6 +93,7 @@ class ZeroReducer:
             return
         full = grad.to(self.comm_dtype)
         local = self._local.pop(unit.name, None) if stage <= 1 else None
+        exact = exact_dtype(grad.dtype, self.comm_dtype, self.plan.ways) if local is None else torch.float32
         if local is not None:
             full = full + local.to(self.comm_dtype)
         if stage == 0:
@@ -90,11 +101,11 @@ class ZeroReducer:
             for chunk in chunks[:-1]:
                 self._pending.append((comm.all_reduce_sum(chunk, async_op=True), lambda: None))
             work = comm.all_reduce_sum(chunks[-1], async_op=True)
-            self._pending.append((work, lambda u=unit, t=full: self._store(u, t, last)))
+            self._pending.append((work, lambda u=unit, t=full: self._store(u, t, last, exact)))
         else:
             out = torch.empty(self.plan.shard_size(unit), dtype=self.comm_dtype, device=full.device)
             work = comm.reduce_scatter_sum(out, full, async_op=True)
-            self._pending.append((work, lambda u=unit, t=out, keep=full: self._store(u, t, last)))
+            self._pending.append((work, lambda u=unit, t=out, keep=full: self._store(u, t, last, exact)))
         self._drain(keep=self.max_inflight)
 
     def end_micro(self, *, last: bool) -> None:
@@ -110,16 +121,22 @@ class ZeroReducer:
     def finish(self) -> Grads:
         """This rank's reduced fp32 gradients by unit, after the last micro-batch."""
         self._drain()
-        grads: Grads = {name: self._sunk.get(name, g) for name, g in self._grads.items()}
+        grads: Grads = {**self._grads, **self._sunk}
         self._grads, self._sunk = {}, {}
         return grads
 
-    def _store(self, unit: Unit, reduced: torch.Tensor, last: bool) -> None:
+    def _store(self, unit: Unit, reduced: torch.Tensor, last: bool, exact: torch.dtype) -> None:
         reduced = reduced.float()
         prev = self._grads.get(unit.name)
-        self._grads[unit.name] = reduced if prev is None else prev.add_(reduced)
+        if prev is None and unit.name in self._sunk:  # another backward of the last micro-batch
+            prev = self._sunk.pop(unit.name).to(self.device, torch.float32)
+        if prev is not None:
+            reduced, exact = prev.add_(reduced), torch.float32
         if last and self.sink is not None:
-            self._sunk[unit.name] = self.sink(unit, self._grads[unit.name])
+            self._grads.pop(unit.name, None)
+            self._sunk[unit.name] = self.sink(unit, reduced, exact)
+        else:
+            self._grads[unit.name] = reduced
 
     def _drain(self, keep: int = 0) -> None:
         """Finish all but the ``keep`` newest reductions (their full-size inputs are then freed)."""

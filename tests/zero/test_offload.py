@@ -241,3 +241,72 @@ def test_parameter_groups_update_on_the_host_with_their_own_options():
             state = dsfunc.train_step(state, batch)
         full[mode] = dsfunc.full_params(state)
     assert relative_diff(full["optimizer"], full["none"]) < 1e-6
+
+
+@pytest.mark.parametrize(
+    ("grad", "comm", "ways", "expected"),
+    [
+        (torch.bfloat16, torch.float32, 1, torch.bfloat16),  # one rank: the reduction is the identity
+        (torch.bfloat16, torch.float32, 2, torch.float32),  # a sum of two bf16 numbers needs fp32
+        (torch.bfloat16, torch.bfloat16, 2, torch.bfloat16),  # summed in bf16 by the collective
+        (torch.float32, torch.bfloat16, 1, torch.bfloat16),  # rounded to bf16 on the way in
+        (torch.float16, torch.bfloat16, 1, torch.float32),  # fp16 rounded to bf16: neither holds it
+        (torch.float32, torch.float32, 1, torch.float32),
+    ],
+)
+def test_exact_dtype_is_the_narrowest_that_holds_a_reduced_gradient(grad, comm, ways, expected):
+    from dsfunc.zero.reduce import exact_dtype
+
+    assert exact_dtype(grad, comm, ways) == expected
+
+
+def sixteen_bit_grads(rank: int, world: int) -> dict:
+    """bf16, no accumulation, Lamb (a chain update: the same arithmetic offloaded or not), fp32 and bf16
+    communication: the parameters and what the host gradient buffers hold."""
+    out = {}
+    lamb = {"type": "Lamb", "params": {"lr": 1e-2}}
+    for comm in ("fp32", "bf16"):
+        for stage in (2, 3):
+            for mode in MODES if stage == 3 else ("none", "optimizer"):
+                state = make_state(world, stage, mode, micro=4, gas=1, optimizer=lamb, bf16={"enabled": True},
+                                   communication_data_type=comm)
+                estimate = memory_estimate(state)["host_buffers"]
+                state = train(state, rank, world)
+                offload = state.program.offload
+                held = None if offload is None else {
+                    "dtypes": {g.dtype for g in offload._grads.values()},
+                    "bytes": sum(t.nbytes for t in (*offload._grads.values(), *offload._lowp.values())),
+                    "estimate": estimate,
+                }
+                out[comm, stage, mode] = {"full": dsfunc.full_params(state), "held": held}
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_host_gradients_are_16_bit_where_that_is_exact_and_train_bit_for_bit(world):
+    for r in run_world(sixteen_bit_grads, world):
+        for (comm, stage, mode), got in r.items():
+            if mode == "none":
+                continue
+            assert relative_diff(got["full"], r[comm, stage, "none"]["full"]) == 0.0, (comm, stage, mode)
+            narrow = world == 1 or comm == "bf16"
+            assert got["held"]["dtypes"] == {torch.bfloat16 if narrow else torch.float32}, (comm, stage, mode)
+            assert got["held"]["bytes"] == got["held"]["estimate"]  # the start-up estimate is what is held
+
+
+def test_another_backward_of_the_last_micro_batch_adds_to_the_offloaded_gradient():
+    from dsfunc.zero.runtime import zero_runtime
+
+    grads = {}
+    for mode in ("none", "optimizer"):
+        state = make_state(1, 2, mode, micro=4, gas=1, bf16={"enabled": True})
+        runtime = zero_runtime(state)
+        batch = mlp_batches(1, 4)[0]
+        first = runtime.forward(lambda model, b: model(*b), batch, micro=(0, 1))
+        runtime.backward(first, retain_graph=True)
+        runtime.backward(first * 3)  # the unit's gradient lands on the host, then three times more is added
+        runtime.end()
+        _, grads[mode] = runtime.finish()
+    for name, reference in grads["none"].items():
+        assert grads["optimizer"][name].device.type == "cpu"
+        torch.testing.assert_close(grads["optimizer"][name].float(), reference, rtol=0, atol=0)
