@@ -13,7 +13,7 @@ memory), ``opt+param`` (and ``offload_param``). The entry ``deepspeed:SHAPE`` ru
 with ZeRO-Offload (its DeepSpeedCPUAdam, built on first use) on SHAPE with the ``opt`` setting, beside
 dsfunc's trial of the same shape and setting; ``deepspeed-SETTING:SHAPE`` with another setting. DeepSpeed
 builds the model under ``deepspeed.zero.Init`` (partitioned as it is made, its documented way for models
-that do not fit one device), with the modules' own initialisation.
+that do not fit one device), then initialises it as dsfunc does, one module gathered at a time.
 """
 
 from __future__ import annotations
@@ -96,12 +96,15 @@ def run_deepspeed(cfg, setting: str, micro: int, steps: int):
     import deepspeed
     from torch.utils.checkpoint import checkpoint
 
-    from dsfunc.models.gpt import GPT
+    from dsfunc.models.gpt import GPT, init_weights
 
     deepspeed.init_distributed(dist_backend="nccl")
     config_ds = config(micro, setting)
     with deepspeed.zero.Init(config_dict_or_path=config_ds):
         model = GPT(cfg)
+    for module in model.modules():  # the same initialisation as dsfunc's, one module gathered at a time
+        with deepspeed.zero.GatheredParameters(list(module.parameters(recurse=False)), modifier_rank=0):
+            init_weights(module)
     for block in model.blocks:
         block.forward = lambda x, f=block.forward: checkpoint(f, x, use_reentrant=False)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config_ds)

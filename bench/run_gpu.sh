@@ -71,11 +71,13 @@ if want why124; then
         | tail -30 | tee "$out/why124.txt"
 fi
 if want offload; then  # the GPU offload tests first, then the capped GPU
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/zero/test_offload_cuda.py 2>&1 | tail -15 \
-        | tee "$out/offload-tests.txt"
+    OFFLOAD_DEFAULT="none:24x2048/32x2560,opt:32x3200/40x3584,opt+param:40x3584/32x4096,deepspeed:32x2560"
+    OFFLOAD_DEFAULT+=",deepspeed-opt+param:40x3584"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/zero/test_offload_cuda.py 2>&1 \
+        | tee "$out/offload-tests.txt" | tail -15
     TORCH_CUDA_ARCH_LIST=$DS_ARCH_LIST timeout "${OFFLOAD_S:-400}" python3 bench/bench_offload.py --cap_gib 24 \
-        --trials "${OFFLOAD_TRIALS:-opt+param:40x3584,deepspeed:32x2560,none:24x2048/32x2560,opt:32x3200}" \
-        --trial_timeout 150 2>&1 | grep -vE "^\s*$|UserWarning|warnings.warn" | tee "$out/offload.txt"
+        --trials "${OFFLOAD_TRIALS:-$OFFLOAD_DEFAULT}" --micro "${OFFLOAD_MICRO:-4}" \
+        --trial_timeout "${OFFLOAD_TRIAL_S:-150}" 2>&1 | grep -vE "^\s*$|UserWarning|warnings.warn" | tee "$out/offload.txt"
 fi
 if want zero13; then
     TORCH_CUDA_ARCH_LIST=$DS_ARCH_LIST timeout 300 python3 -m torch.distributed.run --nproc_per_node "$ngpu" \
