@@ -118,9 +118,14 @@ def apply_gradients(
 
     update = ChainUpdate(optimizer) if optimizer is not None else program.update
     lowp = program.workspace.lowp_targets() if update.writes_compute_copy else {}
-    ctx = _update_context(program, scale, grad_norm, finite, lowp)
+    sent: dict[str, torch.Tensor | None] = {}  # offload: units already on their way back to the device
+
+    def updated(name: str, master: torch.Tensor) -> None:
+        sent[name] = program.workspace.send_updated(name, master)
+
+    ctx = _update_context(program, scale, grad_norm, finite, lowp, updated if program.offload is not None else None)
     params, opt_state = update.apply(params, grads, state.opt_state, ctx)
-    program.workspace.refresh(params, written=lowp)
+    program.workspace.refresh(params, written=lowp, sent=sent)
     scaler = program.scaler.update(state.scaler, ~finite)
     lr = current_lr(opt_state)
     metrics = Metrics(
@@ -137,13 +142,14 @@ def apply_gradients(
 
 
 def _update_context(program: Any, scale: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor,
-                    lowp: Mapping[str, torch.Tensor]) -> UpdateContext:
+                    lowp: Mapping[str, torch.Tensor], updated: Callable[[str, torch.Tensor], None] | None
+                    ) -> UpdateContext:
     """The step's facts for the update, on the device the update runs on (the host when offloaded)."""
     if program.offload is not None:
         host = program.offload.device
         scale, grad_norm, finite = (t.to(host) for t in (scale, grad_norm, finite))
     return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=lowp,
-                         segment_norm=program.segment_norm, host=program.offload is not None)
+                         segment_norm=program.segment_norm, host=program.offload is not None, updated=updated)
 
 
 def note_min_scale(state: TrainState) -> None:

@@ -105,6 +105,7 @@ class FusedAdam:
                     [adam.nu[n] for n in names], grad_divisor=(loss_scale * clip).to(torch.float32), lr=lr,
                     step=step, skip=skip, beta1=group.beta1, beta2=group.beta2, eps=group.eps,
                     weight_decay=group.weight_decay, adam_w_mode=group.adam_w_mode,
+                    done=None if ctx.updated is None else lambda i, names=names: ctx.updated(names[i], params[names[i]]),
                 )
             else:
                 for name in names:

@@ -16,7 +16,7 @@ of the model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -24,7 +24,7 @@ import torch
 def host_adam_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
                exp_avg_sqs: Sequence[torch.Tensor], *, grad_divisor: torch.Tensor, lr: torch.Tensor,
                step: torch.Tensor, skip: torch.Tensor, beta1: float, beta2: float, eps: float,
-               weight_decay: float, adam_w_mode: bool) -> None:
+               weight_decay: float, adam_w_mode: bool, done: Callable[[int], None] | None = None) -> None:
     """One Adam (``adam_w_mode=False``: L2 decay) or AdamW step of host shards, in place.
 
     Args:
@@ -33,13 +33,16 @@ def host_adam_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ex
       grad_divisor: 0-d fp32, what the gradients are divided by first (loss scale times clip coefficient).
       lr: 0-d fp32 learning rate. step: 0-d fp32 count of applied steps including this one.
       skip: 0-d bool; when true nothing is written.
+      done: called with each unit's index once its parameter is written.
     """
     fused = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
     found_inf = skip.to(torch.float32)
     scratch = torch.empty(max((g.numel() for g in grads if g.dtype != torch.float32), default=0))
-    for param, grad, exp_avg, exp_avg_sq in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+    for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         if grad.dtype != torch.float32:
             grad = scratch[: grad.numel()].view(grad.shape).copy_(grad)
         fused([param], [grad], [exp_avg], [exp_avg_sq], [], [step], lr=lr, beta1=beta1, beta2=beta2,
               weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False, grad_scale=grad_divisor,
               found_inf=found_inf)
+        if done is not None:
+            done(i)

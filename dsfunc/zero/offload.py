@@ -155,10 +155,9 @@ class HostOffload:
 
     # -- parameters back ----------------------------------------------------------------------------
     @torch.no_grad()
-    def stage(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """``unit``'s master shard in the compute dtype, in host memory: cast into its host buffer (16-bit),
-        or the fp32 master itself."""
-        src = master[unit.name]
+    def stage(self, unit: Unit, src: torch.Tensor) -> torch.Tensor:
+        """``unit``'s master shard ``src`` in the compute dtype, in host memory: cast into its host buffer
+        (16-bit), or the fp32 master itself."""
         if self.compute_dtype not in _LOWP:
             return src
         buf = self._lowp.get(unit.name)
