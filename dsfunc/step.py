@@ -118,14 +118,15 @@ def apply_gradients(
 
     update = ChainUpdate(optimizer) if optimizer is not None else program.update
     lowp = program.workspace.lowp_targets() if update.writes_compute_copy else {}
-    sent: dict[str, torch.Tensor | None] = {}  # offload: units already on their way back to the device
+    sent: set[str] = set()  # offload: units already on their way back to the device
 
     def updated(name: str, master: torch.Tensor) -> None:
-        sent[name] = program.workspace.send_updated(name, master)
+        if program.workspace.send_updated(name, master):
+            sent.add(name)
 
     ctx = _update_context(program, scale, grad_norm, finite, lowp, updated if program.offload is not None else None)
     params, opt_state = update.apply(params, grads, state.opt_state, ctx)
-    program.workspace.refresh(params, written=lowp, sent=sent)
+    program.workspace.refresh(params, written=set(lowp) | sent)
     scaler = program.scaler.update(state.scaler, ~finite)
     lr = current_lr(opt_state)
     metrics = Metrics(

@@ -127,15 +127,12 @@ class Workspace:
         return out
 
     @torch.no_grad()
-    def refresh(self, master: Mapping[str, torch.Tensor], written: Iterable[str] = (),
-                sent: Mapping[str, torch.Tensor | None] | None = None) -> None:
+    def refresh(self, master: Mapping[str, torch.Tensor], written: Iterable[str] = ()) -> None:
         """Rebuild every persistent copy from ``master`` (after an update, or for another state).
 
-        ``written`` names units whose slice of the copy the update already wrote (:meth:`lowp_targets`):
-        those only need the all-gather. ``sent``: what :meth:`send_updated` returned for units the update
-        sent back as it went (offload).
+        ``written`` names units whose slice of the copy the update already wrote (:meth:`lowp_targets`,
+        or with offload :meth:`send_updated`): those only need the all-gather.
         """
-        sent = sent or {}
         if self.aliases_master:
             self._synced(master)
             return
@@ -143,10 +140,8 @@ class Workspace:
         works = []
         for unit in self.plan.units:
             if self.lazy(unit):
-                if self.host is not None:
-                    shard = sent[unit.name] if unit.name in sent else self._host_shard(unit, master[unit.name])
-                    if shard is not None:
-                        self.shards[unit.name] = shard
+                if self.host is not None and unit.name not in written:
+                    self._send_lazy(unit, master[unit.name])
                 continue
             buf = self.buffers.get(unit.name)
             if buf is None:
@@ -159,24 +154,34 @@ class Workspace:
                     src = buf[self.plan.rank * size : (self.plan.rank + 1) * size]
                     works.append((comm.all_gather_flat(buf, src, async_op=True), src))
                 continue
-            src = sent.get(unit.name)
-            src = self._shard(unit, master) if src is None else src
+            src = self._shard(unit, master)
             works.append((comm.all_gather_flat(buf, src, async_op=True) if self.plan.stage else _copy(buf, src), src))
         for work, _ in works:
             work.wait()
         self._synced(master)
 
-    def send_updated(self, name: str, master: torch.Tensor) -> torch.Tensor | None:
-        """Stage unit ``name``'s new host master and start its copy to the device (offload; the host update
-        calls this per unit, so the copy overlaps the next unit's update). Returns the device shard for
-        :meth:`refresh`, or None when the parameters stay on the host (``offload_param``)."""
-        return self._host_shard(self.plan.unit(name), master)
+    def send_updated(self, name: str, master: torch.Tensor) -> bool:
+        """Stage unit ``name``'s new host master and start its copy into its place on the device (offload; the
+        host update calls this per unit, so the copy overlaps the next unit's update). True when it did:
+        :meth:`refresh` then counts the unit as written."""
+        unit = self.plan.unit(name)
+        if self.lazy(unit):
+            self._send_lazy(unit, master)
+            return True
+        buf = self.buffers.get(name)
+        if buf is None:  # no copy built yet: refresh builds it
+            return False
+        size = self.plan.shard_size(unit)
+        own = buf if self.plan.stage == 0 else buf[self.plan.rank * size : (self.plan.rank + 1) * size]
+        self.host.send(unit, self.host.stage(unit, master), out=own)
+        return True
 
-    def _host_shard(self, unit: Unit, master: torch.Tensor) -> torch.Tensor | None:
-        """Stage ``unit``'s host master in the compute dtype and, unless a lazy unit's parameters stay on the
-        host, start its copy to the device (returned)."""
+    def _send_lazy(self, unit: Unit, master: torch.Tensor) -> None:
+        """Stage a lazy unit's host master and, unless its parameters stay on the host, copy it into the device
+        shard its gathers send (in place: no second copy of the shards on the device)."""
         staged = self.host.stage(unit, master)
-        return None if self.lazy(unit) and self.host.params else self.host.send(unit, staged)
+        if not self.host.params:
+            self.shards[unit.name] = self.host.send(unit, staged, out=self.shards.get(unit.name))
 
     def _synced(self, master: Mapping[str, torch.Tensor]) -> None:
         self.synced_with = _signature(master)
@@ -303,7 +308,7 @@ class Workspace:
         """This rank's shard of ``unit`` (all of it at stage 0) in the compute dtype, on the device."""
         if self.host is None:
             return master[unit.name].to(self.compute_dtype)
-        return self._host_shard(unit, master[unit.name])
+        return self.host.send(unit, self.host.stage(unit, master[unit.name]))
 
     def _gather_source(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """What a lazy unit's all-gather sends: the shard cast from the master, or with offload the device

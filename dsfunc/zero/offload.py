@@ -172,10 +172,11 @@ class HostOffload:
         """What :meth:`stage` last wrote for ``unit`` (the offloaded parameter shard)."""
         return self._lowp[unit.name] if self.compute_dtype in _LOWP else master[unit.name]
 
-    def send(self, unit: Unit, host: torch.Tensor) -> torch.Tensor:
-        """A new device copy of ``unit``'s staged shard (non-blocking from pinned memory; a real copy on the CPU
-        too)."""
-        out = torch.empty(host.numel(), dtype=self.compute_dtype, device=self.compute_device)
+    def send(self, unit: Unit, host: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A device copy of ``unit``'s staged shard, into ``out`` or a new tensor (non-blocking from pinned
+        memory; a real copy on the CPU too)."""
+        if out is None:
+            out = torch.empty(host.numel(), dtype=self.compute_dtype, device=self.compute_device)
         out.copy_(host, non_blocking=True)
         if out.is_cuda:
             sent = self._sent[unit.name] = torch.cuda.Event()
