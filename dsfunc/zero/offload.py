@@ -1,7 +1,7 @@
 """ZeRO-Offload: the fp32 masters and optimizer state in host memory, the update on the CPU.
 
 With ``offload_optimizer: {"device": "cpu"}`` the state's ``params`` and ``opt_state`` live in host memory
-(pinned when CUDA is there and ``pin_memory`` is on) while forward and backward run on the compute device.
+while forward and backward run on the compute device.
 A :class:`HostOffload` owns the host side of that traffic:
 
 * gradients out: each unit's reduced gradient shard is copied to a host buffer as soon as its last
@@ -15,7 +15,8 @@ A :class:`HostOffload` owns the host side of that traffic:
 * the update then runs where the masters are (:mod:`dsfunc.optim.host_adam` for the config's Adam/AdamW);
 * parameters back: each unit's new shard is cast to the compute dtype on the host (a pinned buffer) and
   copied to the device (:meth:`HostOffload.stage`, :meth:`HostOffload.send`), half the bytes of the fp32
-  master; the cast of one unit overlaps the copy of the one before. With ``offload_param`` at stage 3
+  master, unit by unit as the host update writes them (:meth:`dsfunc.zero.gather.Workspace.send_updated`),
+  so a unit's cast and copy overlap the update of the next. With ``offload_param`` at stage 3
   that host copy is the only one between gathers: each gather streams it host to device.
 
 Only the buffers that take part in copies with the GPU are pinned (the masters and moments are read by
