@@ -12,8 +12,8 @@ def memory_estimate(state: Any) -> dict[str, int]:
     """Bytes each rank holds for the model states, by category, as the ZeRO stage lays them out.
 
     ``master`` (fp32 weights: this rank's shard), ``optimizer`` (moments etc., measured in the state),
-    ``gradients`` (fp32: the full flat at stages 0-1, the shard at 2-3; none with the optimizer offloaded
-    and no gradient accumulation), ``compute`` (the compute-dtype
+    ``gradients`` (fp32: the full flat at stages 0-1, the shard at 2-3; none with the optimizer offloaded,
+    but at stage 1 with gradient accumulation), ``compute`` (the compute-dtype
     copy forward reads: none at stage 0 in fp32, where it aliases the master; the whole model at
     stages 1-2; at stage 3 the persistent units plus the two largest gathered units, and with the optimizer
     offloaded but not the parameters each gathered unit's shard kept between gathers), ``buffers`` (buffers
@@ -28,8 +28,8 @@ def memory_estimate(state: Any) -> dict[str, int]:
     cbytes = torch.empty((), dtype=program.compute_dtype).element_size()
     full = sum(u.numel for u in plan.units)
     shard = sum(plan.shard_size(u) for u in plan.units)
-    # Offloaded gradients leave the device as backward makes them, unless micro-batches sum there first.
-    sums_on_device = offload is None or program.config.gradient_accumulation_steps > 1
+    # Offloaded gradients leave the device as backward makes them, unless stage 1 sums micro-batches there.
+    sums_on_device = offload is None or (plan.stage <= 1 and program.config.gradient_accumulation_steps > 1)
     if program.workspace.aliases_master:
         compute = 0
     else:

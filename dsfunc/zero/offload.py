@@ -4,11 +4,12 @@ With ``offload_optimizer: {"device": "cpu"}`` the state's ``params`` and ``opt_s
 while forward and backward run on the compute device.
 A :class:`HostOffload` owns the host side of that traffic:
 
-* gradients out: each unit's reduced gradient shard is copied to a host buffer as soon as its last
-  reduction of the step lands (:meth:`HostOffload.put_grad`, non-blocking from the device), its sum of
-  squares for the global norm taken on the device first, so only one number per unit is summed there;
-  the reducer then drops its device copy, so backward holds no gradient shards on the device beyond the
-  reductions in flight (with gradient accumulation, the micro-batches before the last still sum there).
+* gradients out: each unit's reduced gradient shard is copied to a host buffer as soon as its reduction
+  lands (:meth:`HostOffload.put_grad`, non-blocking from the device), its sum of squares for the global
+  norm taken on the device after the last micro-batch, so only one number per unit is summed there; the
+  reducer then drops its device copy, so backward holds no gradient shards on the device beyond the
+  reductions in flight (at stages 2-3 with gradient accumulation too: :mod:`dsfunc.zero.reduce`; at stage 1
+  the micro-batches before the last sum locally in fp32, as without offload).
   The buffer has the narrowest dtype that holds the gradient exactly
   (:func:`dsfunc.zero.reduce.exact_dtype`: 16 bits for one micro-batch on one rank, or with 16-bit
   communication), half the host bytes of fp32 and the same numbers;
@@ -121,12 +122,14 @@ class HostOffload:
 
     # -- gradients out ------------------------------------------------------------------------------
     @torch.no_grad()
-    def put_grad(self, unit: Unit, grad: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Start copying ``unit``'s reduced fp32 gradient shard to its host buffer (returned) in ``dtype``, which
-        holds it exactly, after taking its sum of squares on the device. The caller may drop ``grad`` at once
-        (the copy is ordered on its stream). A later call for the same unit (another backward of the last
-        micro-batch) replaces both."""
-        self._sumsq[unit.name] = kernels.sum_of_squares([grad])
+    def put_grad(self, unit: Unit, grad: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 last: bool = True) -> torch.Tensor:
+        """Start copying ``unit``'s reduced fp32 gradient shard (its sum so far) to its host buffer (returned) in
+        ``dtype``, which holds it exactly, after taking its sum of squares on the device when it is the
+        ``last`` micro-batch's. The caller may drop ``grad`` at once (the copy is ordered on its stream). A
+        later call for the same unit (the next micro-batch, another backward) replaces both."""
+        if last:
+            self._sumsq[unit.name] = kernels.sum_of_squares([grad])
         buf = self._grads.get(unit.name)
         if buf is None or buf.numel() != grad.numel() or buf.dtype != dtype:
             if buf is not None and self._pinned is not None:

@@ -14,8 +14,11 @@ in flight (each holds a full-size gradient until it finishes). Every collective 
 folds the 1/world factor of the mean into the backward seed.
 
 With the optimizer offloaded, a ``sink`` (:meth:`dsfunc.zero.offload.HostOffload.put_grad`) takes each
-unit's shard as its last reduction of the step lands, to start its copy to host memory while backward
-goes on, and the device copy is dropped; :meth:`ZeroReducer.finish` then returns the host copies.
+unit's shard as each of its reductions lands, to start its copy to host memory while backward goes on,
+and the device copy is dropped; :meth:`ZeroReducer.finish` then returns the host copies. With gradient
+accumulation at stages 2-3 the next micro-batch's reduction brings the host sum back to the device, adds
+to it and sends it out again (stream-ordered copies; DeepSpeed accumulates offloaded stage-2 gradients the
+same way), so no gradient shard waits on the device between micro-batches.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dsfunc.dist import comm
 from dsfunc.zero.layout import ShardingPlan, Unit
 
 Grads = dict[str, torch.Tensor | None]
-Sink = Callable[[Unit, torch.Tensor, torch.dtype], torch.Tensor]
+Sink = Callable[[Unit, torch.Tensor, torch.dtype, bool], torch.Tensor]
 
 
 def exact_dtype(grad_dtype: torch.dtype, comm_dtype: torch.dtype, ways: int) -> torch.dtype:
@@ -83,7 +86,7 @@ class ZeroReducer:
         self._pending: list[tuple[comm.Pending, Callable[[], None]]] = []
         self._reduced: set[str] = set()  # units reduced in this micro-batch
         self._grads: dict[str, torch.Tensor] = {}
-        self._sunk: dict[str, torch.Tensor] = {}  # unit -> what the sink returned for its final gradient
+        self._sunk: dict[str, torch.Tensor] = {}  # unit -> what the sink returned for its sum so far
 
     def add(self, unit: Unit, grad: torch.Tensor, *, last: bool) -> None:
         self._reduced.add(unit.name)
@@ -127,16 +130,15 @@ class ZeroReducer:
 
     def _store(self, unit: Unit, reduced: torch.Tensor, last: bool, exact: torch.dtype) -> None:
         reduced = reduced.float()
-        prev = self._grads.get(unit.name)
-        if prev is None and unit.name in self._sunk:  # another backward of the last micro-batch
-            prev = self._sunk.pop(unit.name).to(self.device, torch.float32)
+        prev = self._grads.pop(unit.name, None)
+        if prev is None and unit.name in self._sunk:  # an earlier micro-batch's (or backward's) sum, on the host
+            prev = self._sunk.pop(unit.name).to(self.device, torch.float32, non_blocking=True)
         if prev is not None:
             reduced, exact = prev.add_(reduced), torch.float32
-        if last and self.sink is not None:
-            self._grads.pop(unit.name, None)
-            self._sunk[unit.name] = self.sink(unit, reduced, exact)
-        else:
+        if self.sink is None:
             self._grads[unit.name] = reduced
+        else:  # fp32 before the last micro-batch: more will be added
+            self._sunk[unit.name] = self.sink(unit, reduced, exact if last else torch.float32, last)
 
     def _drain(self, keep: int = 0) -> None:
         """Finish all but the ``keep`` newest reductions (their full-size inputs are then freed)."""

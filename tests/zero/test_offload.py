@@ -169,7 +169,7 @@ def test_memory_estimate_splits_host_and_device():
     from dsfunc.monitor.progress import startup_summary
 
     est = {}
-    for stage, mode in ((2, "none"), (2, "optimizer"), (3, "optimizer"), (3, "param")):
+    for stage, mode in ((1, "none"), (1, "optimizer"), (2, "none"), (2, "optimizer"), (3, "optimizer"), (3, "param")):
         state = make_state(1, stage, mode, bf16={"enabled": True})
         est[stage, mode] = memory_estimate(state)
     psi = sum(p.numel() for p in state.params.values())
@@ -178,7 +178,10 @@ def test_memory_estimate_splits_host_and_device():
     resident, off = est[2, "none"], est[2, "optimizer"]
     assert resident["host"] == 0 and resident["device"] == resident["total"]
     assert off["host"] == 4 * psi + 8 * psi + (4 + 2) * psi  # master, moments, host gradient and bf16 shards
-    assert off["device"] == resident["device"] - 12 * psi
+    # two micro-batches a step: master, moments and the gradient shard leave the device at stage 2, whose
+    # micro-batch sums go to the host; stage 1 sums micro-batches on the device before its one reduction
+    assert off["device"] == resident["device"] - (12 + 4) * psi
+    assert est[1, "optimizer"]["device"] == est[1, "none"]["device"] - 12 * psi
     assert est[3, "optimizer"]["device"] - est[3, "param"]["device"] == 2 * lazy  # the shards kept on the device
     assert est[3, "param"]["host"] == off["host"]
     assert "ZeRO-Offload:" in startup_summary(state) and "parameters streamed from the host" in startup_summary(state)
@@ -261,15 +264,15 @@ def test_exact_dtype_is_the_narrowest_that_holds_a_reduced_gradient(grad, comm, 
 
 
 def sixteen_bit_grads(rank: int, world: int) -> dict:
-    """bf16, no accumulation, Lamb (a chain update: the same arithmetic offloaded or not), fp32 and bf16
-    communication: the parameters and what the host gradient buffers hold."""
+    """bf16, Lamb (a chain update: the same arithmetic offloaded or not), fp32 and bf16 communication, with
+    and without accumulation: the parameters and what the host gradient buffers hold."""
     out = {}
     lamb = {"type": "Lamb", "params": {"lr": 1e-2}}
-    for comm in ("fp32", "bf16"):
+    for comm, gas in (("fp32", 1), ("bf16", 1), ("fp32", 2)):
         for stage in (2, 3):
             for mode in MODES if stage == 3 else ("none", "optimizer"):
-                state = make_state(world, stage, mode, micro=4, gas=1, optimizer=lamb, bf16={"enabled": True},
-                                   communication_data_type=comm)
+                state = make_state(world, stage, mode, micro=4 // gas, gas=gas, optimizer=lamb,
+                                   bf16={"enabled": True}, communication_data_type=comm)
                 estimate = memory_estimate(state)["host_buffers"]
                 state = train(state, rank, world)
                 offload = state.program.offload
@@ -278,19 +281,19 @@ def sixteen_bit_grads(rank: int, world: int) -> dict:
                     "bytes": sum(t.nbytes for t in (*offload._grads.values(), *offload._lowp.values())),
                     "estimate": estimate,
                 }
-                out[comm, stage, mode] = {"full": dsfunc.full_params(state), "held": held}
+                out[(comm, gas), stage, mode] = {"full": dsfunc.full_params(state), "held": held}
     return out
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_host_gradients_are_16_bit_where_that_is_exact_and_train_bit_for_bit(world):
     for r in run_world(sixteen_bit_grads, world):
-        for (comm, stage, mode), got in r.items():
+        for ((comm, gas), stage, mode), got in r.items():
             if mode == "none":
                 continue
-            assert relative_diff(got["full"], r[comm, stage, "none"]["full"]) == 0.0, (comm, stage, mode)
-            narrow = world == 1 or comm == "bf16"
-            assert got["held"]["dtypes"] == {torch.bfloat16 if narrow else torch.float32}, (comm, stage, mode)
+            assert relative_diff(got["full"], r[(comm, gas), stage, "none"]["full"]) == 0.0, (comm, gas, stage, mode)
+            narrow = gas == 1 and (world == 1 or comm == "bf16")  # a sum of micro-batches needs fp32
+            assert got["held"]["dtypes"] == {torch.bfloat16 if narrow else torch.float32}, (comm, gas, stage, mode)
             assert got["held"]["bytes"] == got["held"]["estimate"]  # the start-up estimate is what is held
 
 
@@ -310,3 +313,22 @@ def test_another_backward_of_the_last_micro_batch_adds_to_the_offloaded_gradient
     for name, reference in grads["none"].items():
         assert grads["optimizer"][name].device.type == "cpu"
         torch.testing.assert_close(grads["optimizer"][name].float(), reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_with_accumulation_no_gradient_waits_on_the_device_between_micro_batches(stage):
+    from dsfunc.zero.runtime import zero_runtime
+
+    grads = {}
+    for mode in ("none", "optimizer"):
+        state = make_state(1, stage, mode, micro=2, gas=3, bf16={"enabled": True})
+        runtime = zero_runtime(state)
+        for i, micro in enumerate(mlp_batches(3, 2)):
+            runtime.backward(runtime.forward(lambda model, b: model(*b), micro, micro=(i, 3)))
+            runtime.end()
+            if mode == "optimizer":
+                assert not runtime.reducer._grads  # every unit's sum so far is on the host
+        _, grads[mode] = runtime.finish()
+    for name, reference in grads["none"].items():
+        assert grads["optimizer"][name].device.type == "cpu" and grads["optimizer"][name].dtype == torch.float32
+        torch.testing.assert_close(grads["optimizer"][name], reference, rtol=0, atol=0)

@@ -1,8 +1,8 @@
 """ZeRO-Offload on a GPU (skips without CUDA): the device memory it saves, measured, and the same training.
 
 The saving is the fp32 master shard and both Adam moments, 12 bytes per parameter of the shard, moved to
-host memory, and without gradient accumulation the fp32 gradient shard too (4 more: each unit's gradient
-leaves for a pinned host buffer as backward makes it); the bf16 compute copy stays on the device.
+host memory, and at stages 2-3 (or without accumulation) the fp32 gradient shard too (4 more: each unit's
+gradient leaves for a pinned host buffer as backward makes it); the bf16 compute copy stays on the device.
 """
 
 from __future__ import annotations
