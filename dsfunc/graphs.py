@@ -16,7 +16,8 @@ run's (which are seeded per micro-batch). The min-loss-scale check runs outside 
 
 Falls back to the eager step, with one log line saying why, where a graph cannot hold the step: not on
 CUDA, ZeRO-3 (it frees and re-gathers storage inside the step), the optimizer offloaded (its update runs
-on the CPU), several processes on gloo, or ``donate=False``. A batch of other shapes or dtypes is captured anew (after two warm-up steps).
+on the CPU), several processes on gloo, or ``donate=False``. A batch of other shapes or dtypes is captured
+anew (after two warm-up steps).
 """
 
 from __future__ import annotations

@@ -119,12 +119,7 @@ def apply_gradients(
     update = ChainUpdate(optimizer) if optimizer is not None else program.update
     lowp = program.workspace.lowp_targets() if update.writes_compute_copy else {}
     sent: set[str] = set()  # offload: units already on their way back to the device
-
-    def updated(name: str, master: torch.Tensor) -> None:
-        if program.workspace.send_updated(name, master):
-            sent.add(name)
-
-    ctx = _update_context(program, scale, grad_norm, finite, lowp, updated if program.offload is not None else None)
+    ctx = _update_context(program, scale, grad_norm, finite, lowp, sent)
     params, opt_state = update.apply(params, grads, state.opt_state, ctx)
     program.workspace.refresh(params, written=set(lowp) | sent)
     scaler = program.scaler.update(state.scaler, ~finite)
@@ -143,14 +138,21 @@ def apply_gradients(
 
 
 def _update_context(program: Any, scale: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor,
-                    lowp: Mapping[str, torch.Tensor], updated: Callable[[str, torch.Tensor], None] | None
-                    ) -> UpdateContext:
-    """The step's facts for the update, on the device the update runs on (the host when offloaded)."""
-    if program.offload is not None:
-        host = program.offload.device
-        scale, grad_norm, finite = (t.to(host) for t in (scale, grad_norm, finite))
+                    lowp: Mapping[str, torch.Tensor], sent: set[str]) -> UpdateContext:
+    """The step's facts for the update, on the device the update runs on (the host when offloaded, where the
+    units the update sends back as it goes are added to ``sent``)."""
+    offload = program.offload
+    if offload is None:
+        return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=lowp,
+                             segment_norm=program.segment_norm)
+
+    def updated(name: str, master: torch.Tensor) -> None:
+        if program.workspace.send_updated(name, master):
+            sent.add(name)
+
+    scale, grad_norm, finite = (t.to(offload.device) for t in (scale, grad_norm, finite))
     return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=lowp,
-                         segment_norm=program.segment_norm, host=program.offload is not None, updated=updated)
+                         segment_norm=program.segment_norm, host=True, updated=updated, widen=offload.widen)
 
 
 def note_min_scale(state: TrainState) -> None:

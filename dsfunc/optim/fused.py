@@ -104,13 +104,13 @@ class FusedAdam:
                     [params[n] for n in names], [grads[n] for n in names], [adam.mu[n] for n in names],
                     [adam.nu[n] for n in names], grad_divisor=(loss_scale * clip).to(torch.float32), lr=lr,
                     step=step, skip=skip, beta1=group.beta1, beta2=group.beta2, eps=group.eps,
-                    weight_decay=group.weight_decay, adam_w_mode=group.adam_w_mode,
+                    weight_decay=group.weight_decay, adam_w_mode=group.adam_w_mode, widen=ctx.widen,
                     done=None if ctx.updated is None else lambda i, names=names: ctx.updated(names[i], params[names[i]]),
                 )
             else:
                 for name in names:
                     kernels.adam_step_(
-                        params[name], grads[name].float(), adam.mu[name], adam.nu[name],
+                        params[name], ctx.widen(grads[name]), adam.mu[name], adam.nu[name],
                         grad_scale=grad_scale, lr=lr, step=step, skip=skip, lowp=ctx.lowp.get(name),
                         beta1=group.beta1, beta2=group.beta2, eps=group.eps, weight_decay=group.weight_decay,
                         adam_w_mode=group.adam_w_mode, bias_correction=group.bias_correction,

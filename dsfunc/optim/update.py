@@ -33,6 +33,9 @@ class UpdateContext:
     # An update that writes unit by unit (the host Adam) calls this with each unit's name and new master as soon
     # as it is final, so copying it back to the device overlaps the update of the next unit.
     updated: Callable[[str, torch.Tensor], None] | None = None
+    # One unit's gradient as fp32 (offloaded host gradients may be 16-bit): ZeRO-Offload widens into a scratch
+    # buffer kept for the run, valid until the next call, so a step allocates nothing per unit.
+    widen: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.float
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,9 +38,8 @@ def segment_norm_fn(plan: ShardingPlan, device: torch.device) -> Callable[[Any],
     (Adam, SGD, ...) pay no memory for it.
     """
     ids: dict[str, torch.Tensor] = {}
-    where = device
 
-    def segment_ids() -> dict[str, torch.Tensor]:
+    def segment_ids(where: torch.device) -> dict[str, torch.Tensor]:
         for unit in plan.units:
             start, stop = plan.local_range(unit)
             seg = torch.full((plan.shard_size(unit),), len(unit.params), dtype=torch.int32)
@@ -52,17 +51,15 @@ def segment_norm_fn(plan: ShardingPlan, device: torch.device) -> Callable[[Any],
         return ids
 
     def segment_norm(squares: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        nonlocal where
-        where = next(iter(squares.values())).device  # the device, or the host when offloaded
-        seg = ids or segment_ids()
+        host = next(iter(squares.values())).device  # the device, or the host when offloaded
+        seg = ids or segment_ids(host)
         sums = {
             name: torch.zeros(len(plan.unit(name).params) + 1, dtype=torch.float32, device=sq.device)
             .index_add_(0, seg[name], sq.float())
             for name, sq in squares.items()
         }
         if plan.ways > 1:
-            host = next(iter(sums.values())).device  # offloaded shards: reduce on the device, as NCCL needs
-            packed = torch.cat(list(sums.values())).to(device)
+            packed = torch.cat(list(sums.values())).to(device)  # offloaded shards: reduce on the device (NCCL)
             comm.all_reduce_sum(packed)
             sums = dict(zip(sums, packed.to(host).split([s.numel() for s in sums.values()])))
         return {name: s.sqrt()[seg[name]].to(squares[name].dtype) for name, s in sums.items()}

@@ -332,3 +332,16 @@ def test_with_accumulation_no_gradient_waits_on_the_device_between_micro_batches
     for name, reference in grads["none"].items():
         assert grads["optimizer"][name].device.type == "cpu" and grads["optimizer"][name].dtype == torch.float32
         torch.testing.assert_close(grads["optimizer"][name], reference, rtol=0, atol=0)
+
+
+def test_adamw_on_16_bit_host_gradients_trains_like_the_resident_run():
+    """bf16, one micro-batch on one rank: the host Adam reads bf16 gradients, widened per unit into one
+    scratch buffer that lasts the run."""
+    full = {}
+    for mode in ("none", "optimizer"):
+        state = train(make_state(1, 2, mode, micro=4, gas=1, bf16={"enabled": True}), 0, 1)
+        full[mode] = dsfunc.full_params(state)
+    offload = state.program.offload
+    assert {g.dtype for g in offload._grads.values()} == {torch.bfloat16}
+    assert offload._scratch.numel() == max(g.numel() for g in offload._grads.values())
+    assert relative_diff(full["optimizer"], full["none"]) < 1e-5
