@@ -6,6 +6,10 @@ state are :class:`FrozenDict`, so ``state.params["x"] = t`` fails as loudly as `
 
 ``train_step`` donates its input: the returned state reuses the input's buffers and the input is marked
 consumed; touching a consumed state raises :class:`DonatedStateError`.
+
+With the optimizer offloaded a step may return while the host still writes the new masters and moments
+(:mod:`dsfunc.zero.host_update`): reading ``params`` or ``opt_state``, or flattening the state, waits for that
+first, so no reader sees a half-written update.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
 
     def flatten(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]]:
         get = object.__getattribute__
+        if hasattr(cls, "settle"):
+            obj.settle()
         return tuple(get(obj, n) for n in children), tuple(get(obj, n) for n in statics), children
 
     def unflatten(aux: tuple[Any, ...], values: Any) -> Any:
@@ -72,6 +78,7 @@ class Metrics:
 
 
 _DATA_FIELDS = ("step", "params", "opt_state", "scaler", "buffers", "rng", "metrics")
+_HOST_WRITTEN = ("params", "opt_state")  # what an offloaded update may still be writing after its step returned
 
 
 @pytree_dataclass
@@ -102,7 +109,16 @@ class TrainState:
                 f"returned; reading .{name} would see overwritten data. Use the returned state "
                 "(`state = dsfunc.train_step(state, batch)`), or pass donate=False to keep the input intact."
             )
+        if name in _HOST_WRITTEN:
+            self.settle(reading=True)
         return object.__getattribute__(self, name)
+
+    def settle(self, reading: bool = False) -> None:
+        """Wait for the host update the last step left running (ZeRO-Offload), if any. A step's own reads
+        (``reading`` while it runs) wait per unit instead, where each unit is gathered."""
+        offload = getattr(object.__getattribute__(self, "program"), "offload", None)
+        if offload is not None and offload.pending.busy and not (reading and offload.pending.stepping):
+            object.__getattribute__(self, "program").workspace.settle()
 
     def replace(self, **changes: Any) -> TrainState:
         """A new state with the given fields replaced (mappings are frozen for you)."""

@@ -9,6 +9,7 @@ the metrics, without a host sync.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable, Mapping
@@ -79,11 +80,17 @@ def _run_step(state: TrainState, batch: Batch, donate: bool, grad_fn: GradFn, op
     state.check_usable()
     check_min_scale(state)
     work = state if donate else optree.tree_map(lambda t: t.clone(), state)
-    result = grad_fn(GradContext(work), batch)
+    with _stepping(state.program):  # the last step's host update may still run: this forward waits per unit
+        result = grad_fn(GradContext(work), batch)
     new = apply_gradients(work, result.grads, result.loss, optimizer=optimizer)
     if donate:
         state.mark_donated()
     return new
+
+
+def _stepping(program: Any) -> Any:
+    offload = getattr(program, "offload", None)
+    return contextlib.nullcontext() if offload is None else offload.pending.step()
 
 
 def apply_gradients(
@@ -101,6 +108,7 @@ def apply_gradients(
     scaler and the metrics (``skipped = 1``), on every rank alike.
     """
     program = state.program
+    program.workspace.settle()  # the last step's host update (ZeRO-Offload) is done before this one starts
     params = state.params
     grads = {name: g if g is not None else torch.zeros_like(params[name]) for name, g in (grads or {}).items()}
     if grads.keys() != params.keys():
@@ -122,6 +130,8 @@ def apply_gradients(
     ctx = _update_context(program, scale, grad_norm, finite, lowp, sent)
     params, opt_state = update.apply(params, grads, state.opt_state, ctx)
     program.workspace.refresh(params, written=set(lowp) | sent)
+    if program.offload is not None:
+        program.offload.pending.start()  # the lazy units' host update, beside the next forward
     scaler = program.scaler.update(state.scaler, ~finite)
     lr = current_lr(opt_state)
     metrics = Metrics(
@@ -146,13 +156,32 @@ def _update_context(program: Any, scale: torch.Tensor, grad_norm: torch.Tensor, 
         return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=lowp,
                              segment_norm=program.segment_norm)
 
+    workspace, pending = program.workspace, offload.pending
+    staging = {u.name: offload.staging(u) for u in program.plan.units}
+    host_lowp = {name: buf for name, buf in staging.items() if buf is not None}
+
     def updated(name: str, master: torch.Tensor) -> None:
-        if program.workspace.send_updated(name, master):
+        if workspace.send_updated(name, master, staged=name in host_lowp):
             sent.add(name)
+        if name in background:
+            pending.unit_done(name)
+
+    background: set[str] = set()
+
+    def schedule(names: list[str], work: Callable[[list[str]], None]) -> None:
+        later = [n for n in names if workspace.lazy(program.plan.unit(n))]
+        now = [n for n in names if n not in later]
+        if now:
+            work(now)
+        if later:
+            background.update(later)
+            sent.update(later)  # their copies go out as the worker writes them
+            pending.add(later, work)
 
     scale, grad_norm, finite = (t.to(offload.device) for t in (scale, grad_norm, finite))
-    return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=lowp,
-                         segment_norm=program.segment_norm, host=True, updated=updated, widen=offload.widen)
+    return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=host_lowp,
+                         segment_norm=program.segment_norm, host=True, updated=updated, widen=offload.widen,
+                         schedule=schedule)
 
 
 def note_min_scale(state: TrainState) -> None:

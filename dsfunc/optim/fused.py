@@ -16,6 +16,7 @@ units by group), and the op takes that group's hyper-parameters and lr. With the
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -100,13 +101,9 @@ class FusedAdam:
             step = (adam.count + 1).to(torch.float32)
             names = [n for n in params if self.unit_groups.get(n) == label]
             if ctx.host and group.bias_correction:
-                host_adam_(
-                    [params[n] for n in names], [grads[n] for n in names], [adam.mu[n] for n in names],
-                    [adam.nu[n] for n in names], grad_divisor=(loss_scale * clip).to(torch.float32), lr=lr,
-                    step=step, skip=skip, beta1=group.beta1, beta2=group.beta2, eps=group.eps,
-                    weight_decay=group.weight_decay, adam_w_mode=group.adam_w_mode, widen=ctx.widen,
-                    done=None if ctx.updated is None else lambda i, names=names: ctx.updated(names[i], params[names[i]]),
-                )
+                ctx.schedule(names, functools.partial(
+                    _host_update, params=params, grads=grads, adam=adam, ctx=ctx, group=group, lr=lr, step=step,
+                    grad_divisor=(loss_scale * clip).to(torch.float32), skip=skip))
             else:
                 for name in names:
                     kernels.adam_step_(
@@ -123,3 +120,16 @@ class FusedAdam:
             }
         optimizer = new_states.get(None, new_states)
         return FrozenDict(params), {**opt_state, "optimizer": optimizer}
+
+
+def _host_update(names: list[str], *, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
+                 adam: Any, ctx: UpdateContext, group: AdamGroup, lr: torch.Tensor, step: torch.Tensor,
+                 grad_divisor: torch.Tensor, skip: torch.Tensor) -> None:
+    """The host Adam of units ``names`` (ZeRO-Offload), each unit's new compute copy written with it."""
+    host_adam_(
+        [params[n] for n in names], [grads[n] for n in names], [adam.mu[n] for n in names],
+        [adam.nu[n] for n in names], grad_divisor=grad_divisor, lr=lr, step=step, skip=skip, beta1=group.beta1,
+        beta2=group.beta2, eps=group.eps, weight_decay=group.weight_decay, adam_w_mode=group.adam_w_mode,
+        widen=ctx.widen, lowp=[ctx.lowp.get(n) for n in names],
+        done=None if ctx.updated is None else lambda i: ctx.updated(names[i], params[names[i]]),
+    )

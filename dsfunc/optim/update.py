@@ -36,6 +36,10 @@ class UpdateContext:
     # One unit's gradient as fp32 (offloaded host gradients may be 16-bit): ZeRO-Offload widens into a scratch
     # buffer kept for the run, valid until the next call, so a step allocates nothing per unit.
     widen: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.float
+    # Runs an update's work over units: ``schedule(names, work)`` calls ``work(names)`` now, or with ZeRO-Offload
+    # at stage 3 queues the lazy units' share for the background (dsfunc.zero.host_update): the step returns
+    # before it is done and the next forward waits per unit. ``work`` calls ``updated`` after each unit.
+    schedule: Callable[[list[str], Callable[[list[str]], None]], None] = lambda names, work: work(names)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,10 +23,11 @@ the module outside a step, ``GatheredParameters``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -133,6 +134,7 @@ class Workspace:
         ``written`` names units whose slice of the copy the update already wrote (:meth:`lowp_targets`,
         or with offload :meth:`send_updated`): those only need the all-gather.
         """
+        self.settle()
         if self.aliases_master:
             self._synced(master)
             return
@@ -160,28 +162,45 @@ class Workspace:
             work.wait()
         self._synced(master)
 
-    def send_updated(self, name: str, master: torch.Tensor) -> bool:
-        """Stage unit ``name``'s new host master and start its copy into its place on the device (offload; the
-        host update calls this per unit, so the copy overlaps the next unit's update). True when it did:
-        :meth:`refresh` then counts the unit as written."""
+    def send_updated(self, name: str, master: torch.Tensor, staged: bool = False) -> bool:
+        """Stage unit ``name``'s new host master (unless the update already wrote its staging buffer:
+        ``staged``) and start its copy into its place on the device (offload; the host update calls this per
+        unit, so the copy overlaps the next unit's update). True when it did: :meth:`refresh` then counts
+        the unit as written."""
         unit = self.plan.unit(name)
         if self.lazy(unit):
-            self._send_lazy(unit, master)
+            self._send_lazy(unit, master, staged)
             return True
         buf = self.buffers.get(name)
         if buf is None:  # no copy built yet: refresh builds it
             return False
         size = self.plan.shard_size(unit)
         own = buf if self.plan.stage == 0 else buf[self.plan.rank * size : (self.plan.rank + 1) * size]
-        self.host.send(unit, self.host.stage(unit, master), out=own)
+        self.host.send(unit, self.host.staged(unit, {name: master}) if staged else self.host.stage(unit, master),
+                       out=own)
         return True
 
-    def _send_lazy(self, unit: Unit, master: torch.Tensor) -> None:
-        """Stage a lazy unit's host master and, unless its parameters stay on the host, copy it into the device
-        shard its gathers send (in place: no second copy of the shards on the device)."""
-        staged = self.host.stage(unit, master)
+    def _send_lazy(self, unit: Unit, master: torch.Tensor, staged: bool = False) -> None:
+        """Stage a lazy unit's host master (unless ``staged`` already) and, unless its parameters stay on the
+        host, copy it into the device shard its gathers send (in place: no second copy of the shards)."""
+        staged = self.host.staged(unit, {unit.name: master}) if staged else self.host.stage(unit, master)
         if not self.host.params:
             self.shards[unit.name] = self.host.send(unit, staged, out=self.shards.get(unit.name))
+
+    def settle(self) -> None:
+        """Wait for the host update in the background (:mod:`dsfunc.zero.host_update`), if one is pending:
+        what reads the masters, or replaces them, comes after it."""
+        if self.host is not None and self.host.pending.wait():
+            self.synced_with = _signature(self.master)  # the update wrote them in place
+
+    def _stale(self, master: Mapping[str, torch.Tensor]) -> bool:
+        """Whether the copies were built from other masters than ``master`` (or before it changed). The
+        masters a pending update is writing are the copies' own: each unit is waited for as it is gathered."""
+        if self.host is not None and self.host.pending.busy:
+            if master is self.master:
+                return False
+            self.settle()
+        return self.synced_with != _signature(master)
 
     def _synced(self, master: Mapping[str, torch.Tensor]) -> None:
         self.synced_with = _signature(master)
@@ -227,6 +246,7 @@ class Workspace:
         """Show the unit's full fp32 master in its residents, for writing (GatheredParameters with a
         modifier rank): the master itself when it is not sharded, else a copy gathered from the shards.
         :meth:`commit_master` writes it back."""
+        self.settle()
         self._exposed_master[unit.name] = self.full_flat(unit, self.master[unit.name])
         self._show(unit)
 
@@ -266,7 +286,7 @@ class Workspace:
         if self.aliases_master:
             return master[unit.name]
         if not self.lazy(unit):
-            if self.synced_with != _signature(master):
+            if self._stale(master):
                 self.refresh(master)
             return self.buffers[unit.name]
         state = self.status.get(unit.name, UnitState.FREE)
@@ -296,8 +316,13 @@ class Workspace:
         # a free and a refill, so the refill must not bump the buffer's version counter. The version is
         # taken now and restored after wait(): gloo bumps it when the work completes, even in the background.
         hide = torch.autograd._unsafe_preserve_version_counter(buf)
-        with torch.no_grad(), hide:
+        streamed = self.host is not None and self.host.params
+        with torch.no_grad(), hide, _on_stream(self.host.transfer if streamed else None, self.device) as stream:
+            if streamed:  # offload_param: the host shard streams in beside the kernels, not between them
+                src = self.host.send(unit, src)
             work = comm.all_gather_flat(buf, src, async_op=True)
+            if stream is not None:
+                work = _AfterStream(work, stream)
         self.inflight[unit.name] = (work, src, hide)
         self.status[unit.name] = UnitState.GATHERING
         self.stats.live_units.add(unit.name)
@@ -312,13 +337,14 @@ class Workspace:
 
     def _gather_source(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """What a lazy unit's all-gather sends: the shard cast from the master, or with offload the device
-        shard kept since the last update, or (``offload_param``) the host shard streamed to the device."""
+        shard kept since the last update, or (``offload_param``) the host shard, to stream to the device."""
         if self.host is None:
             return master[unit.name].to(self.compute_dtype)
-        if self.synced_with != _signature(master):
+        if self._stale(master):
             self.refresh(master)
+        self.host.pending.wait_unit(unit.name)
         if self.host.params:
-            return self.host.send(unit, self.host.staged(unit, master))
+            return self.host.staged(unit, master)
         return self.shards[unit.name]
 
     def release(self, unit: Unit) -> None:
@@ -364,6 +390,31 @@ def owner(param: torch.Tensor) -> tuple[Workspace, Unit] | None:
         return None
     workspace = found[1]()
     return workspace, workspace.plan.unit(found[2])
+
+
+@contextlib.contextmanager
+def _on_stream(stream: torch.cuda.Stream | None, device: torch.device) -> Iterator[torch.cuda.Stream | None]:
+    """Run the block on ``stream`` (None: where it is) once ``stream`` has caught up with the current one:
+    what the block writes was allocated on the current stream, and earlier kernels may still use it."""
+    if stream is None:
+        yield None
+        return
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        yield stream
+
+
+class _AfterStream:
+    """A gather issued on a side stream: waiting for it makes the current stream wait for that one too."""
+
+    def __init__(self, work: comm.Pending, stream: torch.cuda.Stream) -> None:
+        self.work = work
+        self.event = stream.record_event()
+
+    def wait(self) -> bool:
+        self.work.wait()
+        torch.cuda.current_stream().wait_event(self.event)
+        return True
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> comm.Pending:

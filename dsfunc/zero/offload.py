@@ -39,6 +39,7 @@ import torch
 
 from dsfunc import kernels
 from dsfunc.config import ZeroConfig
+from dsfunc.zero.host_update import PendingUpdate
 from dsfunc.zero.layout import ShardingPlan, Unit
 
 logger = logging.getLogger("dsfunc")
@@ -100,7 +101,10 @@ class HostOffload:
         self._lowp: dict[str, torch.Tensor] = {}  # unit -> compute-dtype parameter shard (host, 16-bit only)
         self._sumsq: dict[str, torch.Tensor] = {}  # unit -> sum of squares of its gradient (device)
         self._sent: dict[str, torch.cuda.Event] = {}  # unit -> after the last copy out of its staged shard
-        self._scratch = torch.empty(0)  # fp32, as large as the largest 16-bit gradient widened so far
+        self._scratch = torch.empty(0)  # fp32, as large as the largest 16-bit gradient chunk widened so far
+        self.pending = PendingUpdate(compute_device)  # the update of lazy units, in the background
+        # offload_param on a GPU: the stream that gathers copy host shards in on, beside the compute stream
+        self.transfer = torch.cuda.Stream(compute_device) if params and compute_device.type == "cuda" else None
 
     @classmethod
     def from_config(cls, plan: ShardingPlan, zero: ZeroConfig, *, compute_device: torch.device,
@@ -131,6 +135,7 @@ class HostOffload:
         later call for the same unit (the next micro-batch, another backward) replaces both."""
         if last:
             self._sumsq[unit.name] = kernels.sum_of_squares([grad])
+        self.pending.wait_unit(unit.name)  # the last step's update may still read the buffer
         buf = self._grads.get(unit.name)
         if buf is None or buf.numel() != grad.numel() or buf.dtype != dtype:
             if buf is not None and self._pinned is not None:
@@ -159,8 +164,8 @@ class HostOffload:
         return out, total
 
     def widen(self, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` as fp32: a 16-bit host gradient is copied into the scratch buffer (valid until the next
-        call), kept for the run so that no step allocates and first-touches a unit's worth of host pages."""
+        """``grad`` as fp32: a 16-bit host gradient (a chunk of one) is copied into the scratch buffer (valid
+        until the next call), kept for the run so that no step allocates and first-touches host pages."""
         if grad.dtype == torch.float32:
             return grad
         if self._scratch.numel() < grad.numel():
@@ -168,19 +173,25 @@ class HostOffload:
         return self._scratch[: grad.numel()].view(grad.shape).copy_(grad)
 
     # -- parameters back ----------------------------------------------------------------------------
+    def staging(self, unit: Unit) -> torch.Tensor | None:
+        """``unit``'s host buffer for its compute-dtype shard, once no copy out of it is in flight (None when
+        the compute dtype is fp32: the master itself is sent)."""
+        if self.compute_dtype not in _LOWP:
+            return None
+        buf = self._lowp.get(unit.name)
+        if buf is None:
+            buf = self._lowp[unit.name] = self.empty(self.plan.shard_size(unit), self.compute_dtype)
+        sent = self._sent.pop(unit.name, None)
+        if sent is not None:
+            sent.synchronize()
+        return buf
+
     @torch.no_grad()
     def stage(self, unit: Unit, src: torch.Tensor) -> torch.Tensor:
         """``unit``'s master shard ``src`` in the compute dtype, in host memory: cast into its host buffer
         (16-bit), or the fp32 master itself."""
-        if self.compute_dtype not in _LOWP:
-            return src
-        buf = self._lowp.get(unit.name)
-        if buf is None:
-            buf = self._lowp[unit.name] = self.empty(src.numel(), self.compute_dtype)
-        sent = self._sent.pop(unit.name, None)
-        if sent is not None:  # a copy out of it may still be in flight
-            sent.synchronize()
-        return buf.copy_(src)
+        buf = self.staging(unit)
+        return src if buf is None else buf.copy_(src)
 
     def staged(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """What :meth:`stage` last wrote for ``unit`` (the offloaded parameter shard)."""

@@ -44,3 +44,27 @@ def test_16_bit_gradients_update_exactly_like_their_fp32_values():
     narrow = step(params, grads)
     assert all(torch.equal(a, b) for a, b in zip(narrow, widened))
     assert all(torch.equal(a, b) for a, b in zip(step(params, grads, skip=True), params))  # skip writes nothing
+
+
+def test_chunks_update_bit_for_bit_like_one_call_per_unit_and_write_the_16_bit_copy():
+    """Each unit goes through the fused kernel a chunk at a time (widened, updated and cast while in cache):
+    the same numbers as one call over the whole unit."""
+    g = torch.Generator().manual_seed(2)
+    sizes = (10_000, 37, 4096 * 3 + 5)
+    params = [torch.randn(n, generator=g) for n in sizes]
+    grads = [torch.randn(n, generator=g).to(torch.bfloat16) for n in sizes]
+    out = {}
+    for chunk in (1 << 12, 1 << 30):
+        p = [t.clone() for t in params]
+        mu, nu = [torch.zeros_like(t) for t in p], [torch.zeros_like(t) for t in p]
+        lowp = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
+        done = []
+        for i in range(2):
+            host_adam_(p, grads, mu, nu, grad_divisor=torch.tensor(2.0), lr=torch.tensor(1e-2),
+                       step=torch.tensor(float(i + 1)), skip=torch.tensor(False), lowp=lowp, done=done.append,
+                       chunk=chunk, **HYPER)
+        assert done == [0, 1, 2] * 2
+        assert all(torch.equal(w, t.to(torch.bfloat16)) for w, t in zip(lowp, p))
+        out[chunk] = (p, mu, nu)
+    for a, b in zip(out[1 << 12], out[1 << 30]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

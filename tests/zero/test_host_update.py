@@ -1,0 +1,120 @@
+"""ZeRO-Offload's host update in the background (dsfunc.zero.host_update): the next forward overlaps it unit by
+unit, nothing reads a half-written update, and a failure in it is raised, not lost.
+
+The worker is held back where a test needs the overlap to happen for certain (``hold_worker``): it starts its
+update only once the main thread waits for a unit, or after a pause; nothing else about it is replaced.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+import dsfunc
+import dsfunc.optim.fused as fused
+from tests.models import mlp_batches, relative_diff
+from tests.multiprocess import run_world
+from tests.zero.test_offload import make_state, train
+
+
+def hold_worker(until: str):
+    """Make the background host update wait before it starts: ``"unit"`` until the main thread waits for one
+    of its units or the test sets ``.done`` (at most 30 s), ``"pause"`` for 1 s."""
+    real = fused.host_adam_
+
+    def held(*args, **kwargs):
+        if threading.current_thread().name.startswith("dsfunc-host-update"):
+            deadline = time.monotonic() + (30 if until == "unit" else 1)
+            while time.monotonic() < deadline and not (until == "unit" and (
+                    held.pending.waited_units > held.seen or held.done.is_set())):
+                time.sleep(0.001)
+            held.seen = held.pending.waited_units
+        real(*args, **kwargs)
+
+    held.seen, held.done = 0, threading.Event()
+    fused.host_adam_ = held
+    return held
+
+
+def overlapped_and_settled(rank: int, world: int, mode: str, gas: int) -> dict:
+    """The same run twice: the next forward overlapping each update (held back until it waits for a unit), and
+    every update waited for as soon as its step returns (reading the state does that)."""
+    real = fused.host_adam_
+    out = {}
+    try:
+        for how in ("overlapped", "settled"):
+            state = make_state(world, 3, mode, micro=4 // gas, gas=gas, bf16={"enabled": True})
+            pending = state.program.offload.pending
+            held = hold_worker("unit") if how == "overlapped" else None
+            if held is not None:
+                held.pending = pending
+            busy_after_step = []
+            n = 4 * world
+            for x, y in mlp_batches(4, n):
+                state = dsfunc.train_step(state, (x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]))
+                busy_after_step.append(pending.busy)
+                if how == "settled":
+                    state.params  # noqa: B018 - the read waits for the update
+            if held is not None:
+                held.done.set()  # no next forward will wait for the last update
+            fused.host_adam_ = real
+            out[how] = {"full": dsfunc.full_params(state), "busy": busy_after_step, "waited": pending.waited_units}
+        reference = make_state(world, 3, "none", micro=4 // gas, gas=gas, bf16={"enabled": True})
+        out["none"] = dsfunc.full_params(train(reference, rank, world))
+    finally:
+        fused.host_adam_ = real
+    return out
+
+
+@pytest.mark.parametrize(("world", "mode", "gas"), [(1, "optimizer", 1), (1, "param", 2), (2, "param", 1),
+                                                    (2, "optimizer", 2)])
+def test_the_next_forward_overlaps_the_host_update_and_trains_bit_for_bit_the_same(world, mode, gas):
+    for r in run_world(overlapped_and_settled, world, mode, gas):
+        assert r["overlapped"]["busy"] == [True] * 4  # each step returned with its update still running
+        assert r["overlapped"]["waited"] >= 3  # and the next forward waited for it unit by unit
+        assert relative_diff(r["overlapped"]["full"], r["settled"]["full"]) == 0.0
+        assert relative_diff(r["settled"]["full"], r["none"]) < 1e-5
+
+
+def test_reading_the_state_waits_for_the_host_update():
+    real = fused.host_adam_
+    try:
+        state = make_state(1, 3, "optimizer", micro=4, gas=1)
+        pending = state.program.offload.pending
+        hold_worker("pause").pending = pending
+        state = dsfunc.train_step(state, mlp_batches(1, 4)[0])
+        assert pending.busy
+        read = {name: p.clone() for name, p in state.params.items()}  # waits for the update first
+        assert not pending.busy
+        state.program.workspace.settle()
+        assert relative_diff(read, dict(state.params)) == 0.0
+    finally:
+        fused.host_adam_ = real
+
+
+def test_a_failure_in_the_host_update_is_raised_by_what_comes_next():
+    real = fused.host_adam_
+
+    def failing(*args, **kwargs):
+        if threading.current_thread().name.startswith("dsfunc-host-update"):
+            raise RuntimeError("host update broke")
+        real(*args, **kwargs)
+
+    try:
+        for read in ("step", "params"):
+            state = make_state(1, 3, "optimizer", micro=4, gas=1)
+            fused.host_adam_ = failing
+            state = dsfunc.train_step(state, mlp_batches(1, 4)[0])
+            fused.host_adam_ = real
+            with pytest.raises(RuntimeError, match="host update broke"):
+                if read == "step":
+                    dsfunc.train_step(state, mlp_batches(1, 4)[0])  # its forward waits for a unit first
+                else:
+                    state.params  # noqa: B018
+            assert not state.program.offload.pending.busy
+    finally:
+        fused.host_adam_ = real
+    assert torch.is_tensor(next(iter(state.params.values())))  # the error was raised once, not forever
