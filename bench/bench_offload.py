@@ -89,6 +89,8 @@ def run_dsfunc(cfg, setting: str, micro: int, steps: int):
         return box[0].metrics.loss
 
     elapsed, losses = timed(step, cfg, micro, steps)
+    offload = box[0].program.offload
+    run_dsfunc.host_update = None if offload is None else offload.pending.seconds  # the last step's, in the worker
     return elapsed, [float(x) for x in losses], model.flops_per_token()
 
 
@@ -143,7 +145,7 @@ def one(size: str, setting: str, system: str, cap_gib: float, micro: int, steps:
         rss = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**20
     print(json.dumps({"fits": True, "tokens": tokens, "mfu": tokens * flops / PEAK_FLOPS,
                       "peak": torch.cuda.max_memory_allocated() / 2**30, "host": rss,
-                      "loss": [losses[0], losses[-1]]}))
+                      "loss": [losses[0], losses[-1]], "host_update": getattr(runner, "host_update", None)}))
 
 
 def trial(size: str, setting: str, system: str, args) -> dict:
@@ -167,9 +169,10 @@ def billions(size: str) -> float:
 
 def row(size: str, setting: str, system: str, r: dict) -> str:
     if not r["fits"]:
-        return f"| {size} ({billions(size):.1f}B) | {system} | {setting} | does not fit: {r['why']} | | | | |"
+        return f"| {size} ({billions(size):.1f}B) | {system} | {setting} | does not fit: {r['why']} | | | | | |"
     return (f"| {size} ({billions(size):.1f}B) | {system} | {setting} | {r['tokens']:,.0f} | {r['mfu']:.3f} | "
-            f"{r['peak']:.1f} | {r['host']:.1f} | {r['loss'][0]:.3f}->{r['loss'][1]:.3f} |")
+            f"{r['peak']:.1f} | {r['host']:.1f} | {r['loss'][0]:.3f}->{r['loss'][1]:.3f} | "
+            f"{'' if r.get('host_update') is None else format(r['host_update'], '.2f')} |")
 
 
 def main() -> None:
@@ -187,8 +190,8 @@ def main() -> None:
         return
     print(f"{torch.cuda.get_device_name()} capped to {args.cap_gib} GiB, torch {torch.__version__}, "
           f"micro {args.micro} x 1024 tokens, {args.steps} timed steps")
-    print("| model | system | offload | tokens/s | MFU | peak GiB (GPU) | peak GiB (host RSS) | loss |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | system | offload | tokens/s | MFU | peak GiB (GPU) | peak GiB (host RSS) | loss | host update s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for entry in args.trials.split(","):
         setting, _, sizes = entry.partition(":")
         if setting.startswith("deepspeed"):
