@@ -33,7 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--numel", type=int, default=1 << 27)
     parser.add_argument("--threads", default=str(torch.get_num_threads()))
-    parser.add_argument("--chunks", default=f"{1 << 18},{1 << 20},{1 << 22}")
+    parser.add_argument("--chunks", default=f"{1 << 20},{1 << 22}")
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     n = args.numel

@@ -13,9 +13,13 @@ The update walks each unit in chunks of :data:`CHUNK` elements and does all of a
 the cache: a 16-bit gradient widened to fp32 (``widen``: ZeRO-Offload's scratch buffer, reused, one chunk
 long), the Adam step, and the cast of the new parameters into ``lowp`` (the 16-bit copy the device gets).
 Done unit-wide, each of those three is another pass through host memory: 40 bytes per parameter instead
-of 28, and on 16 cores of the H200 machine 56 ms instead of 43 ms per 128M-parameter unit
-(bench/bench_host_adam.py). Chunks are multiples of the kernel's vector width, so the numbers are those
-of one call per unit, bit for bit.
+of 28; on 15 cores of the H200 machine 53 ms instead of 42 ms per 128M-parameter unit
+(bench/bench_host_adam.py). Chunks are large because the update runs in a worker thread beside the
+training loop (:mod:`dsfunc.zero.host_update`) and takes the GIL back after every call: at 4M elements the
+update of a 4.1B model took 1.40 s a step there, at 1M 1.78 s. With a power-of-two thread count each
+thread's share of a chunk is whole vectors and the numbers are those of one call per unit, bit for bit;
+with other counts the kernel's scalar tails fall elsewhere and the last bit may differ, as between thread
+counts.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 
-CHUNK = 1 << 20  # elements: a multiple of every vector width, small enough for the caches, large enough per call
+CHUNK = 1 << 22  # elements: a multiple of every vector width, small enough for the caches, large enough per call
 
 
 def host_adam_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
