@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-
 CHUNK = 1 << 22  # elements: a multiple of every vector width, small enough for the caches, large enough per call
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import dsfunc
-import dsfunc.optim.fused as fused
+from dsfunc.optim import fused
 from tests.models import mlp_batches, relative_diff
 from tests.multiprocess import run_world
 from tests.zero.test_offload import make_state, train
