@@ -59,6 +59,7 @@ class PendingUpdate:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
+        """Mark the block as a step's forward and backward (see :attr:`stepping`)."""
         self._stepping = True
         try:
             yield
