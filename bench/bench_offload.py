@@ -90,8 +90,8 @@ def run_dsfunc(cfg, setting: str, micro: int, steps: int):
 
     elapsed, losses = timed(step, cfg, micro, steps)
     offload = box[0].program.offload
-    run_dsfunc.host_update = None if offload is None else offload.pending.seconds  # the last step's, in the worker
-    return elapsed, [float(x) for x in losses], model.flops_per_token()
+    host_update = None if offload is None else offload.pending.seconds  # the last step's, in the worker
+    return elapsed, [float(x) for x in losses], model.flops_per_token(), host_update
 
 
 def run_deepspeed(cfg, setting: str, micro: int, steps: int):
@@ -121,7 +121,7 @@ def run_deepspeed(cfg, setting: str, micro: int, steps: int):
     engine.destroy()
     with torch.device("meta"):  # DeepSpeed's partitioned parameters count as empty
         flops = GPT(cfg).flops_per_token()
-    return elapsed, [float(x) for x in losses], flops
+    return elapsed, [float(x) for x in losses], flops, None
 
 
 def one(size: str, setting: str, system: str, cap_gib: float, micro: int, steps: int) -> None:
@@ -136,7 +136,7 @@ def one(size: str, setting: str, system: str, cap_gib: float, micro: int, steps:
     cfg = shape(size)
     try:
         runner = run_deepspeed if system == "deepspeed" else run_dsfunc
-        elapsed, losses, flops = runner(cfg, setting, micro, steps)
+        elapsed, losses, flops, host_update = runner(cfg, setting, micro, steps)
     except torch.OutOfMemoryError as e:
         print(json.dumps({"fits": False, "why": str(e).splitlines()[0][:160]}))
         return
@@ -145,7 +145,7 @@ def one(size: str, setting: str, system: str, cap_gib: float, micro: int, steps:
         rss = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**20
     print(json.dumps({"fits": True, "tokens": tokens, "mfu": tokens * flops / PEAK_FLOPS,
                       "peak": torch.cuda.max_memory_allocated() / 2**30, "host": rss,
-                      "loss": [losses[0], losses[-1]], "host_update": getattr(runner, "host_update", None)}))
+                      "loss": [losses[0], losses[-1]], "host_update": host_update}))
 
 
 def trial(size: str, setting: str, system: str, args) -> dict:

@@ -176,14 +176,14 @@ class Workspace:
             return False
         size = self.plan.shard_size(unit)
         own = buf if self.plan.stage == 0 else buf[self.plan.rank * size : (self.plan.rank + 1) * size]
-        self.host.send(unit, self.host.staged(unit, {name: master}) if staged else self.host.stage(unit, master),
+        self.host.send(unit, self.host.staged(unit, master) if staged else self.host.stage(unit, master),
                        out=own)
         return True
 
     def _send_lazy(self, unit: Unit, master: torch.Tensor, staged: bool = False) -> None:
         """Stage a lazy unit's host master (unless ``staged`` already) and, unless its parameters stay on the
         host, copy it into the device shard its gathers send (in place: no second copy of the shards)."""
-        staged = self.host.staged(unit, {unit.name: master}) if staged else self.host.stage(unit, master)
+        staged = self.host.staged(unit, master) if staged else self.host.stage(unit, master)
         if not self.host.params:
             self.shards[unit.name] = self.host.send(unit, staged, out=self.shards.get(unit.name))
 
@@ -344,7 +344,7 @@ class Workspace:
             self.refresh(master)
         self.host.pending.wait_unit(unit.name)
         if self.host.params:
-            return self.host.staged(unit, master)
+            return self.host.staged(unit, master[unit.name])
         return self.shards[unit.name]
 
     def release(self, unit: Unit) -> None:

@@ -193,9 +193,9 @@ class HostOffload:
         buf = self.staging(unit)
         return src if buf is None else buf.copy_(src)
 
-    def staged(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """What :meth:`stage` last wrote for ``unit`` (the offloaded parameter shard)."""
-        return self._lowp[unit.name] if self.compute_dtype in _LOWP else master[unit.name]
+    def staged(self, unit: Unit, master: torch.Tensor) -> torch.Tensor:
+        """What :meth:`stage` (or the update) last wrote for ``unit`` from its ``master`` shard."""
+        return self._lowp[unit.name] if self.compute_dtype in _LOWP else master
 
     def send(self, unit: Unit, host: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """A device copy of ``unit``'s staged shard, into ``out`` or a new tensor (non-blocking from pinned

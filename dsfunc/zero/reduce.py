@@ -43,6 +43,12 @@ def exact_dtype(grad_dtype: torch.dtype, comm_dtype: torch.dtype, ways: int) -> 
     return grad_dtype if comm_dtype == torch.float32 else torch.float32
 
 
+def host_grad_dtype(grad_dtype: torch.dtype, comm_dtype: torch.dtype, ways: int, micro_batches: int) -> torch.dtype:
+    """What an offloaded gradient's host buffer holds at the end of a step (:meth:`ZeroReducer._store`): the
+    :func:`exact_dtype` of one micro-batch, fp32 once micro-batches are summed."""
+    return exact_dtype(grad_dtype, comm_dtype, ways) if micro_batches == 1 else torch.float32
+
+
 def _accumulate(sums: dict[str, torch.Tensor], name: str, grad: torch.Tensor) -> None:
     """``sums[name] += grad`` in fp32 (the first gradient is kept as is)."""
     prev = sums.get(name)
