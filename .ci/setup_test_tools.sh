@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # What the tests need besides pip's packages, on a fresh Debian/Ubuntu machine (as root, no stdin; idempotent):
+# - g++ (the host Adam's CPU kernel, ops/adam_cpu.cpp, is built on first use);
 # - sshd (multi-node over real ssh on a loopback port), Open MPI and mpi4py (mpirun + MPI discovery), pdsh;
 # - real DeepSpeed, the reference for DeepSpeed semantics in the tests: 0.19.8 built from its source
 #   distribution without ops (DS_BUILD_OPS=0), a test-only dependency that runs on the CPU (DS_ACCELERATOR=cpu).
 set -euo pipefail
 
-packages=(openssh-server openssh-client openmpi-bin libopenmpi-dev pdsh)
+packages=(openssh-server openssh-client openmpi-bin libopenmpi-dev pdsh g++)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

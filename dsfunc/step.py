@@ -180,7 +180,7 @@ def _update_context(program: Any, scale: torch.Tensor, grad_norm: torch.Tensor, 
 
     scale, grad_norm, finite = (t.to(offload.device) for t in (scale, grad_norm, finite))
     return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=host_lowp,
-                         segment_norm=program.segment_norm, host=True, updated=updated, widen=offload.widen,
+                         segment_norm=program.segment_norm, host=True, updated=updated,
                          schedule=schedule)
 
 

@@ -3,8 +3,8 @@
 // One pass over memory: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
 // and (optionally) the bf16/fp16 copy of the new params. Every per-step value (grad scale, lr,
 // step, the found-inf flag) is read from device memory, so the host never synchronises.
-// The arithmetic follows dsfunc.optim's transform chain operation by operation, each rounded
-// as torch rounds it, so the result equals the plain-torch reference to within an ulp or two.
+// The element arithmetic is adam_math.h's, shared with the CPU kernel (adam_cpu.cpp).
+#include "adam_math.h"
 #include "common.cuh"
 
 #include <c10/cuda/CUDAGuard.h>
@@ -25,16 +25,6 @@ constexpr int kScalarUnroll = 4;  // floats per thread per iteration (unaligned 
 
 struct NoLowp {};  // marks "no low-precision output"
 
-struct AdamHyper {
-  float beta1, beta2, one_minus_beta1, one_minus_beta2, eps, weight_decay;
-  double beta1_exact, beta2_exact;  // the betas as given (float64): the bias corrections use these
-  bool l2, decoupled, bias_correction;
-};
-
-struct AdamScalars {
-  float grad_scale, neg_lr, bc1, sqrt_bc2;
-};
-
 __device__ __forceinline__ AdamScalars load_scalars(const float* grad_scale, const float* lr,
                                                     const float* step, const AdamHyper& h) {
   AdamScalars s;
@@ -51,19 +41,6 @@ __device__ __forceinline__ AdamScalars load_scalars(const float* grad_scale, con
     s.sqrt_bc2 = static_cast<float>(__dsqrt_rn(1.0 - pow(h.beta2_exact, t)));
   }
   return s;
-}
-
-// One element. The _rn intrinsics stop the compiler from fusing steps that torch rounds apart.
-__device__ __forceinline__ void adam_update(float& p, float g, float& m, float& v, const AdamHyper& h,
-                                            const AdamScalars& s) {
-  g = __fmul_rn(g, s.grad_scale);
-  if (h.l2) g = __fmaf_rn(h.weight_decay, p, g);
-  m = __fmaf_rn(h.one_minus_beta1, g, __fmul_rn(m, h.beta1));
-  v = __fmaf_rn(__fmul_rn(h.one_minus_beta2, g), g, __fmul_rn(v, h.beta2));
-  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.sqrt_bc2), h.eps);
-  float u = __fdiv_rn(__fdiv_rn(m, s.bc1), denom);
-  if (h.decoupled) u = __fmaf_rn(h.weight_decay, p, u);
-  p = __fadd_rn(p, __fmul_rn(u, s.neg_lr));
 }
 
 __device__ __forceinline__ __nv_bfloat16 to_low(float x, __nv_bfloat16*) { return __float2bfloat16_rn(x); }
@@ -304,18 +281,7 @@ void adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::T
   }
   if (param.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(param.device());
-  const bool decay = weight_decay != 0.0;
-  const AdamHyper h{static_cast<float>(beta1),
-                    static_cast<float>(beta2),
-                    static_cast<float>(1.0 - beta1),
-                    static_cast<float>(1.0 - beta2),
-                    static_cast<float>(eps),
-                    static_cast<float>(weight_decay),
-                    beta1,
-                    beta2,
-                    decay && !adam_w_mode,
-                    decay && adam_w_mode,
-                    bias_correction};
+  const AdamHyper h = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction);
   if (!lowp.has_value()) {
     launch<NoLowp>(param, grad, exp_avg, exp_avg_sq, nullptr, grad_scale, lr, step, skip, h);
   } else if (lowp->scalar_type() == at::kBFloat16) {

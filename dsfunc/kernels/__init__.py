@@ -18,7 +18,9 @@ The CUDA kernels (``ops/``) are CUDA C++ rather than Triton: ``sum_of_squares`` 
 of mixed dtypes in one launch, and the Adam update wants exact control of rounding (each step rounded as
 torch rounds it, no fused multiply-add where torch has none) and 16-byte accesses with an unaligned
 fallback; both ops mutate their inputs at the end of the step, where Inductor has nothing to fuse them
-with. See :mod:`dsfunc.kernels.native` for how they are built.
+with. The Adam update has a CPU kernel too (``ops/adam_cpu.cpp``, the same element arithmetic), for
+ZeRO-Offload's host update (:mod:`dsfunc.optim.host_adam`); the op's CPU dispatch stays the reference, which
+equals the transform chain bit for bit. See :mod:`dsfunc.kernels.native` for how they are built.
 """
 
 from __future__ import annotations

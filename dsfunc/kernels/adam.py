@@ -9,7 +9,7 @@ host nor recompiles.
 The op is defined with ``torch.library.Library.define``/``impl`` rather than ``custom_op``: a call costs
 ~2 us of Python instead of ~15 us, which matters once per parameter unit per step. Its signature is
 written in :class:`AdamArgs` (the implementations take it positionally), in the schema below, in the
-public :func:`adam_step_` and in ``ops/register.cpp``.
+public :func:`adam_step_`, in ``ops/register.cpp`` and in ``ops/adam_cpu.cpp`` (the host kernel of ZeRO-Offload).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class AdamArgs(NamedTuple):
 def _check(a: AdamArgs) -> None:
     """The checks shared by the reference, the CUDA path and the fake implementation."""
     device, numel = a.param.device, a.param.numel()
-    flats = [("param", a.param, (torch.float32,)), ("grad", a.grad, (torch.float32,))]
+    flats = [("param", a.param, (torch.float32,)), ("grad", a.grad, (torch.float32, *_LOWP_DTYPES))]
     flats += [("exp_avg", a.exp_avg, (torch.float32,)), ("exp_avg_sq", a.exp_avg_sq, (torch.float32,))]
     if a.lowp is not None:
         flats.append(("lowp", a.lowp, _LOWP_DTYPES))
@@ -110,7 +110,7 @@ def _reference(*args: object) -> None:
     a = AdamArgs(*args)
     _check(a)
     p = a.param
-    g = a.grad * a.grad_scale
+    g = a.grad.float() * a.grad_scale
     if a.weight_decay != 0.0 and not a.adam_w_mode:
         g = g.add(p, alpha=a.weight_decay)
     m = a.exp_avg.mul(a.beta1).add(g, alpha=1 - a.beta1)
@@ -137,7 +137,7 @@ def _cuda(*args: object) -> None:
         return
     a = AdamArgs(*args)
     _check(a)
-    torch.ops.dsfunc_cuda.adam_step_.default(*a)
+    torch.ops.dsfunc_cuda.adam_step_.default(*a._replace(grad=a.grad.float()))
     for t in (a.param, a.exp_avg, a.exp_avg_sq, a.lowp):
         if t is not None:
             torch.autograd.graph.increment_version(t)
@@ -174,7 +174,8 @@ def adam_step_(
 
     Args:
         param: 1-D contiguous fp32 master weights; updated in place.
-        grad: fp32 gradient of the same size, still multiplied by the loss scale.
+        grad: gradient of the same size, still multiplied by the loss scale: fp32, or bf16/fp16 (widened first,
+            which is exact).
         exp_avg, exp_avg_sq: fp32 first and second moments; updated in place.
         grad_scale: 0-d fp32, the factor applied to ``grad`` first (1 / (loss_scale * clip_coef)).
         lr: 0-d fp32 learning rate of this step.

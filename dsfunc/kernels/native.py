@@ -1,14 +1,21 @@
-"""Building and loading the CUDA kernels of ``ops/`` on first use (cached), or saying in one line why not.
+"""Building and loading the C++ kernels of ``ops/`` on first use (cached), or saying in one line why not.
 
-The kernels are CUDA C++ built with ``torch.utils.cpp_extension.load`` on first use (cached under
-``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``) and registered in the private
-namespace ``dsfunc_cuda``; the public ops (:mod:`dsfunc.kernels`) forward to them on CUDA tensors. When
-no CUDA toolkit, ninja or compiler is present, one line is logged and the plain-torch reference runs
-instead (same results, slower).
+Two builds, each made with ``torch.utils.cpp_extension.load`` the first time a process needs it (cached
+under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``):
+
+* ``"cuda"``: the CUDA kernels, registered in the private namespace ``dsfunc_cuda``; the public ops
+  (:mod:`dsfunc.kernels`) forward to them on CUDA tensors;
+* ``"cpu"``: the host Adam of ZeRO-Offload (``ops/adam_cpu.cpp``, namespace ``dsfunc_cpu``), compiled for
+  this machine's CPU (``-march=native``: a cache shared between machines of different CPUs needs one
+  ``TORCH_EXTENSIONS_DIR`` each).
+
+When a build cannot be made (no CUDA toolkit, no compiler, no ninja) one line is logged and the plain-torch
+reference runs instead (same results to an ulp, slower).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import warnings
@@ -19,70 +26,77 @@ import torch
 _log = logging.getLogger("dsfunc.kernels")
 
 OPS_DIR = Path(__file__).resolve().parent.parent.parent / "ops"
-_SOURCES = ("register.cpp", "adam.cu", "sum_of_squares.cu")
 
 
-_native_lock = threading.Lock()
-_native_ok: bool | None = None
+@dataclasses.dataclass(frozen=True)
+class _Build:
+    name: str
+    sources: tuple[str, ...]
+    what: str  # for the log line
 
 
-def _native_unavailable_reason() -> str | None:
-    if torch.version.cuda is None:
-        return "this torch build has no CUDA support" + (
-            " (ROCm is not supported)" if torch.version.hip else ""
-        )
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible"
-    missing = [s for s in _SOURCES if not (OPS_DIR / s).is_file()]
+_BUILDS = {
+    "cuda": _Build("dsfunc_ops", ("register.cpp", "adam.cu", "sum_of_squares.cu"), "CUDA kernels"),
+    "cpu": _Build("dsfunc_cpu_ops", ("adam_cpu.cpp",), "CPU kernels"),
+}
+# -ffp-contract=off: no fused multiply-add beyond the ones adam_math.h writes (the CUDA kernel's rounding);
+# -fno-math-errno lets sqrt vectorise (errno is never read); -fopenmp: at::parallel_for is a header template.
+_CPU_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+
+_lock = threading.Lock()
+_ready: dict[str, bool] = {}
+
+
+def _unavailable_reason(kind: str) -> str | None:
+    if kind == "cuda":
+        if torch.version.cuda is None:
+            return "this torch build has no CUDA support" + (" (ROCm is not supported)" if torch.version.hip else "")
+        if not torch.cuda.is_available():
+            return "no CUDA device is visible"
+    missing = [s for s in _BUILDS[kind].sources if not (OPS_DIR / s).is_file()]
     if missing:
         return f"kernel sources {missing} not found in {OPS_DIR}"
     from torch.utils import cpp_extension
 
-    if cpp_extension.CUDA_HOME is None:
+    if kind == "cuda" and cpp_extension.CUDA_HOME is None:
         return f"no CUDA toolkit found (install nvcc for CUDA {torch.version.cuda} or set CUDA_HOME)"
     if not cpp_extension.is_ninja_available():
         return "ninja is not installed (pip install ninja)"
     return None
 
 
-def _build_native() -> None:
+def _build(kind: str) -> None:
     from torch.utils import cpp_extension
 
-    archs = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
-    gencode = [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}" for major, minor in archs]
+    build = _BUILDS[kind]
+    flags: dict[str, list[str]] = {"extra_cflags": _CPU_FLAGS, "extra_ldflags": ["-fopenmp"]}
+    if kind == "cuda":
+        archs = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        gencode = [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}" for major, minor in archs]
+        flags = {"extra_cflags": ["-O3"], "extra_cuda_cflags": ["-O3", *gencode]}
     with warnings.catch_warnings():
         # cpp_extension's remarks about compiler versions are environment notes, not errors of ours.
         warnings.simplefilter("ignore")
-        cpp_extension.load(
-            name="dsfunc_ops",
-            sources=[str(OPS_DIR / s) for s in _SOURCES],
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3", *gencode],
-            is_python_module=False,
-            verbose=False,
-        )
+        cpp_extension.load(name=build.name, sources=[str(OPS_DIR / s) for s in build.sources],
+                           is_python_module=False, verbose=False, **flags)
 
 
-def native_ready() -> bool:
-    """Build and load ops/ once per process; on failure log one line and return False."""
-    global _native_ok
-    if _native_ok is None:
-        with _native_lock:
-            if _native_ok is None:
-                reason = _native_unavailable_reason()
+def native_ready(kind: str = "cuda") -> bool:
+    """Build and load the ``kind`` ("cuda" or "cpu") kernels of ops/ once per process; on failure log one line
+    and return False."""
+    if kind not in _ready:
+        with _lock:
+            if kind not in _ready:
+                reason = _unavailable_reason(kind)
                 if reason is None:
                     try:
-                        _build_native()
+                        _build(kind)
                     except Exception as exc:  # noqa: BLE001 - any build failure means: use the reference
-                        _log.debug("dsfunc: building ops/ failed:\n%s", exc)
+                        _log.debug("dsfunc: building ops/ (%s) failed:\n%s", kind, exc)
                         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                         reason = f"building {OPS_DIR} failed: {first}"
                 if reason is not None:
-                    _log.warning(
-                        "dsfunc: CUDA kernels unavailable (%s); using the plain-torch reference ops (slower).",
-                        reason,
-                    )
-                _native_ok = reason is None
-    return _native_ok
-
-
+                    _log.warning("dsfunc: %s unavailable (%s); using the plain-torch reference ops (slower).",
+                                 _BUILDS[kind].what, reason)
+                _ready[kind] = reason is None
+    return _ready[kind]

@@ -9,8 +9,8 @@ kernel in ``ops/``; elsewhere the op's plain-torch reference runs (the same math
 once instead of twice). Its state is the equivalent chain's (:meth:`FusedAdam.init`), so checkpoints and
 the chain read it unchanged. With parameter groups each unit belongs to one group (the plan splits
 units by group), and the op takes that group's hyper-parameters and lr. With the optimizer offloaded
-(``ctx.host``) each group's units are updated by one call of torch's fused CPU Adam instead
-(:mod:`dsfunc.optim.host_adam`), except a group without bias correction, which that kernel lacks.
+(``ctx.host``) the units are updated by the op's CPU kernel (:mod:`dsfunc.optim.host_adam`), with the same
+element arithmetic as the CUDA kernel's.
 """
 
 from __future__ import annotations
@@ -100,14 +100,14 @@ class FusedAdam:
                 lr = group.schedule(sched.count - 1).to(torch.float32)
             step = (adam.count + 1).to(torch.float32)
             names = [n for n in params if self.unit_groups.get(n) == label]
-            if ctx.host and group.bias_correction:
+            if ctx.host:
                 ctx.schedule(names, functools.partial(
                     _host_update, params=params, grads=grads, adam=adam, ctx=ctx, group=group, lr=lr, step=step,
-                    grad_divisor=(loss_scale * clip).to(torch.float32), skip=skip))
+                    grad_scale=grad_scale, skip=skip))
             else:
                 for name in names:
                     kernels.adam_step_(
-                        params[name], ctx.widen(grads[name]), adam.mu[name], adam.nu[name],
+                        params[name], grads[name], adam.mu[name], adam.nu[name],
                         grad_scale=grad_scale, lr=lr, step=step, skip=skip, lowp=ctx.lowp.get(name),
                         beta1=group.beta1, beta2=group.beta2, eps=group.eps, weight_decay=group.weight_decay,
                         adam_w_mode=group.adam_w_mode, bias_correction=group.bias_correction,
@@ -124,12 +124,12 @@ class FusedAdam:
 
 def _host_update(names: list[str], *, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
                  adam: Any, ctx: UpdateContext, group: AdamGroup, lr: torch.Tensor, step: torch.Tensor,
-                 grad_divisor: torch.Tensor, skip: torch.Tensor) -> None:
+                 grad_scale: torch.Tensor, skip: torch.Tensor) -> None:
     """The host Adam of units ``names`` (ZeRO-Offload), each unit's new compute copy written with it."""
     host_adam_(
         [params[n] for n in names], [grads[n] for n in names], [adam.mu[n] for n in names],
-        [adam.nu[n] for n in names], grad_divisor=grad_divisor, lr=lr, step=step, skip=skip, beta1=group.beta1,
+        [adam.nu[n] for n in names], grad_scale=grad_scale, lr=lr, step=step, skip=skip, beta1=group.beta1,
         beta2=group.beta2, eps=group.eps, weight_decay=group.weight_decay, adam_w_mode=group.adam_w_mode,
-        widen=ctx.widen, lowp=[ctx.lowp.get(n) for n in names],
+        bias_correction=group.bias_correction, lowp=[ctx.lowp.get(n) for n in names],
         done=None if ctx.updated is None else lambda i: ctx.updated(names[i], params[names[i]]),
     )

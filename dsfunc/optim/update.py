@@ -33,9 +33,6 @@ class UpdateContext:
     # An update that writes unit by unit (the host Adam) calls this with each unit's name and new master as soon
     # as it is final, so copying it back to the device overlaps the update of the next unit.
     updated: Callable[[str, torch.Tensor], None] | None = None
-    # One unit's gradient as fp32 (offloaded host gradients may be 16-bit): ZeRO-Offload widens into a scratch
-    # buffer kept for the run, valid until the next call, so a step allocates nothing per unit.
-    widen: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.float
     # Runs an update's work over units: ``schedule(names, work)`` calls ``work(names)`` now, or with ZeRO-Offload
     # at stage 3 queues the lazy units' share for the background (dsfunc.zero.host_update): the step returns
     # before it is done and the next forward waits per unit. ``work`` calls ``updated`` after each unit.

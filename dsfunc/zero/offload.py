@@ -101,7 +101,6 @@ class HostOffload:
         self._lowp: dict[str, torch.Tensor] = {}  # unit -> compute-dtype parameter shard (host, 16-bit only)
         self._sumsq: dict[str, torch.Tensor] = {}  # unit -> sum of squares of its gradient (device)
         self._sent: dict[str, torch.cuda.Event] = {}  # unit -> after the last copy out of its staged shard
-        self._scratch = torch.empty(0)  # fp32, as large as the largest 16-bit gradient chunk widened so far
         self.pending = PendingUpdate(compute_device)  # the update of lazy units, in the background
         # offload_param on a GPU: the stream that gathers copy host shards in on, beside the compute stream
         self.transfer = torch.cuda.Stream(compute_device) if params and compute_device.type == "cuda" else None
@@ -162,15 +161,6 @@ class HostOffload:
             torch.cuda.current_stream(self.compute_device).synchronize()  # the host reads them next
         total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.compute_device)
         return out, total
-
-    def widen(self, grad: torch.Tensor) -> torch.Tensor:
-        """``grad`` as fp32: a 16-bit host gradient (a chunk of one) is copied into the scratch buffer (valid
-        until the next call), kept for the run so that no step allocates and first-touches host pages."""
-        if grad.dtype == torch.float32:
-            return grad
-        if self._scratch.numel() < grad.numel():
-            self._scratch = torch.empty(grad.numel())
-        return self._scratch[: grad.numel()].view(grad.shape).copy_(grad)
 
     # -- parameters back ----------------------------------------------------------------------------
     def staging(self, unit: Unit) -> torch.Tensor | None:

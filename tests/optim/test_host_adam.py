@@ -1,35 +1,51 @@
-"""The host Adam of ZeRO-Offload against torch.optim.AdamW, and its 16-bit gradients widened exactly."""
+"""The host Adam of ZeRO-Offload (dsfunc's CPU kernel, ops/adam_cpu.cpp) against torch.optim and the op's
+plain-torch reference."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from dsfunc import kernels
+from dsfunc.optim import host_adam
 from dsfunc.optim.host_adam import host_adam_
 
 HYPER = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1, "adam_w_mode": True}
+SIZES = (100_003, 37, 4096)  # the first spreads over threads (at::parallel_for), with a ragged end
 
 
-def shards(seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def shards(seed: int = 0, grad_dtype: torch.dtype = torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    params = [torch.randn(n, generator=g) for n in (1000, 37, 4096)]
-    grads = [torch.randn(n, generator=g).to(torch.bfloat16) for n in (1000, 37, 4096)]
+    params = [torch.randn(n, generator=g) for n in SIZES]
+    grads = [torch.randn(n, generator=g).to(grad_dtype) for n in SIZES]
     return params, grads
 
 
-def step(params, grads, *, steps: int = 3, scale: float = 4.0, skip: bool = False):
+def run(params, grads, *, steps: int = 3, scale: float = 4.0, skip: bool = False, lowp_dtype=None, **hyper):
     params = [p.clone() for p in params]
     mu, nu = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    lowp = None if lowp_dtype is None else [torch.full_like(p, 7.0, dtype=lowp_dtype) for p in params]
+    done = []
     for i in range(steps):
-        host_adam_(params, [g.clone() for g in grads], mu, nu, grad_divisor=torch.tensor(scale),
-                   lr=torch.tensor(1e-2), step=torch.tensor(float(i + 1)), skip=torch.tensor(skip), **HYPER)
-    return params
+        host_adam_(params, [g.clone() for g in grads], mu, nu, grad_scale=torch.tensor(1 / scale),
+                   lr=torch.tensor(1e-2), step=torch.tensor(float(i + 1)), skip=torch.tensor(skip), lowp=lowp,
+                   done=done.append, **{**HYPER, **hyper})
+    assert done == list(range(len(params))) * steps
+    return params, mu, nu, lowp
 
 
-def test_host_adam_matches_torch_adamw():
+def test_the_cpu_kernel_is_built_here():
+    """CI has a compiler: the tests below check the kernel, not the reference it falls back to."""
+    assert host_adam.native_ready("cpu")
+
+
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+def test_host_adam_matches_torch_optim(adam_w_mode):
     params, grads = shards()
-    got = step(params, [g.float() * 4.0 for g in grads])  # scaled by 4, divided by grad_divisor
+    got, *_ = run(params, [g.float() * 4.0 for g in grads], adam_w_mode=adam_w_mode)  # scaled by 4, scale 1/4
     ref = [torch.nn.Parameter(p.clone()) for p in params]
-    opt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    make = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    opt = make(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     for _ in range(3):
         for p, g in zip(ref, grads):
             p.grad = g.float()
@@ -38,34 +54,66 @@ def test_host_adam_matches_torch_adamw():
         torch.testing.assert_close(a, b.detach(), rtol=1e-6, atol=1e-7)
 
 
-def test_16_bit_gradients_update_exactly_like_their_fp32_values():
-    params, grads = shards(1)
-    widened = step(params, [g.float() for g in grads])
-    narrow = step(params, grads)
-    assert all(torch.equal(a, b) for a, b in zip(narrow, widened))
-    assert all(torch.equal(a, b) for a, b in zip(step(params, grads, skip=True), params))  # skip writes nothing
+@pytest.mark.parametrize("hyper", [{}, {"adam_w_mode": False}, {"weight_decay": 0.0}, {"bias_correction": False}])
+def test_kernel_agrees_with_the_reference_op(hyper):
+    """The CUDA kernel's element arithmetic (ops/adam_math.h), which follows the reference's operations: equal
+    to float32 rounding."""
+    params, grads = shards(1, torch.float32)
+    got = run(params, grads, **hyper)
+    ref = [p.clone() for p in params], [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    for i in range(3):
+        for p, g, m, v in zip(*ref[:1], grads, *ref[1:]):
+            kernels.adam_step_(p, g, m, v, grad_scale=torch.tensor(0.25), lr=torch.tensor(1e-2),
+                               step=torch.tensor(float(i + 1)), skip=torch.tensor(False), **{**HYPER, **hyper})
+    for mine, theirs in zip(got[:3], ref):
+        for a, b in zip(mine, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-def test_chunks_update_bit_for_bit_like_one_call_per_unit_and_write_the_16_bit_copy():
-    """Each unit goes through the fused kernel a chunk at a time (widened, updated and cast while in cache):
-    the same numbers as one call over the whole unit (with a power-of-two thread count: host_adam's note)."""
-    torch.set_num_threads(min(2, torch.get_num_threads()))
-    g = torch.Generator().manual_seed(2)
-    sizes = (10_000, 37, 4096 * 3 + 5)
-    params = [torch.randn(n, generator=g) for n in sizes]
-    grads = [torch.randn(n, generator=g).to(torch.bfloat16) for n in sizes]
-    out = {}
-    for chunk in (1 << 12, 1 << 30):
-        p = [t.clone() for t in params]
-        mu, nu = [torch.zeros_like(t) for t in p], [torch.zeros_like(t) for t in p]
-        lowp = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
-        done = []
-        for i in range(2):
-            host_adam_(p, grads, mu, nu, grad_divisor=torch.tensor(2.0), lr=torch.tensor(1e-2),
-                       step=torch.tensor(float(i + 1)), skip=torch.tensor(False), lowp=lowp, done=done.append,
-                       chunk=chunk, **HYPER)
-        assert done == [0, 1, 2] * 2
-        assert all(torch.equal(w, t.to(torch.bfloat16)) for w, t in zip(lowp, p))
-        out[chunk] = (p, mu, nu)
-    for a, b in zip(out[1 << 12], out[1 << 30]):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lowp_dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_gradients_update_exactly_like_their_fp32_values_and_the_copy_is_the_cast(grad_dtype, lowp_dtype):
+    params, grads = shards(2, grad_dtype)
+    narrow = run(params, grads, lowp_dtype=lowp_dtype)
+    widened = run(params, [g.float() for g in grads])
+    for mine, theirs in zip(narrow[:3], widened[:3]):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    assert all(torch.equal(low, p.to(lowp_dtype)) for low, p in zip(narrow[3], narrow[0]))
+
+
+def test_skip_writes_nothing():
+    params, grads = shards(3)
+    p, mu, nu, lowp = run(params, grads, skip=True, lowp_dtype=torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(p, params))
+    assert all(not t.any() for t in mu + nu) and all((t == 7.0).all() for t in lowp)
+
+
+def test_the_result_does_not_depend_on_the_thread_count():
+    """Each thread updates a contiguous range element by element: the split changes nothing."""
+    params, grads = shards(4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(params, grads)
+        torch.set_num_threads(2)
+        two = run(params, grads)
+    finally:
+        torch.set_num_threads(before)
+    for mine, theirs in zip(one[:3], two[:3]):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+
+
+def test_without_the_kernel_the_reference_runs(monkeypatch):
+    params, grads = shards(5)
+    native = run(params, grads, lowp_dtype=torch.bfloat16)
+    monkeypatch.setattr(host_adam, "native_ready", lambda kind: False)
+    reference = run(params, grads, lowp_dtype=torch.bfloat16)
+    for a, b in zip(native[0], reference[0]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_bad_input_says_what_is_wrong():
+    p, g = torch.zeros(4), torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="grad must be a 1-D contiguous float32, bfloat16 or float16 CPU tensor"):
+        host_adam_([p], [g], [torch.zeros(4)], [torch.zeros(4)], grad_scale=torch.tensor(1.0), lr=torch.tensor(1.0),
+                   step=torch.tensor(1.0), skip=torch.tensor(False), **HYPER)

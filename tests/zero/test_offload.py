@@ -338,13 +338,12 @@ def test_with_accumulation_no_gradient_waits_on_the_device_between_micro_batches
 
 
 def test_adamw_on_16_bit_host_gradients_trains_like_the_resident_run():
-    """bf16, one micro-batch on one rank: the host Adam reads bf16 gradients, widened per unit into one
-    scratch buffer that lasts the run."""
+    """bf16, one micro-batch on one rank: the host Adam reads the bf16 gradients as they are (the CPU kernel
+    widens them in registers)."""
     full = {}
     for mode in ("none", "optimizer"):
         state = train(make_state(1, 2, mode, micro=4, gas=1, bf16={"enabled": True}), 0, 1)
         full[mode] = dsfunc.full_params(state)
     offload = state.program.offload
     assert {g.dtype for g in offload._grads.values()} == {torch.bfloat16}
-    assert offload._scratch.numel() == max(g.numel() for g in offload._grads.values())
     assert relative_diff(full["optimizer"], full["none"]) < 1e-5

@@ -1,0 +1,149 @@
+// Adam/AdamW step over one flat fp32 shard in host memory (ZeRO-Offload): dsfunc_cpu::adam_step_.
+//
+// One pass over memory, spread over the intra-op threads (at::parallel_for, each thread a contiguous
+// range): read the gradient (fp32, or bf16/fp16 widened in registers), param, exp_avg and exp_avg_sq;
+// write param, exp_avg, exp_avg_sq and optionally the bf16/fp16 copy the device gets. 28 bytes per
+// parameter with 16-bit gradients and copy, where torch's fused CPU Adam needs a widened copy of the
+// gradient and a cast afterwards. The element arithmetic is adam_math.h's, the CUDA kernel's: compiled
+// with -ffp-contract=off, the two kernels agree bit for bit. The call holds no Python lock.
+#include "adam_math.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <cstring>
+#include <optional>
+
+namespace dsfunc {
+namespace {
+
+constexpr int64_t kGrain = 1 << 16;  // elements per thread at least: below that, threads cost more than they save
+
+struct NoLowp {};
+
+inline float load(const float* x, int64_t i) { return x[i]; }
+inline float load(const c10::BFloat16* x, int64_t i) {
+  uint32_t bits = static_cast<uint32_t>(x[i].x) << 16;  // exact
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float load(const c10::Half* x, int64_t i) { return static_cast<float>(x[i]); }
+
+inline void store(NoLowp*, int64_t, float) {}
+inline void store(c10::BFloat16* x, int64_t i, float f) {
+  // Round to nearest even, NaN kept quiet: torch's float -> bfloat16 conversion, written branch-free.
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  const uint16_t rounded = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+  x[i].x = f != f ? uint16_t{0x7fc0} : rounded;
+}
+inline void store(c10::Half* x, int64_t i, float f) { x[i] = c10::Half(f); }
+
+// The decay mode is a template argument so that the loop has no branch left and vectorises.
+template <bool kL2, bool kDecoupled, typename Grad, typename Low>
+void update_range(float* __restrict param, const Grad* __restrict grad, float* __restrict exp_avg,
+                  float* __restrict exp_avg_sq, Low* __restrict lowp, int64_t begin, int64_t end,
+                  AdamHyper h, const AdamScalars s) {
+  h.l2 = kL2;
+  h.decoupled = kDecoupled;
+  for (int64_t i = begin; i < end; ++i) {
+    float p = param[i], m = exp_avg[i], v = exp_avg_sq[i];
+    adam_update(p, load(grad, i), m, v, h, s);
+    param[i] = p;
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    store(lowp, i, p);
+  }
+}
+
+template <typename Grad, typename Low>
+void update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+            const at::Tensor& exp_avg_sq, Low* lowp, const AdamHyper& h, const AdamScalars& s) {
+  float* p = param.data_ptr<float>();
+  const Grad* g = reinterpret_cast<const Grad*>(grad.data_ptr());
+  float* m = exp_avg.data_ptr<float>();
+  float* v = exp_avg_sq.data_ptr<float>();
+  at::parallel_for(0, param.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    if (h.l2) {
+      update_range<true, false>(p, g, m, v, lowp, begin, end, h, s);
+    } else if (h.decoupled) {
+      update_range<false, true>(p, g, m, v, lowp, begin, end, h, s);
+    } else {
+      update_range<false, false>(p, g, m, v, lowp, begin, end, h, s);
+    }
+  });
+}
+
+template <typename Grad>
+void dispatch_lowp(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                   const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& lowp, const AdamHyper& h,
+                   const AdamScalars& s) {
+  if (!lowp.has_value()) {
+    update<Grad, NoLowp>(param, grad, exp_avg, exp_avg_sq, nullptr, h, s);
+  } else if (lowp->scalar_type() == at::kBFloat16) {
+    update<Grad>(param, grad, exp_avg, exp_avg_sq, lowp->data_ptr<c10::BFloat16>(), h, s);
+  } else {
+    update<Grad>(param, grad, exp_avg, exp_avg_sq, lowp->data_ptr<c10::Half>(), h, s);
+  }
+}
+
+void check_flat(const at::Tensor& t, const char* name, const at::Tensor& param,
+                std::initializer_list<at::ScalarType> dtypes, const char* wanted) {
+  const bool dtype_ok = std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) != dtypes.end();
+  TORCH_CHECK(t.device().is_cpu() && dtype_ok && t.dim() == 1 && t.is_contiguous(), "dsfunc_cpu::adam_step_: ",
+              name, " must be a 1-D contiguous ", wanted, " CPU tensor, got ", t.scalar_type(), " of shape ",
+              t.sizes(), " on ", t.device());
+  TORCH_CHECK(t.numel() == param.numel(), "dsfunc_cpu::adam_step_: ", name, " must match param (", param.numel(),
+              " elements), got ", t.numel());
+}
+
+float scalar(const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.numel() == 1, "dsfunc_cpu::adam_step_: ", name,
+              " must be a one-element ", dtype, " CPU tensor, got ", t.scalar_type(), " of shape ", t.sizes(),
+              " on ", t.device());
+  return dtype == at::kBool ? static_cast<float>(*t.data_ptr<bool>()) : *t.data_ptr<float>();
+}
+
+}  // namespace
+
+void adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                   const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& lowp, const at::Tensor& grad_scale,
+                   const at::Tensor& lr, const at::Tensor& step, const at::Tensor& skip, double beta1, double beta2,
+                   double eps, double weight_decay, bool adam_w_mode, bool bias_correction) {
+  check_flat(param, "param", param, {at::kFloat}, "float32");
+  check_flat(grad, "grad", param, {at::kFloat, at::kBFloat16, at::kHalf}, "float32, bfloat16 or float16");
+  check_flat(exp_avg, "exp_avg", param, {at::kFloat}, "float32");
+  check_flat(exp_avg_sq, "exp_avg_sq", param, {at::kFloat}, "float32");
+  if (lowp.has_value()) check_flat(*lowp, "lowp", param, {at::kBFloat16, at::kHalf}, "bfloat16 or float16");
+  const float scale = scalar(grad_scale, "grad_scale", at::kFloat), rate = scalar(lr, "lr", at::kFloat);
+  const float count = scalar(step, "step", at::kFloat);
+  if (scalar(skip, "skip", at::kBool) != 0.f || param.numel() == 0) return;
+  const AdamHyper h = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction);
+  AdamScalars s{scale, -rate, 1.f, 1.f};
+  if (bias_correction) {  // as load_scalars in adam.cu
+    s.bc1 = static_cast<float>(1.0 - std::pow(beta1, static_cast<double>(count)));
+    s.sqrt_bc2 = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(count))));
+  }
+  switch (grad.scalar_type()) {
+    case at::kFloat: dispatch_lowp<float>(param, grad, exp_avg, exp_avg_sq, lowp, h, s); break;
+    case at::kBFloat16: dispatch_lowp<c10::BFloat16>(param, grad, exp_avg, exp_avg_sq, lowp, h, s); break;
+    default: dispatch_lowp<c10::Half>(param, grad, exp_avg, exp_avg_sq, lowp, h, s); break;
+  }
+}
+
+}  // namespace dsfunc
+
+TORCH_LIBRARY(dsfunc_cpu, m) {
+  m.def(
+      "adam_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+      "Tensor(d!)? lowp, Tensor grad_scale, Tensor lr, Tensor step, Tensor skip, float beta1, "
+      "float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(dsfunc_cpu, CPU, m) { m.impl("adam_step_", &dsfunc::adam_step_cpu); }
