@@ -143,6 +143,21 @@ def _cuda(*args: object) -> None:
             torch.autograd.graph.increment_version(t)
 
 
+def host_adam_step_(*args: object) -> None:
+    """:func:`adam_step_` on host tensors by the CPU kernel of ``ops/adam_cpu.cpp`` (ZeRO-Offload's update), which
+    holds no Python lock while it runs; the reference where that kernel cannot be built. Arguments in schema
+    order (:class:`AdamArgs`), checked here as the public op checks them."""
+    a = AdamArgs(*args)
+    _check(a)
+    if not native_ready("cpu"):
+        _reference(*a)
+        return
+    torch.ops.dsfunc_cpu.adam_step_.default(*a)
+    for t in (a.param, a.exp_avg, a.exp_avg_sq, a.lowp):  # as the in-place ops it stands for would
+        if t is not None:
+            torch.autograd.graph.increment_version(t)
+
+
 def _fake(*args: object) -> None:
     _check(AdamArgs(*args))
 

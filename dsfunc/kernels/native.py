@@ -41,6 +41,8 @@ _BUILDS = {
 }
 # -ffp-contract=off: no fused multiply-add beyond the ones adam_math.h writes (the CUDA kernel's rounding);
 # -fno-math-errno lets sqrt vectorise (errno is never read); -fopenmp: at::parallel_for is a header template.
+# Not linked with -fopenmp: its OpenMP calls resolve to torch's own runtime (a wheel bundles one), so the
+# threads are torch's and torch.set_num_threads counts them.
 _CPU_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 
 _lock = threading.Lock()
@@ -69,7 +71,7 @@ def _build(kind: str) -> None:
     from torch.utils import cpp_extension
 
     build = _BUILDS[kind]
-    flags: dict[str, list[str]] = {"extra_cflags": _CPU_FLAGS, "extra_ldflags": ["-fopenmp"]}
+    flags: dict[str, list[str]] = {"extra_cflags": _CPU_FLAGS}
     if kind == "cuda":
         archs = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
         gencode = [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}" for major, minor in archs]

@@ -19,8 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dsfunc import kernels
-from dsfunc.kernels.native import native_ready
+from dsfunc.kernels.adam import host_adam_step_
 
 
 def host_adam_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
@@ -38,19 +37,9 @@ def host_adam_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ex
       lowp: per unit, a flat 16-bit tensor to receive the new parameters (or None), written with them.
       done: called with each unit's index once its parameter (and ``lowp``) is written.
     """
-    native = native_ready("cpu")
-    hyper = {"beta1": float(beta1), "beta2": float(beta2), "eps": float(eps), "weight_decay": float(weight_decay),
-             "adam_w_mode": bool(adam_w_mode), "bias_correction": bool(bias_correction)}
+    hyper = (float(beta1), float(beta2), float(eps), float(weight_decay), bool(adam_w_mode), bool(bias_correction))
     for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, strict=True)):
         out = None if lowp is None else lowp[i]
-        if native:
-            torch.ops.dsfunc_cpu.adam_step_.default(param, grad, exp_avg, exp_avg_sq, out, grad_scale, lr, step,
-                                                    skip, *hyper.values())
-            for t in (param, exp_avg, exp_avg_sq, out):  # as the in-place ops it replaces would
-                if t is not None:
-                    torch.autograd.graph.increment_version(t)
-        else:
-            kernels.adam_step_(param, grad, exp_avg, exp_avg_sq, grad_scale=grad_scale, lr=lr, step=step, skip=skip,
-                               lowp=out, **hyper)
+        host_adam_step_(param, grad, exp_avg, exp_avg_sq, out, grad_scale, lr, step, skip, *hyper)
         if done is not None:
             done(i)
