@@ -5,8 +5,9 @@ checkpointing (bench_single.py's systems: ``dsfunc``, ``dsfunc+units``, ``plain+
 
 Per system, each probe in a fresh process (a CUDA out-of-memory error leaves nothing behind): two steps at
 micro-batches 4 and 8 give the bytes each sample adds to the peak (activations grow linearly with it); the
-largest multiple of 4 that this predicts fits is run next, then its neighbours upward until one fails, or
-downward until one runs. Prints the largest micro-batch that trained (of the preset's sequence length) and the
+largest multiple of 4 that this predicts fits is run next, then its neighbours upward until one fails; if
+the prediction failed (with checkpointing the peak at small micro-batches can be the update's), bisection
+between 8 and it. Prints the largest micro-batch that trained (of the preset's sequence length) and the
 smallest that did not.
 """
 
@@ -56,21 +57,26 @@ def run_probe(model: str, system: str, micros: str, stop_on: str) -> None:
 
 
 def search(model: str, system: str) -> tuple[int, int | None]:
-    """(largest micro-batch that trained, smallest that did not)."""
+    """(largest micro-batch that trained, smallest that did not; None when none failed)."""
     small = probe(model, system, [STEP, 2 * STEP], stop_on=False)
     if not all(r["fits"] for r in small):
         return max([0] + [r["micro"] for r in small if r["fits"]]), min(r["micro"] for r in small if not r["fits"])
-    per_sample = (small[1]["peak"] - small[0]["peak"]) / STEP
+    per_sample = max(1, small[1]["peak"] - small[0]["peak"]) / STEP
     fixed = small[0]["peak"] - STEP * per_sample
     guess = max(3 * STEP, int((small[0]["free"] - fixed) / per_sample) // STEP * STEP)
     up = probe(model, system, [guess + k * STEP for k in range(4)], stop_on=False)
     fits = [r["micro"] for r in up if r["fits"]]
+    fails = [r["micro"] for r in up if not r["fits"]]
     if fits:
-        fails = [r["micro"] for r in up if not r["fits"]]
         return max(fits), min(fails) if fails else None
-    down = probe(model, system, [guess - k * STEP for k in range(1, 5)], stop_on=True)
-    fits = [r["micro"] for r in down if r["fits"]]
-    return max(fits + [2 * STEP]), min([guess] + [r["micro"] for r in down if not r["fits"]])
+    # The guess failed: at small micro-batches the peak can be the update's, not the activations', and the
+    # slope too low. Bisect between the last that ran and the guess.
+    low, high = 2 * STEP, guess
+    while high - low > STEP:
+        mid = (low + high) // 2 // STEP * STEP
+        [row] = probe(model, system, [mid], stop_on=False)
+        low, high = (mid, high) if row["fits"] else (low, mid)
+    return low, high
 
 
 def main() -> None:
