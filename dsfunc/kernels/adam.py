@@ -138,9 +138,7 @@ def _cuda(*args: object) -> None:
     a = AdamArgs(*args)
     _check(a)
     torch.ops.dsfunc_cuda.adam_step_.default(*a._replace(grad=a.grad.float()))
-    for t in (a.param, a.exp_avg, a.exp_avg_sq, a.lowp):
-        if t is not None:
-            torch.autograd.graph.increment_version(t)
+    _written(a)
 
 
 def host_adam_step_(*args: object) -> None:
@@ -153,7 +151,13 @@ def host_adam_step_(*args: object) -> None:
         _reference(*a)
         return
     torch.ops.dsfunc_cpu.adam_step_.default(*a)
-    for t in (a.param, a.exp_avg, a.exp_avg_sq, a.lowp):  # as the in-place ops it stands for would
+    _written(a)
+
+
+def _written(a: AdamArgs) -> None:
+    """Bump the version of what a kernel wrote, as the in-place torch ops it stands for would: the private ops of
+    ops/ register no kernel for the dispatch key that does it for torch's own (ADInplaceOrView)."""
+    for t in (a.param, a.exp_avg, a.exp_avg_sq, a.lowp):
         if t is not None:
             torch.autograd.graph.increment_version(t)
 

@@ -71,11 +71,12 @@ def _build(kind: str) -> None:
     from torch.utils import cpp_extension
 
     build = _BUILDS[kind]
-    flags: dict[str, list[str]] = {"extra_cflags": _CPU_FLAGS}
     if kind == "cuda":
         archs = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
         gencode = [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}" for major, minor in archs]
         flags = {"extra_cflags": ["-O3"], "extra_cuda_cflags": ["-O3", *gencode]}
+    else:
+        flags = {"extra_cflags": _CPU_FLAGS}
     with warnings.catch_warnings():
         # cpp_extension's remarks about compiler versions are environment notes, not errors of ours.
         warnings.simplefilter("ignore")

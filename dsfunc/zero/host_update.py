@@ -1,8 +1,8 @@
 """ZeRO-Offload's host update in the background, so that the next step's forward overlaps it.
 
 With the optimizer offloaded the update is the longest part of a step: a pass of the host Adam through
-every master and moment, bound by host memory bandwidth (1.4 s for 4.1B parameters on the H200 machine's
-16 cores), while the GPU waited. At stage 3 the next forward needs the units one at a time, in order, so a
+every master and moment, bound by host memory bandwidth (about 1 s for 4.1B parameters on the H200
+machine's 16 cores), while the GPU waited. At stage 3 the next forward needs the units one at a time, in order, so a
 step queues the update of its lazy units here (:meth:`PendingUpdate.add`) and returns once it has started
 (:meth:`PendingUpdate.start`); a worker thread updates them unit by unit and each unit's new 16-bit shard
 goes to the device on a copy stream as soon as it is written. The next forward waits for each unit just
