@@ -70,7 +70,7 @@ class FusedAdam(DeepSpeedOptimizer):
 
 class DeepSpeedCPUAdam(DeepSpeedOptimizer):
     """DeepSpeed's ``DeepSpeedCPUAdam`` (ZeRO-Offload's Adam): the config's Adam, which runs where the state
-    is (on the CPU, as torch's fused CPU Adam, when ``offload_optimizer`` puts it there)."""
+    is (on the CPU, by dsfunc's host Adam kernel, when ``offload_optimizer`` puts it there)."""
 
     config_type = "Adam"
     renamed: ClassVar[dict[str, str]] = {"adamw_mode": "adam_w_mode"}
