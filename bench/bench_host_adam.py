@@ -3,10 +3,10 @@ torch's own fused CPU Adam (``torch._fused_adamw_``), which needs the bf16 gradi
 parameters cast to bf16 afterwards — done unit-wide (three passes through memory) or chunk by chunk while
 the chunk is in cache.
 
-    python bench/bench_host_adam.py --numel 134217728 --threads 15,16
+    python bench/bench_host_adam.py --numel 134217728 --threads 15,16 --dtypes bfloat16,float16
 
-A unit of ``--numel`` fp32 parameters with bf16 gradients and a bf16 copy written (what one rank's offloaded
-AdamW does), the best of ``--repeat`` runs per variant, in ms and in GB/s of the 28 bytes per parameter
+A unit of ``--numel`` fp32 parameters with 16-bit gradients and a 16-bit copy written (what one rank's
+offloaded AdamW does under bf16 or fp16), the best of ``--repeat`` runs per variant, in ms and in GB/s of the 28 bytes per parameter
 that must move (read gradient, parameter and moments; write parameter, moments and copy).
 """
 
@@ -39,11 +39,19 @@ def main() -> None:
     parser.add_argument("--threads", default=str(torch.get_num_threads()))
     parser.add_argument("--chunk", type=int, default=1 << 22)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--dtypes", default="bfloat16,float16", help="the gradient's and the copy's dtypes")
     args = parser.parse_args()
     assert native_ready("cpu"), "dsfunc's CPU kernel did not build (see the logged reason)"
+    print(f"| dtype | threads | variant | ms per {args.numel / 2**20:.0f}M parameters | GB/s of 28 B/parameter |")
+    print("|---|---|---|---|---|")
+    for dtype in args.dtypes.split(","):
+        compare(getattr(torch, dtype), args)
+
+
+def compare(dtype: torch.dtype, args: argparse.Namespace) -> None:
     n, chunk = args.numel, args.chunk
     param, mu, nu = torch.randn(n), torch.zeros(n), torch.zeros(n)
-    grad, lowp, scratch = torch.randn(n).to(torch.bfloat16), torch.empty(n, dtype=torch.bfloat16), torch.empty(n)
+    grad, lowp, scratch = torch.randn(n).to(dtype), torch.empty(n, dtype=dtype), torch.empty(n)
     lr, step, scale = torch.tensor(1e-3), torch.tensor(1.0), torch.tensor(1.0)
 
     def dsfunc_kernel() -> None:
@@ -59,15 +67,13 @@ def main() -> None:
                 lowp[part].copy_(param[part])
         return run
 
-    print(f"| threads | variant | ms per {n / 2**20:.0f}M parameters | GB/s of 28 B/parameter |")
-    print("|---|---|---|---|")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         variants = [("dsfunc CPU kernel", dsfunc_kernel), ("torch fused, three passes", torch_fused(n)),
                     (f"torch fused, chunks of {chunk}", torch_fused(chunk))]
         for name, fn in variants:
             t = best_of(fn, args.repeat)
-            print(f"| {threads} | {name} | {1e3 * t:.1f} | {28 * n / t / 1e9:.0f} |")
+            print(f"| {str(dtype).removeprefix('torch.')} | {threads} | {name} | {1e3 * t:.1f} | {28 * n / t / 1e9:.0f} |")
 
 
 if __name__ == "__main__":

@@ -43,3 +43,16 @@ def test_bench_single_runs_every_kind_of_system():
     first_losses = {r[1].strip(): float(r[6].split("->")[0]) for r in rows}
     # every dsfunc variant computes the same first step (checkpointing, compiling, graphs change no math)
     assert len({round(v, 4) for k, v in first_losses.items() if k.startswith("dsfunc")}) == 1, first_losses
+
+
+def test_bench_host_adam_times_every_variant_in_both_16_bit_dtypes():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-W", "ignore", str(ROOT / "bench" / "bench_host_adam.py"), "--numel", "100003",
+           "--threads", "1,2", "--repeat", "1", "--chunk", "4096"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| b") or
+            line.startswith("| f")]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == [
+        (dtype, threads) for dtype in ("bfloat16", "float16") for threads in ("1", "2") for _ in range(3)]
+    assert all(float(r[3]) > 0 for r in rows), proc.stdout

@@ -138,14 +138,15 @@ def test_adam_matches_reference(n, lowp_dtype, hyper):
         _assert_lowp_is_param_cast(dev["lowp"], dev["param"])
 
 
-@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lowp_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hyper", range(len(HYPERS)))
-def test_the_host_kernel_updates_bit_for_bit_like_this_one(hyper, grad_dtype):
+def test_the_host_kernel_updates_bit_for_bit_like_this_one(hyper, grad_dtype, lowp_dtype):
     """ZeRO-Offload's CPU kernel (ops/adam_cpu.cpp) shares this kernel's element arithmetic (ops/adam_math.h):
     an offloaded update writes the numbers a resident one would."""
     from dsfunc.optim.host_adam import host_adam_
 
-    cpu, dev, scalars = _adam_case(4097 * 33, seed=hyper, lowp_dtype=torch.bfloat16)
+    cpu, dev, scalars = _adam_case(4097 * 33, seed=hyper, lowp_dtype=lowp_dtype)
     cpu["grad"] = cpu["grad"].to(grad_dtype)
     dev["grad"] = cpu["grad"].cuda()
     host_adam_([cpu["param"]], [cpu["grad"]], [cpu["exp_avg"]], [cpu["exp_avg_sq"]], lowp=[cpu["lowp"]],

@@ -23,14 +23,15 @@ def shards(seed: int = 0, grad_dtype: torch.dtype = torch.bfloat16):
     return params, grads
 
 
-def run(params, grads, *, steps: int = 3, scale: float = 4.0, skip: bool = False, lowp_dtype=None, **hyper):
+def run(params, grads, *, steps: int = 3, scale: float = 4.0, skip: bool = False, lowp_dtype=None,
+        lr_value: float = 1e-2, **hyper):
     params = [p.clone() for p in params]
     mu, nu = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
     lowp = None if lowp_dtype is None else [torch.full_like(p, 7.0, dtype=lowp_dtype) for p in params]
     done = []
     for i in range(steps):
         host_adam_(params, [g.clone() for g in grads], mu, nu, grad_scale=torch.tensor(1 / scale),
-                   lr=torch.tensor(1e-2), step=torch.tensor(float(i + 1)), skip=torch.tensor(skip), lowp=lowp,
+                   lr=torch.tensor(lr_value), step=torch.tensor(float(i + 1)), skip=torch.tensor(skip), lowp=lowp,
                    done=done.append, **{**HYPER, **hyper})
     assert done == list(range(len(params))) * steps
     return params, mu, nu, lowp
@@ -81,6 +82,36 @@ def test_16_bit_gradients_update_exactly_like_their_fp32_values_and_the_copy_is_
     for mine, theirs in zip(narrow[:3], widened[:3]):
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
     assert all(torch.equal(low, p.to(lowp_dtype)) for low, p in zip(narrow[3], narrow[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_conversions_are_exact_at_the_edges(dtype):
+    """Every 16-bit bit pattern read as a gradient (subnormals, infinities, NaNs) updates as its fp32 value does,
+    and the copy rounds as torch's cast where rounding is hardest: halfway cases, subnormals, overflow. fp16 is
+    converted a block at a time (F16C), bf16 element by element; the sizes leave ragged blocks and vectors."""
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    g16 = torch.cat([patterns, patterns[:1027]])
+    params = [torch.randn(g16.numel(), generator=torch.Generator().manual_seed(6))]
+    narrow = run(params, [g16], steps=1, lowp_dtype=dtype)
+    widened = run(params, [g16.float()], steps=1, lowp_dtype=dtype)
+    for mine, theirs in zip(narrow, widened):
+        assert torch.equal(mine[0].view(torch.int32 if mine[0].dtype == torch.float32 else torch.int16),
+                           theirs[0].view(torch.int32 if theirs[0].dtype == torch.float32 else torch.int16))
+
+    # lr 0 and no decay leave each parameter as it was: the copy is then the cast of these values.
+    info = torch.finfo(dtype)
+    step = torch.tensor([info.tiny, info.eps, 1.0, info.max, info.smallest_normal / 1024])
+    base = torch.randn(4093, generator=torch.Generator().manual_seed(7))
+    values = torch.cat([
+        (base[:, None] * step).reshape(-1),  # normals, subnormals, beyond the largest finite value
+        torch.tensor([1.0, 2.0, 1024.0]).to(dtype).float().nextafter(torch.tensor(float("inf"))),
+        (torch.arange(1, 2049, dtype=torch.float32) + 0.5) * info.eps,  # halfway between two 16-bit values
+        torch.tensor([0.0, -0.0, float("inf"), -float("inf"), info.max * 1.0001]),
+    ])
+    p, _, _, low = run([values], [torch.zeros_like(values)], steps=1, lowp_dtype=dtype, weight_decay=0.0,
+                       lr_value=0.0)
+    assert torch.equal(p[0], values)
+    assert torch.equal(low[0].view(torch.int16), values.to(dtype).view(torch.int16))
 
 
 def test_skip_writes_nothing():
