@@ -51,7 +51,9 @@ class GradContext:
 
 @dataclasses.dataclass(frozen=True)
 class GradResult:
-    """Mean loss (detached), gradients by unit (``None`` where an outer transform owns them)."""
+    """Mean loss (detached), gradients by unit (``None`` where an outer transform owns them), each in the
+    narrowest dtype that holds it exactly (:func:`dsfunc.zero.reduce.grad_dtype`: the backward's bf16 for one
+    micro-batch on one rank, else fp32)."""
 
     loss: torch.Tensor
     grads: dict[str, torch.Tensor | None] | None

@@ -52,7 +52,7 @@ from dsfunc.zero.layout import ShardingPlan, make_plan, unit_views
 from dsfunc.zero.materialize import materialize
 from dsfunc.zero.norms import segment_norm_fn
 from dsfunc.zero.offload import HostOffload
-from dsfunc.zero.reduce import host_grad_dtype
+from dsfunc.zero.reduce import grad_dtype
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, None: torch.float32}
 
@@ -139,7 +139,7 @@ def init_state(
     skeleton = model if in_place else make_skeleton(model)
     comm_dtype = _COMM_DTYPES[cfg.communication_data_type]
     host = HostOffload.from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype, grad_dtype=(
-        host_grad_dtype(cfg.compute_dtype, comm_dtype, plan.ways, cfg.gradient_accumulation_steps)))
+        grad_dtype(cfg.compute_dtype, comm_dtype, plan.world_size, cfg.gradient_accumulation_steps)))
     params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn, host)
     slots = Slots(skeleton, plan, buffers.keys())
     scaler = LossScaler.from_config(cfg.fp16)

@@ -102,9 +102,10 @@ def apply_gradients(
 ) -> TrainState:
     """The update half of a step: norm, overflow check, optimizer, loss scaler, metrics.
 
-    ``grads`` are this rank's reduced fp32 gradients laid out like ``state.params`` (still multiplied
-    by the loss scale); ``loss`` is this rank's mean loss. Updates ``state``'s buffers in place (the
-    caller donates it) and returns the new state. On a non-finite gradient nothing changes but the
+    ``grads`` are this rank's reduced gradients laid out like ``state.params`` (still multiplied by the
+    loss scale; fp32, or 16-bit where that holds them exactly: :func:`dsfunc.zero.reduce.grad_dtype`);
+    ``loss`` is this rank's mean loss. Updates ``state``'s buffers in place (the caller donates it) and
+    returns the new state. On a non-finite gradient nothing changes but the
     scaler and the metrics (``skipped = 1``), on every rank alike.
     """
     program = state.program

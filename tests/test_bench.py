@@ -51,8 +51,7 @@ def test_bench_host_adam_times_every_variant_in_both_16_bit_dtypes():
            "--threads", "1,2", "--repeat", "1", "--chunk", "4096"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| b") or
-            line.startswith("| f")]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith(("| bfloat16", "| float16"))]
     assert [(r[0].strip(), r[1].strip()) for r in rows] == [
         (dtype, threads) for dtype in ("bfloat16", "float16") for threads in ("1", "2") for _ in range(3)]
     assert all(float(r[3]) > 0 for r in rows), proc.stdout

@@ -7,13 +7,16 @@ from typing import Any
 import optree
 import torch
 
+from dsfunc.zero.reduce import grad_dtype
+
 
 def memory_estimate(state: Any) -> dict[str, int]:
     """Bytes each rank holds for the model states, by category, as the ZeRO stage lays them out.
 
     ``master`` (fp32 weights: this rank's shard), ``optimizer`` (moments etc., measured in the state),
-    ``gradients`` (fp32: the full flat at stages 0-1, the shard at 2-3; none with the optimizer offloaded,
-    but at stage 1 with gradient accumulation), ``compute`` (the compute-dtype
+    ``gradients`` (the full flat at stages 0-1, the shard at 2-3, in :func:`~dsfunc.zero.reduce.grad_dtype`: bf16
+    for one micro-batch on one rank, else fp32; none with the optimizer offloaded, but at stage 1 with gradient
+    accumulation), ``compute`` (the compute-dtype
     copy forward reads: none at stage 0 in fp32, where it aliases the master; the whole model at
     stages 1-2; at stage 3 the persistent units plus the two largest gathered units, and with the optimizer
     offloaded but not the parameters each gathered unit's shard kept between gathers), ``buffers`` (buffers
@@ -26,10 +29,13 @@ def memory_estimate(state: Any) -> dict[str, int]:
     offload = program.offload
     lazy = [u for u in plan.units if program.workspace.lazy(u)]
     cbytes = torch.empty((), dtype=program.compute_dtype).element_size()
+    gas = program.config.gradient_accumulation_steps
+    gbytes = torch.empty((), dtype=grad_dtype(program.compute_dtype, program.comm_dtype, plan.world_size, gas)
+                         ).element_size()
     full = sum(u.numel for u in plan.units)
     shard = sum(plan.shard_size(u) for u in plan.units)
     # Offloaded gradients leave the device as backward makes them, unless stage 1 sums micro-batches there.
-    sums_on_device = offload is None or (plan.stage <= 1 and program.config.gradient_accumulation_steps > 1)
+    sums_on_device = offload is None or (plan.stage <= 1 and gas > 1)
     if program.workspace.aliases_master:
         compute = 0
     else:
@@ -40,7 +46,7 @@ def memory_estimate(state: Any) -> dict[str, int]:
     out = {
         "master": sum(p.numel() * p.element_size() for p in state.params.values()),
         "optimizer": sum(t.numel() * t.element_size() for t in optree.tree_leaves(state.opt_state) if t.dim() > 0),
-        "gradients": 4 * (full if plan.stage <= 1 else shard) if sums_on_device else 0,
+        "gradients": gbytes * (full if plan.stage <= 1 else shard) if sums_on_device else 0,
         "compute": compute,
         "buffers": sum(t.numel() * t.element_size() for t in state.buffers.values()),
         "host_buffers": 0 if offload is None else offload.host_bytes(),

@@ -128,7 +128,7 @@ class HostOffload:
     @torch.no_grad()
     def put_grad(self, unit: Unit, grad: torch.Tensor, dtype: torch.dtype = torch.float32,
                  last: bool = True) -> torch.Tensor:
-        """Start copying ``unit``'s reduced fp32 gradient shard (its sum so far) to its host buffer (returned) in
+        """Start copying ``unit``'s reduced gradient shard (its sum so far) to its host buffer (returned) in
         ``dtype``, which holds it exactly, after taking its sum of squares on the device when it is the
         ``last`` micro-batch's. The caller may drop ``grad`` at once (the copy is ordered on its stream). A
         later call for the same unit (the next micro-batch, another backward) replaces both."""

@@ -13,6 +13,10 @@ Reductions are issued asynchronously, so communication overlaps the rest of back
 in flight (each holds a full-size gradient until it finishes). Every collective is a SUM: the runtime
 folds the 1/world factor of the mean into the backward seed.
 
+A reduced gradient is kept in the narrowest dtype that holds it exactly (:func:`grad_dtype`): the backward's
+bf16 for one micro-batch on one rank (2 bytes per parameter, not 4), fp32 once micro-batches or ranks are
+summed in fp32. Whoever reads it widens it (the update kernels do so in registers).
+
 With the optimizer offloaded, a ``sink`` (:meth:`dsfunc.zero.offload.HostOffload.put_grad`) takes each
 unit's shard as each of its reductions lands, to start its copy to host memory while backward goes on,
 and the device copy is dropped; :meth:`ZeroReducer.finish` then returns the host copies. With gradient
@@ -34,26 +38,26 @@ Grads = dict[str, torch.Tensor | None]
 Sink = Callable[[Unit, torch.Tensor, torch.dtype, bool], torch.Tensor]
 
 
-def exact_dtype(grad_dtype: torch.dtype, comm_dtype: torch.dtype, ways: int) -> torch.dtype:
+def exact_dtype(grad_dtype: torch.dtype, comm_dtype: torch.dtype, ranks: int) -> torch.dtype:
     """The narrowest dtype that holds exactly a reduced gradient made of one micro-batch's ``grad_dtype``
-    gradient: the collective's output dtype over several ranks; on one rank the reduction is the identity,
-    so the gradient as rounded to ``comm_dtype``."""
-    if ways > 1 or grad_dtype in (comm_dtype, torch.float32):
+    gradient, summed over ``ranks``: the collective's output dtype over several ranks; on one rank the
+    reduction is the identity, so the gradient as rounded to ``comm_dtype``."""
+    if ranks > 1 or grad_dtype in (comm_dtype, torch.float32):
         return comm_dtype
     return grad_dtype if comm_dtype == torch.float32 else torch.float32
 
 
-def host_grad_dtype(grad_dtype: torch.dtype, comm_dtype: torch.dtype, ways: int, micro_batches: int) -> torch.dtype:
-    """What an offloaded gradient's host buffer holds at the end of a step (:meth:`ZeroReducer._store`): the
-    :func:`exact_dtype` of one micro-batch, fp32 once micro-batches are summed."""
-    return exact_dtype(grad_dtype, comm_dtype, ways) if micro_batches == 1 else torch.float32
+def grad_dtype(compute_dtype: torch.dtype, comm_dtype: torch.dtype, ranks: int, micro_batches: int) -> torch.dtype:
+    """What a reduced gradient is held in at the end of a step (:meth:`ZeroReducer._store`), on the device or in an
+    offloaded host buffer: the :func:`exact_dtype` of one micro-batch, fp32 once micro-batches are summed."""
+    return exact_dtype(compute_dtype, comm_dtype, ranks) if micro_batches == 1 else torch.float32
 
 
-def _accumulate(sums: dict[str, torch.Tensor], name: str, grad: torch.Tensor) -> None:
-    """``sums[name] += grad`` in fp32 (the first gradient is kept as is)."""
+def _accumulate(sums: dict[str, torch.Tensor], name: str, grad: torch.Tensor, *, keep: bool = False) -> None:
+    """``sums[name] += grad`` in fp32; a first gradient is kept in its own dtype when ``keep`` (no more will be
+    added but another backward's, which widens the sum then)."""
     prev = sums.get(name)
-    g = grad.float()
-    sums[name] = g if prev is None else prev.add_(g)
+    sums[name] = (grad if keep else grad.float()) if prev is None else prev.float().add_(grad)
 
 
 class LocalReducer:
@@ -64,7 +68,7 @@ class LocalReducer:
         self._sums: dict[str, torch.Tensor] = {}
 
     def add(self, unit: Unit, grad: torch.Tensor, *, last: bool) -> None:
-        _accumulate(self._sums, unit.name, grad)
+        _accumulate(self._sums, unit.name, grad, keep=last)
 
     def end_micro(self, *, last: bool) -> None:
         """Nothing to flush: the sums stay local."""
@@ -100,9 +104,11 @@ class ZeroReducer:
         if stage <= 1 and not last:
             _accumulate(self._local, unit.name, grad)  # one reduction after the last micro-batch
             return
-        full = grad.to(self.comm_dtype)
         local = self._local.pop(unit.name, None) if stage <= 1 else None
-        exact = exact_dtype(grad.dtype, self.comm_dtype, self.plan.ways) if local is None else torch.float32
+        exact = exact_dtype(grad.dtype, self.comm_dtype, self.plan.world_size) if local is None else torch.float32
+        # On one rank the collective is the identity: a gradient already in the dtype it is kept in is not copied.
+        alone = self.plan.world_size == 1 and local is None and exact == grad.dtype
+        full = grad if alone else grad.to(self.comm_dtype)
         if local is not None:
             full = full + local.to(self.comm_dtype)
         if stage == 0:
@@ -112,7 +118,7 @@ class ZeroReducer:
             work = comm.all_reduce_sum(chunks[-1], async_op=True)
             self._pending.append((work, lambda u=unit, t=full: self._store(u, t, last, exact)))
         else:
-            out = torch.empty(self.plan.shard_size(unit), dtype=self.comm_dtype, device=full.device)
+            out = torch.empty(self.plan.shard_size(unit), dtype=full.dtype, device=full.device)
             work = comm.reduce_scatter_sum(out, full, async_op=True)
             self._pending.append((work, lambda u=unit, t=out, keep=full: self._store(u, t, last, exact)))
         self._drain(keep=self.max_inflight)
@@ -128,22 +134,23 @@ class ZeroReducer:
             self._drain()
 
     def finish(self) -> Grads:
-        """This rank's reduced fp32 gradients by unit, after the last micro-batch."""
+        """This rank's reduced gradients by unit (each in its :func:`grad_dtype`), after the last micro-batch."""
         self._drain()
         grads: Grads = {**self._grads, **self._sunk}
         self._grads, self._sunk = {}, {}
         return grads
 
     def _store(self, unit: Unit, reduced: torch.Tensor, last: bool, exact: torch.dtype) -> None:
-        reduced = reduced.float()
         prev = self._grads.pop(unit.name, None)
         if prev is None and unit.name in self._sunk:  # an earlier micro-batch's (or backward's) sum, on the host
             prev = self._sunk.pop(unit.name).to(self.device, torch.float32, non_blocking=True)
         if prev is not None:
-            reduced, exact = prev.add_(reduced), torch.float32
+            reduced, exact = prev.float().add_(reduced), torch.float32
+        else:  # fp32 before the last micro-batch: more will be added
+            reduced = reduced.to(exact if last else torch.float32)
         if self.sink is None:
             self._grads[unit.name] = reduced
-        else:  # fp32 before the last micro-batch: more will be added
+        else:
             self._sunk[unit.name] = self.sink(unit, reduced, exact if last else torch.float32, last)
 
     def _drain(self, keep: int = 0) -> None:

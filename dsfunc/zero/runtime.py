@@ -11,7 +11,7 @@ One runtime serves one optimizer step::
         out = runtime.forward(fn, micro, micro=(i, n))   # -> Phase.FORWARD: parameters bound, fn ran
         runtime.backward(loss_of(out), loss_scale)       # -> Phase.BACKWARD: gradients to the reducer, unbound
         runtime.end()                                    # -> Phase.IDLE: the micro-batch's reductions issued
-    loss, grads = runtime.finish()                     # mean loss, this rank's reduced fp32 gradients
+    loss, grads = runtime.finish()                     # mean loss, this rank's reduced gradients
 
 A micro-batch may hold several forwards and backwards before ``end()`` (a GAN's discriminator sees a
 real and a fake batch; two losses of one forward): a forward in ``FORWARD`` keeps the binding, a forward
