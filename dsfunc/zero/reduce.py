@@ -15,7 +15,7 @@ folds the 1/world factor of the mean into the backward seed.
 
 A reduced gradient is kept in the narrowest dtype that holds it exactly (:func:`grad_dtype`): the backward's
 bf16 for one micro-batch on one rank (2 bytes per parameter, not 4), fp32 once micro-batches or ranks are
-summed in fp32. Whoever reads it widens it (the update kernels do so in registers).
+summed in fp32. Whoever reads it widens it (the CPU kernels in registers, the CUDA Adam a unit at a time).
 
 With the optimizer offloaded, a ``sink`` (:meth:`dsfunc.zero.offload.HostOffload.put_grad`) takes each
 unit's shard as each of its reductions lands, to start its copy to host memory while backward goes on,
