@@ -11,6 +11,9 @@
 #     why124     dsfunc+compile at 124m again, with dynamo's recompile and graph-break logs
 #     profile124 the top ops (host and device) of plain+compile, dsfunc and dsfunc+compile at 124m
 #     graphs     tests/test_graphs_cuda.py, and the activation-memory test with its figures printed
+#     ckpt13     issue 17's checkpointing table at 1.3b: plain and dsfunc, ZeRO-0 and ZeRO-3, each policy
+#     hostadam   the host Adam of ZeRO-Offload against torch's fused CPU Adam, bf16 and fp16, on 15 threads
+#     fit13      the largest micro-batch the checkpointed systems train at 1.3b (bench_fit's bisection)
 #   default: tests,overhead,engine,single13,single124
 # Needs optree (pip install, or the wheels in .whl/, which also hold DeepSpeed for the comparisons).
 set -uo pipefail
@@ -60,6 +63,16 @@ if want graphs; then
     { timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_graphs_cuda.py 2>&1 | tail -15
       timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/test_remat_cuda.py 2>&1 | tail -5; } \
         | tee "$out/graphs.txt"
+fi
+if want ckpt13; then
+    single 1.3b plain,plain+ckpt,dsfunc,dsfunc+units,dsfunc+selective,dsfunc+zero3,dsfunc+zero3+units 330
+fi
+if want hostadam; then
+    timeout 200 python3 bench/bench_host_adam.py --threads 15 --dtypes bfloat16,float16 2>&1 | tee "$out/host-adam.txt"
+fi
+if want fit13; then
+    timeout 500 python3 bench/bench_fit.py --model 1.3b --systems dsfunc+units,plain+ckpt 2>&1 \
+        | grep -vE "^\s*$|UserWarning|warnings.warn" | tee "$out/fit13.txt"
 fi
 if want profile124; then
     timeout 200 python3 bench/bench_single.py --model 124m --systems plain+compile,dsfunc,dsfunc+compile \
