@@ -38,13 +38,13 @@ Grads = dict[str, torch.Tensor | None]
 Sink = Callable[[Unit, torch.Tensor, torch.dtype, bool], torch.Tensor]
 
 
-def exact_dtype(grad_dtype: torch.dtype, comm_dtype: torch.dtype, ranks: int) -> torch.dtype:
-    """The narrowest dtype that holds exactly a reduced gradient made of one micro-batch's ``grad_dtype``
-    gradient, summed over ``ranks``: the collective's output dtype over several ranks; on one rank the
-    reduction is the identity, so the gradient as rounded to ``comm_dtype``."""
-    if ranks > 1 or grad_dtype in (comm_dtype, torch.float32):
+def exact_dtype(dtype: torch.dtype, comm_dtype: torch.dtype, ranks: int) -> torch.dtype:
+    """The narrowest dtype that holds exactly a reduced gradient made of one micro-batch's gradient of ``dtype``,
+    summed over ``ranks``: the collective's output dtype over several ranks; on one rank the reduction is the
+    identity, so the gradient as rounded to ``comm_dtype``."""
+    if ranks > 1 or dtype in (comm_dtype, torch.float32):
         return comm_dtype
-    return grad_dtype if comm_dtype == torch.float32 else torch.float32
+    return dtype if comm_dtype == torch.float32 else torch.float32
 
 
 def grad_dtype(compute_dtype: torch.dtype, comm_dtype: torch.dtype, ranks: int, micro_batches: int) -> torch.dtype:
