@@ -49,9 +49,9 @@ fi
 if want engine; then  # the engine on NCCL ranks, DeepSpeed's CIFAR-10 tutorial as written
     timeout 300 bash tests/deepspeed/scripts/gpu_run.sh "$ngpu" 2>&1 | tail -40 | tee "$out/engine.txt"
 fi
-single() {  # model systems [extra args]
+single() {  # model systems timeout [log name]
     timeout "$3" python3 bench/bench_single.py --model "$1" --systems "$2" --warmup 5 --steps 15 2>&1 \
-        | grep -vE "^\s*$|UserWarning|warnings.warn" | tail -40 | tee "$out/single-$1.txt"
+        | grep -vE "^\s*$|UserWarning|warnings.warn" | tail -40 | tee "$out/${4:-single-$1}.txt"
 }
 if want single13; then
     single 1.3b plain,plain+ckpt,plain+compile,dsfunc,dsfunc+units,dsfunc+selective,dsfunc+compile,dsfunc+compile+graph 330
@@ -65,7 +65,7 @@ if want graphs; then
         | tee "$out/graphs.txt"
 fi
 if want ckpt13; then
-    single 1.3b plain,plain+ckpt,dsfunc,dsfunc+units,dsfunc+selective,dsfunc+zero3,dsfunc+zero3+units 330
+    single 1.3b plain,plain+ckpt,dsfunc,dsfunc+units,dsfunc+selective,dsfunc+zero3,dsfunc+zero3+units 330 ckpt-1.3b
 fi
 if want hostadam; then
     timeout 200 python3 bench/bench_host_adam.py --threads 15 --dtypes bfloat16,float16 2>&1 | tee "$out/host-adam.txt"
