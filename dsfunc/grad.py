@@ -53,7 +53,7 @@ class GradContext:
 class GradResult:
     """Mean loss (detached), gradients by unit (``None`` where an outer transform owns them), each in the
     narrowest dtype that holds it exactly (:func:`dsfunc.zero.reduce.grad_dtype`: the backward's bf16 for one
-    micro-batch on one rank, else fp32)."""
+    micro-batch on one rank when the update reads 16-bit gradients, else fp32)."""
 
     loss: torch.Tensor
     grads: dict[str, torch.Tensor | None] | None

@@ -45,6 +45,7 @@ class ChainUpdate:
 
     transform: Transform
     writes_compute_copy = False  # the workspace rebuilds the compute copies from the new masters
+    reads_16_bit_grads = False  # the transform reads fp32 trees: 16-bit gradients would be widened all at once
 
     def init(self, params: Mapping[str, torch.Tensor]) -> Any:
         return self.transform.init(dict(params))

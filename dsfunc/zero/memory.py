@@ -15,7 +15,7 @@ def memory_estimate(state: Any) -> dict[str, int]:
 
     ``master`` (fp32 weights: this rank's shard), ``optimizer`` (moments etc., measured in the state),
     ``gradients`` (the full flat at stages 0-1, the shard at 2-3, in :func:`~dsfunc.zero.reduce.grad_dtype`: bf16
-    for one micro-batch on one rank, else fp32; none with the optimizer offloaded, but at stage 1 with gradient
+    for one micro-batch on one rank when the update reads 16-bit gradients, else fp32; none with the optimizer offloaded, but at stage 1 with gradient
     accumulation), ``compute`` (the compute-dtype
     copy forward reads: none at stage 0 in fp32, where it aliases the master; the whole model at
     stages 1-2; at stage 3 the persistent units plus the two largest gathered units, and with the optimizer
@@ -30,8 +30,8 @@ def memory_estimate(state: Any) -> dict[str, int]:
     lazy = [u for u in plan.units if program.workspace.lazy(u)]
     cbytes = torch.empty((), dtype=program.compute_dtype).element_size()
     gas = program.config.gradient_accumulation_steps
-    gbytes = torch.empty((), dtype=grad_dtype(program.compute_dtype, program.comm_dtype, plan.world_size, gas)
-                         ).element_size()
+    kept = grad_dtype(program.compute_dtype, program.comm_dtype, plan.world_size, gas)
+    gbytes = torch.empty((), dtype=kept if program.update.reads_16_bit_grads else torch.float32).element_size()
     full = sum(u.numel for u in plan.units)
     shard = sum(plan.shard_size(u) for u in plan.units)
     # Offloaded gradients leave the device as backward makes them, unless stage 1 sums micro-batches there.

@@ -15,7 +15,9 @@ folds the 1/world factor of the mean into the backward seed.
 
 A reduced gradient is kept in the narrowest dtype that holds it exactly (:func:`grad_dtype`): the backward's
 bf16 for one micro-batch on one rank (2 bytes per parameter, not 4), fp32 once micro-batches or ranks are
-summed in fp32. Whoever reads it widens it (the CPU kernels in registers, the CUDA Adam a unit at a time).
+summed in fp32. Host buffers always are; on the device only when the update reads 16-bit gradients itself
+(``narrow``: the fused Adam widens a unit at a time), since a transform chain would widen every unit at once
+and hold both.
 
 With the optimizer offloaded, a ``sink`` (:meth:`dsfunc.zero.offload.HostOffload.put_grad`) takes each
 unit's shard as each of its reductions lands, to start its copy to host memory while backward goes on,
@@ -61,14 +63,15 @@ def _accumulate(sums: dict[str, torch.Tensor], name: str, grad: torch.Tensor, *,
 
 
 class LocalReducer:
-    """This process's gradients, summed in fp32 over micro-batches."""
+    """This process's gradients, summed in fp32 over micro-batches (one micro-batch's kept as is if ``narrow``)."""
 
-    def __init__(self, plan: ShardingPlan) -> None:
+    def __init__(self, plan: ShardingPlan, *, narrow: bool = False) -> None:
         self.plan = plan
+        self.narrow = narrow
         self._sums: dict[str, torch.Tensor] = {}
 
     def add(self, unit: Unit, grad: torch.Tensor, *, last: bool) -> None:
-        _accumulate(self._sums, unit.name, grad, keep=last)
+        _accumulate(self._sums, unit.name, grad, keep=last and self.narrow)
 
     def end_micro(self, *, last: bool) -> None:
         """Nothing to flush: the sums stay local."""
@@ -86,9 +89,10 @@ class ZeroReducer:
     max_inflight = 2  # reductions in flight during backward; older ones are waited for as new ones start
 
     def __init__(self, plan: ShardingPlan, *, comm_dtype: torch.dtype, bucket_size: int,
-                 device: torch.device, sink: Sink | None = None) -> None:
+                 device: torch.device, sink: Sink | None = None, narrow: bool = False) -> None:
         self.plan = plan
         self.sink = sink
+        self.narrow = narrow or sink is not None  # a gradient kept in its exact dtype (a sunk one always is)
         self.comm_dtype = comm_dtype
         self.bucket_size = bucket_size
         self.device = device
@@ -147,7 +151,7 @@ class ZeroReducer:
         if prev is not None:
             reduced, exact = prev.float().add_(reduced), torch.float32
         else:  # fp32 before the last micro-batch: more will be added
-            reduced = reduced.to(exact if last else torch.float32)
+            reduced = reduced.to(exact if last and self.narrow else torch.float32)
         if self.sink is None:
             self._grads[unit.name] = reduced
         else:

@@ -396,7 +396,8 @@ def zero_runtime(state: Any) -> MicroBatchRuntime:
     program = state.program
     reducer = ZeroReducer(program.plan, comm_dtype=program.comm_dtype, device=program.workspace.device,
                           bucket_size=program.config.zero_optimization.reduce_bucket_size,
-                          sink=None if program.offload is None else program.offload.put_grad)
+                          sink=None if program.offload is None else program.offload.put_grad,
+                          narrow=program.update.reads_16_bit_grads)
     return MicroBatchRuntime(state, reducer, ranks=program.plan.world_size)
 
 
@@ -408,4 +409,4 @@ def local_runtime(state: Any) -> MicroBatchRuntime:
             "value_and_grad without shard() needs unsharded parameters, but this state is sharded "
             f"(ZeRO stage {plan.stage} over {plan.world_size} ranks); wrap it in dsfunc.shard()"
         )
-    return MicroBatchRuntime(state, LocalReducer(plan))
+    return MicroBatchRuntime(state, LocalReducer(plan, narrow=state.program.update.reads_16_bit_grads))
