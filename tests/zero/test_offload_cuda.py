@@ -1,8 +1,9 @@
 """ZeRO-Offload on a GPU (skips without CUDA): the device memory it saves, measured, and the same training.
 
 The saving is the fp32 master shard and both Adam moments, 12 bytes per parameter of the shard, moved to
-host memory, and at stages 2-3 (or without accumulation) the fp32 gradient shard too (4 more: each unit's
-gradient leaves for a pinned host buffer as backward makes it); the bf16 compute copy stays on the device.
+host memory, and at stages 2-3 (or without accumulation) the gradient shard too (4 more in fp32, 2 where bf16
+holds it exactly: each unit's gradient leaves for a pinned host buffer as backward makes it); the bf16 compute
+copy stays on the device.
 """
 
 from __future__ import annotations
@@ -98,11 +99,13 @@ def test_without_accumulation_the_gradient_shard_leaves_the_device_too():
     offloaded = run(BIG, 2, True, "bf16", steps=2, gas=1)
     assert offloaded["grad_dtypes"] == {torch.bfloat16}  # one micro-batch on one rank: bf16 holds it exactly
     saved = resident["peak"] - offloaded["peak"]
-    # The resident run keeps this gradient in bf16 too (dsfunc.zero.reduce.grad_dtype): 14 bytes per parameter
-    # (master, moments, gradient) less the unit whose gradient is on its way out (2 bytes per its parameter; the
-    # 64M-parameter embedding here, 0.4 per parameter of the model). Kept on the device, the gradient shard
-    # alone would leave at most 12.
-    assert saved >= 13 * offloaded["shard"], (resident["peak"], offloaded["peak"], offloaded["shard"])
+    # The resident run keeps this gradient in bf16 too (dsfunc.zero.reduce.grad_dtype) and peaks in its update:
+    # 16 bytes per parameter and the widened gradient of the largest unit (the 64M-parameter tied embedding).
+    # The offloaded run holds 2 and peaks in backward instead, at the embedding, where autograd's own
+    # temporaries (the embedding's and the head's gradients, the fp32 logits) are alive: 0.8 GiB at this batch,
+    # so 12.1-12.4 bytes per parameter were measured (bench/RESULTS.md). A gradient shard that stayed on the
+    # device would be alive beside those temporaries and leave about 10.
+    assert saved >= 12 * offloaded["shard"], (resident["peak"], offloaded["peak"], offloaded["shard"])
     assert abs(resident["loss"] - offloaded["loss"]) < 1e-2
 
 
