@@ -1,7 +1,8 @@
 """Benchmark the CUDA kernels of dsfunc.kernels against torch and against the memory-bandwidth floor.
 
 The fused update (``dsfunc.adam_step_``) and ``torch.optim.AdamW(fused=True)`` run on the same flat fp32
-buffer, by default as many elements as the 1.3b GPT of shared/BENCH.md has parameters (1,313,722,368);
+buffer, by default as many elements as the 1.3b GPT of shared/BENCH.md has parameters (1,313,722,368),
+the update also with a bf16 gradient (read as it is, and widened to fp32 first as before);
 ``sum_of_squares`` runs over that buffer cut into that model's parameter shapes (292 tensors), against
 ``torch._foreach_norm`` (what clip_grad_norm_ uses).
 The floor of each is the bytes it must move (each input read once, each output written once) divided
@@ -130,13 +131,18 @@ def main() -> None:
             f"--numel must be at least {n_norm} (the sum_of_squares case cuts the buffer into the GPT)"
         )
 
-    def ours(lp=None, s=scalars, at=(0, 0, 0)):
+    grad_bf16 = grad.bfloat16()  # a bf16 gradient, as one micro-batch on one rank leaves it
+
+    def ours(lp=None, s=scalars, at=(0, 0, 0), g=grad):
         """dsfunc.adam_step_; `at` = offsets in elements of (param and moments, grad, lowp)."""
         p0, g0, l0 = at
         count = n - max(at)
         sl, sg = slice(p0, p0 + count), slice(g0, g0 + count)
         low = None if lp is None else lp[l0 : l0 + count]
-        return lambda: K.adam_step_(param[sl], grad[sg], exp_avg[sl], exp_avg_sq[sl], lowp=low, **s, **hyper)
+        return lambda: K.adam_step_(param[sl], g[sg], exp_avg[sl], exp_avg_sq[sl], lowp=low, **s, **hyper)
+
+    def widened_first():
+        K.adam_step_(param, grad_bf16.float(), exp_avg, exp_avg_sq, lowp=lowp, **scalars, **hyper)
 
     def torch_norm(ts):
         return lambda: torch.isfinite(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts))))
@@ -155,6 +161,9 @@ def main() -> None:
         ("dsfunc, all at +1 element", ours(lowp, at=(1, 1, 1)), 30 * n, n),
         ("dsfunc, lowp at +1 element", ours(lowp, at=(0, 0, 1)), 30 * n, n),
         ("dsfunc, grad at +1 element (scalar path)", ours(lowp, at=(0, 1, 0)), 30 * n, n),
+        ("dsfunc, bf16 grad read as it is + bf16 copy", ours(lowp, g=grad_bf16), 28 * n, n),
+        ("dsfunc, bf16 grad widened first + bf16 copy", widened_first, 28 * n, n),
+        ("dsfunc, bf16 grad at +1 element (scalar path)", ours(lowp, at=(0, 1, 0), g=grad_bf16), 28 * n, n),
         ("dsfunc adam_step_ skip=True", ours(lowp, skipping), 0, n),
         ("torch _foreach_norm + isfinite, fp32 grads", torch_norm(grads), 4 * n_norm, n_norm),
         ("dsfunc sum_of_squares, fp32 grads", lambda: K.sum_of_squares(grads), 4 * n_norm, n_norm),

@@ -14,6 +14,7 @@
 #     ckpt13     issue 17's checkpointing table at 1.3b: plain and dsfunc, ZeRO-0 and ZeRO-3, each policy
 #     hostadam   the host Adam of ZeRO-Offload against torch's fused CPU Adam, bf16 and fp16, on 15 threads
 #     fit13      the largest micro-batch the checkpointed systems train at 1.3b (bench_fit's bisection)
+#     adam       bench_fused_adam: the CUDA kernels against torch and the bandwidth floor, 1.3b elements
 #   default: tests,overhead,engine,single13,single124
 # Needs optree (pip install, or the wheels in .whl/, which also hold DeepSpeed for the comparisons).
 set -uo pipefail
@@ -73,6 +74,9 @@ fi
 if want fit13; then
     timeout 500 python3 bench/bench_fit.py --model 1.3b --systems dsfunc+units,plain+ckpt 2>&1 \
         | grep -vE "^\s*$|UserWarning|warnings.warn" | tee "$out/fit13.txt"
+fi
+if want adam; then
+    timeout 200 python3 bench/bench_fused_adam.py 2>&1 | tee "$out/fused-adam.txt"
 fi
 if want profile124; then
     timeout 200 python3 bench/bench_single.py --model 124m --systems plain+compile,dsfunc,dsfunc+compile \

@@ -1,7 +1,9 @@
 // Fused Adam/AdamW step over one flat fp32 shard: dsfunc_cuda::adam_step_.
 //
 // One pass over memory: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
-// and (optionally) the bf16/fp16 copy of the new params. Every per-step value (grad scale, lr,
+// and (optionally) the bf16/fp16 copy of the new params. A bf16/fp16 gradient is read at its own size and
+// widened in registers (exactly), so it costs 2 bytes per element and no widened copy. Every per-step
+// value (grad scale, lr,
 // step, the found-inf flag) is read from device memory, so the host never synchronises.
 // The element arithmetic is adam_math.h's, shared with the CPU kernel (adam_cpu.cpp).
 #include "adam_math.h"
@@ -24,6 +26,23 @@ constexpr int kVecUnroll = 2;     // float4 groups per thread per iteration (vec
 constexpr int kScalarUnroll = 4;  // floats per thread per iteration (unaligned path)
 
 struct NoLowp {};  // marks "no low-precision output"
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+
+// Gradient elements 4i..4i+3 as one aligned load (16 bytes of fp32, 8 of a 16-bit dtype).
+template <typename Grad>
+__device__ __forceinline__ float4 load4(const Grad* grad, int64_t i) {
+  if constexpr (std::is_same_v<Grad, float>) {
+    return reinterpret_cast<const float4*>(grad)[i];
+  } else {
+    const uint2 bits = reinterpret_cast<const uint2*>(grad)[i];
+    Grad g[4];
+    memcpy(g, &bits, sizeof(bits));
+    return make_float4(to_float(g[0]), to_float(g[1]), to_float(g[2]), to_float(g[3]));
+  }
+}
 
 __device__ __forceinline__ AdamScalars load_scalars(const float* grad_scale, const float* lr,
                                                     const float* step, const AdamHyper& h) {
@@ -59,26 +78,26 @@ __device__ __forceinline__ uint32_t pack2(float a, float b, __half*) {
   return bits;
 }
 
-template <typename Low>
-__device__ __forceinline__ void step_one(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+template <typename Grad, typename Low>
+__device__ __forceinline__ void step_one(float* param, const Grad* grad, float* exp_avg, float* exp_avg_sq,
                                          Low* lowp, int64_t i, const AdamHyper& h, const AdamScalars& s) {
   float p = param[i], m = exp_avg[i], v = exp_avg_sq[i];
-  adam_update(p, grad[i], m, v, h, s);
+  adam_update(p, to_float(grad[i]), m, v, h, s);
   param[i] = p;
   exp_avg[i] = m;
   exp_avg_sq[i] = v;
   if constexpr (!std::is_same_v<Low, NoLowp>) lowp[i] = to_low(p, lowp);
 }
 
-// Vector path: param, grad, exp_avg and exp_avg_sq are 16-byte aligned and hold n elements; the
-// `head` (< 32) elements just before them are done first. Grid-stride over float4 groups, kVecUnroll
-// groups loaded before any is used; the n % 4 tail is done last. lowp gets one 8-byte store per group:
-// when lowp is 8-byte aligned (kLowShuffle false) the group's own four values; otherwise the aligned
+// Vector path: param, exp_avg and exp_avg_sq are 16-byte aligned, grad to four of its elements, each
+// holds n elements; the `head` (< 32) elements just before them are done first. Grid-stride over groups
+// of four, kVecUnroll groups loaded before any is used; the n % 4 tail is done last. lowp gets one 8-byte
+// store per group: when lowp is 8-byte aligned (kLowShuffle false) the group's own four values; otherwise the aligned
 // word starting `low_shift` (1-3) elements into the group, completed with the next lane's values
 // (a warp shuffle), the warp's two ends and the last group written element by element.
-template <typename Low, bool kLowShuffle>
+template <typename Grad, typename Low, bool kLowShuffle>
 __global__ void __launch_bounds__(kThreads)
-    adam_vec_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ exp_avg,
+    adam_vec_kernel(float* __restrict__ param, const Grad* __restrict__ grad, float* __restrict__ exp_avg,
                     float* __restrict__ exp_avg_sq, Low* __restrict__ lowp, int64_t n, int head, int low_shift,
                     const float* __restrict__ grad_scale, const float* __restrict__ lr,
                     const float* __restrict__ step, const bool* __restrict__ skip, AdamHyper h) {
@@ -90,7 +109,6 @@ __global__ void __launch_bounds__(kThreads)
   if (tid < head) step_one(param, grad, exp_avg, exp_avg_sq, lowp, tid - head, h, s);
   const int64_t n4 = n / 4;
   float4* p4 = reinterpret_cast<float4*>(param);
-  const float4* g4 = reinterpret_cast<const float4*>(grad);
   float4* m4 = reinterpret_cast<float4*>(exp_avg);
   float4* v4 = reinterpret_cast<float4*>(exp_avg_sq);
 
@@ -102,7 +120,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t i = base + u * stride;
       if (i < n4) {
         p[u] = p4[i];
-        g[u] = g4[i];
+        g[u] = load4(grad, i);
         m[u] = m4[i];
         v[u] = v4[i];
       }
@@ -147,9 +165,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Any alignment: grid-stride over single floats, kScalarUnroll loaded before any is used.
-template <typename Low>
+template <typename Grad, typename Low>
 __global__ void __launch_bounds__(kThreads)
-    adam_scalar_kernel(float* __restrict__ param, const float* __restrict__ grad, float* __restrict__ exp_avg,
+    adam_scalar_kernel(float* __restrict__ param, const Grad* __restrict__ grad, float* __restrict__ exp_avg,
                        float* __restrict__ exp_avg_sq, Low* __restrict__ lowp, int64_t n, int /*head*/,
                        int /*low_shift*/, const float* __restrict__ grad_scale, const float* __restrict__ lr,
                        const float* __restrict__ step, const bool* __restrict__ skip, AdamHyper h) {
@@ -164,7 +182,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t i = base + u * stride;
       if (i < n) {
         p[u] = param[i];
-        g[u] = grad[i];
+        g[u] = to_float(grad[i]);
         m[u] = exp_avg[i];
         v[u] = exp_avg_sq[i];
       }
@@ -189,8 +207,8 @@ int cached_blocks_per_sm() {
   return per_sm;
 }
 
-template <auto Kernel, typename Low>
-void launch_kernel(int64_t elems_per_thread, float* p, const float* g, float* m, float* v, Low* lowp, int64_t n,
+template <auto Kernel, typename Grad, typename Low>
+void launch_kernel(int64_t elems_per_thread, float* p, const Grad* g, float* m, float* v, Low* lowp, int64_t n,
                    int head, int low_shift, const at::Tensor& grad_scale, const at::Tensor& lr,
                    const at::Tensor& step, const at::Tensor& skip, const AdamHyper& h) {
   const int64_t per_block = kThreads * elems_per_thread;
@@ -205,44 +223,48 @@ void launch_kernel(int64_t elems_per_thread, float* p, const float* g, float* m,
 
 // Chooses the path. A head of < 32 elements brings param to a 128-byte boundary (whole cache lines:
 // writes that straddle 32-byte sectors cost far more than their bytes); if grad and the moments are
-// then 16-byte aligned (equally misaligned views, as shards of flat buffers are), the vector kernel
-// runs, with lowp realigned by shuffles when it is not 8-byte aligned; otherwise the scalar kernel.
-template <typename Low>
+// then aligned to four of their elements (equally misaligned views, as shards of flat buffers are), the
+// vector kernel runs, with lowp realigned by shuffles when it is not 8-byte aligned; otherwise the scalar kernel.
+template <typename Grad, typename Low>
 void launch(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
             const at::Tensor& exp_avg_sq, Low* lowp, const at::Tensor& grad_scale, const at::Tensor& lr,
             const at::Tensor& step, const at::Tensor& skip, const AdamHyper& h) {
   const int64_t n = param.numel();
   float* p = param.data_ptr<float>();
-  const float* g = grad.data_ptr<float>();
+  const auto* g = reinterpret_cast<const Grad*>(grad.data_ptr());
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
   const int head = static_cast<int>(
       std::min<int64_t>(n, ((128 - reinterpret_cast<std::uintptr_t>(p) % 128) % 128) / sizeof(float)));
-  const bool vec = aligned_to(g + head, 16) && aligned_to(m + head, 16) && aligned_to(v + head, 16);
+  const bool vec = aligned_to(g + head, 4 * sizeof(Grad)) && aligned_to(m + head, 16) && aligned_to(v + head, 16);
   if (!vec) {
-    launch_kernel<adam_scalar_kernel<Low>>(kScalarUnroll, p, g, m, v, lowp, n, 0, 0, grad_scale, lr, step, skip,
+    launch_kernel<adam_scalar_kernel<Grad, Low>>(kScalarUnroll, p, g, m, v, lowp, n, 0, 0, grad_scale, lr, step, skip,
                                            h);
     return;
   }
   if constexpr (std::is_same_v<Low, NoLowp>) {
-    launch_kernel<adam_vec_kernel<Low, false>>(4 * kVecUnroll, p + head, g + head, m + head, v + head, lowp,
+    launch_kernel<adam_vec_kernel<Grad, Low, false>>(4 * kVecUnroll, p + head, g + head, m + head, v + head, lowp,
                                                n - head, head, 0, grad_scale, lr, step, skip, h);
   } else {
     Low* low = lowp + head;
     const int misaligned = static_cast<int>(reinterpret_cast<std::uintptr_t>(low) % 8 / sizeof(Low));
     if (misaligned == 0) {
-      launch_kernel<adam_vec_kernel<Low, false>>(4 * kVecUnroll, p + head, g + head, m + head, v + head, low,
+      launch_kernel<adam_vec_kernel<Grad, Low, false>>(4 * kVecUnroll, p + head, g + head, m + head, v + head, low,
                                                  n - head, head, 0, grad_scale, lr, step, skip, h);
     } else {
-      launch_kernel<adam_vec_kernel<Low, true>>(4 * kVecUnroll, p + head, g + head, m + head, v + head, low,
+      launch_kernel<adam_vec_kernel<Grad, Low, true>>(4 * kVecUnroll, p + head, g + head, m + head, v + head, low,
                                                 n - head, head, 4 - misaligned, grad_scale, lr, step, skip, h);
     }
   }
 }
 
-void check_flat(const at::Tensor& t, const char* name, const at::Tensor& param) {
-  TORCH_CHECK(t.is_cuda() && t.scalar_type() == at::kFloat && t.dim() == 1 && t.is_contiguous(),
-              "dsfunc_cuda::adam_step_: ", name, " must be a 1-D contiguous float32 CUDA tensor, got ",
+bool is_low(at::ScalarType dtype) { return dtype == at::kBFloat16 || dtype == at::kHalf; }
+
+void check_flat(const at::Tensor& t, const char* name, const at::Tensor& param, bool low_ok = false) {
+  TORCH_CHECK(t.is_cuda() && (t.scalar_type() == at::kFloat || (low_ok && is_low(t.scalar_type()))) &&
+                  t.dim() == 1 && t.is_contiguous(),
+              "dsfunc_cuda::adam_step_: ", name, " must be a 1-D contiguous float32",
+              low_ok ? " (or bfloat16/float16)" : "", " CUDA tensor, got ",
               t.scalar_type(), " of shape ", t.sizes(), " on ", t.device());
   TORCH_CHECK(t.device() == param.device() && t.numel() == param.numel(), "dsfunc_cuda::adam_step_: ", name,
               " must match param (", param.numel(), " elements on ", param.device(), "), got ", t.numel(),
@@ -255,6 +277,22 @@ void check_scalar(const at::Tensor& t, const char* name, at::ScalarType dtype, c
               param.device(), ", got ", t.scalar_type(), " of shape ", t.sizes(), " on ", t.device());
 }
 
+template <typename Grad>
+void launch_for_lowp(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                     const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& lowp,
+                     const at::Tensor& grad_scale, const at::Tensor& lr, const at::Tensor& step,
+                     const at::Tensor& skip, const AdamHyper& h) {
+  if (!lowp.has_value()) {
+    launch<Grad, NoLowp>(param, grad, exp_avg, exp_avg_sq, nullptr, grad_scale, lr, step, skip, h);
+  } else if (lowp->scalar_type() == at::kBFloat16) {
+    auto* low = reinterpret_cast<__nv_bfloat16*>(lowp->data_ptr());
+    launch<Grad, __nv_bfloat16>(param, grad, exp_avg, exp_avg_sq, low, grad_scale, lr, step, skip, h);
+  } else {
+    auto* low = reinterpret_cast<__half*>(lowp->data_ptr());
+    launch<Grad, __half>(param, grad, exp_avg, exp_avg_sq, low, grad_scale, lr, step, skip, h);
+  }
+}
+
 }  // namespace
 
 void adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
@@ -263,7 +301,7 @@ void adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::T
                     const at::Tensor& skip, double beta1, double beta2, double eps, double weight_decay,
                     bool adam_w_mode, bool bias_correction) {
   check_flat(param, "param", param);
-  check_flat(grad, "grad", param);
+  check_flat(grad, "grad", param, /*low_ok=*/true);
   check_flat(exp_avg, "exp_avg", param);
   check_flat(exp_avg_sq, "exp_avg_sq", param);
   check_scalar(grad_scale, "grad_scale", at::kFloat, param);
@@ -274,7 +312,7 @@ void adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::T
     const at::Tensor& low = *lowp;
     TORCH_CHECK(low.device() == param.device() && low.dim() == 1 && low.is_contiguous() &&
                     low.numel() == param.numel() &&
-                    (low.scalar_type() == at::kBFloat16 || low.scalar_type() == at::kHalf),
+                    is_low(low.scalar_type()),
                 "dsfunc_cuda::adam_step_: lowp must be a 1-D contiguous bfloat16 or float16 tensor of ",
                 param.numel(), " elements on ", param.device(), ", got ", low.scalar_type(), " of shape ",
                 low.sizes(), " on ", low.device());
@@ -282,14 +320,12 @@ void adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::T
   if (param.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(param.device());
   const AdamHyper h = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction);
-  if (!lowp.has_value()) {
-    launch<NoLowp>(param, grad, exp_avg, exp_avg_sq, nullptr, grad_scale, lr, step, skip, h);
-  } else if (lowp->scalar_type() == at::kBFloat16) {
-    auto* low = reinterpret_cast<__nv_bfloat16*>(lowp->data_ptr());
-    launch<__nv_bfloat16>(param, grad, exp_avg, exp_avg_sq, low, grad_scale, lr, step, skip, h);
+  if (grad.scalar_type() == at::kBFloat16) {
+    launch_for_lowp<__nv_bfloat16>(param, grad, exp_avg, exp_avg_sq, lowp, grad_scale, lr, step, skip, h);
+  } else if (grad.scalar_type() == at::kHalf) {
+    launch_for_lowp<__half>(param, grad, exp_avg, exp_avg_sq, lowp, grad_scale, lr, step, skip, h);
   } else {
-    auto* low = reinterpret_cast<__half*>(lowp->data_ptr());
-    launch<__half>(param, grad, exp_avg, exp_avg_sq, low, grad_scale, lr, step, skip, h);
+    launch_for_lowp<float>(param, grad, exp_avg, exp_avg_sq, lowp, grad_scale, lr, step, skip, h);
   }
 }
 

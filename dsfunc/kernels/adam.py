@@ -137,7 +137,7 @@ def _cuda(*args: object) -> None:
         return
     a = AdamArgs(*args)
     _check(a)
-    torch.ops.dsfunc_cuda.adam_step_.default(*a._replace(grad=a.grad.float()))
+    torch.ops.dsfunc_cuda.adam_step_.default(*a)
     _written(a)
 
 
@@ -193,8 +193,8 @@ def adam_step_(
 
     Args:
         param: 1-D contiguous fp32 master weights; updated in place.
-        grad: gradient of the same size, still multiplied by the loss scale: fp32, or bf16/fp16 (widened first,
-            which is exact).
+        grad: gradient of the same size, still multiplied by the loss scale: fp32, or bf16/fp16 (read as it is
+            and widened element by element, which is exact: no fp32 copy of it is made).
         exp_avg, exp_avg_sq: fp32 first and second moments; updated in place.
         grad_scale: 0-d fp32, the factor applied to ``grad`` first (1 / (loss_scale * clip_coef)).
         lr: 0-d fp32 learning rate of this step.

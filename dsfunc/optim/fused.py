@@ -66,7 +66,7 @@ class FusedAdam:
     max_norm: float
     chain: Transform  # unscale -> clip -> adam (per group): the same math, and the layout of the state
     writes_compute_copy = True  # the update writes this rank's slice of the 16-bit compute copy
-    reads_16_bit_grads = True  # the op widens each unit's gradient as it reads it
+    reads_16_bit_grads = True  # the op reads a 16-bit gradient as it is, widening element by element
 
     @classmethod
     def from_sections(cls, sections: Mapping[str | None, OptimizerConfig],

@@ -16,8 +16,8 @@ folds the 1/world factor of the mean into the backward seed.
 A reduced gradient is kept in the narrowest dtype that holds it exactly (:func:`grad_dtype`): the backward's
 bf16 for one micro-batch on one rank (2 bytes per parameter, not 4), fp32 once micro-batches or ranks are
 summed in fp32. Host buffers always are; on the device only when the update reads 16-bit gradients itself
-(``narrow``: the fused Adam widens a unit at a time), since a transform chain would widen every unit at once
-and hold both.
+(``narrow``: the fused Adam reads them as they are, element by element), since a transform chain would widen
+every unit at once and hold both.
 
 With the optimizer offloaded, a ``sink`` (:meth:`dsfunc.zero.offload.HostOffload.put_grad`) takes each
 unit's shard as each of its reductions lands, to start its copy to host memory while backward goes on,

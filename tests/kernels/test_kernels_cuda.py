@@ -48,7 +48,8 @@ def _poison_nonfinite(t: torch.Tensor, gen: torch.Generator) -> None:
     t[-1] = float("-inf")
 
 
-def _adam_case(n: int, seed: int, lowp_dtype, offsets: dict | None = None, nonfinite: bool = True):
+def _adam_case(n: int, seed: int, lowp_dtype, offsets: dict | None = None, nonfinite: bool = True,
+               grad_dtype=torch.float32):
     """CPU inputs, and device copies that are views `offsets[name]` elements into larger buffers."""
     gen = torch.Generator().manual_seed(seed)
     cpu = {
@@ -59,6 +60,7 @@ def _adam_case(n: int, seed: int, lowp_dtype, offsets: dict | None = None, nonfi
     }
     if nonfinite:
         _poison_nonfinite(cpu["grad"], gen)
+    cpu["grad"] = cpu["grad"].to(grad_dtype)
     if lowp_dtype is not None:
         cpu["lowp"] = torch.randn(n, generator=gen).to(lowp_dtype)  # poison: every element must be written
     dev = {}
@@ -146,9 +148,7 @@ def test_the_host_kernel_updates_bit_for_bit_like_this_one(hyper, grad_dtype, lo
     an offloaded update writes the numbers a resident one would."""
     from dsfunc.optim.host_adam import host_adam_
 
-    cpu, dev, scalars = _adam_case(4097 * 33, seed=hyper, lowp_dtype=lowp_dtype)
-    cpu["grad"] = cpu["grad"].to(grad_dtype)
-    dev["grad"] = cpu["grad"].cuda()
+    cpu, dev, scalars = _adam_case(4097 * 33, seed=hyper, lowp_dtype=lowp_dtype, grad_dtype=grad_dtype)
     host_adam_([cpu["param"]], [cpu["grad"]], [cpu["exp_avg"]], [cpu["exp_avg_sq"]], lowp=[cpu["lowp"]],
                **scalars, **HYPERS[hyper])
     _run(dev, scalars, "cuda", **HYPERS[hyper])
@@ -182,8 +182,11 @@ ALL = ("param", "grad", "exp_avg", "exp_avg_sq")
 )
 @pytest.mark.parametrize("n", [5, 4097, 1_000_003])
 @pytest.mark.parametrize("lowp_dtype", [torch.bfloat16, torch.float16])
-def test_adam_unaligned_views(n, offsets, lowp_dtype):
-    cpu, dev, scalars = _adam_case(n, seed=n + len(offsets), lowp_dtype=lowp_dtype, offsets=offsets)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_adam_unaligned_views(n, offsets, lowp_dtype, grad_dtype):
+    """Every path of the kernel (head, vector, realigned lowp, scalar), a 16-bit gradient read as it is too."""
+    cpu, dev, scalars = _adam_case(n, seed=n + len(offsets), lowp_dtype=lowp_dtype, offsets=offsets,
+                                   grad_dtype=grad_dtype)
     _run(cpu, scalars, "cpu", **HYPERS[0])
     _run(dev, scalars, "cuda", **HYPERS[0])
     for name, view in dev.items():  # nothing written outside the views
