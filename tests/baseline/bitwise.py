@@ -3,12 +3,18 @@
 ``python -m tests.baseline.bitwise`` records a fingerprint (sha256 of every full parameter's bytes, and the
 losses) of each run into ``bitwise.json``; ``tests/test_bitwise_baseline.py`` trains the same runs again
 and compares. A refactoring that changes no arithmetic leaves every fingerprint as it was.
+
+The bytes depend on the machine as well as on the code: torch's CPU kernels round differently on different
+processors (an AMD EPYC and an Intel Xeon, both AVX-512, disagree in every run). So each record is kept
+under :func:`machine` and a machine without one is not compared: record it with code known to match another
+machine's record (a commit whose test passed there), not with the code under test.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import platform
 import sys
 from pathlib import Path
 
@@ -19,6 +25,21 @@ STEPS, MICRO, GAS, WORLD = 20, 2, 2, 2
 STAGES = (0, 1, 2, 3)
 PRECISIONS = ("fp32", "bf16", "fp16")
 APIS = ("train_step", "engine")
+
+
+def machine() -> str:
+    """What the fingerprints depend on besides the code: torch's version, the CPU's vendor and ISA level."""
+    vendor = platform.processor() or "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        vendor = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                       if line.startswith("vendor_id")), vendor)
+    return f"torch {torch.__version__}, {vendor}, {torch.backends.cpu.get_cpu_capability()}"
+
+
+def records() -> dict[str, dict]:
+    """Every machine's recorded fingerprints, by :func:`machine`."""
+    return json.loads(RECORD.read_text()) if RECORD.is_file() else {}
 
 
 def config(stage: int, precision: str) -> dict:
@@ -100,6 +121,7 @@ def measure() -> dict[str, dict]:
 
 
 if __name__ == "__main__":
-    runs = measure()
-    RECORD.write_text(json.dumps({"torch": torch.__version__, "runs": runs}, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {len(runs)} fingerprints to {RECORD}", file=sys.stderr)
+    runs, saved = measure(), records()
+    saved[machine()] = runs
+    RECORD.write_text(json.dumps(saved, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {len(runs)} fingerprints for {machine()} to {RECORD}", file=sys.stderr)
