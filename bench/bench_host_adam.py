@@ -42,10 +42,15 @@ def main() -> None:
     parser.add_argument("--dtypes", default="bfloat16,float16", help="the gradient's and the copy's dtypes")
     args = parser.parse_args()
     assert native_ready("cpu"), "dsfunc's CPU kernel did not build (see the logged reason)"
-    print(f"| dtype | threads | variant | ms per {args.numel / 2**20:.0f}M parameters | GB/s of 28 B/parameter |")
+    print(f"| dtype | threads | variant | ms per {args.numel / 2**20:.3g}M parameters | GB/s of 28 B/parameter |")
     print("|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
         compare(getattr(torch, dtype), args)
+
+
+def figure(x: float) -> str:
+    """Three significant digits, so that a small --numel's times do not print as 0.0."""
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
 
 
 def compare(dtype: torch.dtype, args: argparse.Namespace) -> None:
@@ -73,7 +78,7 @@ def compare(dtype: torch.dtype, args: argparse.Namespace) -> None:
                     (f"torch fused, chunks of {chunk}", torch_fused(chunk))]
         for name, fn in variants:
             t = best_of(fn, args.repeat)
-            print(f"| {str(dtype).removeprefix('torch.')} | {threads} | {name} | {1e3 * t:.1f} | {28 * n / t / 1e9:.0f} |")
+            print(f"| {str(dtype).removeprefix('torch.')} | {threads} | {name} | {figure(1e3 * t)} | {figure(28 * n / t / 1e9)} |")
 
 
 if __name__ == "__main__":
