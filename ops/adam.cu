@@ -3,8 +3,8 @@
 // One pass over memory: read param, grad, exp_avg, exp_avg_sq; write param, exp_avg, exp_avg_sq
 // and (optionally) the bf16/fp16 copy of the new params. A bf16/fp16 gradient is read at its own size and
 // widened in registers (exactly), so it costs 2 bytes per element and no widened copy. Every per-step
-// value (grad scale, lr,
-// step, the found-inf flag) is read from device memory, so the host never synchronises.
+// value (grad scale, lr, step, the found-inf flag) is read from device memory, so the host never
+// synchronises.
 // The element arithmetic is adam_math.h's, shared with the CPU kernel (adam_cpu.cpp).
 #include "adam_math.h"
 #include "common.cuh"
@@ -92,9 +92,9 @@ __device__ __forceinline__ void step_one(float* param, const Grad* grad, float* 
 // Vector path: param, exp_avg and exp_avg_sq are 16-byte aligned, grad to four of its elements, each
 // holds n elements; the `head` (< 32) elements just before them are done first. Grid-stride over groups
 // of four, kVecUnroll groups loaded before any is used; the n % 4 tail is done last. lowp gets one 8-byte
-// store per group: when lowp is 8-byte aligned (kLowShuffle false) the group's own four values; otherwise the aligned
-// word starting `low_shift` (1-3) elements into the group, completed with the next lane's values
-// (a warp shuffle), the warp's two ends and the last group written element by element.
+// store per group: when lowp is 8-byte aligned (kLowShuffle false) the group's own four values; otherwise
+// the aligned word starting `low_shift` (1-3) elements into the group, completed with the next lane's
+// values (a warp shuffle), the warp's two ends and the last group written element by element.
 template <typename Grad, typename Low, bool kLowShuffle>
 __global__ void __launch_bounds__(kThreads)
     adam_vec_kernel(float* __restrict__ param, const Grad* __restrict__ grad, float* __restrict__ exp_avg,
@@ -224,7 +224,8 @@ void launch_kernel(int64_t elems_per_thread, float* p, const Grad* g, float* m, 
 // Chooses the path. A head of < 32 elements brings param to a 128-byte boundary (whole cache lines:
 // writes that straddle 32-byte sectors cost far more than their bytes); if grad and the moments are
 // then aligned to four of their elements (equally misaligned views, as shards of flat buffers are), the
-// vector kernel runs, with lowp realigned by shuffles when it is not 8-byte aligned; otherwise the scalar kernel.
+// vector kernel runs, with lowp realigned by shuffles when it is not 8-byte aligned; otherwise the scalar
+// kernel.
 template <typename Grad, typename Low>
 void launch(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
             const at::Tensor& exp_avg_sq, Low* lowp, const at::Tensor& grad_scale, const at::Tensor& lr,
@@ -236,24 +237,26 @@ void launch(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& e
   float* v = exp_avg_sq.data_ptr<float>();
   const int head = static_cast<int>(
       std::min<int64_t>(n, ((128 - reinterpret_cast<std::uintptr_t>(p) % 128) % 128) / sizeof(float)));
-  const bool vec = aligned_to(g + head, 4 * sizeof(Grad)) && aligned_to(m + head, 16) && aligned_to(v + head, 16);
+  const bool vec =
+      aligned_to(g + head, 4 * sizeof(Grad)) && aligned_to(m + head, 16) && aligned_to(v + head, 16);
   if (!vec) {
-    launch_kernel<adam_scalar_kernel<Grad, Low>>(kScalarUnroll, p, g, m, v, lowp, n, 0, 0, grad_scale, lr, step, skip,
-                                           h);
+    launch_kernel<adam_scalar_kernel<Grad, Low>>(kScalarUnroll, p, g, m, v, lowp, n, 0, 0, grad_scale, lr, step,
+                                                 skip, h);
     return;
   }
   if constexpr (std::is_same_v<Low, NoLowp>) {
-    launch_kernel<adam_vec_kernel<Grad, Low, false>>(4 * kVecUnroll, p + head, g + head, m + head, v + head, lowp,
-                                               n - head, head, 0, grad_scale, lr, step, skip, h);
+    launch_kernel<adam_vec_kernel<Grad, Low, false>>(4 * kVecUnroll, p + head, g + head, m + head, v + head,
+                                                     lowp, n - head, head, 0, grad_scale, lr, step, skip, h);
   } else {
     Low* low = lowp + head;
     const int misaligned = static_cast<int>(reinterpret_cast<std::uintptr_t>(low) % 8 / sizeof(Low));
     if (misaligned == 0) {
-      launch_kernel<adam_vec_kernel<Grad, Low, false>>(4 * kVecUnroll, p + head, g + head, m + head, v + head, low,
-                                                 n - head, head, 0, grad_scale, lr, step, skip, h);
+      launch_kernel<adam_vec_kernel<Grad, Low, false>>(4 * kVecUnroll, p + head, g + head, m + head, v + head,
+                                                       low, n - head, head, 0, grad_scale, lr, step, skip, h);
     } else {
-      launch_kernel<adam_vec_kernel<Grad, Low, true>>(4 * kVecUnroll, p + head, g + head, m + head, v + head, low,
-                                                n - head, head, 4 - misaligned, grad_scale, lr, step, skip, h);
+      launch_kernel<adam_vec_kernel<Grad, Low, true>>(4 * kVecUnroll, p + head, g + head, m + head, v + head,
+                                                      low, n - head, head, 4 - misaligned, grad_scale, lr, step,
+                                                      skip, h);
     }
   }
 }
