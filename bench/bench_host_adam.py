@@ -78,7 +78,8 @@ def compare(dtype: torch.dtype, args: argparse.Namespace) -> None:
                     (f"torch fused, chunks of {chunk}", torch_fused(chunk))]
         for name, fn in variants:
             t = best_of(fn, args.repeat)
-            print(f"| {str(dtype).removeprefix('torch.')} | {threads} | {name} | {figure(1e3 * t)} | {figure(28 * n / t / 1e9)} |")
+            ms, rate = figure(1e3 * t), figure(28 * n / t / 1e9)
+            print(f"| {str(dtype).removeprefix('torch.')} | {threads} | {name} | {ms} | {rate} |")
 
 
 if __name__ == "__main__":

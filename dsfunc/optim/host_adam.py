@@ -2,8 +2,8 @@
 
 ``torch.ops.dsfunc_cpu.adam_step_`` (``ops/adam_cpu.cpp``) is ``dsfunc::adam_step_`` for host memory: one pass
 over each unit, spread over the intra-op threads, reading its 16-bit gradient as it is (widened exactly as
-it is read: bf16 in registers, fp16 a block at a time) and writing the 16-bit copy the device gets with the new parameters: 28 bytes of host traffic
-per parameter. Torch's own fused CPU Adam (``torch._fused_adamw_``) needs the gradient widened into a
+it is read: bf16 in registers, fp16 a block at a time) and writing the 16-bit copy the device gets with the
+new parameters: 28 bytes of host traffic per parameter. Torch's own fused CPU Adam (``torch._fused_adamw_``) needs the gradient widened into a
 buffer first and the copy cast afterwards; even done chunk by chunk while in cache it took 47-63 ms per
 128M-parameter unit on 15 cores of the H200 machine, this kernel 35 ms (bench/bench_host_adam.py). Its element
 arithmetic is the CUDA kernel's (``ops/adam_math.h``), so an offloaded run updates like a resident one on

@@ -150,7 +150,7 @@ class ZeroReducer:
             prev = self._sunk.pop(unit.name).to(self.device, torch.float32, non_blocking=True)
         if prev is not None:
             reduced, exact = prev.float().add_(reduced), torch.float32
-        else:  # fp32 before the last micro-batch: more will be added
+        else:  # its exact dtype after the last micro-batch if kept narrow; fp32 before it (more will be added)
             reduced = reduced.to(exact if last and self.narrow else torch.float32)
         if self.sink is None:
             self._grads[unit.name] = reduced

@@ -92,7 +92,8 @@ def reduced_dtypes(rank: int, world: int) -> dict[str, set[torch.dtype]]:
             state = make_state(stage, "bf16", micro=2, world=world, communication_data_type=comm)
             runtime = zero_runtime(state)
             x, y = mlp_batches(1, 2 * world)[0]
-            loss = runtime.forward(lambda model, b: model(*b), (x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2]))
+            mine = (x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+            loss = runtime.forward(lambda model, b: model(*b), mine)
             runtime.backward(loss)
             runtime.end()
             out[f"{comm}/{stage}"] = {g.dtype for g in runtime.finish()[1].values()}
