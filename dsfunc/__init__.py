@@ -55,7 +55,7 @@ from dsfunc.deepspeed import (
     tp_model_init,
 )
 from dsfunc.deepspeed import namespace as _namespace
-from dsfunc.dist import get_local_rank, get_rank, get_world_size, init_distributed
+from dsfunc.distributed import get_local_rank, get_rank, get_world_size, init_distributed
 from dsfunc.errors import Error, InputError, InputTypeError, NotSupportedError, UsageError
 from dsfunc.grad import (
     GradContext,

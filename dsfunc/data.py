@@ -29,7 +29,7 @@ import optree
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from dsfunc.dist import comm
+from dsfunc.distributed import comm
 from dsfunc.errors import InputError, InputTypeError
 
 

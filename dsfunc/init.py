@@ -31,7 +31,7 @@ from dsfunc.config import (
     parse_activation_checkpointing,
     parse_compile,
 )
-from dsfunc.dist import comm
+from dsfunc.distributed import comm
 from dsfunc.errors import InputError
 from dsfunc.frozen import FrozenDict
 from dsfunc.grad import LossFn

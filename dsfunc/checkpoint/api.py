@@ -28,7 +28,7 @@ from dsfunc.checkpoint.metadata import describe, read_meta, verify_files
 from dsfunc.checkpoint.publish import write_checkpoint
 from dsfunc.checkpoint.tags import PathLike, check_tag, find_checkpoint
 from dsfunc.checkpoint.trust import pickle_client_state, read_client_state
-from dsfunc.dist import comm
+from dsfunc.distributed import comm
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.state import TrainState
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 
 from dsfunc.checkpoint.errors import BY_NAME, CheckpointError, CheckpointTimeoutError
-from dsfunc.dist import comm
+from dsfunc.distributed import comm
 
 T = TypeVar("T")
 

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dsfunc.checkpoint.coordination import collective, side_group
 from dsfunc.checkpoint.disk import disk_text
 from dsfunc.checkpoint.layout import META_DATA, tensor_file
-from dsfunc.dist import comm
+from dsfunc.distributed import comm
 
 _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 

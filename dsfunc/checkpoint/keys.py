@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from dsfunc.checkpoint.coordination import mesh
-from dsfunc.dist import comm
+from dsfunc.distributed import comm
 from dsfunc.optim.base import ScheduleState
 from dsfunc.state import TrainState
 from dsfunc.zero.layout import chunk_range

@@ -16,7 +16,7 @@ from dsfunc.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from dsfunc.checkpoint.keys import entries
 from dsfunc.checkpoint.layout import META_FILE
 from dsfunc.checkpoint.tags import available_tags
-from dsfunc.dist import comm
+from dsfunc.distributed import comm
 from dsfunc.frozen import thaw
 from dsfunc.state import TrainState
 

@@ -31,7 +31,7 @@ from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.layout import CLIENT_FILE, LATEST_FILE, META_FILE, tensor_file
 from dsfunc.checkpoint.metadata import digest, hash_share
 from dsfunc.checkpoint.tags import read_latest
-from dsfunc.dist import comm
+from dsfunc.distributed import comm
 
 
 def write_checkpoint(save_dir: Path, tag: str, tensors: dict[str, Any], meta: dict[str, Any],

@@ -3,7 +3,7 @@ comm as dist``), over the process group dsfunc joins.
 
 The calls are torch.distributed's, with two differences that make a script run alone: in a process
 that joined no group, ``get_rank()`` is 0, ``get_world_size()`` is 1 and the collectives leave their
-tensors as they are (DeepSpeed asserts there). dsfunc's own collectives are :mod:`dsfunc.dist.comm`;
+tensors as they are (DeepSpeed asserts there). dsfunc's own collectives are :mod:`dsfunc.distributed.comm`;
 this module is the script-facing surface only.
 """
 
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from dsfunc.dist import comm as _comm
-from dsfunc.dist import init_distributed
+from dsfunc.distributed import comm as _comm
+from dsfunc.distributed import init_distributed
 from dsfunc.errors import unsupported
 
 __all__ = [

@@ -24,7 +24,7 @@ from dsfunc.deepspeed.engine import Engine
 from dsfunc.deepspeed.groups import Groups, freeze_all_but, labelled, parameter_groups
 from dsfunc.deepspeed.translate import client_schedule, optimizer_section
 from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, group_views
-from dsfunc.dist import comm, init_distributed, launched_by_mpi
+from dsfunc.distributed import comm, init_distributed, launched_by_mpi
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.init import init_state
 from dsfunc.optim.base import chain

@@ -21,7 +21,7 @@ import optree
 import torch
 from torch import nn
 
-from dsfunc.dist import comm
+from dsfunc.distributed import comm
 from dsfunc.errors import InputError, NotSupportedError, unsupported
 from dsfunc.optim.base import ScaleByAdamState
 from dsfunc.zero.gather import Workspace, owner

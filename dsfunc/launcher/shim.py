@@ -4,7 +4,7 @@
 [--bind_core_list=LIST]] TARGET [ARGS ...]``
 
 Under PyTorch's elastic agent the rank variables are already set. Under ``mpirun`` or ``srun`` they are
-derived from ``OMPI_COMM_WORLD_*`` or ``SLURM_*`` (:mod:`dsfunc.dist.env`), so every rank sees RANK,
+derived from ``OMPI_COMM_WORLD_*`` or ``SLURM_*`` (:mod:`dsfunc.distributed.env`), so every rank sees RANK,
 LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE whatever launched it. With ``--bind_cores_to_rank`` the rank
 binds itself to its share of the node's cores (:mod:`dsfunc.launcher.cores`) before the program starts.
 With ``DSFUNC_RANK_LOG_DIR`` set, the rank's stdout and stderr go to
@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 
-from dsfunc.dist.env import rank_env_from_launcher
+from dsfunc.distributed.env import rank_env_from_launcher
 from dsfunc.launcher.cores import rank_cores
 from dsfunc.launcher.exits import exit_code, report_exit, report_start
 

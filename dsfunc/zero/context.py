@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsfunc.dist import comm
+from dsfunc.distributed import comm
 from dsfunc.errors import InputError, NotSupportedError
 from dsfunc.zero.gather import Workspace, owner
 from dsfunc.zero.layout import Unit

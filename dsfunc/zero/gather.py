@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from dsfunc.dist import comm
+from dsfunc.distributed import comm
 from dsfunc.zero.binding import Slots, ZeroParamStatus
 from dsfunc.zero.layout import ShardingPlan, Unit, unit_views
 from dsfunc.zero.offload import HostOffload

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from dsfunc.dist import comm
+from dsfunc.distributed import comm
 from dsfunc.errors import InputError
 from dsfunc.zero.layout import ShardingPlan, flatten_unit, local_shard
 from dsfunc.zero.offload import HostOffload

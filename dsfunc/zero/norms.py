@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dsfunc import kernels
-from dsfunc.dist import comm
+from dsfunc.distributed import comm
 from dsfunc.zero.layout import ShardingPlan
 
 

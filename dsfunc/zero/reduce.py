@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import torch
 
-from dsfunc.dist import comm
+from dsfunc.distributed import comm
 from dsfunc.zero.layout import ShardingPlan, Unit
 
 Grads = dict[str, torch.Tensor | None]

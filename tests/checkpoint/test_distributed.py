@@ -13,7 +13,7 @@ from torch import nn
 
 import dsfunc
 from dsfunc import checkpoint as ckpt
-from dsfunc.dist import comm
+from dsfunc.distributed import comm
 from tests.checkpoint.common import FP16, WARMUP
 from tests.checkpoint.ranks import run_ranks
 from tests.models import MLP, config, mlp_batches

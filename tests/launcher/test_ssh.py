@@ -86,7 +86,7 @@ def test_include_exclude_select_ranks(job, selection, expected):
     script = cwd / "where.py"
     script.write_text(
         "import json, os, sys\n"
-        "from dsfunc.dist import init_distributed\n"
+        "from dsfunc.distributed import init_distributed\n"
         "import torch, torch.distributed as dist\n"
         "init_distributed()\n"
         "t = torch.ones(1); dist.all_reduce(t)\n"

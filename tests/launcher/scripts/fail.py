@@ -6,7 +6,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dsfunc.dist import init_distributed
+from dsfunc.distributed import init_distributed
 
 init_distributed()
 if dist.get_rank() == 1:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dsfunc.dist import get_local_rank, init_distributed
+from dsfunc.distributed import get_local_rank, init_distributed
 
 out_dir = sys.argv[-1]
 init_distributed()

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch.distributed as dist
 
-from dsfunc.dist import get_local_rank, get_rank, get_world_size, init_distributed
+from dsfunc.distributed import get_local_rank, get_rank, get_world_size, init_distributed
 from dsfunc.errors import InputError, UsageError
 from tests.launcher.scripts.harness import REPO, cli_env, free_port
 from tests.multiprocess import run_world
@@ -100,7 +100,7 @@ def test_env_init_and_explicit_init_method(tmp_path):
     port = free_port()
     code = (
         "import torch.distributed as dist\n"
-        "from dsfunc.dist import init_distributed\n"
+        "from dsfunc.distributed import init_distributed\n"
         "init_distributed()\n"
         "print(dist.get_backend(), dist.get_rank(), dist.get_world_size())\n"
         "dist.destroy_process_group()\n"
@@ -124,7 +124,7 @@ def test_env_init_and_explicit_init_method(tmp_path):
 def test_mpi_launcher_without_mpi4py_is_a_clear_error(tmp_path):
     code = (
         "import sys; sys.modules['mpi4py'] = None\n"  # as if mpi4py were not installed
-        "from dsfunc.dist import init_distributed\ninit_distributed()\n"
+        "from dsfunc.distributed import init_distributed\ninit_distributed()\n"
     )
     res = _python(code, tmp_path, PMI_SIZE="2")
     assert res.returncode != 0

@@ -2,7 +2,7 @@
 
 The rank variables come from the environment (set by the dsfunc launcher or torchrun); when they are missing
 and the process was started by an MPI launcher, they are discovered through mpi4py (or read from Open MPI's
-``OMPI_COMM_WORLD_*`` variables by :mod:`dsfunc.dist.env` when mpi4py is not installed).
+``OMPI_COMM_WORLD_*`` variables by :mod:`dsfunc.distributed.env` when mpi4py is not installed).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import subprocess
 import torch
 import torch.distributed as dist
 
-from dsfunc.dist import comm
-from dsfunc.dist.env import MPI_MARKERS, launched_by_mpi, ompi_rank_env, rank_variable
+from dsfunc.distributed import comm
+from dsfunc.distributed.env import launched_by_mpi, ompi_rank_env, rank_variable
 from dsfunc.errors import InputError, UsageError
 
 logger = logging.getLogger("dsfunc")
@@ -182,8 +182,8 @@ def _destroy_at_exit() -> None:
 
 
 # The rank helpers also answer before the group exists (a script sizing its data loader before joining):
-# the process group's answer (dsfunc.dist.comm) once joined, until then the launcher's variables
-# (dsfunc.dist.env: torch's names, else Open MPI's), and a lone process's answer when neither is set.
+# the process group's answer (dsfunc.distributed.comm) once joined, until then the launcher's variables
+# (dsfunc.distributed.env: torch's names, else Open MPI's), and a lone process's answer when neither is set.
 
 
 def get_rank() -> int:

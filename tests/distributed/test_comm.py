@@ -1,10 +1,11 @@
-"""The collectives (dsfunc.dist.comm): the identity in a lone process, sums and rank-order gathers in a group."""
+"""The collectives (dsfunc.distributed.comm): the identity in a lone process, sums and rank-order gathers in a
+group."""
 
 from __future__ import annotations
 
 import torch
 
-from dsfunc.dist import comm
+from dsfunc.distributed import comm
 from tests.multiprocess import run_world
 
 

@@ -2,7 +2,8 @@
 
 torchrun and the dsfunc launcher set RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE; ``mpirun`` (Open
 MPI) and ``srun`` (slurm) set their own names instead. The per-rank shim (:mod:`dsfunc.launcher.shim`) and
-:func:`dsfunc.dist.init_distributed` both translate them here, so they agree on what each launcher means.
+:func:`dsfunc.distributed.init_distributed` both translate them here, so they agree on what each launcher
+means.
 Plain functions of a mapping: no torch, no process group.
 """
 

@@ -1,10 +1,11 @@
-"""The rank variables a launcher leaves (dsfunc.dist.env): Open MPI's and slurm's names, the MPI markers."""
+"""The rank variables a launcher leaves (dsfunc.distributed.env): Open MPI's and slurm's names, the MPI
+markers."""
 
 from __future__ import annotations
 
 import pytest
 
-from dsfunc.dist.env import MPI_MARKERS, launched_by_mpi, rank_env_from_launcher, rank_variable
+from dsfunc.distributed.env import MPI_MARKERS, launched_by_mpi, rank_env_from_launcher, rank_variable
 from dsfunc.errors import UsageError
 
 
