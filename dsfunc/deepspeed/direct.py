@@ -17,31 +17,28 @@ from __future__ import annotations
 
 import types
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import optree
 import torch
 from torch import nn
 
-from dsfunc.zero.runtime import zero_runtime
-
-if TYPE_CHECKING:
-    from dsfunc.deepspeed.engine import Engine
+from dsfunc.deepspeed.step_in_progress import StepInProgress
+from dsfunc.zero.runtime import MicroBatchRuntime
 
 
-def install(engine: Engine) -> None:
-    """Hook ``engine.module`` so that calling it directly runs through ``engine``'s runtime."""
-    module: nn.Module = engine.module
-    me = weakref.ref(engine)  # the module outlives a dropped engine; its hooks then do nothing
+def install(module: nn.Module, steps: StepInProgress) -> None:
+    """Hook ``module`` so that calling it directly runs through the engine's step in progress, ``steps``."""
+    me = weakref.ref(steps)  # the module outlives a dropped engine; its hooks then do nothing
     opened: list[Any] = []  # per call in flight: what the pre-hook opened (None: nothing)
 
     def pre(mod: nn.Module, args: Any, kwargs: Any) -> Any:
-        engine = me()
-        if engine is None or engine.state.program.workspace.active is not None:
+        steps = me()
+        if steps is None or steps.in_forward():
             opened.append(None)
             return None
-        opened.append(_begin(engine))
-        device = engine.device
+        opened.append(_begin(steps))
+        device = steps.state.program.device
         move = lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
         return optree.tree_map(move, args), optree.tree_map(move, kwargs)
 
@@ -66,20 +63,20 @@ def _zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
                 p.grad.detach_().zero_()
 
 
-def _begin(engine: Engine) -> tuple[str, Any, bool]:
+def _begin(steps: StepInProgress) -> tuple[str, StepInProgress, MicroBatchRuntime, bool]:
     """Open the binding of a direct call: a training forward of the current micro-batch, or an evaluation."""
-    if engine.trains_now():
-        runtime = engine.runtime()
-        runtime.begin_forward(engine.micro())
-        return "train", (engine, runtime), True
-    runtime = engine._runtime if engine._runtime is not None else zero_runtime(engine.state)
-    return "eval", (engine, runtime), runtime.begin_evaluation()
+    if steps.trains_now():
+        runtime = steps.begin()
+        runtime.begin_forward(steps.micro())
+        return "train", steps, runtime, True
+    runtime = steps.for_evaluation()
+    return "eval", steps, runtime, runtime.begin_evaluation()
 
 
-def _end(token: tuple[str, Any, bool], output: Any) -> None:
-    kind, (engine, runtime), opened = token
+def _end(token: tuple[str, StepInProgress, MicroBatchRuntime, bool], output: Any) -> None:
+    kind, steps, runtime, opened = token
     if kind == "train":
         if output is None:  # the forward raised
-            engine._abandon_step()
+            steps.abandon()
     elif opened:
         runtime.end_evaluation()

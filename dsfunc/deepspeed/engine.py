@@ -51,13 +51,13 @@ from dsfunc.compile import compile_units
 from dsfunc.config import parse_compile
 from dsfunc.data import DistributedLoader
 from dsfunc.deepspeed import direct
+from dsfunc.deepspeed.step_in_progress import StepInProgress
 from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, GroupView, schedule_count
 from dsfunc.errors import InputError, NotSupportedError, UsageError
 from dsfunc.monitor import Monitor, tokens_in
 from dsfunc.state import TrainState
-from dsfunc.step import apply_gradients, check_min_scale
 from dsfunc.zero.context import gathered_state_dict
-from dsfunc.zero.runtime import MicroBatchRuntime, Phase, zero_runtime
+from dsfunc.zero.runtime import Phase
 
 logger = logging.getLogger("dsfunc")
 
@@ -86,7 +86,7 @@ class Engine(nn.Module):
             raise InputError("the engine trains its module in place: build the state with init_state(model, ..., "
                              "in_place=True)")
         self.module = model
-        self._state = state
+        self.steps = StepInProgress(state, trains=groups is not None)  # shared with direct calls of the module
         self.groups = groups or []  # the parameter groups (none without an optimizer)
         self.local_rank = local_rank
         self.training_dataloader = training_dataloader
@@ -97,13 +97,11 @@ class Engine(nn.Module):
         self.monitor = Monitor(state, progress_bar=progress_bar, total_steps=total_steps)
         self.optimizer = EngineOptimizer(self) if groups is not None else None
         self.lr_scheduler = EngineLRScheduler(self) if groups is not None and scheduled else None
-        self.micro_steps = 0
         self.global_samples = 0
-        self._runtime: MicroBatchRuntime | None = None  # the optimizer step in progress
         self._timings: dict[str, float] = {}
         self._tokens = 0
         self._compiled = self.config.compile.enabled
-        direct.install(self)
+        direct.install(model, self.steps)
         _ENGINES.add(self)
 
     def __getattr__(self, name: str) -> Any:
@@ -123,16 +121,21 @@ class Engine(nn.Module):
     @property
     def state(self) -> TrainState:
         """The current training state (replaced at every optimizer step; earlier ones are donated)."""
-        return self._state
+        return self.steps.state
+
+    @property
+    def micro_steps(self) -> int:
+        """Micro-batches ended so far (DeepSpeed's counter)."""
+        return self.steps.micro_steps
 
     @property
     def device(self) -> torch.device:
-        return self._state.program.device
+        return self.state.program.device
 
     @property
     def global_steps(self) -> int:
         """Optimizer steps taken, skipped ones included."""
-        return int(self._state.step)
+        return int(self.state.step)
 
     @property
     def skipped_steps(self) -> int:
@@ -171,22 +174,22 @@ class Engine(nn.Module):
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """True while the current micro-batch is the last of its optimizer step."""
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return self.steps.is_boundary()
 
     def get_lr(self) -> list[float]:
         """The lr the next optimizer step will use, per parameter group (DeepSpeed's list)."""
         if not self.groups:
             return []
-        t = schedule_count(self._state.opt_state) - 1
+        t = schedule_count(self.state.opt_state) - 1
         return [g.lr_at(t) for g in self.groups]
 
     def get_global_grad_norm(self) -> float:
         """The global gradient norm of the last optimizer step (unscaled, before clipping)."""
-        return float(self._state.metrics.grad_norm)
+        return float(self.state.metrics.grad_norm)
 
     def was_step_applied(self) -> bool:
         """False when the last optimizer step was skipped for overflow."""
-        return not bool(self._state.metrics.skipped)
+        return not bool(self.state.metrics.skipped)
 
     def compile(self, backend: str | None = None, compile_kwargs: dict[str, Any] | None = None,
                 schedule: Any = None) -> None:
@@ -201,7 +204,7 @@ class Engine(nn.Module):
         section = {"enabled": True, "kwargs": dict(compile_kwargs or {})}
         if backend is not None:
             section["backend"] = backend
-        compile_units(self.module, self._state.program.plan, parse_compile(section))
+        compile_units(self.module, self.state.program.plan, parse_compile(section))
         self._compiled = True
 
     @property
@@ -227,7 +230,7 @@ class Engine(nn.Module):
     def phase(self) -> Phase:
         """Where the current micro-batch is: ``IDLE`` (forward next), ``FORWARD`` (backward next) or
         ``BACKWARD`` (step next, or another forward/backward pair)."""
-        return self._runtime.phase if self._runtime is not None else Phase.IDLE
+        return self.steps.phase
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         """Run the model on ``inputs`` (moved to the engine's device) with the current parameters.
@@ -235,34 +238,18 @@ class Engine(nn.Module):
         With autograd enabled (and an optimizer), the outputs carry a graph for :meth:`backward`; under
         ``torch.no_grad()`` it is an evaluation.
         """
-        if not self.trains_now():
-            return self._evaluate(inputs, kwargs)
+        if not self.steps.trains_now():
+            return self.steps.for_evaluation().evaluate(_call, (inputs, kwargs))
         start = self._clock()
-        runtime = self.runtime()
+        runtime = self.steps.begin()
         self._tokens += tokens_in((inputs, kwargs))
         try:
-            out = runtime.forward(_call, (inputs, kwargs), micro=self.micro())
+            out = runtime.forward(_call, (inputs, kwargs), micro=self.steps.micro())
         except BaseException:
-            self._abandon_step()
+            self.steps.abandon()
             raise
         self._lap("forward", start)
         return out
-
-    def trains_now(self) -> bool:
-        """Whether a forward now is a training forward: autograd enabled and an optimizer to train."""
-        return torch.is_grad_enabled() and self.optimizer is not None
-
-    def runtime(self) -> MicroBatchRuntime:
-        """The runtime of the optimizer step in progress (opened by its first training forward)."""
-        if self._runtime is None:
-            check_min_scale(self._state)
-            self._runtime = zero_runtime(self._state)
-        return self._runtime
-
-    def micro(self) -> tuple[int, int]:
-        """``(index, count)`` of the current micro-batch in its optimizer step."""
-        gas = self.gradient_accumulation_steps()
-        return self.micro_steps % gas, gas
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backpropagate ``loss`` (computed from this micro-batch's forwards) into the engine's gradients.
@@ -283,7 +270,7 @@ class Engine(nn.Module):
                 "first (forwards under torch.no_grad() are evaluations and build no graph)"
             )
         start = self._clock()
-        self._runtime.backward(loss, self._state.scaler.scale, retain_graph=retain_graph,
+        self.steps.runtime.backward(loss, self.state.scaler.scale, retain_graph=retain_graph,
                                mean_over_micro=scale_wrt_gas)
         self._lap("backward", start)
         return loss / self.gradient_accumulation_steps() if scale_wrt_gas else loss
@@ -292,47 +279,27 @@ class Engine(nn.Module):
         """``loss`` times the loss scale, for ``engine.scale(loss).backward()`` (DeepSpeed's manual backward)."""
         if self.phase is Phase.IDLE:
             raise UsageError("engine.scale(loss) without a training forward: run the forward first")
-        return self._runtime.scale(loss)
+        return self.steps.runtime.scale(loss)
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """End the micro-batch; at the accumulation boundary apply the update (or skip it on overflow)."""
         if lr_kwargs:
             raise InputError("lr_kwargs is not supported: dsfunc's lr schedule is a function of the step count")
-        if self._runtime is None or self._runtime.micro_backwards == 0:
+        if self.steps.runtime is None or self.steps.runtime.micro_backwards == 0:
             raise UsageError(
                 "engine.step() before engine.backward() for this micro-batch: call engine(inputs), "
                 "engine.backward(loss), engine.step() for every micro-batch"
             )
         start = self._clock()
-        self._runtime.end()
-        boundary = self.is_gradient_accumulation_boundary()
-        self.micro_steps += 1
-        if not boundary:
+        if not self.steps.end_micro_batch():
             self._lap("step", start)
             return
-        loss, grads = self._runtime.finish()
-        self._runtime = None
-        state = self._state
-        new = apply_gradients(state, grads, loss)
-        state.mark_donated()
-        self._state = new
+        new = self.steps.finish()
         self.global_samples += self.train_batch_size()
         self._lap("step", start)
         self.monitor.log(new, samples=self.global_samples, tokens=self._tokens * self.world_size,
                          timings=self._timings or None)
         self._timings, self._tokens = {}, 0
-
-    def _evaluate(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        runtime = self._runtime if self._runtime is not None else zero_runtime(self._state)
-        return runtime.evaluate(_call, (inputs, kwargs))
-
-    def _abandon_step(self) -> None:
-        """After a failed forward: drop this optimizer step's micro-batches and start it again."""
-        if self._runtime is not None:
-            self._runtime.drop_forward()
-        self._runtime = None
-        self.micro_steps -= self.micro_steps % self.gradient_accumulation_steps()
-        logger.warning("the forward failed; the micro-batches of this optimizer step were dropped")
 
     def _clock(self) -> float | None:
         if not self.config.wall_clock_breakdown:
@@ -394,10 +361,8 @@ class Engine(nn.Module):
         client = dict(client_state if client_state is not None else client_sd or {})
         if ENGINE_KEY in client:
             raise InputError(f"client_state key {ENGINE_KEY!r} is reserved for the engine's counters; rename it")
-        if self._runtime is not None and not self._runtime.has_gradients:  # forwards no backward followed
-            self._runtime.drop_forward()
-            self._runtime = None
-        if self._runtime is not None:
+        self.steps.drop_forwards_without_backward()
+        if self.steps.runtime is not None:
             raise UsageError(
                 f"save_checkpoint in the middle of an optimizer step (micro-batch "
                 f"{self.micro_steps % self.gradient_accumulation_steps() + 1} of "
@@ -406,7 +371,7 @@ class Engine(nn.Module):
             )
         client[ENGINE_KEY] = {"global_samples": self.global_samples, "skipped_steps": self.skipped_steps}
         self.monitor.flush()
-        checkpoint.save_checkpoint(self._state, save_dir, tag=tag, client_state=client, save_latest=save_latest)
+        checkpoint.save_checkpoint(self.state, save_dir, tag=tag, client_state=client, save_latest=save_latest)
         return True
 
     def load_checkpoint(
@@ -434,7 +399,7 @@ class Engine(nn.Module):
             raise InputError("load_module_strict=False is not supported: a checkpoint must match the model")
         if custom_load_fn is not None:
             raise InputError("custom_load_fn is not supported by dsfunc")
-        if self._runtime is not None:
+        if self.steps.runtime is not None:
             raise UsageError("load_checkpoint in the middle of an optimizer step; call it between steps")
         try:
             folder = checkpoint.find_checkpoint(load_dir, tag)
@@ -442,16 +407,16 @@ class Engine(nn.Module):
             logger.warning("Unable to load a checkpoint: %s ... skip checkpoint load", e)
             return None, None
         loaded, client = checkpoint.load_checkpoint(
-            folder, self._state, load_optimizer_states=load_optimizer_states,
+            folder, self.state, load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
             trust_pickle=trust_pickle,
         )
         client = dict(client or {})
         counters = client.pop(ENGINE_KEY, None)
-        self._state = loaded
+        self.steps.state = loaded
         if not load_module_only:
             step = int(loaded.step)
-            self.micro_steps = step * self.gradient_accumulation_steps()
+            self.steps.micro_steps = step * self.gradient_accumulation_steps()
             counters = counters or {}
             self.global_samples = counters.get("global_samples", step * self.train_batch_size())
             self.monitor.restart(loaded, skipped_steps=counters.get("skipped_steps", 0))

@@ -5,20 +5,30 @@ engine's update, one entry per parameter group, so scripts that read ``param_gro
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import optree
 import torch
 
 from dsfunc.errors import InputError, UsageError
-from dsfunc.optim.base import ScheduleState, current_lr
 from dsfunc.optim.from_config import LrSchedule, group_section, lr_schedule_of
 from dsfunc.optim.groups import ParamGroups, plain
+from dsfunc.optim.transforms import ScheduleState, current_lr
 from dsfunc.schedules import Schedule
 from dsfunc.state import TrainState
 
-if TYPE_CHECKING:
-    from dsfunc.deepspeed.engine import Engine
+
+class Viewed(Protocol):
+    """What the views read of the engine (a protocol, so this module need not import the engine's)."""
+
+    groups: list[GroupView]
+
+    @property
+    def state(self) -> TrainState: ...
+
+    def get_lr(self) -> list[float]: ...
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
 
 
 def schedule_count(opt_state: Any) -> torch.Tensor:
@@ -77,7 +87,7 @@ class EngineOptimizer:
     ``params``; ``zero_grad()`` is the engine's; stepping or saving it is an error that points to the engine.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Viewed) -> None:
         self._engine = engine
 
     @property
@@ -105,7 +115,7 @@ class EngineLRScheduler:
     The engine advances it in ``engine.step()`` (not on skipped steps); calling ``step()`` here is an error.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Viewed) -> None:
         self._engine = engine
 
     @property
