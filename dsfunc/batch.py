@@ -7,14 +7,17 @@ error that names the sizes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import optree
 import torch
+from torch import nn
 
 from dsfunc.errors import InputError, InputTypeError
 
 Batch = Any
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]  # loss_fn(model, batch) -> a scalar
 
 
 def split_batch(batch: Batch, count: int, micro_size: int | None) -> list[Batch]:

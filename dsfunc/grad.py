@@ -22,12 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsfunc.batch import Batch, split_batch
+from dsfunc.batch import Batch, LossFn, split_batch
 from dsfunc.errors import InputError, UsageError
 from dsfunc.state import TrainState
 from dsfunc.zero.runtime import MicroBatchRuntime, local_runtime, zero_runtime
-
-LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,7 @@
 """Building a training state (:func:`init_state`) and reading its weights back (:func:`full_params`).
 
-A state has two halves. The data half is the :class:`~dsfunc.TrainState`'s leaves. The static half is
-its :class:`Program`: what never changes during a run and is never checkpointed as tensors — the
-parsed config, the model skeleton, the sharding plan, the update, the loss scaler's rule and the
-composed step. The program's one mutable member is its :class:`~dsfunc.zero.gather.Workspace`, the
-run's cache of compute copies (see there).
+A state has two halves: the data half is the :class:`~dsfunc.TrainState`'s leaves, the static half its
+:class:`~dsfunc.program.Program`, which this module builds.
 
 The skeleton is a hook-free copy of the user's module by default: the functional API leaves the module
 it was given alone (``model.load_state_dict(dsfunc.full_params(state))`` brings the weights back).
@@ -16,13 +13,13 @@ state's compute copies (:mod:`dsfunc.zero.binding`), so it holds the trained val
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from dsfunc.batch import LossFn
 from dsfunc.compile import compile_units
 from dsfunc.config import (
     ActivationCheckpointingConfig,
@@ -34,13 +31,13 @@ from dsfunc.config import (
 from dsfunc.distributed import comm
 from dsfunc.errors import InputError
 from dsfunc.frozen import FrozenDict
-from dsfunc.grad import LossFn
 from dsfunc.graphs import GraphedStep
 from dsfunc.optim.base import Transform, multi_transform
 from dsfunc.optim.from_config import LrSchedule, update_from_config
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.groups import ParamGroups
 from dsfunc.optim.update import ChainUpdate
+from dsfunc.program import Program
 from dsfunc.remat import checkpoint_units
 from dsfunc.scaling import LossScaler
 from dsfunc.state import Metrics, TrainState
@@ -55,27 +52,6 @@ from dsfunc.zero.offload import HostOffload
 from dsfunc.zero.reduce import grad_dtype
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, None: torch.float32}
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Program:
-    """Everything static about a run (identity-compared, so states of one run share a treedef)."""
-
-    config: Config
-    plan: ShardingPlan
-    skeleton: nn.Module
-    slots: Slots
-    workspace: Workspace
-    update: ChainUpdate | FusedAdam
-    scaler: LossScaler
-    loss_fn: LossFn | None
-    device: torch.device
-    compute_dtype: torch.dtype
-    comm_dtype: torch.dtype
-    persistent_buffers: tuple[str, ...]
-    step_fn: Callable[..., TrainState]
-    segment_norm: Callable[[Any], Any] | None = None
-    offload: HostOffload | None = None  # the host side when the optimizer is offloaded (dsfunc.zero.offload)
 
 
 def init_state(
@@ -284,7 +260,7 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
     Every rank must call it (it all-gathers the shards); each gets the whole dictionary.
     """
     state.check_usable()
-    program: Program = state.program
+    program = state.program
     plan = program.plan
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:

@@ -1,7 +1,7 @@
 """The training state: an immutable pytree of tensors, with donation.
 
 ``TrainState`` is a frozen dataclass registered with optree from its field metadata: fields marked
-``static`` are auxiliary data (the compiled program), every other field is a child. Mappings inside the
+``static`` are auxiliary data (the run's :class:`~dsfunc.program.Program`), every other field is a child. Mappings inside the
 state are :class:`FrozenDict`, so ``state.params["x"] = t`` fails as loudly as ``state.params = t``.
 
 ``train_step`` donates its input: the returned state reuses the input's buffers and the input is marked
@@ -15,13 +15,17 @@ first, so no reader sees a half-written update.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import optree
 import torch
 
 from dsfunc.errors import UsageError
 from dsfunc.frozen import GLOBAL_NAMESPACE, FrozenDict
+
+if TYPE_CHECKING:
+    from dsfunc.program import Program
+    from dsfunc.scaling import LossScaleState
 
 T = TypeVar("T")
 
@@ -96,11 +100,11 @@ class TrainState:
     step: torch.Tensor
     params: FrozenDict
     opt_state: Any
-    scaler: Any
+    scaler: LossScaleState
     buffers: FrozenDict
     rng: torch.Tensor
     metrics: Metrics
-    program: Any = static_field()  # noqa: RUF009 - returns a dataclasses.field
+    program: Program = static_field()  # noqa: RUF009 - returns a dataclasses.field
 
     def __getattribute__(self, name: str) -> Any:
         if name in _DATA_FIELDS and object.__getattribute__(self, "__dict__").get("_donated"):

@@ -21,8 +21,10 @@ import torch
 from dsfunc.batch import Batch
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.grad import GradContext, GradFn, default_grad_fn
-from dsfunc.optim.base import Transform, current_lr
+from dsfunc.optim.base import Transform
+from dsfunc.optim.transforms import current_lr
 from dsfunc.optim.update import ChainUpdate, UpdateContext
+from dsfunc.program import Program
 from dsfunc.scaling import MinScaleCheck
 from dsfunc.state import Metrics, TrainState
 from dsfunc.zero.norms import global_norm_and_loss
@@ -88,8 +90,8 @@ def _run_step(state: TrainState, batch: Batch, donate: bool, grad_fn: GradFn, op
     return new
 
 
-def _stepping(program: Any) -> Any:
-    offload = getattr(program, "offload", None)
+def _stepping(program: Program) -> contextlib.AbstractContextManager[Any]:
+    offload = program.offload
     return contextlib.nullcontext() if offload is None else offload.pending.step()
 
 
@@ -148,7 +150,7 @@ def apply_gradients(
     return new
 
 
-def _update_context(program: Any, scale: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor,
+def _update_context(program: Program, scale: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor,
                     lowp: Mapping[str, torch.Tensor], sent: set[str]) -> UpdateContext:
     """The step's facts for the update, on the device the update runs on (the host when offloaded, where the
     units the update sends back as it goes are added to ``sent``)."""

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import optree
 import torch
 
 from dsfunc.zero.reduce import grad_dtype
 
+if TYPE_CHECKING:
+    from dsfunc.state import TrainState
 
-def memory_estimate(state: Any) -> dict[str, int]:
+
+def memory_estimate(state: TrainState) -> dict[str, int]:
     """Bytes each rank holds for the model states, by category, as the ZeRO stage lays them out.
 
     ``master`` (fp32 weights: this rank's shard), ``optimizer`` (moments etc., measured in the state),

@@ -44,7 +44,7 @@ import contextlib
 import enum
 import weakref
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import optree
 import torch
@@ -53,6 +53,10 @@ from torch import nn
 from dsfunc.errors import InputError, UsageError
 from dsfunc.zero.layout import Unit, unit_views
 from dsfunc.zero.reduce import Grads, LocalReducer, ZeroReducer
+
+if TYPE_CHECKING:
+    from dsfunc.program import Program
+    from dsfunc.state import TrainState
 
 T = TypeVar("T")
 
@@ -78,10 +82,10 @@ class Reducer(Protocol):
 class MicroBatchRuntime:
     """Binds a state's parameters into its model for each micro-batch and collects the gradients."""
 
-    def __init__(self, state: Any, reducer: Reducer, *, ranks: int = 1) -> None:
+    def __init__(self, state: TrainState, reducer: Reducer, *, ranks: int = 1) -> None:
         """``ranks``: how many ranks' gradients ``reducer`` sums (the seed divides by it)."""
         self.state = state
-        self.program = state.program
+        self.program: Program = state.program
         self.workspace = self.program.workspace
         self.reducer = reducer
         self.ranks = ranks
@@ -391,7 +395,7 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(value)
 
 
-def zero_runtime(state: Any) -> MicroBatchRuntime:
+def zero_runtime(state: TrainState) -> MicroBatchRuntime:
     """A runtime whose gradients are reduced over the ranks as the state's ZeRO stage says."""
     program = state.program
     reducer = ZeroReducer(program.plan, comm_dtype=program.comm_dtype, device=program.workspace.device,
@@ -401,7 +405,7 @@ def zero_runtime(state: Any) -> MicroBatchRuntime:
     return MicroBatchRuntime(state, reducer, ranks=program.plan.world_size)
 
 
-def local_runtime(state: Any) -> MicroBatchRuntime:
+def local_runtime(state: TrainState) -> MicroBatchRuntime:
     """A runtime that keeps this process's gradients (no collective): for unsharded states only."""
     plan = state.program.plan
     if plan.ways != 1:
