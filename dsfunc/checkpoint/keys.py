@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from dsfunc.checkpoint.coordination import mesh
 from dsfunc.distributed import comm
-from dsfunc.optim.base import ScheduleState
+from dsfunc.optim.transforms import ScheduleState
 from dsfunc.state import TrainState
 from dsfunc.zero.layout import chunk_range
 

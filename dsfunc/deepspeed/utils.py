@@ -23,7 +23,7 @@ from torch import nn
 
 from dsfunc.distributed import comm
 from dsfunc.errors import InputError, NotSupportedError, unsupported
-from dsfunc.optim.base import ScaleByAdamState
+from dsfunc.optim.transforms import ScaleByAdamState
 from dsfunc.zero.gather import Workspace, owner
 from dsfunc.zero.layout import ParamSlot, Unit
 

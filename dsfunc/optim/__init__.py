@@ -2,7 +2,7 @@
 pattern), and the updates a step applies (:mod:`~dsfunc.optim.update`, :mod:`~dsfunc.optim.fused`).
 
 Modules: :mod:`~dsfunc.optim.base` (``Transform``, ``chain``, ``named_chain``, ``multi_transform``),
-``transforms`` (the small factories), ``aliases`` (``adam``, ``adamw``, ``sgd``, ``lamb``, ``adagrad``),
+``transforms`` (the small factories, each beside its state), ``aliases`` (``adam``, ``adamw``, ``sgd``, ``lamb``, ``adagrad``),
 ``groups`` (``ParamGroups``: options per group of parameters), ``from_config`` (the one place a
 DeepSpeed config becomes an update), ``update`` and ``fused`` (applying an update to a state).
 """
@@ -10,15 +10,9 @@ DeepSpeed config becomes an update), ``update`` and ``fused`` (applying an updat
 from dsfunc.optim.aliases import adagrad, adam, adamw, lamb, sgd
 from dsfunc.optim.base import (
     EmptyState,
-    ScaleByAdamState,
-    ScaleByRssState,
-    ScaleByScheduleState,
-    ScheduleState,
-    TraceState,
     Transform,
     apply_updates,
     chain,
-    current_lr,
     identity,
     multi_transform,
     named_chain,
@@ -34,8 +28,14 @@ from dsfunc.optim.from_config import (
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.groups import ParamGroups
 from dsfunc.optim.transforms import (
+    ScaleByAdamState,
+    ScaleByRssState,
+    ScaleByScheduleState,
+    ScheduleState,
+    TraceState,
     add_decayed_weights,
     clip_by_global_norm,
+    current_lr,
     global_norm,
     scale_by_adam,
     scale_by_factor,

@@ -37,41 +37,6 @@ class EmptyState(NamedTuple):
     """The state of a stateless transform."""
 
 
-class ScheduleState(NamedTuple):
-    """State of :func:`scale_by_learning_rate`: applied steps so far, and the lr the last step used (before the
-    first step: the lr the first step will use, i.e. what DeepSpeed's scheduler writes at construction)."""
-
-    count: Tensor  # int64 0-d
-    lr: Tensor  # float32 0-d
-
-
-class ScaleByScheduleState(NamedTuple):
-    """State of :func:`scale_by_schedule`: applied steps so far."""
-
-    count: Tensor  # int64 0-d
-
-
-class ScaleByAdamState(NamedTuple):
-    """State of :func:`scale_by_adam`: applied steps so far and the first and second moments."""
-
-    count: Tensor  # int64 0-d
-    mu: Updates
-    nu: Updates
-
-
-class TraceState(NamedTuple):
-    """State of :func:`trace`: applied steps so far and the momentum buffer."""
-
-    count: Tensor  # int64 0-d
-    buf: Updates
-
-
-class ScaleByRssState(NamedTuple):
-    """State of :func:`scale_by_rss`: the running sum of squared gradients."""
-
-    sum_of_squares: Updates
-
-
 def _map(fn: Callable[..., Tensor], tree: Any, *rest: Any) -> Any:
     return optree.tree_map(fn, tree, *rest)
 
@@ -213,13 +178,3 @@ def multi_transform(transforms: Mapping[str, Transform], labels: Mapping[str, st
 def apply_updates(params: Params, updates: Updates) -> Params:
     """``p + u`` leaf by leaf, cast back to each parameter's dtype."""
     return _map(lambda p, u: (p + u).to(p.dtype), params, updates)
-
-
-def current_lr(opt_state: OptState) -> Tensor | None:
-    """The lr the last step used (float32 0-d), from the first :class:`ScheduleState` in ``opt_state``; None when
-    there is none."""
-    found = optree.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, ScheduleState), none_is_leaf=False)
-    for node in found:
-        if isinstance(node, ScheduleState):
-            return node.lr
-    return None

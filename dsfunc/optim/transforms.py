@@ -7,7 +7,7 @@ evaluates a schedule at ``count - 1`` (see :mod:`dsfunc.schedules` for why).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
@@ -15,13 +15,9 @@ from torch import Tensor
 
 from dsfunc.kernels.adam import bias_corrections
 from dsfunc.optim.base import (
+    OptState,
     Params,
     ScalarOrSchedule,
-    ScaleByAdamState,
-    ScaleByRssState,
-    ScaleByScheduleState,
-    ScheduleState,
-    TraceState,
     Transform,
     Updates,
     _check,
@@ -91,6 +87,14 @@ def add_decayed_weights(weight_decay: float) -> Transform:
         return _map(lambda u, p: u.add(p, alpha=weight_decay), updates, params)
 
     return stateless(fn)
+
+
+class ScaleByAdamState(NamedTuple):
+    """State of :func:`scale_by_adam`: applied steps so far and the first and second moments."""
+
+    count: Tensor  # int64 0-d
+    mu: Updates
+    nu: Updates
 
 
 def scale_by_adam(b1: ScalarOrSchedule = 0.9, b2: float = 0.999, eps: float = 1e-8,
@@ -163,6 +167,13 @@ def scale_by_trust_ratio(min_coeff: float = 0.01, max_coeff: float = 10.0) -> Tr
     return stateless(fn)
 
 
+class TraceState(NamedTuple):
+    """State of :func:`trace`: applied steps so far and the momentum buffer."""
+
+    count: Tensor  # int64 0-d
+    buf: Updates
+
+
 def trace(momentum: float, dampening: float = 0.0, nesterov: bool = False) -> Transform:
     """torch.optim.SGD's momentum: ``buf = g`` on the first step, then ``buf = buf * momentum + (1 - dampening)
     * g``; the update is ``buf`` or, with nesterov, ``g + momentum * buf``."""
@@ -184,6 +195,12 @@ def trace(momentum: float, dampening: float = 0.0, nesterov: bool = False) -> Tr
     return Transform(init, update)
 
 
+class ScaleByRssState(NamedTuple):
+    """State of :func:`scale_by_rss`: the running sum of squared gradients."""
+
+    sum_of_squares: Updates
+
+
 def scale_by_rss(initial_accumulator_value: float = 0.0, eps: float = 1e-10) -> Transform:
     """Adagrad's direction: ``s = s.addcmul(g, g)``, ``u = g / (s.sqrt() + eps)``."""
     _check(initial_accumulator_value >= 0,
@@ -202,6 +219,12 @@ def scale_by_rss(initial_accumulator_value: float = 0.0, eps: float = 1e-10) -> 
     return Transform(init, update)
 
 
+class ScaleByScheduleState(NamedTuple):
+    """State of :func:`scale_by_schedule`: applied steps so far."""
+
+    count: Tensor  # int64 0-d
+
+
 def scale_by_schedule(schedule: Schedule) -> Transform:
     """Multiply updates by ``schedule(count - 1)`` (the same t convention as :func:`scale_by_learning_rate`)."""
 
@@ -214,6 +237,14 @@ def scale_by_schedule(schedule: Schedule) -> Transform:
         return _map(lambda u: u * factor, updates), ScaleByScheduleState(state.count + 1)
 
     return Transform(init, update)
+
+
+class ScheduleState(NamedTuple):
+    """State of :func:`scale_by_learning_rate`: applied steps so far, and the lr the last step used (before the
+    first step: the lr the first step will use, i.e. what DeepSpeed's scheduler writes at construction)."""
+
+    count: Tensor  # int64 0-d
+    lr: Tensor  # float32 0-d
 
 
 def scale_by_learning_rate(lr: ScalarOrSchedule) -> Transform:
@@ -235,3 +266,11 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> Transform:
     return Transform(init, update)
 
 
+def current_lr(opt_state: OptState) -> Tensor | None:
+    """The lr the last step used (float32 0-d), from the first :class:`ScheduleState` in ``opt_state``; None when
+    there is none."""
+    found = optree.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, ScheduleState), none_is_leaf=False)
+    for node in found:
+        if isinstance(node, ScheduleState):
+            return node.lr
+    return None

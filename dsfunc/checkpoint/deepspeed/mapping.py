@@ -39,8 +39,8 @@ from dsfunc.checkpoint.deepspeed.shards import EXP_AVG, EXP_AVG_SQ, MASTER, Requ
 from dsfunc.checkpoint.errors import CheckpointMismatchError
 from dsfunc.checkpoint.keys import entries
 from dsfunc.checkpoint.metadata import precision
-from dsfunc.optim.base import ScaleByAdamState, ScheduleState
 from dsfunc.optim.from_config import lr_schedule
+from dsfunc.optim.transforms import ScaleByAdamState, ScheduleState
 from dsfunc.state import TrainState
 
 
