@@ -45,6 +45,18 @@ def available_cores(core_list: str | None) -> list[int]:
     return parse_core_list(core_list) if core_list else sorted(os.sched_getaffinity(0))
 
 
+def check_cores_here(core_list: str | None) -> None:
+    """Refuse a ``core_list`` naming cores this machine does not let this process use (binding a rank to
+    them would fail inside it)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    missing = sorted(set(available_cores(core_list)) - set(allowed))
+    if missing:
+        raise InputError(
+            f"--bind_core_list {core_list!r}: core(s) {_ranges(missing)} are not available here (this node's "
+            f"ranks may run on {_ranges(allowed)}); list only those"
+        )
+
+
 def rank_cores(core_list: str | None, local_rank: int, local_size: int) -> list[int]:
     """The consecutive block of cores that local rank ``local_rank`` of ``local_size`` is bound to."""
     cores = available_cores(core_list)

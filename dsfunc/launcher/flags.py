@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import re
 
 DEFAULT_HOSTFILE = "/job/hostfile"
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
 
 _DESCRIPTION = """\
 Launch a (multi-node) training job the way the `deepspeed` command does:
@@ -32,6 +35,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def _port(text: str) -> int:
+    """A TCP port, 1-65535 (checked here: torch's rendezvous would fail with a traceback)."""
+    port = _int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port; give one in 1-65535")
+    return port
+
+
+def _all_or_count(text: str) -> int:
+    """DeepSpeed's counts: -1 for all, else at least 1 (0 would start nothing)."""
+    count = _int(text)
+    if count != -1 and count < 1:
+        raise argparse.ArgumentTypeError(f"{count} starts nothing; give a count >= 1, or -1 (the default) for all")
+    return count
+
+
+def _address(text: str) -> str:
+    """A host name or an IP address for the rendezvous (empty: dsfunc chooses)."""
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        if text and not _HOSTNAME.match(text):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is neither a host name nor an IP address (e.g. 10.0.0.1 or worker-0)"
+            ) from None
+    return text
+
+
 def _add_resource_flags(p: argparse.ArgumentParser) -> None:
     """Where the ranks run: the hostfile and the filters on its hosts and slots."""
     p.add_argument(
@@ -49,11 +87,11 @@ def _add_resource_flags(p: argparse.ArgumentParser) -> None:
         "or 'localhost:1'",
     )
     p.add_argument("-e", "--exclude", default="", help="hosts/slots to leave out (same grammar as --include)")
-    p.add_argument("--num_nodes", type=int, default=-1, help="use the first N hosts of the hostfile")
+    p.add_argument("--num_nodes", type=_all_or_count, default=-1, help="use the first N hosts of the hostfile")
     p.add_argument(
         "--num_gpus",
         "--num_accelerators",
-        type=int,
+        type=_all_or_count,
         default=-1,
         help="use slots [0, N) of each node; without GPUs, run N CPU processes (gloo)",
     )
@@ -63,11 +101,12 @@ def _add_runner_flags(p: argparse.ArgumentParser) -> None:
     """How the nodes are reached and meet: rendezvous address, runner, ssh."""
     p.add_argument(
         "--master_addr",
+        type=_address,
         default="",
         help="rendezvous address (default: 127.0.0.1 on one node, else the first node's "
         "`hostname -I` address)",
     )
-    p.add_argument("--master_port", type=int, default=29500, help="rendezvous port (default 29500)")
+    p.add_argument("--master_port", type=_port, default=29500, help="rendezvous port (default 29500)")
     p.add_argument(
         "--launcher",
         type=str.lower,
@@ -83,7 +122,7 @@ def _add_runner_flags(p: argparse.ArgumentParser) -> None:
         help="extra arguments for ssh/pdsh/mpirun/srun, one quoted string; write "
         "--launcher_args='--opt' when it starts with a dash (e.g. '--launcher_args=-F cfg')",
     )
-    p.add_argument("--ssh_port", type=int, default=None, help="ssh port of the nodes")
+    p.add_argument("--ssh_port", type=_port, default=None, help="ssh port of the nodes")
     p.add_argument(
         "--no_ssh_check", action="store_true", help="do not check that every node answers ssh first"
     )

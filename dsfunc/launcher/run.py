@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dsfunc.errors import InputError
 from dsfunc.launcher import commands
 from dsfunc.launcher.commands import Launch, LauncherError
-from dsfunc.launcher.cores import parse_core_list, rank_cores
+from dsfunc.launcher.cores import check_cores_here, parse_core_list, rank_cores
 from dsfunc.launcher.environment import exported_env
 from dsfunc.launcher.node import run_node
 from dsfunc.launcher.resources import Resources, gpu_count, resolve
@@ -57,6 +57,7 @@ def _check_flags(args: argparse.Namespace, runner: str, resources: Resources) ->
     if args.bind_cores_to_rank:
         try:  # the cores of this machine are the job's only when it runs here; each node checks its own
             if runner == "local":
+                check_cores_here(args.bind_core_list)
                 rank_cores(args.bind_core_list, 0, max(len(s) for s in resources.values()))
             elif args.bind_core_list is not None:
                 parse_core_list(args.bind_core_list)

@@ -22,7 +22,7 @@ import time
 import traceback
 
 from dsfunc.distributed.env import rank_env_from_launcher
-from dsfunc.launcher.cores import rank_cores
+from dsfunc.launcher.cores import check_cores_here, rank_cores
 from dsfunc.launcher.exits import exit_code, report_exit, report_start
 
 
@@ -135,6 +135,7 @@ def main(args: list[str] | None = None) -> None:
     os.environ.update(rank_env_from_launcher(dict(os.environ)))
     report_start(os.environ["RANK"])  # [Note: which rank failed first] (dsfunc.launcher.exits)
     if rank.bind_cores:
+        check_cores_here(rank.core_list)
         os.sched_setaffinity(0, rank_cores(rank.core_list, int(os.environ["LOCAL_RANK"]),
                                            int(os.environ["LOCAL_WORLD_SIZE"])))
     if os.environ.get("DSFUNC_RANK_LOG_DIR"):
