@@ -47,6 +47,7 @@ from dsfunc.config.activation_checkpointing import (
     ActivationCheckpointingConfig,
     parse_activation_checkpointing,
 )
+from dsfunc.config.announce import announce_without_effect
 from dsfunc.config.compile import CompileConfig, parse_compile
 from dsfunc.config.config import Config
 from dsfunc.config.errors import ConfigError
@@ -69,6 +70,7 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "ZeroConfig",
+    "announce_without_effect",
     "parse_activation_checkpointing",
     "parse_compile",
     "parse_optimizer",

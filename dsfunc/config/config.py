@@ -21,7 +21,7 @@ from dsfunc.config.scheduler import SchedulerConfig, _scheduler
 from dsfunc.config.schema import _key, _parse, _Schema, _section, _Spec, _specs_of
 from dsfunc.config.sources import _read_source
 from dsfunc.config.unsupported import _UNSUPPORTED_TOP
-from dsfunc.config.zero import ZeroConfig, _zero
+from dsfunc.config.zero import ZeroConfig, _zero, without_effect
 from dsfunc.frozen import FrozenDict, freeze, thaw
 
 
@@ -103,6 +103,12 @@ class Config:
             world_size,
         )
         return cls(*triple, world_size=world_size, raw=raw, **values)
+
+    def without_effect(self) -> list[str]:
+        """Lines naming the keys this config sets that dsfunc accepts but that change nothing in it (said once
+        at start-up by :func:`~dsfunc.config.announce_without_effect`): read from ``raw``, the keys as given."""
+        line = without_effect(self.raw.get("zero_optimization"))
+        return [] if line is None else [line]
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +110,50 @@ _ZERO_FIXED: dict[str, Rule] = {
 
 
 _ZERO_SECTION = _section(ZeroConfig, _ZERO_FIXED, _ZERO_ALIASES)
+
+# DeepSpeed keys dsfunc parses (a bad value is an error) but that tune machinery it does not have. They are
+# not errors, since configs copied from tutorials set them to their defaults; a config that sets any of
+# them is told so once at start-up (:func:`dsfunc.config.announce_without_effect`), with these reasons.
+WITHOUT_EFFECT = {
+    "allgather_bucket_size": (
+        "each unit's updated shards are all-gathered whole, one collective per unit: no buckets"
+    ),
+    "contiguous_gradients": "a unit's gradient always arrives as one flat contiguous buffer",
+    "reduce_scatter": (
+        "gradients are always reduce-scattered at stages 1-3 and all-reduced at stage 0; DeepSpeed's false "
+        "(all-reduce, then keep this rank's part) gives the same numbers"
+    ),
+    "allgather_partitions": (
+        "DeepSpeed 0.19.8 does not read it either; updated shards are always all-gathered"
+    ),
+    "stage3_max_reuse_distance": (
+        "a stage-3 unit is freed after its forward and gathered again for its backward, prefetched one unit "
+        "ahead within stage3_max_live_parameters"
+    ),
+    "ignore_unused_parameters": (
+        "a parameter no loss reached gets a zero gradient, never an error; DeepSpeed 0.19.8 reads it only at "
+        "stages 1-2 with the optimizer offloaded, where false stops the run at such a parameter"
+    ),
+    "sub_group_size": (
+        "masters and optimizer state are one flat shard per unit: there are no sub-groups to size"
+    ),
+    "round_robin_gradients": (
+        "every rank holds 1/world of every unit, so the gradient copies to the host are already spread evenly"
+    ),
+}
+
+
+def without_effect(section: Any) -> str | None:
+    """The start-up line naming the keys of a raw ``zero_optimization`` section (as spelled there) that have
+    no effect in dsfunc, with why; None when it sets none of them."""
+    if not isinstance(section, Mapping):
+        return None
+    given = [key for key in section if _ZERO_ALIASES.get(key, key) in WITHOUT_EFFECT]
+    if not given:
+        return None
+    reasons = "; ".join(f"{key}: {WITHOUT_EFFECT[_ZERO_ALIASES.get(key, key)]}" for key in given)
+    verb = "has" if len(given) == 1 else "have"
+    return f"zero_optimization: {', '.join(given)} {verb} no effect in dsfunc ({reasons})."
 
 
 def _zero(value: Any, path: str) -> ZeroConfig:
