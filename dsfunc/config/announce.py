@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 
+import torch.distributed as dist
+
 from dsfunc.config.config import Config
 
 logger = logging.getLogger("dsfunc")
@@ -17,8 +19,6 @@ _SAID: set[str] = set()  # lines this process has logged already
 def announce_without_effect(cfg: Config) -> None:
     """Log each of ``cfg``'s :meth:`~Config.without_effect` lines on the "dsfunc" logger, on rank 0, once per
     process (a second ``init_state`` with the same config says nothing)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return
     for line in cfg.without_effect():
