@@ -1,4 +1,4 @@
-"""Every field of every config dataclass has a docstring under it: what it means in dsfunc, and how it differs."""
+"""Every field of every config dataclass has a docstring under it: its meaning in dsfunc, and how it differs."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _is_dataclass(node: ast.ClassDef) -> bool:
 
 
 def undocumented_fields(source: str) -> list[str]:
-    """``Class.field`` for each annotated field of a dataclass in ``source`` with no string literal after it."""
+    """``Class.field`` for each annotated field of a dataclass in ``source`` with no string under it."""
     missing = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.ClassDef) or not _is_dataclass(node):
@@ -61,6 +61,6 @@ def test_every_config_field_has_a_docstring():
         if (found := undocumented_fields((CONFIG_DIR / f"{name}.py").read_text(encoding="utf-8")))
     }
     assert not missing, (
-        f"config dataclass fields without a docstring under them: {missing}. Add a string literal on the line "
-        f"right under each field saying what it means in dsfunc, its unit and where it differs from DeepSpeed."
+        f"config dataclass fields without a docstring under them: {missing}. Add a string literal on the "
+        f"line right under each field: what it means in dsfunc, its unit, where it differs from DeepSpeed."
     )

@@ -10,6 +10,7 @@ import dsfunc
 from dsfunc.config import announce, zero
 from tests.config.helpers import error, load
 from tests.models import MLP, config
+from tests.multiprocess import run_world
 
 TUTORIAL_ZERO = {
     "stage": 2,
@@ -44,7 +45,7 @@ def test_each_key_at_any_value_is_named(key):
 
 def test_the_short_spelling_is_named_as_given():
     [line] = load({"zero_optimization": {"stage": 3, "max_reuse_distance": 1e9}}).without_effect()
-    assert line.startswith("zero_optimization: max_reuse_distance has no effect in dsfunc (max_reuse_distance")
+    assert line.startswith("zero_optimization: max_reuse_distance has no effect in dsfunc (max_reuse_")
 
 
 @pytest.mark.parametrize(
@@ -86,3 +87,22 @@ def test_init_state_with_an_untouched_config_logs_nothing(caplog, monkeypatch):
     with caplog.at_level(logging.DEBUG, logger="dsfunc"):
         dsfunc.init_state(MLP(), config(stage=1))
     assert not [r for r in caplog.records if "no effect" in r.getMessage()]
+
+
+def _lines_said(rank: int, world_size: int) -> list[str]:
+    """init_state on a real two-rank group, with a handler of this process's own on the dsfunc logger."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("dsfunc").addHandler(handler)
+    cfg = config(micro=2, world=world_size, stage=2)
+    cfg["zero_optimization"] = {"stage": 2, "round_robin_gradients": False}
+    dsfunc.init_state(MLP(), cfg)
+    return [r.getMessage() for r in records if "no effect in dsfunc" in r.getMessage()]
+
+
+def test_only_rank_0_says_it():
+    rank0, rank1 = run_world(_lines_said, 2)
+    key = "round_robin_gradients"
+    assert rank0 == [f"zero_optimization: {key} has no effect in dsfunc ({key}: {zero.WITHOUT_EFFECT[key]})."]
+    assert rank1 == []
