@@ -1,4 +1,4 @@
-"""Every field of every config dataclass has a docstring under it: its meaning in dsfunc, and how it differs."""
+"""Every field of every config dataclass has a docstring under it: its meaning in dsfunc, how it differs."""
 
 from __future__ import annotations
 
