@@ -25,6 +25,7 @@ from dsfunc.config import (
     ActivationCheckpointingConfig,
     CompileConfig,
     Config,
+    announce_without_effect,
     parse_activation_checkpointing,
     parse_compile,
 )
@@ -109,6 +110,7 @@ def init_state(
       ``model`` itself is only read: the state trains a skeleton copy of it.
     """
     cfg = Config.load(config, world_size=comm.world_size())
+    announce_without_effect(cfg)
     device = torch.device(device) if device is not None else _default_device()
     zero = cfg.zero_optimization
     plan, groups = _plan(model, zero.stage, unit_modules, param_groups)

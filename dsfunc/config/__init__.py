@@ -10,7 +10,8 @@ spellings. Every problem raises ``ConfigError`` naming the key path.
 One module per concept: ``schema`` (the table language), ``checks`` (value checks and rules), ``errors``
 (``ConfigError`` and its wording), one module per section (``optimizer``, ``scheduler``, ``precision``,
 ``zero``, ``monitor``, ``unsupported``), ``batch`` (the batch triple), ``sources`` (dict, file, base64,
-argparse) and ``config`` (``Config`` itself).
+argparse), ``config`` (``Config`` itself) and ``announce`` (the start-up line about keys without effect).
+Each field's docstring says what the key means in dsfunc and where it differs from DeepSpeed.
 
 Where dsfunc deliberately differs from DeepSpeed:
 
@@ -41,12 +42,19 @@ Where dsfunc deliberately differs from DeepSpeed:
   instead of stopping the run.
 * ``zero_allow_untested_optimizer`` is parsed and recorded; dsfunc.config does not apply DeepSpeed's
   untested-optimizer check.
+* Eight ``zero_optimization`` keys tune machinery dsfunc's ZeRO does not have (each unit is gathered and
+  reduced whole, as one flat buffer): ``allgather_bucket_size``, ``contiguous_gradients``, ``reduce_scatter``,
+  ``allgather_partitions``, ``stage3_max_reuse_distance``, ``ignore_unused_parameters``, ``sub_group_size``,
+  ``round_robin_gradients``. Any valid value is accepted (tutorial configs set them at their defaults; a
+  wrong type is an error), and ``Config.without_effect()`` names those a config sets, with why;
+  ``init_state`` logs that line once per process on rank 0 (``announce_without_effect``, "dsfunc" logger).
 """
 
 from dsfunc.config.activation_checkpointing import (
     ActivationCheckpointingConfig,
     parse_activation_checkpointing,
 )
+from dsfunc.config.announce import announce_without_effect
 from dsfunc.config.compile import CompileConfig, parse_compile
 from dsfunc.config.config import Config
 from dsfunc.config.errors import ConfigError
@@ -69,6 +77,7 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "ZeroConfig",
+    "announce_without_effect",
     "parse_activation_checkpointing",
     "parse_compile",
     "parse_optimizer",

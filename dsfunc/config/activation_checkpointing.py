@@ -26,11 +26,30 @@ class ActivationCheckpointingConfig:
     """``activation_checkpointing``: which units recompute their forward in backward, and how."""
 
     policy: str = _key("none", _choice(*POLICIES))
+    """Which unit forwards recompute in backward: "none", "units" (the whole forward) or "selective" (matmul
+    and attention outputs kept, the rest recomputed). A dsfunc key: DeepSpeed only checkpoints what model code
+    wraps in deepspeed.checkpointing.checkpoint.
+    """
     every: int = _key(1, _integer(ge=1))
+    """With a policy on, every every-th unit module is checkpointed (indices 0, every, 2*every, ... in model
+    order). A dsfunc key.
+    """
     cpu_checkpointing: bool = _key(False, _bool)
+    """Keep what checkpointed forwards save in host memory (torch.autograd.graph.save_on_cpu, pinned where
+    CUDA is available), as DeepSpeed's key does.
+    """
     synchronize_checkpoint_boundary: bool = _key(False, _bool)
+    """Synchronise the CUDA device before and after each checkpointed forward (nothing without CUDA), as in
+    DeepSpeed.
+    """
     profile: bool = _key(False, _bool)
-    number_checkpoints: int | None = _key(None, _optional(_integer(ge=1)))  # sizes DeepSpeed's contiguous buffer
+    """Log each checkpointed forward's time in ms on the "dsfunc" logger at INFO (synchronising the device
+    around it, as synchronize_checkpoint_boundary).
+    """
+    number_checkpoints: int | None = _key(None, _optional(_integer(ge=1)))
+    """Parsed and kept, not read: in DeepSpeed it sizes the contiguous buffer of partitioned activations,
+    which dsfunc refuses.
+    """
 
     def checkpoints(self, index: int) -> bool:
         """Whether the ``index``-th unit module (0-based, in model order) is checkpointed."""

@@ -30,9 +30,17 @@ class CompileConfig:
     """``compile``: whether, and how, each unit's forward is compiled."""
 
     enabled: bool = _key(False, _bool)
+    """Compile each unit module's forward with torch.compile (regional compilation); the stage-3 gathers stay
+    outside the compiled code.
+    """
     backend: str = _key("inductor", _string)
+    """The torch.compile backend."""
     kwargs: Mapping[str, Any] = _key(freeze({}), _kwargs)
-    cuda_graph: bool = _key(False, _bool)  # dsfunc key: replay the whole step as a CUDA graph (dsfunc.graphs)
+    """Further torch.compile keyword arguments (e.g. {"mode": "max-autotune"}), frozen."""
+    cuda_graph: bool = _key(False, _bool)
+    """A dsfunc key: capture the whole step once as a CUDA graph and replay it (dsfunc.graphs); a step that
+    cannot be captured runs eagerly and the log says why.
+    """
 
 
 _DEEPCOMPILE = "DeepSpeed's compiler (DeepCompile) options"

@@ -21,7 +21,7 @@ from dsfunc.config.scheduler import SchedulerConfig, _scheduler
 from dsfunc.config.schema import _key, _parse, _Schema, _section, _Spec, _specs_of
 from dsfunc.config.sources import _read_source
 from dsfunc.config.unsupported import _UNSUPPORTED_TOP
-from dsfunc.config.zero import ZeroConfig, _zero
+from dsfunc.config.zero import ZeroConfig, _zero, without_effect
 from dsfunc.frozen import FrozenDict, freeze, thaw
 
 
@@ -30,28 +30,70 @@ class Config:
     """A resolved, validated DeepSpeed config. Build it with ``Config.load``."""
 
     train_batch_size: int
+    """Samples per optimizer step over all data-parallel ranks: micro batch * accumulation steps * world_size
+    (resolved from the keys given, as DeepSpeed does).
+    """
     train_micro_batch_size_per_gpu: int
+    """Samples per rank in one forward and backward."""
     gradient_accumulation_steps: int
-    world_size: int  # the data-parallel size the batch triple was resolved against
+    """Micro-batches per rank in one optimizer step."""
+    world_size: int
+    """Not a key: the data-parallel size the batch triple was resolved against."""
     optimizer: OptimizerConfig | None
+    """The optimizer section; None when the config has none (init_state then needs optimizer=)."""
     scheduler: SchedulerConfig | None
+    """The lr schedule section; None: each group keeps its optimizer lr."""
     fp16: FP16Config
+    """fp16 mixed precision and loss scaling."""
     bf16: BF16Config
+    """bf16 mixed precision (the key bfloat16 is read as bf16)."""
     zero_optimization: ZeroConfig
-    gradient_clipping: float = _key(1.0, _NON_NEGATIVE)  # DeepSpeed >= 0.19.3; 0 disables
-    steps_per_print: int | None = _key(10, _optional(_STEPS))  # DeepSpeed's default; null: no progress lines
+    """The ZeRO stage and its knobs (the legacy true/false reads as stage 1/0)."""
+    gradient_clipping: float = _key(1.0, _NON_NEGATIVE)
+    """Clip the global L2 norm of the (unscaled) gradients to this; 0 turns clipping off. The default 1.0 is
+    DeepSpeed's since 0.19.3.
+    """
+    steps_per_print: int | None = _key(10, _optional(_STEPS))
+    """Optimizer steps between progress lines on rank 0 (DeepSpeed's default 10); null: none."""
     wall_clock_breakdown: bool = _key(False, _bool)
+    """Add a time (ms) line of forward, backward and step to the progress lines, and those times as monitor
+    events (the engine synchronises the device to time them).
+    """
     communication_data_type: str | None = _key(None, _DTYPE_NAME)
+    """The dtype gradients are reduced in ("fp32", "fp16", "bf16"). Unset means fp32 in dsfunc, where
+    DeepSpeed then uses the compute dtype (fp16 or bf16).
+    """
     prescale_gradients: bool = _key(False, _bool)
+    """Parsed and kept, not read: DeepSpeed's true divides gradients by the world size before the reduction
+    instead of after; dsfunc's collectives sum, and the 1/world of the mean is in the backward seed.
+    """
     gradient_predivide_factor: float = _key(1.0, _number(gt=0.0))
+    """Parsed and kept, not read: DeepSpeed divides gradients by it before the reduction and by world / it
+    after; dsfunc's 1/world is in the backward seed.
+    """
     dataloader_drop_last: bool = _key(False, _bool)
+    """Whether the loader dsfunc.initialize(training_data=...) returns drops an incomplete last micro-batch of
+    each epoch (dsfunc.batches always drops it)."""
     zero_allow_untested_optimizer: bool = _key(False, _bool)
-    grad_accum_dtype: str | None = None  # from data_types.grad_accum_dtype
+    """Parsed and kept, not read: dsfunc runs any optimizer under ZeRO, so DeepSpeed's refusal of untested
+    ones has nothing to allow.
+    """
+    grad_accum_dtype: str | None = None
+    """Not a key itself: data_types.grad_accum_dtype, parsed and kept, not read (dsfunc sums micro-batch
+    gradients in fp32).
+    """
     tensorboard: MonitorConfig = MonitorConfig()  # noqa: RUF009 (a frozen dataclass, safe to share)
+    """TensorBoard events of the step's scalars (needs the tensorboard package)."""
     csv_monitor: MonitorConfig = MonitorConfig()  # noqa: RUF009
+    """The same scalars as CSV files, one per event, as DeepSpeed writes them."""
     compile: CompileConfig = CompileConfig()  # noqa: RUF009
+    """torch.compile of each unit's forward, and dsfunc's whole-step CUDA graph."""
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()  # noqa: RUF009
-    raw: Mapping[str, Any] = FrozenDict()  # the user's dict as given
+    """DeepSpeed's activation checkpointing keys, and dsfunc's per-unit policy."""
+    raw: Mapping[str, Any] = FrozenDict()
+    """Not a key: the user's dict as given, frozen (checkpoints record it; without_effect reads the keys given
+    from it).
+    """
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "raw", freeze(self.raw))
@@ -103,6 +145,12 @@ class Config:
             world_size,
         )
         return cls(*triple, world_size=world_size, raw=raw, **values)
+
+    def without_effect(self) -> list[str]:
+        """Lines naming the keys this config sets that dsfunc accepts but that change nothing in it (said once
+        at start-up by :func:`~dsfunc.config.announce_without_effect`): read from ``raw``, the keys as given."""
+        line = without_effect(self.raw.get("zero_optimization"))
+        return [] if line is None else [line]
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -33,7 +33,11 @@ class OffloadConfig:
     """An offload section that is on: where to (always ``"cpu"``) and whether host memory is pinned."""
 
     device: str = "cpu"
-    pin_memory: bool = True  # DeepSpeed's default since 0.19.5; pinned only where CUDA is available
+    """Always "cpu": an offload section that is off parses to None instead, and "nvme" is refused."""
+    pin_memory: bool = True
+    """Page-lock the host buffers (asynchronous copies), only where CUDA is available and kept pageable if
+    page-locking fails; true is DeepSpeed's default since 0.19.5.
+    """
 
 
 def _offload_section(what: str, keys: Mapping[str, Any], defaults: Mapping[str, Any]):

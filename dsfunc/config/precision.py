@@ -14,14 +14,31 @@ class FP16Config:
     """``fp16``: fp16 mixed precision and (dynamic) loss scaling."""
 
     enabled: bool = _key(False, _bool)
-    loss_scale: float = _key(0.0, _NON_NEGATIVE)  # 0 = dynamic
-    initial_scale_power: int = _key(16, _integer(ge=0, le=127))  # fp32 holds 2**127
+    """Run forward and backward in float16, with fp32 master weights and loss scaling."""
+    loss_scale: float = _key(0.0, _NON_NEGATIVE)
+    """0: dynamic loss scaling (the default); > 0: this fixed scale."""
+    initial_scale_power: int = _key(16, _integer(ge=0, le=127))
+    """The dynamic scale starts at 2 ** initial_scale_power (at most 127: fp32 holds 2**127)."""
     loss_scale_window: int = _key(1000, _integer(ge=1))
+    """Optimizer steps without an overflow after which the dynamic scale doubles."""
     hysteresis: int = _key(2, _integer(ge=1))
+    """Overflowing steps tolerated before the dynamic scale halves (DeepSpeed's delayed shift); applied at
+    every ZeRO stage, where DeepSpeed's non-ZeRO fp16 path ignores it.
+    """
     consecutive_hysteresis: bool = _key(False, _bool)
+    """Refill the hysteresis on every step without an overflow (so only consecutive overflows count); false
+    refills it only when the scale grows.
+    """
     min_loss_scale: float = _key(1.0, _number(gt=0.0))
+    """The dynamic scale never goes below this."""
     auto_cast: bool = _key(False, _bool)
-    raise_error_at_min_scale: bool = _key(True, _bool)  # dsfunc key
+    """Parsed and kept, not read: dsfunc always casts the floating-point inputs of the forwards a step runs to
+    the compute dtype, where DeepSpeed casts them to fp16 only when this is true.
+    """
+    raise_error_at_min_scale: bool = _key(True, _bool)
+    """A dsfunc key (DeepSpeed's loss scaler takes it, its config does not): true stops the run with
+    LossScaleError when a step overflows at min_loss_scale; false keeps skipping such steps.
+    """
 
 
 @dataclass(frozen=True)
@@ -29,6 +46,7 @@ class BF16Config:
     """``bf16`` (old name ``bfloat16``): bf16 mixed precision with fp32 master weights."""
 
     enabled: bool = _key(False, _bool)
+    """Run forward and backward in bfloat16, with fp32 master weights and no loss scaling."""
 
 
 _NOT_FOR_BF16 = _reject(

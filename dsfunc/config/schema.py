@@ -53,7 +53,11 @@ class _TypedSection:
     """A section that names a class (``type``) and gives its ``params``, frozen."""
 
     type: str
+    """The canonical name (matched case-insensitively): lower-case for an optimizer, DeepSpeed's class name
+    for a scheduler.
+    """
     params: Mapping[str, Any]
+    """Every param of that type, validated, with DeepSpeed's default for each one not given; frozen."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "params", freeze(self.params))

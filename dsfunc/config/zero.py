@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,22 +38,80 @@ class ZeroConfig:
     """``zero_optimization``: the ZeRO stage and its tuning knobs (sizes are in elements)."""
 
     stage: int = _key(0, _integer(ge=0, le=3))
+    """The ZeRO stage, 0-3: 1 shards masters and optimizer state over the ranks, 2 gradients too, 3 the
+    compute copies too (dsfunc.zero says what each rank holds)."""
     reduce_bucket_size: int = _key(500_000_000, _SIZE)
+    """Elements per all-reduce of a stage-0 gradient (each unit's is reduced in chunks of this size). Stages
+    1-3 reduce-scatter each unit whole, one collective per unit, where DeepSpeed reduces in buckets of this
+    size.
+    """
     allgather_bucket_size: int = _key(500_000_000, _SIZE)
-    overlap_comm: bool = _key(None, _optional(_bool))  # None -> True for stage 3, else False
+    """No effect in dsfunc (said once at start-up if given; zero.WITHOUT_EFFECT): DeepSpeed all-gathers the
+    updated stage 1-2 partitions in buckets of this many elements; dsfunc all-gathers each unit whole.
+    """
+    overlap_comm: bool = _key(None, _optional(_bool))
+    """Unset (None) becomes true at stage 3, else false, as in DeepSpeed. dsfunc reads it only at stage 3,
+    where false turns off prefetching the next unit's gather; gradient reductions overlap backward at every
+    stage whatever its value.
+    """
     contiguous_gradients: bool = _key(True, _bool)
+    """No effect in dsfunc (said once at start-up if given; zero.WITHOUT_EFFECT): DeepSpeed copies gradients
+    into a contiguous buffer as they are made; in dsfunc a unit's gradient always is one flat buffer.
+    """
     reduce_scatter: bool = _key(True, _bool)
+    """No effect in dsfunc (said once at start-up if given; zero.WITHOUT_EFFECT): DeepSpeed's false
+    all-reduces and keeps this rank's part (the same numbers); dsfunc reduce-scatters at stages 1-3 and
+    all-reduces at stage 0.
+    """
     allgather_partitions: bool = _key(True, _bool)
+    """No effect in dsfunc (said once at start-up if given; zero.WITHOUT_EFFECT): DeepSpeed 0.19.8 does not
+    read it either (false once meant broadcasts instead of one all-gather).
+    """
     stage3_prefetch_bucket_size: int = _key(50_000_000, _SIZE)
+    """Elements. dsfunc reads only whether it is 0, which turns the stage-3 prefetch off; otherwise the next
+    unit is gathered ahead (within stage3_max_live_parameters), where DeepSpeed prefetches up to this many
+    elements.
+    """
     stage3_param_persistence_threshold: int = _key(100_000, _SIZE)
+    """Elements: a stage-3 unit smaller than this stays gathered between uses, like the root unit always does.
+    Compared per unit, where DeepSpeed compares each parameter.
+    """
     stage3_max_live_parameters: int = _key(1_000_000_000, _SIZE)
+    """Elements: a prefetch does not start when it would take the gathered stage-3 units past this; the gather
+    a forward or backward needs always runs.
+    """
     stage3_max_reuse_distance: int = _key(1_000_000_000, _SIZE)
+    """No effect in dsfunc (said once at start-up if given; zero.WITHOUT_EFFECT): DeepSpeed keeps a parameter
+    gathered when it is used again within this many elements; dsfunc frees a unit after each use and gathers
+    it again.
+    """
     stage3_gather_16bit_weights_on_model_save: bool = _key(False, _bool)
+    """At stage 3, whether the DeepSpeed engine's save_16bit_model gathers and saves the weights (false: it
+    saves nothing and returns False, as DeepSpeed).
+    """
     ignore_unused_parameters: bool = _key(True, _bool)
+    """No effect in dsfunc (said once at start-up if given; zero.WITHOUT_EFFECT): a parameter no loss reached
+    gets a zero gradient; DeepSpeed reads it only at stages 1-2 with the optimizer offloaded, where false
+    stops the run.
+    """
     sub_group_size: int = _key(1_000_000_000, _SIZE)
+    """No effect in dsfunc (said once at start-up if given; zero.WITHOUT_EFFECT): DeepSpeed steps the
+    optimizer in groups of this many elements; dsfunc holds masters and optimizer state as one flat shard per
+    unit.
+    """
     round_robin_gradients: bool = _key(False, _bool)
-    offload_optimizer: OffloadConfig | None = _key(None, offload_optimizer)  # noqa: RUF009 (None: off)
+    """No effect in dsfunc (said once at start-up if given; zero.WITHOUT_EFFECT): DeepSpeed reorders stage 1-2
+    gradients so the copies to the host spread over ranks; in dsfunc each rank holds 1/world of every unit
+    already.
+    """
+    offload_optimizer: OffloadConfig | None = _key(None, offload_optimizer)  # noqa: RUF009
+    """None: off. Else the fp32 masters and optimizer state live in host memory and the update runs on the CPU
+    (stages 1-3).
+    """
     offload_param: OffloadConfig | None = _key(None, offload_param)  # noqa: RUF009
+    """None: off. Else (stage 3, with offload_optimizer) the 16-bit parameter shards stay in host memory and
+    stream to the device for each gather.
+    """
 
     def __post_init__(self) -> None:
         if self.overlap_comm is None:
@@ -109,6 +168,50 @@ _ZERO_FIXED: dict[str, Rule] = {
 
 
 _ZERO_SECTION = _section(ZeroConfig, _ZERO_FIXED, _ZERO_ALIASES)
+
+# DeepSpeed keys dsfunc parses (a bad value is an error) but that tune machinery it does not have. They are
+# not errors, since configs copied from tutorials set them to their defaults; a config that sets any of
+# them is told so once at start-up (:func:`dsfunc.config.announce_without_effect`), with these reasons.
+WITHOUT_EFFECT = {
+    "allgather_bucket_size": (
+        "each unit's updated shards are all-gathered whole, one collective per unit: no buckets"
+    ),
+    "contiguous_gradients": "a unit's gradient always arrives as one flat contiguous buffer",
+    "reduce_scatter": (
+        "gradients are always reduce-scattered at stages 1-3 and all-reduced at stage 0; DeepSpeed's false "
+        "(all-reduce, then keep this rank's part) gives the same numbers"
+    ),
+    "allgather_partitions": (
+        "DeepSpeed 0.19.8 does not read it either; updated shards are always all-gathered"
+    ),
+    "stage3_max_reuse_distance": (
+        "a stage-3 unit is freed after its forward and gathered again for its backward, prefetched one unit "
+        "ahead within stage3_max_live_parameters"
+    ),
+    "ignore_unused_parameters": (
+        "a parameter no loss reached gets a zero gradient, never an error; DeepSpeed 0.19.8 reads it only at "
+        "stages 1-2 with the optimizer offloaded, where false stops the run at such a parameter"
+    ),
+    "sub_group_size": (
+        "masters and optimizer state are one flat shard per unit: there are no sub-groups to size"
+    ),
+    "round_robin_gradients": (
+        "every rank holds 1/world of every unit, so the gradient copies to the host are already spread evenly"
+    ),
+}
+
+
+def without_effect(section: Any) -> str | None:
+    """The start-up line naming the keys of a raw ``zero_optimization`` section (as spelled there) that have
+    no effect in dsfunc, with why; None when it sets none of them."""
+    if not isinstance(section, Mapping):
+        return None
+    given = [key for key in section if _ZERO_ALIASES.get(key, key) in WITHOUT_EFFECT]
+    if not given:
+        return None
+    reasons = "; ".join(f"{key}: {WITHOUT_EFFECT[_ZERO_ALIASES.get(key, key)]}" for key in given)
+    verb = "has" if len(given) == 1 else "have"
+    return f"zero_optimization: {', '.join(given)} {verb} no effect in dsfunc ({reasons})."
 
 
 def _zero(value: Any, path: str) -> ZeroConfig:
