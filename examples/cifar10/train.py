@@ -14,6 +14,7 @@ it, rank 0 says so (once) and it trains on scikit-learn's bundled 8x8 digits (no
 import argparse
 import os
 import pickle
+import sys
 
 import numpy as np
 import torch
@@ -111,8 +112,11 @@ def main():
     data = load_cifar10(args.data_dir)
     if data is None:
         if deepspeed.comm.get_rank() == 0:  # one notice per run, not one per rank
-            print(f"CIFAR-10 not found in {os.path.abspath(args.data_dir)} (expects cifar-10-batches-py/ in the "
-                  "python pickle format); training on scikit-learn's 8x8 digits instead", flush=True)
+            # one write, newline included: under the launcher's `python -u`, print writes the text and its
+            # newline separately, and another process's output could land between them
+            sys.stdout.write(f"CIFAR-10 not found in {os.path.abspath(args.data_dir)} (expects cifar-10-batches-py/ "
+                             "in the python pickle format); training on scikit-learn's 8x8 digits instead\n")
+            sys.stdout.flush()
         data = load_digits()
     trainset, testset, classes = data
 
