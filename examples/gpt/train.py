@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--eval_interval", type=int, default=100, help="validation loss and checkpoint every N steps")
     parser.add_argument("--out_dir", default="out-gpt", help="where the checkpoint and the sample go")
-    parser.add_argument("--resume", action="store_true", help="continue from OUT_DIR/ckpt")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT_DIR/ckpt until step --steps")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher; unused")
     args = parser.parse_args()
 
