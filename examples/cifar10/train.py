@@ -1,18 +1,20 @@
 """DeepSpeed's CIFAR-10 tutorial, run by dsfunc: only the import changed (and the data loading, see below; and
 ``.to(model_engine.device)`` where the tutorial writes ``.to(model_engine.local_rank)``, a CUDA index that
-the CPU does not take). As in the tutorial, the original ``net`` is evaluated: the engine trains it in place.
+the CPU does not take). As in the tutorial, the original ``net`` is evaluated: as in DeepSpeed, it is the
+engine's module, trained in place, so after training ``net`` holds the trained weights.
 
     dsfunc --num_gpus 2 examples/cifar10/train.py --deepspeed_config examples/cifar10/ds_config.json
 
 It reads CIFAR-10 from ``--data_dir`` in the standard python-pickle format (``cifar-10-batches-py/``
 with ``data_batch_1`` ... ``data_batch_5`` and ``test_batch``), so torchvision is not needed. Without
-it, it says so and trains on scikit-learn's bundled 8x8 digits (no download), upsampled to 32x32 RGB
-so the tutorial's network is unchanged.
+it, rank 0 says so (once) and it trains on scikit-learn's bundled 8x8 digits (no download), upsampled to
+32x32 RGB so the tutorial's network is unchanged.
 """
 
 import argparse
 import os
 import pickle
+import sys
 
 import numpy as np
 import torch
@@ -109,8 +111,12 @@ def main():
 
     data = load_cifar10(args.data_dir)
     if data is None:
-        print(f"CIFAR-10 not found in {os.path.abspath(args.data_dir)} (expects cifar-10-batches-py/ in the "
-              "python pickle format); training on scikit-learn's 8x8 digits instead", flush=True)
+        if deepspeed.comm.get_rank() == 0:  # one notice per run, not one per rank
+            # one write, newline included: under the launcher's `python -u`, print writes the text and its
+            # newline separately, and another process's output could land between them
+            sys.stdout.write(f"CIFAR-10 not found in {os.path.abspath(args.data_dir)} (expects cifar-10-batches-py/ "
+                             "in the python pickle format); training on scikit-learn's 8x8 digits instead\n")
+            sys.stdout.flush()
         data = load_digits()
     trainset, testset, classes = data
 

@@ -1,13 +1,18 @@
 """Train a small character-level GPT on the Python reference manual that ships with Python.
 
     python examples/gpt/train.py                       # embedded config, CPU or GPU, about a minute
-    python examples/gpt/train.py --resume              # continue from out-gpt/ckpt (e.g. with --steps 600)
+    python examples/gpt/train.py --resume --steps 600  # continue from out-gpt/ckpt until step 600
     dsfunc --num_gpus 2 examples/gpt/train.py          # the same on 2 ranks (ZeRO stage from the config)
     python examples/gpt/train.py --deepspeed_config my_config.json --steps 500
 
 No download: the text is `pydoc_data.topics`, part of the standard library; its last 10% is held out for
 the validation loss. Every --eval_interval steps and at the end it prints the validation loss and saves a
 checkpoint to OUT_DIR/ckpt; at the end it writes a generated sample to OUT_DIR/sample.txt.
+
+--steps is the run's total number of optimizer steps (nanoGPT's max_iters), with or without --resume, and
+the LR schedule's total_num_steps follows it. --resume continues from the checkpoint's step until step
+--steps: with the same --steps, a run that stopped part-way ends exactly as one that did not; a larger
+--steps extends the run, its LR then following the longer schedule from the saved step on.
 """
 
 from __future__ import annotations
@@ -81,11 +86,12 @@ def generate(model: GPT, chars: list[str], prompt: str, length: int, temperature
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--deepspeed_config", help="DeepSpeed JSON config (default: the one embedded here)")
-    parser.add_argument("--steps", type=int, default=300, help="train until this optimizer step")
+    parser.add_argument("--steps", type=int, default=300,
+                        help="train until this optimizer step (the total, also when resuming; the schedule's length)")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--eval_interval", type=int, default=100, help="validation loss and checkpoint every N steps")
     parser.add_argument("--out_dir", default="out-gpt", help="where the checkpoint and the sample go")
-    parser.add_argument("--resume", action="store_true", help="continue from OUT_DIR/ckpt")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT_DIR/ckpt until step --steps")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher; unused")
     args = parser.parse_args()
 
@@ -97,19 +103,27 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=len(chars), seq_len=args.seq, n_layer=2, n_head=4, d_model=64))
     model.apply(init_weights)
-    state = dsfunc.init_state(model, args.deepspeed_config or CONFIG)
+    config = dsfunc.Config.load(args.deepspeed_config or CONFIG).to_dict()
+    schedule = (config["scheduler"] or {}).get("params", {})
+    if "total_num_steps" in schedule:  # WarmupDecayLR, WarmupCosineLR: the schedule spans the whole run
+        schedule["total_num_steps"] = args.steps
+    state = dsfunc.init_state(model, config)
     model.to(state.program.device)
     cfg, rank, ckpt = state.program.config, dsfunc.get_rank(), Path(args.out_dir) / "ckpt"
     per_rank = cfg.train_micro_batch_size_per_gpu * cfg.gradient_accumulation_steps
     if args.resume:
-        state, _ = dsfunc.load_checkpoint(ckpt, state)
+        state, saved = dsfunc.load_checkpoint(ckpt, state)
     start = int(state.step)
+    if start >= args.steps:  # --steps is the last step, not the number of steps to add
+        where = f" (the checkpoint in {ckpt})" if args.resume else ""
+        raise SystemExit(f"nothing to do: the run is at step {start}{where} and --steps {args.steps} is the last step "
+                         f"to train; pass a --steps beyond {start} to train on")
     if rank == 0:
         print(f"dsfunc {dsfunc.__version__}: {sum(p.numel() for p in model.parameters()):,} parameters, "
               f"{len(train):,} training and {len(val):,} validation characters, world size {cfg.world_size}, "
               f"ZeRO stage {cfg.zero_optimization.stage}, {cfg.compute_dtype}, device {state.program.device}"
-              + (f", resumed from {ckpt} at step {start}" if args.resume else ""))
-        print("config:", json.dumps(cfg.to_dict()["optimizer"]))
+              + (f", resumed from {ckpt} at step {start} (val loss {saved['val_loss']:.3f})" if args.resume else ""))
+        print("config:", json.dumps({k: cfg.to_dict()[k] for k in ("optimizer", "scheduler")}))
 
     first, begin, val_losses = None, time.perf_counter(), []
     for step in range(start + 1, args.steps + 1):
@@ -127,16 +141,14 @@ def main() -> None:
             if rank == 0:
                 print(f"step {step:4d}  val loss {val_losses[-1]:.3f}  (checkpoint {ckpt / f'global_step{step}'})",
                       flush=True)
-    if first is None:
-        raise SystemExit(f"nothing to do: the state is at step {start} and --steps is {args.steps}")
     last = state.metrics.loss.item()
     if rank == 0:
         sample = generate(model, chars, prompt="The ", length=200)
         Path(args.out_dir, "sample.txt").write_text(sample + "\n")
         print(f"done: loss {first:.3f} -> {last:.3f}, val loss {val_losses[-1]:.3f} in "
               f"{time.perf_counter() - begin:.0f} s. A sample:\n\n{sample}\n")
-        print(f"wrote {ckpt} (continue with --resume) and {Path(args.out_dir, 'sample.txt')}")
-    if not last < first:
+        print(f"wrote {ckpt} (continue with --resume and a larger --steps) and {Path(args.out_dir, 'sample.txt')}")
+    if start == 0 and not last < first:  # a resumed run starts low: a few steps more may end on a noisier batch
         raise SystemExit("the loss did not go down")
 
 
