@@ -2,11 +2,13 @@
 # What the tests need besides pip's packages, on a fresh Debian/Ubuntu machine (as root, no stdin; idempotent):
 # - g++ (the host Adam's CPU kernel, ops/adam_cpu.cpp, is built on first use);
 # - sshd (multi-node over real ssh on a loopback port), Open MPI and mpi4py (mpirun + MPI discovery), pdsh;
+# - slurm and munge (the slurm launcher's tests start a private single-node cluster: munged, slurmctld and
+#   slurmd with their own key, config and ports, and stop it; the packages' own services are not used);
 # - real DeepSpeed, the reference for DeepSpeed semantics in the tests: 0.19.8 built from its source
 #   distribution without ops (DS_BUILD_OPS=0), a test-only dependency that runs on the CPU (DS_ACCELERATOR=cpu).
 set -euo pipefail
 
-packages=(openssh-server openssh-client openmpi-bin libopenmpi-dev pdsh g++)
+packages=(openssh-server openssh-client openmpi-bin libopenmpi-dev pdsh g++ munge slurmctld slurmd slurm-client)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -14,6 +16,13 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -q
+    # The packages' services (sshd, munged, slurmctld, slurmd) are not to start: the tests start their own,
+    # and slurmctld has no config. Debian's docker images deny them already (policy-rc.d, as here).
+    if [ ! -e /usr/sbin/policy-rc.d ]; then
+        printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+        chmod 0755 /usr/sbin/policy-rc.d
+        trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+    fi
     apt-get install -y -q --no-install-recommends "${missing[@]}" </dev/null
 fi
 

@@ -30,6 +30,7 @@ from dsfunc.launcher.supervise import (
     say,
     supervise_nodes,
     supervise_pdsh,
+    supervise_srun,
     terminate,
 )
 
@@ -135,11 +136,13 @@ def _run_single(runner: str, proc_env: dict[str, str], cmd: list[str]) -> int:
     if shutil.which(cmd[0]) is None:
         raise LauncherError(f"launcher {runner!r} is not installed: {cmd[0]} is not on PATH")
     say(shlex.join(cmd))
-    if runner != "pdsh":
-        proc = subprocess.Popen(cmd, env=proc_env, start_new_session=True)
-        return supervise_nodes([proc], [cmd[0]], terminate)
-    proc = subprocess.Popen(cmd, env=proc_env, start_new_session=True, stderr=subprocess.PIPE, text=True)
-    return supervise_pdsh(proc)
+    if runner == "pdsh":
+        proc = subprocess.Popen(cmd, env=proc_env, start_new_session=True, stderr=subprocess.PIPE, text=True)
+        return supervise_pdsh(proc)
+    if runner == "slurm":
+        return supervise_srun(subprocess.Popen(cmd, env=proc_env, start_new_session=True, stderr=subprocess.PIPE))
+    proc = subprocess.Popen(cmd, env=proc_env, start_new_session=True)
+    return supervise_nodes([proc], [cmd[0]], terminate)
 
 
 def _choose_runner(args: argparse.Namespace, n_hosts: int) -> str:

@@ -2,7 +2,8 @@
 
 A runner process is one per node (ssh), or one for the whole job (mpirun, srun, pdsh). Each kind is asked
 to stop its own way (:func:`close_stdin`, :func:`terminate`, pdsh's double SIGINT), and killed if it has
-not stopped after :data:`STOP_GRACE_S`.
+not stopped after :data:`STOP_GRACE_S`. pdsh and srun run many ranks, so the node or rank that failed, and
+its code, are read from their stderr.
 """
 
 from __future__ import annotations
@@ -71,17 +72,18 @@ def supervise_nodes(
     node_failure: Callable[[], tuple[str, int] | None] = lambda: None,
 ) -> int:
     """Wait for the runner processes (one per node, or one mpirun/srun/pdsh); when one fails,
-    ``node_failure()`` reports a failed node (label, code), or a signal arrives, ``ask_stop(proc)`` the
-    others and wait for them to finish (killing them after :data:`STOP_GRACE_S`). Returns the job's exit
-    code."""
+    ``node_failure()`` reports a failed node or rank (label, code; its code is the job's even when the
+    runner has exited too), or a signal arrives, ``ask_stop(proc)`` the others and wait for them to finish
+    (killing them after :data:`STOP_GRACE_S`). Returns the job's exit code."""
     with _Signals() as signals:
         code = 0
         while True:
             failed = [(i, p.returncode) for i, p in enumerate(procs) if p.poll() not in (None, 0)]
             remote = node_failure()
-            if remote is not None and not failed:
+            if remote is not None:  # names the failing node or rank, and its code, unlike its runner's exit
                 code = remote[1]
-                say(f"{remote[0]} exited with code {code}; stopping every node", "error")
+                stopping = "; stopping every node" if any(p.poll() is None for p in procs) else ""
+                say(f"{remote[0]} exited with code {code}{stopping}", "error")
                 break
             if failed:
                 i, code = failed[0]
@@ -145,5 +147,56 @@ def supervise_pdsh(proc: subprocess.Popen) -> int:
     relay = threading.Thread(target=_relay_pdsh_errors, args=(proc.stderr, failures), daemon=True)
     relay.start()
     code = supervise_nodes([proc], ["pdsh"], _interrupt_pdsh, lambda: failures[0] if failures else None)
+    relay.join(timeout=5)
+    return code
+
+
+# srun's report of tasks that failed: "srun: error: HOST: task 1: Exited with exit code 3" (or "tasks 0-1",
+# or a signal's name, as strsignal(3) spells it, such as "Killed" or "Segmentation fault (core dumped)").
+_SRUN_TASK_END = re.compile(rb"^srun: error: (\S+): tasks? ([\d,-]+): (.+?)(?: \(core dumped\))?$")
+_SIGNAL_NAMES = {signal.strsignal(s).encode(): s for s in signal.Signals if signal.strsignal(s)}
+
+
+def srun_task_failure(line: bytes) -> tuple[str, int] | None:
+    """The ranks (``SLURM_PROCID``) and exit code (128 + signal for a signal) of a failed task that a line of
+    srun's stderr reports, or None for any other line."""
+    match = _SRUN_TASK_END.match(line.rstrip(b"\r\n"))
+    if match is None:
+        return None
+    host, tasks, how = (g.decode(errors="replace") for g in match.groups())
+    if how.startswith("Exited with exit code ") and how.rsplit(" ", 1)[1].isdigit():
+        code = int(how.rsplit(" ", 1)[1])
+    elif how.encode() in _SIGNAL_NAMES:
+        code = 128 + _SIGNAL_NAMES[how.encode()]
+    else:
+        return None
+    return (f"rank {tasks} on {host}" if tasks.isdigit() else f"ranks {tasks} on {host}"), code
+
+
+def _relay_srun_errors(stream, failures: list[tuple[str, int]]) -> None:
+    """Copy srun's stderr (its own messages and the ranks' stderr) to ours as it comes, noting each failed
+    task srun reports."""
+    pending = b""
+    while chunk := stream.read1(65536):
+        sys.stderr.buffer.write(chunk)
+        sys.stderr.buffer.flush()
+        *lines, pending = (pending + chunk).split(b"\n")
+        failures.extend(f for f in map(srun_task_failure, lines) if f is not None and f[1] != 0)
+
+
+def supervise_srun(proc: subprocess.Popen) -> int:
+    """:func:`supervise_nodes` for an srun started with ``stderr=PIPE`` (binary). srun exits with the highest
+    code of its tasks, and once one fails it stops the others with SIGTERM (143): the job's code is that of
+    the first task srun reports failed, read from its stderr."""
+    failures: list[tuple[str, int]] = []
+    relay = threading.Thread(target=_relay_srun_errors, args=(proc.stderr, failures), daemon=True)
+    relay.start()
+
+    def first_failure() -> tuple[str, int] | None:
+        if proc.poll() is not None:
+            relay.join(timeout=5)  # srun is gone: its last lines may name the failed task
+        return failures[0] if failures else None
+
+    code = supervise_nodes([proc], ["srun"], terminate, first_failure)
     relay.join(timeout=5)
     return code
