@@ -18,7 +18,8 @@ One module per concept:
 * :mod:`.compat`: whether a checkpoint fits a template state;
 * :mod:`.coordination`: how the ranks meet, agree and fail together;
 * :mod:`.dcp_io`: the calls into ``torch.distributed.checkpoint``;
-* :mod:`.export`: the consolidated fp32 ``state_dict`` file and its command line;
+* :mod:`.export`: the consolidated fp32 ``state_dict`` file (its command line, ``dsfunc export``, is
+  :func:`dsfunc.cli.export`);
 * :mod:`.hf`: the Hugging Face model directory (``dsfunc export --hf-config``);
 * :mod:`.deepspeed`: DeepSpeed's own checkpoints, loaded into any world size and stage, and exported;
 * :mod:`.errors`: what a failed save or load raises.
