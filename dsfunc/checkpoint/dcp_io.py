@@ -76,10 +76,13 @@ def read_index(folder: Path, *, trust_pickle: bool = False) -> Metadata:
                                       plain=_DCP_PLAIN)
     except OSError as e:
         raise CheckpointCorruptError(f"cannot read {path}: {e}") from e
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as e:
+    except CheckpointError:
+        raise
+    except Exception as e:  # whatever a damaged pickle makes the unpickler raise
         raise CheckpointCorruptError(
             f"{path} is not DCP's index of the tensors: {type(e).__name__}: {e}") from e
-    if not isinstance(index, Metadata) or not isinstance(index.storage_data, dict):
+    if not (isinstance(index, Metadata) and isinstance(index.storage_data, dict)
+            and isinstance(index.state_dict_metadata, dict)):
         raise CheckpointCorruptError(f"{path} is not DCP's index of the tensors (it holds a "
                                      f"{type(index).__name__})")
     problems = [f"{key} is stored as pickled bytes" for key, md in index.state_dict_metadata.items()

@@ -183,3 +183,10 @@ def test_every_rank_refuses_a_tampered_index(tmp_path):
     errors = run_world(_load_tampered, 2, str(tmp_path))
     assert not (tmp_path / "marker").exists()
     assert errors[0] == errors[1] and "holds an object of class posix.system" in errors[0]
+
+
+def test_an_index_that_is_no_pickle_is_named_corrupt(tmp_path):
+    run, _ = _saved(tmp_path)
+    rewrite(run / "t" / ".metadata", b"\x80\x04not a pickle")
+    with pytest.raises(ckpt.CheckpointCorruptError, match=r"\.metadata is not DCP's index of the tensors: "):
+        ckpt.export_fp32(run, tmp_path / "w.safetensors")
