@@ -13,8 +13,8 @@ One module per concept:
   (**atomicity**);
 * :mod:`.tags`: which folder a directory and tag name (:func:`find_checkpoint`);
 * :mod:`.metadata`: the metadata file, and the sizes and sha256 the files are checked against;
-* :mod:`.trust`: what loading trusts a checkpoint with (:data:`TRUST_MODEL`), and the client state's
-  restricted unpickling;
+* :mod:`.trust`: what loading trusts a checkpoint with (:data:`TRUST_MODEL`): the restricted unpickling
+  every reader uses, and the client state's pickling;
 * :mod:`.compat`: whether a checkpoint fits a template state;
 * :mod:`.coordination`: how the ranks meet, agree and fail together;
 * :mod:`.dcp_io`: the calls into ``torch.distributed.checkpoint``;
