@@ -11,6 +11,8 @@ DeepSpeed's modules answer under dsfunc (``deepspeed.accelerator`` is ``dsfunc.a
 :mod:`dsfunc.deepspeed.namespace`).
 """
 
+import importlib.metadata as _metadata
+
 from dsfunc.checkpoint import (
     CheckpointCorruptError,
     CheckpointError,
@@ -92,7 +94,7 @@ from dsfunc.schedules import lr_range_test, one_cycle, warmup_cosine_lr, warmup_
 from dsfunc.state import DonatedStateError, FrozenDict, Metrics, TrainState
 from dsfunc.step import apply_gradients, make_train_step, train_step
 
-__version__ = "0.1.0"
+__version__ = _metadata.version("dsfunc")  # pyproject.toml's, the one source
 
 _namespace.install()
 

@@ -13,12 +13,13 @@ One module per concept:
   (**atomicity**);
 * :mod:`.tags`: which folder a directory and tag name (:func:`find_checkpoint`);
 * :mod:`.metadata`: the metadata file, and the sizes and sha256 the files are checked against;
-* :mod:`.trust`: what loading trusts a checkpoint with (:data:`TRUST_MODEL`), and the client state's
-  restricted unpickling;
+* :mod:`.trust`: what loading trusts a checkpoint with (:data:`TRUST_MODEL`): the restricted unpickling
+  every reader uses, and the client state's pickling;
 * :mod:`.compat`: whether a checkpoint fits a template state;
 * :mod:`.coordination`: how the ranks meet, agree and fail together;
 * :mod:`.dcp_io`: the calls into ``torch.distributed.checkpoint``;
-* :mod:`.export`: the consolidated fp32 ``state_dict`` file and its command line;
+* :mod:`.export`: the consolidated fp32 ``state_dict`` file (its command line, ``dsfunc export``, is
+  :func:`dsfunc.cli.export`);
 * :mod:`.hf`: the Hugging Face model directory (``dsfunc export --hf-config``);
 * :mod:`.deepspeed`: DeepSpeed's own checkpoints, loaded into any world size and stage, and exported;
 * :mod:`.errors`: what a failed save or load raises.

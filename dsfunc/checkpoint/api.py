@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 from dsfunc.checkpoint.compat import Selection, check_compatible, wanted
 from dsfunc.checkpoint.coordination import arrive, collective
-from dsfunc.checkpoint.dcp_io import failure_text, read_tensors
+from dsfunc.checkpoint.dcp_io import failure_text, read_index, read_tensors
 from dsfunc.checkpoint.deepspeed.load import deepspeed_folder, load_deepspeed
 from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.keys import load_dict, save_dict
@@ -107,18 +106,19 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
       verify: check every file against the sha256 recorded at save (spread over the ranks, whose
         verdicts are combined before anything is unpickled); sizes are always checked. DeepSpeed records
         no checksums: its files are only checked to fit together.
-      trust_pickle: read the client state with full unpickling (``torch.load(weights_only=False)``), for
-        objects beyond tensors, dicts, lists, numbers and strings (in a DeepSpeed checkpoint too).
-        Unpickling can run code.
+      trust_pickle: read the checkpoint's pickles (the client state, DCP's ``.metadata``, DeepSpeed's
+        files) with full unpickling, for objects beyond tensors, dicts, lists, numbers, strings and the
+        formats' own classes. Unpickling can run code: only for a checkpoint whose origin you trust.
       timeout: seconds to wait for every rank to arrive before raising :class:`CheckpointTimeoutError`.
 
     Returns:
       ``(new_state, client_state)``.
 
-    Trust. Load or export only checkpoints you would run as code: the sha256 manifest detects damage, not
-    tampering (whoever can write the files can rewrite it), and torch.distributed.checkpoint unpickles every
-    checkpoint's .metadata in load_checkpoint and dsfunc export alike; only the client state is read with
-    torch.load(weights_only=True) unless trust_pickle=True.
+    Trust. The sha256 manifest detects damage, not tampering (whoever can write the files can rewrite it), so
+    every pickle of a checkpoint (DCP's .metadata and tensor records, the client state, DeepSpeed's .pt files)
+    is read through an allow-list of plain data, tensors and the checkpoint formats' own classes, in
+    load_checkpoint and dsfunc export alike: no code from a checkpoint runs unless you pass trust_pickle=True
+    (dsfunc export --trust-pickle), which only a checkpoint you would run as code deserves.
     """
     _check_state(state, "load_checkpoint")
     wait_for_checkpoint()  # [Note: one save in flight]
@@ -133,17 +133,19 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
     # [Note: verify, agree, then unpickle] (dsfunc.checkpoint.trust): the verdicts of all ranks first
     folder, meta = collective(lambda: _open(Path(load_dir), tag, state, selection, verify))
     client = collective(lambda: read_client_state(folder, meta, trust_pickle))
+    index = collective(lambda: read_index(folder, trust_pickle=trust_pickle))
     targets, copy_back = load_dict(state, wanted(meta, state, selection))
     try:
-        read_tensors(targets, folder)
+        read_tensors(targets, folder, index)
         with torch.no_grad():
             for device_view, host in copy_back:
                 device_view.copy_(host)
-    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+    except Exception as e:
         state.mark_donated()
+        cause = str(e) if isinstance(e, CheckpointError) else f"copying the tensors failed: {failure_text(e)}"
         raise CheckpointError(
-            f"reading the tensors of {folder} failed: {failure_text(e)}. The template state was partly "
-            "overwritten and is consumed; build a fresh one with dsfunc.init_state before trying again."
+            f"{cause}. The template state was partly overwritten and is consumed; build a fresh one with "
+            "dsfunc.init_state before trying again."
         ) from e
     new = dataclasses.replace(state)
     state.mark_donated()

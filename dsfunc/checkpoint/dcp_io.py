@@ -1,19 +1,59 @@
-"""The calls into ``torch.distributed.checkpoint`` (DCP): every tensor file is written and read here."""
+"""The calls into ``torch.distributed.checkpoint`` (DCP): every tensor file is written and read here.
+
+[Note: DCP's index under the trust rule]
+``FileSystemReader.read_metadata`` unpickles ``.metadata`` with plain ``pickle.load`` (torch 2.11-2.14), and
+DCP's load planner reads any entry the index calls bytes with ``torch.load(weights_only=False)``. So the
+index is read here, once, through the allow-list of what DCP's ``Metadata`` holds (:data:`DCP_GLOBALS`;
+[Note: one trust rule, two unpicklers] in :mod:`.trust`), checked to list tensors only (dsfunc writes
+nothing else) stored in files of the checkpoint folder, and handed to DCP by a reader that returns it
+instead of reading the file again. DCP reads the tensor records themselves with
+``torch.load(weights_only=True)``.
+"""
 
 from __future__ import annotations
 
+import collections
+import pathlib
+import pickle
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem, metadata
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from dsfunc.checkpoint.coordination import collective, side_group
 from dsfunc.checkpoint.disk import disk_text
+from dsfunc.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from dsfunc.checkpoint.layout import META_DATA, tensor_file
+from dsfunc.checkpoint.trust import load_plain_pickle, refused_global
 from dsfunc.distributed import comm
+
+
+def _named(objs: list[Any]) -> dict[str, Any]:
+    """``{"module.qualname": obj}``: the name pickle records for each class or function."""
+    return {f"{obj.__module__}.{obj.__qualname__}": obj for obj in objs}
+
+
+_PATHS = [pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath]
+#: Every global a DCP ``.metadata`` of torch 2.11-2.14 may name: DCP's own dataclasses and enum, the
+#: filesystem writer's storage info, torch.Size, torch.device, dtypes and layouts, builtin containers, and
+#: paths (``StorageMeta.checkpoint_id``; ``pathlib._local`` from Python 3.13 on). None of them runs code
+#: when called or filled in.
+DCP_GLOBALS: dict[str, Any] = {
+    **_named([metadata.Metadata, metadata.MetadataIndex, metadata.StorageMeta, metadata.TensorStorageMetadata,
+              metadata.BytesStorageMetadata, metadata.ChunkStorageMetadata, metadata.TensorProperties,
+              metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo, torch.Size, torch.device,
+              torch.serialization._get_layout, set, frozenset, *_PATHS]),
+    **{f"pathlib.{cls.__name__}": cls for cls in _PATHS},
+    "collections.OrderedDict": collections.OrderedDict,
+    **{f"torch.{name}": v for name, v in vars(torch).items() if isinstance(v, (torch.dtype, torch.layout))},
+}
+_DCP_PLAIN = "the tensor index DCP writes: its own records, sizes, dtypes, numbers, strings and containers"
 
 _NO_DIST_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
 
@@ -24,10 +64,67 @@ def write_tensors(tensors: dict[str, Any], folder: Path) -> None:
     _call(dcp.save, tensors, comm.is_distributed(), storage_writer=writer)
 
 
-def read_tensors(targets: dict[str, Any], folder: Path, *, offline: bool = False) -> None:
-    """Fill ``targets`` in place from ``folder``; ``offline`` reads without the process group (export)."""
-    reader = dcp.FileSystemReader(str(folder))
-    _call(dcp.load, targets, comm.is_distributed() and not offline, storage_reader=reader)
+def read_index(folder: Path, *, trust_pickle: bool = False) -> Metadata:
+    """DCP's index of the tensors in ``folder`` (its ``.metadata``), read under the trust rule and checked.
+
+    [Note: DCP's index under the trust rule]
+    """
+    path = folder / META_DATA
+    try:
+        with open(path, "rb") as f:
+            index = load_plain_pickle(f, path, trust_pickle=trust_pickle, allowed=DCP_GLOBALS,
+                                      plain=_DCP_PLAIN)
+    except OSError as e:
+        raise CheckpointCorruptError(f"cannot read {path}: {e}") from e
+    except CheckpointError:
+        raise
+    except Exception as e:  # whatever a damaged pickle makes the unpickler raise
+        raise CheckpointCorruptError(
+            f"{path} is not DCP's index of the tensors: {type(e).__name__}: {e}") from e
+    if not (isinstance(index, Metadata) and isinstance(index.storage_data, dict)
+            and isinstance(index.state_dict_metadata, dict)):
+        raise CheckpointCorruptError(f"{path} is not DCP's index of the tensors (it holds a "
+                                     f"{type(index).__name__})")
+    problems = [f"{key} is stored as pickled bytes" for key, md in index.state_dict_metadata.items()
+                if not isinstance(md, TensorStorageMetadata)]
+    problems += [f"{getattr(key, 'fqn', key)} is stored outside the folder"
+                 for key, info in index.storage_data.items()
+                 if not (isinstance(info, filesystem._StorageInfo) and _in_folder(info.relative_path))]
+    if problems:
+        raise CheckpointCorruptError(
+            f"{path} does not index tensors stored in {folder}, as dsfunc writes it: "
+            f"{'; '.join(problems[:3])}. The checkpoint was altered or not written by dsfunc (only the index "
+            "was unpickled); load another checkpoint")
+    return index
+
+
+def _in_folder(name: Any) -> bool:
+    """Whether ``name`` names a file of the folder itself (no directory part, no ``..``)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name
+
+
+class _IndexedReader(dcp.FileSystemReader):
+    """DCP's file reader, handed the index that :func:`read_index` read instead of unpickling it again."""
+
+    def __init__(self, folder: Path, index: Metadata) -> None:
+        super().__init__(str(folder))
+        self._index = index
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self._index.storage_meta is None:  # as FileSystemReader.read_metadata does
+            self._index.storage_meta = StorageMeta()
+        self._index.storage_meta.load_id = self.load_id
+        return self._index
+
+
+def read_tensors(targets: dict[str, Any], folder: Path, index: Metadata, *, offline: bool = False) -> None:
+    """Fill ``targets`` in place from ``folder``, whose :func:`read_index` is ``index``; ``offline`` reads
+    without the process group (export)."""
+    reader = _IndexedReader(folder, index)
+    try:
+        _call(dcp.load, targets, comm.is_distributed() and not offline, storage_reader=reader)
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        raise CheckpointError(f"reading the tensors of {folder} failed: {failure_text(e)}") from e
 
 
 def _call(fn: Callable[..., Any], state_dict: dict[str, Any], distributed: bool, **storage: Any) -> None:
@@ -45,8 +142,17 @@ def _call(fn: Callable[..., Any], state_dict: dict[str, Any], distributed: bool,
 def failure_text(e: BaseException) -> str:
     """A short account of an error; DCP's per-rank failures as ``rank r: Type: message``."""
     if isinstance(e, CheckpointException):
-        return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}"
-                         for r, (exc, _) in sorted(e.failures.items()))
+        return "; ".join(f"rank {r}: {_one(exc)}" for r, (exc, _) in sorted(e.failures.items()))
+    return _one(e)
+
+
+def _one(e: BaseException) -> str:
+    """``Type: message``; for a tensor record that torch's weights-only unpickler refused, what it held."""
+    if isinstance(e, pickle.UnpicklingError):
+        found = refused_global(str(e))
+        held = f"an object of class {found}" if found else "more than a tensor"
+        return (f"a tensor record of the data files holds {held}, which torch.load(weights_only=True) "
+                "refused (nothing of it ran): the files were altered or not written by dsfunc")
     return f"{type(e).__name__}: {e}"
 
 

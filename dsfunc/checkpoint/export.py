@@ -1,4 +1,4 @@
-"""``dsfunc export CKPT_DIR OUT``: a checkpoint's weights as one consolidated fp32 ``state_dict`` file.
+"""A checkpoint's weights as one consolidated fp32 ``state_dict`` file (``dsfunc export CKPT_DIR OUT``).
 
 ``CKPT_DIR`` is a dsfunc or a DeepSpeed checkpoint (:mod:`dsfunc.checkpoint.deepspeed.weights`); with
 ``--hf-config DIR`` the output is a Hugging Face model directory instead (:mod:`dsfunc.checkpoint.hf`).
@@ -19,27 +19,24 @@ DeepSpeed checkpoint: one batch of tensors) are in memory:
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import mmap
 import os
 import struct
-import sys
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
-from dsfunc.checkpoint.dcp_io import read_tensors
+from dsfunc.checkpoint.dcp_io import read_index, read_tensors
 from dsfunc.checkpoint.deepspeed.layout import is_deepspeed_folder
 from dsfunc.checkpoint.deepspeed.weights import deepspeed_weights
-from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.metadata import read_meta, verify_files
 from dsfunc.checkpoint.publish import atomic_file
 from dsfunc.checkpoint.tags import PathLike, find_checkpoint
-from dsfunc.checkpoint.trust import TRUST_MODEL
 from dsfunc.errors import InputError
 
 Layout = Sequence[tuple[str, tuple[int, ...], torch.dtype]]
@@ -69,8 +66,8 @@ def export_fp32(ckpt_dir: PathLike, out: PathLike, tag: str | None = None, *,
       format: ``"safetensors"`` (``safetensors.torch.load_file(out)``) or ``"pt"``
         (``torch.load(out)``); default from ``out``'s suffix (``.safetensors``; ``.pt``/``.pth``/``.bin``).
       verify: check the files against their recorded checksums first (DeepSpeed records none).
-      trust_pickle: a DeepSpeed checkpoint whose client state holds objects other than plain data can only
-        be read by full unpickling, which may run code: allow it (see :func:`dsfunc.load_checkpoint`).
+      trust_pickle: read the checkpoint's pickles with full unpickling, which may run code: only for a
+        checkpoint whose origin you trust (see :func:`dsfunc.load_checkpoint`).
 
     Returns:
       ``out`` as a string.
@@ -102,11 +99,12 @@ def weights(ckpt_dir: PathLike, tag: str | None = None, *, with_aliases: bool, v
         return deepspeed_weights(folder, with_aliases=with_aliases, trust_pickle=trust_pickle)
     meta = read_meta(folder)
     verify_files(folder, meta, share=(0, 1) if verify else None)
+    index = read_index(folder, trust_pickle=trust_pickle)
     layout = _export_layout(meta, with_aliases=with_aliases)
     keys = [(name, source) for name, _, source in meta["state_dict"]]
     order = [name for name, _ in keys] if with_aliases else [name for name, kind, source in meta["state_dict"]
                                                              if kind == "buffer" or name == source]
-    return layout, order, keys, _export_tensors(folder, meta, with_aliases=with_aliases)
+    return layout, order, keys, _export_tensors(folder, meta, index, with_aliases=with_aliases)
 
 
 def _export_layout(meta: dict[str, Any], *, with_aliases: bool) -> Layout:
@@ -123,12 +121,12 @@ def _export_layout(meta: dict[str, Any], *, with_aliases: bool) -> Layout:
     return layout
 
 
-def _export_tensors(folder: Path, meta: dict[str, Any], *,
+def _export_tensors(folder: Path, meta: dict[str, Any], index: Metadata, *,
                     with_aliases: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """Read the checkpoint one unit (then one buffer) at a time, yielding named tensors."""
     for unit in meta["units"]:
         flat = torch.empty(unit["numel"], dtype=torch.float32)
-        read_tensors({f"params/{unit['name']}": flat}, folder, offline=True)
+        read_tensors({f"params/{unit['name']}": flat}, folder, index, offline=True)
         for p in unit["params"]:
             view = flat[p["offset"] : p["offset"] + math.prod(p["shape"])].view(p["shape"])
             for name in p["aliases"] if with_aliases else [p["name"]]:
@@ -138,7 +136,7 @@ def _export_tensors(folder: Path, meta: dict[str, Any], *,
         if kind == "buffer":
             b = meta["buffers"][name]
             t = torch.empty(b["shape"], dtype=getattr(torch, b["dtype"]))
-            read_tensors({f"buffers/{name}": t}, folder, offline=True)
+            read_tensors({f"buffers/{name}": t}, folder, index, offline=True)
             yield name, t
 
 
@@ -219,52 +217,3 @@ def _st_dtype(dtype: torch.dtype, name: str) -> str:
     if dtype not in _ST_DTYPES:
         raise InputError(f"{name}: safetensors cannot store dtype {dtype}")
     return _ST_DTYPES[dtype]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``dsfunc export CKPT_DIR OUT [--tag T] [--format safetensors|pt] [--hf-config DIR [--max-shard-size S]]
-    [--trust-pickle] [--no-verify]``."""
-    from dsfunc.checkpoint.hf import DEFAULT_SHARD_SIZE, export_hf  # hf builds on this module
-
-    parser = argparse.ArgumentParser(
-        prog="dsfunc export",
-        description="Write the weights of a dsfunc or DeepSpeed checkpoint as one consolidated fp32 state_dict "
-                    "file that plain model.load_state_dict accepts, or (--hf-config) as a Hugging Face model "
-                    "directory; no process group needed.",
-        epilog=f"Security: {TRUST_MODEL}",
-    )
-    parser.add_argument("ckpt_dir", help="a save_dir of dsfunc.save_checkpoint or of DeepSpeed, or a checkpoint "
-                                         "folder")
-    parser.add_argument("out", help="output file (*.safetensors, or *.pt/.pth/.bin); with --hf-config, the "
-                                    "model directory to create")
-    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one CKPT_DIR/latest names)")
-    parser.add_argument("--format", choices=FORMATS, default=None, help="default: from OUT's suffix")
-    parser.add_argument("--hf-config", default=None, metavar="DIR",
-                        help="write a Hugging Face directory, with the config.json found in DIR "
-                             "(model.config.save_pretrained(DIR) writes one)")
-    parser.add_argument("--max-shard-size", default=DEFAULT_SHARD_SIZE,
-                        help=f"with --hf-config: bytes per safetensors file, e.g. 500MB (default {DEFAULT_SHARD_SIZE})")
-    parser.add_argument("--trust-pickle", action="store_true",
-                        help="read a DeepSpeed checkpoint whose client state holds objects other than tensors, "
-                             "dicts, lists, numbers and strings (full unpickling, which can run code)")
-    parser.add_argument("--no-verify", action="store_true", help="skip checking the files' sha256")
-    args = parser.parse_args(argv)
-    try:
-        if args.hf_config is not None:
-            out = export_hf(args.ckpt_dir, args.out, args.hf_config, tag=args.tag,
-                            max_shard_size=args.max_shard_size, verify=not args.no_verify,
-                            trust_pickle=args.trust_pickle)
-            size = sum(p.stat().st_size for p in Path(out).iterdir())
-        else:
-            out = export_fp32(args.ckpt_dir, args.out, tag=args.tag, format=args.format,
-                              verify=not args.no_verify, trust_pickle=args.trust_pickle)
-            size = os.path.getsize(out)
-    except (CheckpointError, ValueError, OSError) as e:
-        print(f"dsfunc export: error: {e}", file=sys.stderr)
-        return 1
-    print(f"wrote {out} ({size / 2**20:.1f} MiB)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

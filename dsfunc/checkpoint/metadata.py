@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
+import importlib.metadata
 import json
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,6 @@ FORMAT_VERSION = 1
 
 def describe(state: TrainState, tag: str) -> dict[str, Any]:
     """The metadata file's content (files and checksums are added once written)."""
-    import dsfunc  # for __version__, which dsfunc/__init__.py sets after importing this package
-
     program = state.program
     plan, cfg = program.plan, program.config
     param_of = {alias: slot.name for unit in plan.units for slot in unit.params for alias in slot.aliases}
@@ -52,7 +51,7 @@ def describe(state: TrainState, tag: str) -> dict[str, Any]:
         "precision": precision(state),
         "optimizer": cfg.optimizer.type if cfg.optimizer is not None else None,
         "scaler": dataclasses.asdict(program.scaler),
-        "dsfunc_version": dsfunc.__version__,
+        "dsfunc_version": importlib.metadata.version("dsfunc"),
         "torch_version": torch.__version__,
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "units": [

@@ -64,13 +64,19 @@ def write_checkpoint(save_dir: Path, tag: str, tensors: dict[str, Any], meta: di
 
 def _make_tmp(save_dir: Path, tag: str) -> str:
     """(rank 0) Create the folder the ranks write into, after tidying what crashed saves left behind."""
-    save_dir.mkdir(parents=True, exist_ok=True)
-    for old in layout.replaced_tags(save_dir):
-        _recover(save_dir, old)
-    for stale in layout.temporaries(save_dir):
-        shutil.rmtree(stale, ignore_errors=True)
     tmp = layout.temporary(save_dir, tag)
-    tmp.mkdir()
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        for old in layout.replaced_tags(save_dir):
+            _recover(save_dir, old)
+        for stale in layout.temporaries(save_dir):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        text = disk_text(e, tmp)
+        if text is None:
+            raise
+        raise CheckpointError(text) from e
     return str(tmp)
 
 

@@ -1,10 +1,20 @@
-"""What reading a checkpoint trusts it with, and the client state: pickled on save, read restrictedly on load.
+"""What reading a checkpoint trusts it with: every pickle in it is read through an allow-list unless
+``trust_pickle=True``, and the client state is pickled on save here.
 
 [Note: verify, agree, then unpickle]
 A load first checks every file against the sizes and sha256 of the metadata (each rank its share) and
-combines the ranks' verdicts; only then does any rank unpickle anything (the client state here, DCP's
-``.metadata`` when the tensors are read). So a damaged file is an error before code in it could run. The
-checksums are not signatures, though: see :data:`TRUST_MODEL`.
+combines the ranks' verdicts; only then does any rank unpickle anything (the client state, DCP's
+``.metadata``). So a damaged file is an error before any of its bytes are interpreted. The checksums are
+not signatures, though: see :data:`TRUST_MODEL`.
+
+[Note: one trust rule, two unpicklers]
+Without ``trust_pickle`` no pickle of a checkpoint may name a global beyond an allow-list, so no code from
+the file runs. ``torch.save`` files (the client state, DeepSpeed's files) go through torch's weights-only
+unpickler (:func:`load_pickle`), which knows how tensors are rebuilt. DCP's ``.metadata`` is a plain
+``pickle.dump`` in protocol 4, whose framing torch's weights-only unpickler does not read ("Unsupported
+operand 149", torch 2.13), so it goes through the standard library's unpickler restricted to named globals
+(:func:`load_plain_pickle`, as the ``pickle`` documentation's "Restricting Globals" does). A refusal from
+either is the same error, naming the file, the class and the opt-in.
 """
 
 from __future__ import annotations
@@ -12,9 +22,9 @@ from __future__ import annotations
 import io
 import pickle
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -24,10 +34,12 @@ from dsfunc.checkpoint.layout import CLIENT_FILE
 #: The trust model of :func:`~dsfunc.load_checkpoint` and ``dsfunc export``, in one sentence (the README's
 #: security note, the docstring and the command's help repeat it word for word).
 TRUST_MODEL = (
-    "Load or export only checkpoints you would run as code: the sha256 manifest detects damage, not "
-    "tampering (whoever can write the files can rewrite it), and torch.distributed.checkpoint unpickles "
-    "every checkpoint's .metadata in load_checkpoint and dsfunc export alike; only the client state is read "
-    "with torch.load(weights_only=True) unless trust_pickle=True."
+    "The sha256 manifest detects damage, not tampering (whoever can write the files can rewrite it), so "
+    "every pickle of a checkpoint (DCP's .metadata and tensor records, the client state, DeepSpeed's .pt "
+    "files) is read through an allow-list of plain data, tensors and the checkpoint formats' own classes, in "
+    "load_checkpoint and dsfunc export alike: no code from a checkpoint runs unless you pass "
+    "trust_pickle=True (dsfunc export --trust-pickle), which only a checkpoint you would run as code "
+    "deserves."
 )
 
 _REFUSED_GLOBAL = re.compile(r"(?:GLOBAL|global|function|class) ([\w.]+)")
@@ -63,10 +75,51 @@ def load_pickle(path: Path, *, trust_pickle: bool, safe_globals: Sequence[tuple[
         with torch.serialization.safe_globals(list(safe_globals)):
             return torch.load(path, weights_only=True, **torch_load)
     except pickle.UnpicklingError as e:
-        found = _REFUSED_GLOBAL.search(str(e))
-        what = f"an object of class {found[1]}" if found else "an object that is not plain data"
-        raise CheckpointError(
-            f"{path} holds {what} (not tensors, dicts, lists, numbers or strings), which only a full unpickling "
-            "can rebuild and which may run code while it loads. If you trust this checkpoint, pass "
-            "trust_pickle=True (dsfunc export: --trust-pickle); or save plain data as client_state."
-        ) from None
+        raise refusal(path, refused_global(str(e)), "tensors, dicts, lists, numbers or strings",
+                      "; or save plain data as client_state") from None
+
+
+def load_plain_pickle(file: IO[bytes], path: Path, *, trust_pickle: bool, allowed: Mapping[str, Any],
+                      plain: str) -> Any:
+    """``pickle.load(file)`` (read from ``path``) under the trust rule: only the globals of ``allowed`` (by
+    the ``module.name`` pickle records) unless ``trust_pickle``; ``plain`` says what they are (the error)."""
+    if trust_pickle:
+        return pickle.load(file)
+    try:
+        return _AllowList(file, allowed).load()
+    except _Refused as e:
+        raise refusal(path, str(e), plain) from None
+
+
+def refused_global(message: str) -> str | None:
+    """The ``module.name`` a message of torch's weights-only unpickler says it refused, if it says."""
+    found = _REFUSED_GLOBAL.search(message)
+    return found[1] if found else None
+
+
+def refusal(path: Path, found: str | None, plain: str, advice: str = "") -> CheckpointError:
+    """The error for a pickle that needs a global beyond the allow-list: the file, the class, the opt-in."""
+    what = f"an object of class {found}" if found else "an object that is not plain data"
+    return CheckpointError(
+        f"{path} holds {what} (not {plain}), which only a full unpickling can rebuild and which may run "
+        "code while it loads; nothing of it was run. If you trust this checkpoint's origin, pass "
+        f"trust_pickle=True (dsfunc export: --trust-pickle){advice}."
+    )
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global the allow-list does not hold (its ``module.name`` is the message)."""
+
+
+class _AllowList(pickle.Unpickler):
+    """The standard unpickler that resolves only the globals named in ``allowed``, and no persistent ids."""
+
+    def __init__(self, file: IO[bytes], allowed: Mapping[str, Any]) -> None:
+        super().__init__(file)
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._allowed.get(f"{module}.{name}")
+        if found is None:
+            raise _Refused(f"{module}.{name}")
+        return found

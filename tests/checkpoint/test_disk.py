@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import pytest
 from dsfunc.checkpoint import disk
 from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.publish import _write_durably
+from tests.checkpoint import disk_limits
+from tests.multiprocess import run_world
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,16 +25,18 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_errno_of_a_full_disk_a_quota_or_a_size_limit_is_named_with_the_file(tmp_path):
     file = tmp_path / "__1_0.distcp"
     cases = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
-             errno.EFBIG: "file too large for this process's file-size limit (ulimit -f)"}
+             errno.EFBIG: "file too large for this process's file-size limit (ulimit -f)",
+             errno.EROFS: "read-only file system"}
     for code, reason in cases.items():
-        assert disk.disk_text(OSError(code, "os says"), file) == f"{reason} while writing {file}"
+        text = disk.disk_text(OSError(code, "os says"), file)
+        assert text.startswith(f"{reason} while writing {file} (") and text.endswith(")")
     try:  # as DCP and torch.save raise it: another error caused by the OSError
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError as e:
             raise RuntimeError("writing failed") from e
     except RuntimeError as e:
-        assert disk.disk_text(e, file) == f"no space left on device while writing {file}"
+        assert disk.disk_text(e, file).startswith(f"no space left on device while writing {file} (free some")
     assert disk.disk_text(ValueError("unrelated"), file) is None  # tmp_path has room
 
 
@@ -40,7 +45,8 @@ def test_a_write_error_without_errno_on_a_full_disk_says_so(tmp_path, monkeypatc
     error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
     monkeypatch.setattr(disk, "free_bytes", lambda path: 4096)
     assert disk.disk_text(error, tmp_path / "f") == (
-        f"no space left on device while writing {tmp_path / 'f'} (4,096 bytes free; RuntimeError: {error})")
+        f"no space left on device while writing {tmp_path / 'f'} (4,096 bytes free; RuntimeError: {error}; "
+        "free some space or save to another directory)")
 
 
 def test_check_space_refuses_what_cannot_fit(tmp_path):
@@ -53,7 +59,7 @@ def test_check_space_refuses_what_cannot_fit(tmp_path):
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full")
 def test_writing_the_client_state_to_a_full_device_names_it():
     """/dev/full answers every write with ENOSPC: the real write path of client_state.pt and the metadata."""
-    with pytest.raises(CheckpointError, match="^no space left on device while writing /dev/full$"):
+    with pytest.raises(CheckpointError, match=r"^no space left on device while writing /dev/full \(free some"):
         _write_durably(Path("/dev/full"), b"x" * 100)
 
 
@@ -87,3 +93,72 @@ def test_a_full_tmpfs_is_named_on_every_rank(tmp_path, size, where):
         assert "writing the tensors failed: rank " in first
     assert "Nothing was replaced: no `latest` was written" in first
     assert result["left"] == [], "a failed save leaves nothing behind"
+
+
+def test_a_file_size_limit_is_named_on_every_rank(tmp_path):
+    """A real RLIMIT_FSIZE of 200 kB on both ranks (each writes ~1.2 MB): write() fails with EFBIG part-way,
+    where torch.save reports "unexpected pos"; the previous checkpoint and ``latest`` stay as they were."""
+    results = run_world(disk_limits.save_under_size_limit, 2, str(tmp_path), 200_000)
+    first, second = (r["error"] for r in results)
+    assert first == second, "every rank reports the same"
+    assert first.startswith(f"CheckpointError: saving checkpoint 'big' to {tmp_path} failed: writing the tensors")
+    for rank in (0, 1):
+        assert f"rank {rank}: file too large for this process's file-size limit (ulimit -f) while writing " in first
+    assert "raise the limit, e.g. ulimit -f unlimited" in first and "unexpected pos" not in first
+    assert "`latest` still names 'small'" in first
+    assert results[0]["left"] == ["latest", "small"] and results[0]["latest"] == "small"
+    assert disk_limits.loads(str(tmp_path))
+
+
+@pytest.mark.skipif(_mount_namespace_reason() is not None, reason=str(_mount_namespace_reason()))
+def test_a_read_only_file_system_is_named_on_every_rank(tmp_path):
+    """A real tmpfs remounted read-only after a first save: the next save fails with EROFS on every rank."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    run = subprocess.run(["unshare", "--mount", "--map-root-user", sys.executable, "-m",
+                          "tests.checkpoint.disk_limits", str(mount)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    first, second = (r["error"] for r in result["ranks"])
+    assert first == second, "every rank reports the same"
+    assert first.startswith(f"CheckpointError: saving checkpoint 'big' to {mount} failed: read-only file system "
+                            f"while writing {mount}/.big.tmp-")
+    assert "remount it read-write or save to another directory" in first
+    assert "`latest` still names 'small'" in first
+    assert result["ranks"][0]["left"] == ["latest", "small"] and result["loads"]
+
+
+SAVE_TO_PATH = """
+import resource, signal, sys
+from pathlib import Path
+import torch
+from dsfunc.checkpoint.disk import disk_text
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, resource.RLIM_INFINITY))
+path = Path(sys.argv[1])
+try:
+    torch.save(torch.zeros(100_000), path)  # to a path: torch's own writer, no Python file behind it
+except RuntimeError as e:
+    causes, c = [], e
+    while c is not None:
+        causes.append(c)
+        c = c.__cause__ or c.__context__
+    print(str(e) if not any(isinstance(c, OSError) for c in causes) else "an OSError is chained")
+    print(disk_text(e, path))
+"""
+
+
+def test_torch_save_to_a_path_loses_the_errno_and_the_file_system_tells(tmp_path):
+    """torch.save into a path reports a real EFBIG as "unexpected pos" with no OSError behind it; the file
+    left at the size limit is how :func:`disk.disk_text` knows."""
+    file = tmp_path / "w.pt"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", SAVE_TO_PATH, str(file)], capture_output=True, text=True, env=env,
+                         timeout=120, check=False)
+    assert run.returncode == 0, run.stderr
+    torch_says, we_say = run.stdout.strip().splitlines()
+    assert "unexpected pos" in torch_says
+    assert we_say == (f"file too large for this process's file-size limit (ulimit -f) while writing {file} "
+                      "(w.pt stopped at the limit of 100,000 bytes; raise the limit, e.g. ulimit -f unlimited, "
+                      "before starting the job)")

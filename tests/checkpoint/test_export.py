@@ -14,7 +14,7 @@ from torch import nn
 
 import dsfunc
 from dsfunc import checkpoint as ckpt
-from dsfunc.checkpoint import export
+from dsfunc.cli import export as cli_export
 from tests.checkpoint.common import Tied, tied_batches, trained
 from tests.models import MLP, config
 
@@ -24,8 +24,8 @@ def test_export_loads_into_the_plain_module_with_tied_names_and_buffers(tmp_path
     model = Tied()
     state = trained(model, config(), tied_batches(3), 3)
     ckpt.save_checkpoint(state, tmp_path / "ck")
-    assert export.main([str(tmp_path / "ck"), str(tmp_path / "w.safetensors")]) == 0
-    assert export.main([str(tmp_path / "ck" / "global_step3"), str(tmp_path / "w.bin"),
+    assert cli_export([str(tmp_path / "ck"), str(tmp_path / "w.safetensors")]) == 0
+    assert cli_export([str(tmp_path / "ck" / "global_step3"), str(tmp_path / "w.bin"),
                         "--format", "pt"]) == 0
     assert ckpt.export_fp32(tmp_path / "ck", tmp_path / "w.pt", tag="global_step3") == str(tmp_path / "w.pt")
     x = tied_batches(1)[0][0]
@@ -50,9 +50,9 @@ def test_export_loads_into_the_plain_module_with_tied_names_and_buffers(tmp_path
 
 def test_export_cli_errors(tmp_path, capsys):
     ckpt.save_checkpoint(dsfunc.init_state(MLP(), config()), tmp_path, tag="only")
-    assert export.main([str(tmp_path), str(tmp_path / "w.npz")]) == 1
+    assert cli_export([str(tmp_path), str(tmp_path / "w.npz")]) == 1
     assert "name it *.safetensors or *.pt" in capsys.readouterr().err
-    assert export.main([str(tmp_path), str(tmp_path / "w.pt"), "--tag", "nope"]) == 1
+    assert cli_export([str(tmp_path), str(tmp_path / "w.pt"), "--tag", "nope"]) == 1
     err = capsys.readouterr().err
     assert "no checkpoint tagged 'nope'" in err and "'only'" in err
     assert not (tmp_path / "w.pt").exists()

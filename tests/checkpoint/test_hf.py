@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 import dsfunc
-from dsfunc.checkpoint import export, hf
+from dsfunc.checkpoint import hf
+from dsfunc.cli import export as cli_export
 from tests.checkpoint.deepspeed.common import GPT2, GPT2_INPUT
 
 
@@ -31,7 +32,7 @@ def test_a_dsfunc_gpt2_checkpoint_loads_with_from_pretrained_and_gives_its_logit
         state = dsfunc.train_step(state, batch)
     dsfunc.save_checkpoint(state, tmp_path / "ckpt")
     config.save_pretrained(tmp_path / "config")
-    assert export.main([str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--hf-config", str(tmp_path / "config"),
+    assert cli_export([str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--hf-config", str(tmp_path / "config"),
                         "--max-shard-size", "3KB"]) == 0
 
     index = json.loads((tmp_path / "hf" / hf.INDEX_FILE).read_text())
@@ -62,10 +63,10 @@ def test_export_hf_refuses_what_it_cannot_write(tmp_path, capsys):
     GPT2Config(**GPT2).save_pretrained(tmp_path / "config")
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "keep.txt").write_text("mine")
-    assert export.main([str(tmp_path / "ckpt"), str(tmp_path / "taken"), "--hf-config", str(tmp_path / "config")]) == 1
+    assert cli_export([str(tmp_path / "ckpt"), str(tmp_path / "taken"), "--hf-config", str(tmp_path / "config")]) == 1
     assert "not an empty directory" in capsys.readouterr().err
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine"
-    assert export.main([str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--hf-config", str(tmp_path / "config"),
+    assert cli_export([str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--hf-config", str(tmp_path / "config"),
                         "--max-shard-size", "lots"]) == 1
     assert "cannot read the size 'lots'" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf.tmp-*"))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
+
 import pytest
 import torch
 
@@ -40,3 +43,10 @@ def test_damaged_files_are_named_and_earlier_checkpoints_still_load(tmp_path):
     assert not template.donated
     loaded, _ = ckpt.load_checkpoint(tmp_path, template, tag="global_step1")
     assert int(loaded.step) == 1
+
+
+def test_the_version_recorded_is_the_installed_distributions(tmp_path):
+    """One source for dsfunc's version: pyproject.toml, as the installed distribution reports it."""
+    ckpt.save_checkpoint(dsfunc.init_state(MLP(), config()), tmp_path, tag="v")
+    recorded = json.loads((tmp_path / "v" / ckpt.META_FILE).read_text())["dsfunc_version"]
+    assert recorded == dsfunc.__version__ == importlib.metadata.version("dsfunc")

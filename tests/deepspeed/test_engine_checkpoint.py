@@ -12,6 +12,7 @@ from torch.utils.data import TensorDataset
 import dsfunc
 from dsfunc.deepspeed import initialize
 from dsfunc.optim import ScheduleState
+from tests.checkpoint.tampering import Payload, read_index, write_index
 from tests.models import MLP, config, mlp_batches, relative_diff
 
 WARMUP = {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}
@@ -170,3 +171,15 @@ def test_client_state_beyond_plain_data_needs_trust_pickle(tmp_path):
         fresh.load_checkpoint(str(tmp_path))
     _, client = fresh.load_checkpoint(str(tmp_path), trust_pickle=True)
     assert client == {"args": argparse.Namespace(lr=0.1)} and fresh.global_steps == 1
+
+
+def test_a_tampered_index_is_refused_and_runs_no_code(saved, tmp_path):
+    """DCP's .metadata rewritten (manifest too) to run code when unpickled: the engine's load refuses it."""
+    path = saved[0]
+    index = read_index(path / "mine")
+    index.planner_data = Payload(tmp_path / "marker")
+    write_index(path / "mine", index)
+    engine = trained_engine(0)
+    with pytest.raises(dsfunc.CheckpointError, match=r"\.metadata holds an object of class posix\.system"):
+        engine.load_checkpoint(str(path), tag="mine")
+    assert not (tmp_path / "marker").exists() and engine.global_steps == 0

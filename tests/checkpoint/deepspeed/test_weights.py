@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import dsfunc
-from dsfunc.checkpoint import export
 from dsfunc.checkpoint.deepspeed.mapping import IMPORT_STATS
+from dsfunc.cli import export as cli_export
 from tests.checkpoint.deepspeed.common import Case, Net
 from tests.models import relative_diff
 
@@ -27,8 +27,8 @@ def loaded(ds_root, case: Case) -> dict[str, torch.Tensor]:
 def test_the_fp32_file_loads_into_the_plain_module(ds_root, tmp_path, case):
     expected = loaded(ds_root, case)
     out = tmp_path / "w.safetensors"
-    assert export.main([str(ds_root / case.name), str(out)]) == 0
-    assert export.main([str(ds_root / case.name / "global_step3"), str(tmp_path / "w.pt")]) == 0
+    assert cli_export([str(ds_root / case.name), str(out)]) == 0
+    assert cli_export([str(ds_root / case.name / "global_step3"), str(tmp_path / "w.pt")]) == 0
     pt = torch.load(tmp_path / "w.pt", weights_only=True)
     assert list(pt) == list(Net().state_dict())  # the module's names, tied ones included, in its order
     for sd in (safetensors.torch.load_file(out), pt):
@@ -53,13 +53,13 @@ def test_the_export_reads_one_batch_of_tensors_at_a_time(ds_root, tmp_path):
 
 def test_a_stage0_16_bit_checkpoint_with_frozen_parameters_needs_the_model(ds_root, tmp_path, capsys):
     """DeepSpeed's stage-0 fp16/bf16 optimizer records neither names nor which parameters were frozen."""
-    assert export.main([str(ds_root / "s0_w2_bf16"), str(tmp_path / "w.safetensors")]) == 1
+    assert cli_export([str(ds_root / "s0_w2_bf16"), str(tmp_path / "w.safetensors")]) == 1
     assert "Load it into a state built from the same model" in capsys.readouterr().err
 
 
 def test_a_deepspeed_gpt2_exports_to_hugging_face_with_its_logits(ds_root, tmp_path):
     ckpt = ds_root / "gpt2"
-    assert export.main([str(ckpt), str(tmp_path / "hf"), "--hf-config", str(ckpt / "hf_config"),
+    assert cli_export([str(ckpt), str(tmp_path / "hf"), "--hf-config", str(ckpt / "hf_config"),
                         "--max-shard-size", "4KB"]) == 0
     model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and model.dtype == torch.float32
