@@ -391,9 +391,9 @@ class Engine(nn.Module):
         Returns ``(load_path, client_state)``, or ``(None, None)`` (with a warning) when there is nothing
         to load. ``load_module_only`` loads parameters and buffers only; ``load_optimizer_states=False``
         keeps fresh optimizer and loss-scaler state, ``load_lr_scheduler_states=False`` a fresh schedule.
-        The engine's counters and its ``training_dataloader`` continue from the saved step. The client
-        state is read with ``torch.load(weights_only=True)`` unless ``trust_pickle=True`` (see
-        :func:`dsfunc.load_checkpoint`).
+        The engine's counters and its ``training_dataloader`` continue from the saved step. Every pickle in
+        the checkpoint (the client state, DCP's ``.metadata``, DeepSpeed's files) is read by a restricted
+        unpickler, so no code in it runs, unless ``trust_pickle=True`` (see :func:`dsfunc.load_checkpoint`).
         """
         if not load_module_strict:
             raise InputError("load_module_strict=False is not supported: a checkpoint must match the model")
