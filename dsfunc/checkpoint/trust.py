@@ -107,8 +107,9 @@ def refusal(path: Path, found: str | None, plain: str, advice: str = "") -> Chec
     )
 
 
-class _Refused(pickle.UnpicklingError):
-    """A global the allow-list does not hold (its ``module.name`` is the message)."""
+class _Refused(CheckpointError):
+    """A global the allow-list does not hold (its ``module.name`` is the message); caught and reworded by
+    :func:`load_plain_pickle`."""
 
 
 class _AllowList(pickle.Unpickler):
