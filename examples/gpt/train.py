@@ -18,6 +18,7 @@ the LR schedule's total_num_steps follows it. --resume continues from the checkp
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import pydoc_data.topics
@@ -103,10 +104,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=len(chars), seq_len=args.seq, n_layer=2, n_head=4, d_model=64))
     model.apply(init_weights)
-    config = dsfunc.Config.load(args.deepspeed_config or CONFIG).to_dict()
-    schedule = (config["scheduler"] or {}).get("params", {})
-    if "total_num_steps" in schedule:  # WarmupDecayLR, WarmupCosineLR: the schedule spans the whole run
-        schedule["total_num_steps"] = args.steps
+    config = json.loads(Path(args.deepspeed_config).read_text()) if args.deepspeed_config else copy.deepcopy(CONFIG)
+    scheduler = config.get("scheduler") or {}
+    if scheduler.get("type") in ("WarmupDecayLR", "WarmupCosineLR"):  # the schedule spans the whole run
+        scheduler.setdefault("params", {})["total_num_steps"] = args.steps
     state = dsfunc.init_state(model, config)
     model.to(state.program.device)
     cfg, rank, ckpt = state.program.config, dsfunc.get_rank(), Path(args.out_dir) / "ckpt"
