@@ -39,7 +39,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +49,9 @@ from dsfunc import checkpoint
 from dsfunc.compile import compile_units
 from dsfunc.config import parse_compile
 from dsfunc.data import DistributedLoader
-from dsfunc.deepspeed import direct
+from dsfunc.deepspeed import direct, live_engines
+from dsfunc.deepspeed.engine_config import ConfigAccessors
+from dsfunc.deepspeed.engine_surface import EngineSurface
 from dsfunc.deepspeed.step_in_progress import StepInProgress
 from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, GroupView, schedule_count
 from dsfunc.errors import InputError, NotSupportedError, UsageError
@@ -61,13 +62,15 @@ from dsfunc.zero.runtime import Phase
 
 logger = logging.getLogger("dsfunc")
 
-_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()  # live engines, for deepspeed.utils' per-parameter helpers
-
 ENGINE_KEY = "dsfunc_engine"  # engine counters inside a checkpoint's client state
 
 
-class Engine(nn.Module):
-    """DeepSpeed's ``DeepSpeedEngine`` over a :class:`~dsfunc.TrainState` (built by :func:`initialize`)."""
+class Engine(ConfigAccessors, EngineSurface, nn.Module):
+    """DeepSpeed's ``DeepSpeedEngine`` over a :class:`~dsfunc.TrainState` (built by :func:`initialize`).
+
+    The training loop and checkpoints are here; DeepSpeed's config accessors are in
+    :mod:`~dsfunc.deepspeed.engine_config`, the rest of its names in :mod:`~dsfunc.deepspeed.engine_surface`.
+    """
 
     def __init__(
         self,
@@ -101,8 +104,9 @@ class Engine(nn.Module):
         self._timings: dict[str, float] = {}
         self._tokens = 0
         self._compiled = self.config.compile.enabled
+        self._init_surface()
         direct.install(model, self.steps)
-        _ENGINES.add(self)
+        live_engines.register(self)
 
     def __getattr__(self, name: str) -> Any:
         """The module's attribute when the engine has none of that name (as DeepSpeed's engine)."""
@@ -142,36 +146,6 @@ class Engine(nn.Module):
         """Optimizer steps skipped because gradients overflowed (reading it waits for the device)."""
         return self.monitor.skipped_steps
 
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
-    def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
-
-    def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.bf16.enabled
-
-    def zero_optimization_stage(self) -> int:
-        return self.config.zero_optimization.stage
-
-    def zero_optimization(self) -> bool:
-        return self.zero_optimization_stage() > 0
-
-    def zero_optimization_partition_gradients(self) -> bool:
-        return self.zero_optimization_stage() >= 2
-
-    def zero_optimization_partition_weights(self) -> bool:
-        return self.zero_optimization_stage() == 3
-
     def is_gradient_accumulation_boundary(self) -> bool:
         """True while the current micro-batch is the last of its optimizer step."""
         return self.steps.is_boundary()
@@ -184,12 +158,13 @@ class Engine(nn.Module):
         return [g.lr_at(t) for g in self.groups]
 
     def get_global_grad_norm(self) -> float:
-        """The global gradient norm of the last optimizer step (unscaled, before clipping)."""
-        return float(self.state.metrics.grad_norm)
+        """The global gradient norm of the last optimizer step (unscaled, before clipping); None before the
+        first step."""
+        return float(self.state.metrics.grad_norm) if self.global_steps else None
 
     def was_step_applied(self) -> bool:
-        """False when the last optimizer step was skipped for overflow."""
-        return not bool(self.state.metrics.skipped)
+        """False when the last optimizer step was skipped for overflow (and before the first step)."""
+        return bool(self.global_steps) and not bool(self.state.metrics.skipped)
 
     def compile(self, backend: str | None = None, compile_kwargs: dict[str, Any] | None = None,
                 schedule: Any = None) -> None:
@@ -241,6 +216,7 @@ class Engine(nn.Module):
         if not self.steps.trains_now():
             return self.steps.for_evaluation().evaluate(_call, (inputs, kwargs))
         start = self._clock()
+        self.tput_timer.start()
         runtime = self.steps.begin()
         self._tokens += tokens_in((inputs, kwargs))
         try:
@@ -285,6 +261,9 @@ class Engine(nn.Module):
         """End the micro-batch; at the accumulation boundary apply the update (or skip it on overflow)."""
         if lr_kwargs:
             raise InputError("lr_kwargs is not supported: dsfunc's lr schedule is a function of the step count")
+        if self.inside_no_sync_ctxt:
+            raise UsageError("engine.step() inside engine.no_sync() or engine.coalesce_grad_reduction(): end the "
+                             "with-block first; its backwards go into the step after it")
         if self.steps.runtime is None or self.steps.runtime.micro_backwards == 0:
             raise UsageError(
                 "engine.step() before engine.backward() for this micro-batch: call engine(inputs), "
@@ -292,14 +271,16 @@ class Engine(nn.Module):
             )
         start = self._clock()
         if not self.steps.end_micro_batch():
+            self.tput_timer.stop(global_step=False)
             self._lap("step", start)
             return
         new = self.steps.finish()
+        self.tput_timer.stop(global_step=True)
         self.global_samples += self.train_batch_size()
         self._lap("step", start)
         self.monitor.log(new, samples=self.global_samples, tokens=self._tokens * self.world_size,
                          timings=self._timings or None)
-        self._timings, self._tokens = {}, 0
+        self.last_timings, self._timings, self._tokens = self._timings, {}, 0
 
     def _clock(self) -> float | None:
         if not self.config.wall_clock_breakdown:
@@ -426,14 +407,6 @@ class Engine(nn.Module):
 
 
 DeepSpeedEngine = Engine  # DeepSpeed's name (deepspeed.runtime.engine.DeepSpeedEngine, isinstance checks)
-
-
-def engine_of(workspace: Any) -> Engine:
-    """The live engine whose state's workspace is ``workspace``."""
-    for engine in _ENGINES:
-        if engine.state.program.workspace is workspace:
-            return engine
-    raise InputError("no live engine trains this parameter (the optimizer state lives in an engine's state)")
 
 
 def _call(model: nn.Module, args: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:

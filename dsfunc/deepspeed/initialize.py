@@ -112,6 +112,8 @@ def initialize(
     engine = Engine(state, model=model, local_rank=local_rank, groups=views,
                     scheduled=client_lr is not None or cfg.scheduler is not None, training_dataloader=loader,
                     progress_bar=progress_bar, total_steps=total_steps)
+    engine.client_optimizer, engine.client_lr_scheduler = optimizer, lr_scheduler
+    engine.training_data, engine.collate_fn = training_data, collate_fn
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 

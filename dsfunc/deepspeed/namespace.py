@@ -38,6 +38,7 @@ ALIASES = {
     "ops.lion": "dsfunc.deepspeed.ops",
     "utils": "dsfunc.deepspeed.utils",
     "utils.logging": "dsfunc.deepspeed.utils",
+    "utils.timer": "dsfunc.deepspeed.timers",
     "runtime.utils": "dsfunc.deepspeed.utils",
     "runtime.dataloader": "dsfunc.deepspeed.utils",
     "runtime.engine": "dsfunc.deepspeed.engine",

@@ -21,6 +21,7 @@ import optree
 import torch
 from torch import nn
 
+from dsfunc.deepspeed.live_engines import engine_of
 from dsfunc.distributed import comm
 from dsfunc.errors import InputError, NotSupportedError, unsupported
 from dsfunc.optim.transforms import ScaleByAdamState
@@ -152,8 +153,6 @@ _MOMENTS = {"exp_avg": "mu", "exp_avg_sq": "nu"}
 
 
 def _moments(workspace: Workspace, unit: Unit) -> ScaleByAdamState:
-    from dsfunc.deepspeed.engine import engine_of
-
     opt_state = engine_of(workspace).state.opt_state
     for node in optree.tree_leaves(opt_state, is_leaf=lambda x: isinstance(x, ScaleByAdamState)):
         if isinstance(node, ScaleByAdamState) and unit.name in node.mu:
