@@ -1,0 +1,116 @@
+"""The model, data and per-rank runs the pipeline tests share: a tied-embedding language model as a layer
+list, trained pipelined on the ranks of a test world and, for reference, in one process."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dsfunc
+from dsfunc.errors import InputError
+from dsfunc.pipeline import LayerSpec, StageModule, TiedLayerSpec
+
+VOCAB, DIM, SEQ, MICRO, GAS, STEPS = 16, 8, 5, 2, 4, 4
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.fc(h))
+
+
+def head(embedding: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return h @ embedding.weight.t()
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB).float(), labels.reshape(-1))
+
+
+def layers() -> list[Any]:
+    return [TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM), LayerSpec(Block), LayerSpec(Block),
+            LayerSpec(Block), TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=head)]
+
+
+def config(zero: int = 0, clip: float = 0.5, bf16: bool = False, micro: int = MICRO, **extra: Any) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": GAS,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}},
+            "gradient_clipping": clip, "bf16": {"enabled": bf16}, "zero_optimization": {"stage": zero},
+            "steps_per_print": None, **extra}
+
+
+def batches(replicas: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per step, each replica's ``(tokens, labels)`` of MICRO x GAS samples."""
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (replicas * MICRO * GAS, SEQ), generator=g)
+        labels = torch.roll(tokens, -1, dims=1)
+        n = MICRO * GAS
+        out.append([(tokens[r * n:(r + 1) * n], labels[r * n:(r + 1) * n]) for r in range(replicas)])
+    return out
+
+
+def train_pipelined(cfg: dict[str, Any], pipeline: dict[str, Any] | None, replicas: int, replica: int) -> dict[str, Any]:
+    state = dsfunc.init_state(layers(), cfg, loss_fn=loss_fn, pipeline=pipeline)
+    init = dsfunc.full_params(state)
+    losses = []
+    for step in batches(replicas):
+        state = dsfunc.train_step(state, step[replica])
+        losses.append(float(state.metrics.loss))
+    return {"init": init, "losses": losses, "final": dsfunc.full_params(state), "state": state}
+
+
+def train_reference(init: dict[str, torch.Tensor], cfg: dict[str, Any], replicas: int) -> dict[str, Any]:
+    """One process, the whole model, each step's global batch (micro-batch i of every replica joined)."""
+    model = StageModule(layers(), partition_method="uniform")
+    model.load_state_dict(init)
+    state = dsfunc.init_state(model, cfg, loss_fn=lambda m, b: loss_fn(m(b[0]), b[1]))
+    losses = []
+    for step in batches(replicas):
+        micro = [[(x[i * MICRO:(i + 1) * MICRO], y[i * MICRO:(i + 1) * MICRO]) for x, y in step] for i in range(GAS)]
+        joined = [(torch.cat([x for x, _ in m]), torch.cat([y for _, y in m])) for m in micro]
+        state = dsfunc.train_step(state, joined)
+        losses.append(float(state.metrics.loss))
+    return {"losses": losses, "final": dsfunc.full_params(state)}
+
+
+PIPE = {"stages": 2, "partition_method": "uniform"}
+
+
+def two_stages(rank: int, world: int) -> dict[str, Any]:
+    """pp 2 on 2 ranks: 1F1B with clipping, GPipe from the config section, activation checkpointing, bf16,
+    and a batch of the wrong size."""
+    out = {
+        "1f1b": train_pipelined(config(), PIPE, 1, 0),
+        "gpipe": train_pipelined(config(pipeline={**PIPE, "schedule": "GPipe"}), None, 1, 0),
+        "remat": train_pipelined(config(), {**PIPE, "activation_checkpoint_interval": 1}, 1, 0),
+        "bf16": train_pipelined(config(bf16=True), PIPE, 1, 0),
+    }
+    state = out["1f1b"].pop("state")
+    tokens, labels = batches(1)[0][0]
+    try:
+        dsfunc.train_step(state, (tokens[:6], labels[:6]))
+    except InputError as e:
+        out["bad_batch"] = str(e)
+    for case in out.values():
+        if isinstance(case, dict):
+            case.pop("state", None)
+    return out
+
+
+def two_by_two(rank: int, world: int) -> dict[str, Any]:
+    """pp 2 x dp 2 on 4 ranks at ZeRO 1, 2 and 3."""
+    out = {}
+    for zero in (1, 2, 3):
+        run = train_pipelined(config(zero=zero), PIPE, 2, rank % 2)
+        run.pop("state")
+        out[zero] = run
+    return out
