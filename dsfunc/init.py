@@ -41,6 +41,7 @@ from dsfunc.optim.groups import ParamGroups
 from dsfunc.optim.update import ChainUpdate
 from dsfunc.pipeline.place import place
 from dsfunc.pipeline.runtime import Pipeline
+from dsfunc.pipeline.stage import StageModule
 from dsfunc.program import Program
 from dsfunc.remat import checkpoint_units
 from dsfunc.scaling import LossScaler
@@ -127,6 +128,8 @@ def init_state(
                           param_init_fn=param_init_fn, device=device, compile=compile,
                           activation_checkpointing=activation_checkpointing, in_place=in_place,
                           param_groups=param_groups, lr_schedule=lr_schedule, pipeline=placement.pipeline)
+    if unit_modules is None and isinstance(model, StageModule):  # a layer list's units are its layers
+        unit_modules = model.unit_modules()
     return _build(model, config, loss_fn, optimizer=optimizer, seed=seed, unit_modules=unit_modules,
                   param_init_fn=param_init_fn, device=device, compile=compile,
                   activation_checkpointing=activation_checkpointing, in_place=in_place, param_groups=param_groups,

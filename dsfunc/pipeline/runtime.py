@@ -180,6 +180,25 @@ class Pipeline:
                 out.setdefault(k, v)
         return out
 
+    def whole_model(self, meta: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint description of this stage joined with every other stage's (on every rank): units, state
+        dict entries, buffers and tensors in stage order, each once (a tied module is in several stages)."""
+        if self.topology.pipe_group is None:
+            return meta
+        parts: list[Any] = [None] * self.topology.stages
+        dist.all_gather_object(parts, meta, group=self.topology.pipe_group)
+        whole = dict(parts[0])
+        for field, first_of in (("units", lambda u: u["name"]), ("state_dict", lambda e: e[0])):
+            seen: dict[str, Any] = {}
+            for part in parts:
+                for item in part[field]:
+                    seen.setdefault(first_of(item), item)
+            whole[field] = list(seen.values())
+        for field in ("buffers", "tensors"):
+            whole[field] = {k: v for part in parts for k, v in part[field].items()}
+        whole["pipeline_stages"] = self.topology.stages
+        return whole
+
     def evaluate(self, state: TrainState, batch: Batch) -> torch.Tensor:
         """The mean loss of ``batch`` over the micro-batches and replicas, on every rank (no gradients)."""
         program = state.program

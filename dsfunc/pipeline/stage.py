@@ -142,9 +142,10 @@ class StageModule(nn.Module):
                              "LayerSpec, a TiedLayerSpec or a callable")
 
     def unit_modules(self) -> list[str]:
-        """The ZeRO units: each layer with parameters, and each tied module."""
+        """The ZeRO units: each tied module, then each layer with parameters (the stages' lists, joined in stage
+        order without repeats, are the one-stage module's: a checkpoint describes the whole model)."""
         own = [name for name, m in self._modules.items() if name != TIED_PREFIX and any(True for _ in m.parameters())]
-        return own + [f"{TIED_PREFIX}.{key}" for key in self.tied_modules]
+        return [f"{TIED_PREFIX}.{key}" for key in self.tied_modules] + own
 
     def forward(self, *inputs: Any) -> Any:
         x = inputs[0] if len(inputs) == 1 else inputs

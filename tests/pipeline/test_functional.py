@@ -6,8 +6,12 @@ and an lr schedule, GPipe, activation checkpointing, bf16), and 2 stages x 2 rep
 from __future__ import annotations
 
 import pytest
+import safetensors.torch
 import torch
 
+import dsfunc
+from dsfunc.cli import export as cli_export
+from dsfunc.pipeline import StageModule
 from tests.multiprocess import run_world
 from tests.pipeline import workers
 
@@ -20,8 +24,13 @@ def _close(run, ref, loss_tol, param_tol):
 
 
 @pytest.fixture(scope="module")
-def two_stages():
-    return run_world(workers.two_stages, 2)
+def folder(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("pipeline") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def two_stages(folder):
+    return run_world(workers.two_stages, 2, folder)
 
 
 @pytest.mark.parametrize("case", ["1f1b", "gpipe", "remat"])
@@ -44,11 +53,28 @@ def test_a_batch_that_is_not_micro_batches_is_named(two_stages):
     assert "6 samples" in message and "gradient_accumulation_steps (4)" in message
 
 
-def test_two_stages_by_two_replicas_at_zero_1_2_3():
-    results = run_world(workers.two_by_two, 4)
+def test_two_stages_by_two_replicas_at_zero_1_2_3_and_a_resumed_checkpoint(two_stages, folder):
+    results = run_world(workers.two_by_two, 4, folder)
     for zero in (1, 2, 3):
         run = results[0][zero]
         ref = workers.train_reference(run["init"], workers.config(micro=2 * workers.MICRO), 2)
         _close(run, ref, 1e-5, 1e-5)
         for other in results[1:]:
             assert all(torch.equal(run["final"][k], other[zero]["final"][k]) for k in run["final"])
+    expected = two_stages[0]["ckpt"]["losses"]  # the 2-rank run, uninterrupted
+    for rank in range(4):  # resumed at 2 x 2 (ZeRO 3) and at 4 stages
+        for case in ("resumed", "four_stages"):
+            assert max(abs(a - b) for a, b in zip(results[rank][case], expected)) < 1e-5, (rank, case)
+
+
+def test_a_pipelined_checkpoint_is_the_whole_model(two_stages, folder, tmp_path):
+    saved = two_stages[0]["ckpt"]["saved"]
+    assert cli_export([folder, str(tmp_path / "w.safetensors"), "--tag", "half"]) == 0
+    exported = safetensors.torch.load_file(str(tmp_path / "w.safetensors"))
+    model = StageModule(workers.layers(), partition_method="uniform")
+    model.load_state_dict(exported)  # every parameter of the one-stage model, once
+    assert sorted(exported) == sorted(saved) and all(torch.equal(exported[k], saved[k]) for k in saved)
+    # and it resumes in one process, without a pipeline
+    state = dsfunc.init_state(model, workers.config(), loss_fn=lambda m, b: workers.loss_fn(m(b[0]), b[1]))
+    losses = workers.resume(state, folder, 1, 0)
+    assert max(abs(a - b) for a, b in zip(losses, two_stages[0]["ckpt"]["losses"])) < 1e-5

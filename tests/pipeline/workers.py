@@ -85,10 +85,49 @@ def train_reference(init: dict[str, torch.Tensor], cfg: dict[str, Any], replicas
 PIPE = {"stages": 2, "partition_method": "uniform"}
 
 
-def two_stages(rank: int, world: int) -> dict[str, Any]:
+def one_replica_steps() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [step[0] for step in batches(1)]
+
+
+def as_replicas(step: tuple[torch.Tensor, torch.Tensor], replicas: int, replica: int, micro: int) -> Any:
+    """The same global batch for ``replicas`` replicas of ``micro`` samples per micro-batch: replica r takes
+    the r-th part of every micro-batch of the one-replica batch."""
+    x, y = step
+    parts = [(x[i * MICRO:(i + 1) * MICRO][replica * micro:(replica + 1) * micro],
+              y[i * MICRO:(i + 1) * MICRO][replica * micro:(replica + 1) * micro]) for i in range(GAS)]
+    return parts
+
+
+def save_half_way(folder: str) -> dict[str, Any]:
+    """pp 2, one replica: 2 steps, a checkpoint, 2 more steps."""
+    state = dsfunc.init_state(layers(), config(), loss_fn=loss_fn, pipeline=PIPE)
+    steps = one_replica_steps()
+    for step in steps[:2]:
+        state = dsfunc.train_step(state, step)
+    dsfunc.save_checkpoint(state, folder, tag="half")
+    saved = dsfunc.full_params(state)
+    losses = []
+    for step in steps[2:]:
+        state = dsfunc.train_step(state, step)
+        losses.append(float(state.metrics.loss))
+    return {"saved": saved, "losses": losses}
+
+
+def resume(state: Any, folder: str, replicas: int, replica: int) -> list[float]:
+    """Load ``folder``'s checkpoint into ``state`` and run the last 2 steps on ``replicas`` replicas."""
+    state, _ = dsfunc.load_checkpoint(folder, state, tag="half")
+    losses = []
+    for step in one_replica_steps()[2:]:
+        state = dsfunc.train_step(state, as_replicas(step, replicas, replica, MICRO // replicas))
+        losses.append(float(state.metrics.loss))
+    return losses
+
+
+def two_stages(rank: int, world: int, folder: str) -> dict[str, Any]:
     """pp 2 on 2 ranks: 1F1B with clipping, GPipe from the config section, activation checkpointing, bf16,
-    and a batch of the wrong size."""
+    a batch of the wrong size, and a checkpoint half way."""
     out = {
+        "ckpt": save_half_way(folder),
         "1f1b": train_pipelined(config(), PIPE, 1, 0),
         "gpipe": train_pipelined(config(pipeline={**PIPE, "schedule": "GPipe"}), None, 1, 0),
         "remat": train_pipelined(config(), {**PIPE, "activation_checkpoint_interval": 1}, 1, 0),
@@ -106,11 +145,16 @@ def two_stages(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def two_by_two(rank: int, world: int) -> dict[str, Any]:
-    """pp 2 x dp 2 on 4 ranks at ZeRO 1, 2 and 3."""
-    out = {}
+def two_by_two(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """pp 2 x dp 2 on 4 ranks at ZeRO 1, 2 and 3; the 2-rank checkpoint resumed here at ZeRO 3 (the same
+    global batch over 2 replicas), and a 4-stage one-replica run of the same checkpoint."""
+    out: dict[str, Any] = {}
     for zero in (1, 2, 3):
         run = train_pipelined(config(zero=zero), PIPE, 2, rank % 2)
         run.pop("state")
         out[zero] = run
+    template = dsfunc.init_state(layers(), config(zero=3, micro=MICRO // 2), loss_fn=loss_fn, pipeline=PIPE)
+    out["resumed"] = resume(template, folder, 2, rank % 2)
+    four = dsfunc.init_state(layers(), config(zero=1), loss_fn=loss_fn, pipeline={**PIPE, "stages": 4})
+    out["four_stages"] = resume(four, folder, 1, 0)
     return out
