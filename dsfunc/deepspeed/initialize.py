@@ -108,6 +108,7 @@ def initialize(
         cuda = state.program.device.type == "cuda"
         loader = DistributedLoader(
             training_data, cfg.train_micro_batch_size_per_gpu, rank=comm.rank() % world, world_size=world,
+            shuffle=not pipelined,  # DeepSpeed's pipeline engine reads its data in order
             drop_last=cfg.dataloader_drop_last, collate_fn=collate_fn, num_workers=2 if cuda else 0,
             pin_memory=cuda,
         )

@@ -56,7 +56,8 @@ def partition_balanced(weights: Sequence[float], parts: int) -> list[int]:
 def partition(method: str, parts: int, names: Sequence[str], param_counts: Sequence[int]) -> list[int]:
     """Stage boundaries by ``method`` for layers with class ``names`` and trainable ``param_counts``.
 
-    Every stage must get at least one layer: fewer layers than stages is an error naming both.
+    Every stage gets at least one layer (every split point lies between layers): fewer layers than stages is an
+    error naming both.
     """
     if len(names) < parts:
         raise InputError(
@@ -77,11 +78,5 @@ def partition(method: str, parts: int, names: Sequence[str], param_counts: Seque
     else:
         raise InputError(
             f'partition_method {method!r} is not one of "parameters", "uniform" or "type:<class-name regex>"'
-        )
-    empty = [s for s in range(parts) if bounds[s] == bounds[s + 1]]
-    if empty:
-        raise InputError(
-            f"partition_method {method!r} leaves pipeline stages {empty} without layers ({len(names)} layers "
-            f"over {parts} stages, boundaries {bounds}); use partition_method=\"uniform\" or fewer stages"
         )
     return bounds
