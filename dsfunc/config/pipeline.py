@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dsfunc.config.checks import _bool, _integer, _only, _string
+from dsfunc.config.checks import _bool, _integer, _only, _optional, _string
 from dsfunc.config.errors import _bad
 from dsfunc.config.schema import _key, _section
 
@@ -37,7 +37,7 @@ def _partition_method(value: Any, path: str) -> str:
 class PipelineConfig:
     """``pipeline``: how many stages the layers are split over, and the schedule that runs them."""
 
-    stages: int | None = _key(None, _integer(ge=1))
+    stages: int | None = _key(None, _optional(_integer(ge=1)))
     """Pipeline stages; the world splits into stages x data-parallel replicas (world_size must divide). Unset
     (or DeepSpeed's "auto"): the PipelineModule's num_stages, or no pipeline for init_state.
     """

@@ -1,6 +1,6 @@
 """A pipelined ``train_step`` (init_state(pipeline=...) or a config "pipeline" section) gives the losses and
 parameters of the same model trained in one process: 2 stages on 2 ranks (1F1B with clipping over all stages
-and an lr schedule, GPipe, activation checkpointing, bf16), and 2 stages x 2 replicas on 4 ranks at ZeRO
+and an lr schedule, GPipe, activation checkpointing, bf16, fp16 with its loss scale), and 2 stages x 2 replicas on 4 ranks at ZeRO
 1, 2 and 3; a batch of the wrong size is an error naming the sizes."""
 
 from __future__ import annotations
@@ -42,10 +42,13 @@ def test_two_stages_train_like_one_process(two_stages, case):
     assert any((run["final"][k] != run["init"][k]).any() for k in run["init"])
 
 
-def test_bf16_pipeline_follows_bf16_in_one_process(two_stages):
-    run = two_stages[0]["bf16"]
-    ref = workers.train_reference(run["init"], workers.config(bf16=True), 1)
-    _close(run, ref, 2e-2, 2e-2)  # bf16 rounding of activations that cross a stage boundary differs
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_16_bit_pipeline_follows_16_bit_in_one_process(two_stages, precision):
+    run = two_stages[0][precision]
+    cfg = workers.config(bf16=True) if precision == "bf16" else workers.config(
+        fp16={"enabled": True, "initial_scale_power": 8})
+    ref = workers.train_reference(run["init"], cfg, 1)
+    _close(run, ref, 2e-2, 2e-2)  # 16-bit rounding in a different order (each stage's own compute copies)
 
 
 def test_a_batch_that_is_not_micro_batches_is_named(two_stages):

@@ -39,6 +39,7 @@ def layers() -> list[Any]:
 
 
 def config(zero: int = 0, clip: float = 0.5, bf16: bool = False, micro: int = MICRO, **extra: Any) -> dict[str, Any]:
+    """The run's config; ``extra`` adds or replaces sections."""
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": GAS,
             "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
             "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}},
@@ -132,6 +133,7 @@ def two_stages(rank: int, world: int, folder: str) -> dict[str, Any]:
         "gpipe": train_pipelined(config(pipeline={**PIPE, "schedule": "GPipe"}), None, 1, 0),
         "remat": train_pipelined(config(), {**PIPE, "activation_checkpoint_interval": 1}, 1, 0),
         "bf16": train_pipelined(config(bf16=True), PIPE, 1, 0),
+        "fp16": train_pipelined(config(fp16={"enabled": True, "initial_scale_power": 8}), PIPE, 1, 0),
     }
     state = out["1f1b"].pop("state")
     tokens, labels = batches(1)[0][0]
