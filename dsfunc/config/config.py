@@ -16,7 +16,7 @@ from dsfunc.config.compile import CompileConfig, _compile
 from dsfunc.config.errors import ConfigError
 from dsfunc.config.monitor import MonitorConfig
 from dsfunc.config.optimizer import OptimizerConfig, _optimizer
-from dsfunc.config.pipeline import PipelineConfig, _pipeline
+from dsfunc.config.pipeline import PipelineConfig, _pipeline, parse_pipeline
 from dsfunc.config.precision import _BF16_FIXED, _FP16_FIXED, BF16Config, FP16Config, _grad_accum_dtype
 from dsfunc.config.scheduler import SchedulerConfig, _scheduler
 from dsfunc.config.schema import _key, _parse, _Schema, _section, _Spec, _specs_of
@@ -208,3 +208,11 @@ _TOP = _Schema(
     fixed=_UNSUPPORTED_TOP,
     aliases={"bfloat16": "bf16"},
 )
+
+
+def pipeline_section(source: Any) -> PipelineConfig:
+    """The ``pipeline`` section of a config source (dict, JSON path, ``Config``, ...), read before the rest:
+    the stages decide the data-parallel size the batch triple is resolved against."""
+    if isinstance(source, Config):
+        return source.pipeline
+    return parse_pipeline(_read_source(source).get("pipeline"))

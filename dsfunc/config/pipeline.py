@@ -16,7 +16,7 @@ from dsfunc.config.checks import _bool, _integer, _only, _optional, _string
 from dsfunc.config.errors import _bad
 from dsfunc.config.schema import _key, _section
 
-SCHEDULES = ("1F1B", "GPipe")
+SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 
 
 def _schedule(value: Any, path: str) -> str:
@@ -38,12 +38,16 @@ class PipelineConfig:
     """``pipeline``: how many stages the layers are split over, and the schedule that runs them."""
 
     stages: int | None = _key(None, _optional(_integer(ge=1)))
-    """Pipeline stages; the world splits into stages x data-parallel replicas (world_size must divide). Unset
-    (or DeepSpeed's "auto"): the PipelineModule's num_stages, or no pipeline for init_state.
+    """Pipeline stages; the world splits into stages / stages_per_rank ranks x data-parallel replicas (world_size
+    must divide). Unset (or DeepSpeed's "auto"): the PipelineModule's num_stages, or no pipeline for init_state.
     """
     schedule: str = _key("1F1B", _schedule)
-    """The torch.distributed.pipelining schedule of one step's micro-batches: "1F1B" (DeepSpeed's, the default)
-    or "GPipe". A dsfunc key.
+    """The torch.distributed.pipelining schedule of one step's micro-batches: "1F1B" (DeepSpeed's, the default),
+    "GPipe", or "Interleaved1F1B" (several stages per rank: stages_per_rank). A dsfunc key.
+    """
+    stages_per_rank: int = _key(1, _integer(ge=1))
+    """Stages each pipeline rank holds, for "Interleaved1F1B": rank r holds stages r, r + R, ... of stages = R x
+    stages_per_rank (R ranks per replica). A dsfunc key.
     """
     partition_method: str = _key("parameters", _partition_method)
     """How init_state splits the layers: "parameters" (balance trainable parameters), "uniform" (balance layer
@@ -79,13 +83,3 @@ def parse_pipeline(section: Any) -> PipelineConfig:
         section = {"stages": section}
     return _pipeline(section, "pipeline")
 
-
-def pipeline_section(source: Any) -> PipelineConfig:
-    """The ``pipeline`` section of a config source (dict, JSON path, ``Config``, ...), read before the rest:
-    the stages decide the data-parallel size the batch triple is resolved against."""
-    from dsfunc.config.config import Config
-    from dsfunc.config.sources import _read_source
-
-    if isinstance(source, Config):
-        return source.pipeline
-    return parse_pipeline(_read_source(source).get("pipeline"))

@@ -65,7 +65,7 @@ class PipelineModule(StageModule):
         super().__init__(list(layers), stages=stages, stage=comm.rank() // dp, partition_method=partition_method,
                          loss_fn=loss_fn, activation_checkpoint_interval=activation_checkpoint_interval,
                          seed_layers=seed_layers, base_seed=base_seed, seed_fn=seed_fn)
-        self.pipe_topology: Topology = make_topology(stages, self.tied_stages)
+        self.pipe_topology: Topology = make_topology(stages, self.tied_ranks)
         self._topo = PipeDataParallelTopology(stages, dp)
 
     def topology(self) -> PipeDataParallelTopology:

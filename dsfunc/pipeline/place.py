@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dsfunc.config import PipelineConfig, parse_pipeline
-from dsfunc.config.pipeline import pipeline_section
+from dsfunc.config.config import pipeline_section
 from dsfunc.distributed import comm
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.pipeline.runtime import Pipeline
@@ -47,8 +47,13 @@ def place(model: Any, config: Any, given: int | Mapping[str, Any] | PipelineConf
         return None
     else:
         layers = _layers(model)
-        dp = check_world(section.stages, comm.world_size())
+        ranks = section.stages // section.stages_per_rank if section.stages % section.stages_per_rank == 0 else 0
+        if not ranks:
+            raise InputError(f"pipeline.stages ({section.stages}) must be a multiple of stages_per_rank "
+                             f"({section.stages_per_rank})")
+        dp = check_world(ranks, comm.world_size())
         module = StageModule(layers, stages=section.stages, stage=comm.rank() // dp,
+                             stages_per_rank=section.stages_per_rank,
                              partition_method=section.partition_method, loss_fn=loss_fn,
                              activation_checkpoint_interval=section.activation_checkpoint_interval,
                              seed_layers=section.seed_layers)
@@ -57,7 +62,7 @@ def place(model: Any, config: Any, given: int | Mapping[str, Any] | PipelineConf
     if loss is None:
         raise InputError("a pipeline needs loss_fn(outputs, labels): pass loss_fn= to init_state (or to the "
                          "PipelineModule); the last stage applies it to its outputs and the batch's labels")
-    topology = module.pipe_topology or make_topology(module.num_stages, module.tied_stages)
+    topology = module.pipe_topology or make_topology(module.pipeline_ranks, module.tied_ranks)
     sync_tied(module, topology)
     return Placement(module, Pipeline(topology, section.schedule, loss), built)
 

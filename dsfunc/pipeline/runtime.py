@@ -92,7 +92,7 @@ class Pipeline:
 
         def run() -> torch.Tensor:
             args = (inputs if isinstance(inputs, tuple) else (inputs,)) if topo.is_first_stage else ()
-            schedule.step(*args, target=labels if topo.is_last_stage else None, return_outputs=False)
+            schedule.step(*args, target=labels if topo.is_last_stage else None)
             if topo.is_last_stage:
                 return torch.stack(self._losses[-n:]).mean()  # (shape inference computes a loss of its own first)
             return torch.zeros((), device=program.device)
@@ -182,7 +182,8 @@ class Pipeline:
 
     def whole_model(self, meta: dict[str, Any]) -> dict[str, Any]:
         """A checkpoint description of this stage joined with every other stage's (on every rank): units, state
-        dict entries, buffers and tensors in stage order, each once (a tied module is in several stages)."""
+        dict entries, buffers and tensors, each once (a tied module is in several stages), units and entries in
+        the one-stage module's order (tied modules, then layers by index)."""
         if self.topology.pipe_group is None:
             return meta
         parts: list[Any] = [None] * self.topology.stages
@@ -193,7 +194,7 @@ class Pipeline:
             for part in parts:
                 for item in part[field]:
                     seen.setdefault(first_of(item), item)
-            whole[field] = list(seen.values())
+            whole[field] = sorted(seen.values(), key=lambda item, f=first_of: _layer_order(f(item)))
         for field in ("buffers", "tensors"):
             whole[field] = {k: v for part in parts for k, v in part[field].items()}
         whole["pipeline_stages"] = self.topology.stages
@@ -218,3 +219,9 @@ class Pipeline:
         loss = torch.stack(self._losses[-n:]).mean() if topo.is_last_stage else torch.zeros((), device=program.device)
         return self.norm_and_loss(program.plan, {}, loss)[1]
 
+
+def _layer_order(name: str) -> tuple[int, int]:
+    """Where a unit or state-dict key of a :class:`~dsfunc.pipeline.StageModule` sits in the one-stage module:
+    tied modules first, then layers by their index."""
+    head = name.split(".", 1)[0]
+    return (0, 0) if head == TIED_PREFIX else (1, int(head) if head.isdigit() else -1)

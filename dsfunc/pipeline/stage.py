@@ -99,9 +99,11 @@ def tied_stages(layers: Sequence[Any], bounds: Sequence[int]) -> dict[str, list[
 
 
 class StageModule(nn.Module):
-    """Layers ``bounds[stage]:bounds[stage + 1]`` of ``layers``, run in order."""
+    """The layers of pipeline rank ``stage``: stage ``stage``'s (``bounds[stage]:bounds[stage + 1]``), or with
+    ``stages_per_rank = v`` the ``v`` stages ``stage, stage + R, ..., stage + (v - 1) R`` of ``stages = v R``
+    (an interleaved schedule's), run in that order."""
 
-    def __init__(self, layers: Sequence[Any], *, stages: int = 1, stage: int = 0,
+    def __init__(self, layers: Sequence[Any], *, stages: int = 1, stage: int = 0, stages_per_rank: int = 1,
                  partition_method: str = "parameters", loss_fn: Callable[..., torch.Tensor] | None = None,
                  activation_checkpoint_interval: int = 0, seed_layers: bool = False, base_seed: int = 1234,
                  seed_fn: Callable[[int], None] | None = None) -> None:
@@ -109,20 +111,38 @@ class StageModule(nn.Module):
         layers = list(layers)
         if not layers:
             raise InputError("a pipeline needs at least one layer")
+        if stages % stages_per_rank:
+            raise InputError(f"{stages} pipeline stages do not split into {stages_per_rank} stages per rank")
         self.loss_fn = loss_fn
-        self.num_stages, self.stage_id = stages, stage
+        self.num_stages, self.stage_id, self.stages_per_rank = stages, stage, stages_per_rank
         self.pipe_topology: Any = None  # the grid, when the module made it (DeepSpeed's PipelineModule)
         self.activation_checkpoint_interval = activation_checkpoint_interval
         self.parts = stage_bounds(layers, stages, partition_method)
+        ranks = self.pipeline_ranks
         self.tied_stages = tied_stages(layers, self.parts)
+        self.tied_ranks = {key: sorted({s % ranks for s in held}) for key, held in self.tied_stages.items()}
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
-        self.forward_funcs: list[Callable[[Any], Any]] = []
-        start, stop = self.parts[stage], self.parts[stage + 1]
-        for index in range(start, stop):
-            if seed_layers:
-                (seed_fn or _seed_all)(base_seed + index)
-            self.forward_funcs.append(self._build(index, layers[index]))
+        self.held_stages = [stage + k * ranks for k in range(stages_per_rank)]
+        self.chunk_funcs: list[list[Callable[[Any], Any]]] = []
+        for held in self.held_stages:
+            funcs = []
+            for index in range(self.parts[held], self.parts[held + 1]):
+                if seed_layers:
+                    (seed_fn or _seed_all)(base_seed + index)
+                funcs.append(self._build(index, layers[index]))
+            self.chunk_funcs.append(funcs)
+        self.forward_funcs = [f for funcs in self.chunk_funcs for f in funcs]
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """Ranks one replica of the pipeline spans."""
+        return self.num_stages // self.stages_per_rank
+
+    def chunks(self) -> list[nn.Module]:
+        """One module per stage this rank holds (for the schedule's stages): views of this module's layers,
+        not registered in it (the layers keep their names here)."""
+        return [_Chunk(self, k) for k in range(len(self.held_stages))]
 
     def _build(self, index: int, layer: Any) -> Callable[[Any], Any]:
         if isinstance(layer, TiedLayerSpec):
@@ -148,8 +168,13 @@ class StageModule(nn.Module):
         return [f"{TIED_PREFIX}.{key}" for key in self.tied_modules] + own
 
     def forward(self, *inputs: Any) -> Any:
+        return self.run_chunk(self.forward_funcs, *inputs)
+
+    def run_chunk(self, funcs: Sequence[Callable[[Any], Any]], *inputs: Any) -> Any:
+        """``funcs`` in order on ``inputs`` (one tensor, or a tuple the first layer takes as it is), runs of
+        ``activation_checkpoint_interval`` layers with parameters recomputed in backward."""
         x = inputs[0] if len(inputs) == 1 else inputs
-        funcs, every = self.forward_funcs, self.activation_checkpoint_interval
+        every = self.activation_checkpoint_interval
         if every <= 0 or not torch.is_grad_enabled():
             return _run(funcs, x)
         for start in range(0, len(funcs), every):
@@ -159,6 +184,18 @@ class StageModule(nn.Module):
             else:
                 x = _run(chunk, x)
         return x
+
+
+class _Chunk(nn.Module):
+    """One held stage of a :class:`StageModule`, as the module a ``PipelineStage`` runs."""
+
+    def __init__(self, owner: StageModule, index: int) -> None:
+        super().__init__()
+        self.__dict__["owner"] = owner  # not a submodule: the layers are the owner's
+        self.index = index
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.owner.run_chunk(self.owner.chunk_funcs[self.index], *inputs)
 
 
 def _run(funcs: Sequence[Callable[[Any], Any]], x: Any) -> Any:

@@ -20,9 +20,9 @@ from dsfunc.errors import InputError
 class Topology:
     """This rank's place in the grid and the groups it talks over."""
 
-    stages: int
+    stages: int  # pipeline ranks per replica (the stages, or stages / stages_per_rank for an interleaved schedule)
     data_parallel: int
-    stage: int
+    stage: int  # this rank's place in its replica's pipeline
     replica: int
     pipe_group: dist.ProcessGroup | None  # this replica's ranks, one per stage (None on one rank)
     data_group: dist.ProcessGroup | None  # this stage's replicas (None only on one rank: the world)
@@ -54,8 +54,8 @@ def check_world(stages: int, world: int) -> int:
 
 
 def make_topology(stages: int, tied_stages: dict[str, list[int]]) -> Topology:
-    """Build the grid for ``stages`` on the current world; ``tied_stages`` maps each tie key to the stages
-    holding that module (a group per replica joins them)."""
+    """Build the grid for ``stages`` pipeline ranks per replica on the current world; ``tied_stages`` maps each
+    tie key to the pipeline ranks holding that module (a group per replica joins them)."""
     world, rank = comm.world_size(), comm.rank()
     dp = check_world(stages, world)
     stage, replica = divmod(rank, dp)

@@ -81,3 +81,13 @@ def test_a_pipelined_checkpoint_is_the_whole_model(two_stages, folder, tmp_path)
     state = dsfunc.init_state(model, workers.config(), loss_fn=lambda m, b: workers.loss_fn(m(b[0]), b[1]))
     losses = workers.resume(state, folder, 1, 0)
     assert max(abs(a - b) for a, b in zip(losses, two_stages[0]["ckpt"]["losses"])) < 1e-5
+
+
+def test_interleaved_1f1b_holds_two_stages_per_rank_and_trains_like_one_process(tmp_path):
+    results = run_world(workers.interleaved, 2, str(tmp_path / "ckpt"))
+    assert [r["held"] for r in results] == [[0, 2], [1, 3]]
+    run = results[0]
+    _close(run, workers.train_reference(run["init"], workers.config(), 1), 1e-5, 1e-5)
+    assert cli_export([str(tmp_path / "ckpt"), str(tmp_path / "w.safetensors")]) == 0  # the whole model, in order
+    exported = safetensors.torch.load_file(str(tmp_path / "w.safetensors"))
+    assert all(torch.equal(exported[k], v) for k, v in run["final"].items()) and exported.keys() == run["final"].keys()

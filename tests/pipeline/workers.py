@@ -160,3 +160,13 @@ def two_by_two(rank: int, world: int, folder: str) -> dict[str, Any]:
     four = dsfunc.init_state(layers(), config(zero=1), loss_fn=loss_fn, pipeline={**PIPE, "stages": 4})
     out["four_stages"] = resume(four, folder, 1, 0)
     return out
+
+
+def interleaved(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """Interleaved 1F1B: 4 stages on 2 ranks (each rank two of them), and its checkpoint in ``folder``."""
+    pipeline = {"stages": 4, "stages_per_rank": 2, "schedule": "Interleaved1F1B", "partition_method": "uniform"}
+    run = train_pipelined(config(), pipeline, 1, 0)
+    state = run.pop("state")
+    run["held"] = state.program.skeleton.held_stages
+    dsfunc.save_checkpoint(state, folder, tag="end")
+    return run
