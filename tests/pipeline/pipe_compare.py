@@ -1,6 +1,7 @@
 """One DeepSpeed pipeline script for real DeepSpeed and for dsfunc (``--backend``): a PipelineModule whose input
 embedding and output head are one TiedLayerSpec, split over 2 stages (times the data-parallel ranks left), trained
-with ``engine.train_batch``, then one ``engine.eval_batch``. Writes ``<out>.<backend>.rank<r>.pt`` with the losses
+with ``engine.train_batch``, then one ``engine.eval_batch``, a checkpoint, one more step and the checkpoint loaded
+back (the evaluation and weights as saved). Writes ``<out>.<backend>.rank<r>.pt`` with the losses
 train_batch returned, the evaluated loss and this stage's parameters.
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/pipeline/pipe_compare.py --backend deepspeed --out x
@@ -86,6 +87,11 @@ mine = range(dp_rank * GAS * MICRO, (dp_rank + 1) * GAS * MICRO, MICRO)
 labels = tokens[:, 0] % 3 if args.training_data else torch.roll(tokens, -1, 1)
 evaluated = float(engine.eval_batch(iter([(tokens[i:i + MICRO], labels[i:i + MICRO]) for i in mine])))
 params = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+engine.save_checkpoint(f"{args.out}.{args.backend}.ckpt", tag="end")  # every stage, then back from disk
+losses.append(float(engine.train_batch(iter([(tokens[i:i + MICRO], labels[i:i + MICRO]) for i in mine]))))
+engine.load_checkpoint(f"{args.out}.{args.backend}.ckpt", tag="end")
+reloaded = float(engine.eval_batch(iter([(tokens[i:i + MICRO], labels[i:i + MICRO]) for i in mine])))
+assert abs(reloaded - evaluated) < 1e-6 and all(torch.equal(v.float(), params[k]) for k, v in model.state_dict().items())
 torch.save({"losses": losses, "params": params, "stage": engine.stage_id, "eval": evaluated,
             "first": engine.is_first_stage(), "last": engine.is_last_stage()},
            f"{args.out}.{args.backend}.rank{rank}.pt")
