@@ -47,7 +47,12 @@ PipeModelDataParallelTopology = unsupported("deepspeed.runtime.pipe.topology.Pip
 
 
 class PipelineModule(StageModule):
-    """DeepSpeed's ``PipelineModule``: this rank's stage of ``layers`` (see the module docstring)."""
+    """DeepSpeed's ``PipelineModule``: this rank's stage of ``layers`` (see the module docstring).
+
+    ``activation_checkpoint_interval`` recomputes runs of that many layers with ``torch.utils.checkpoint``
+    (non-reentrant); ``activation_checkpoint_func``, ``checkpointable_layers`` and ``dynamic_shape`` are
+    accepted and not read (torch's schedule infers the shapes once, from the first step).
+    """
 
     def __init__(self, layers: Iterable[Any], num_stages: int | None = None, topology: Any = None,
                  loss_fn: Callable[..., torch.Tensor] | None = None, seed_layers: bool = False,
