@@ -25,12 +25,13 @@ from dsfunc.config import (
     ActivationCheckpointingConfig,
     CompileConfig,
     Config,
+    PipelineConfig,
     announce_without_effect,
     parse_activation_checkpointing,
     parse_compile,
 )
 from dsfunc.distributed import comm
-from dsfunc.errors import InputError
+from dsfunc.errors import InputError, NotSupportedError
 from dsfunc.frozen import FrozenDict
 from dsfunc.graphs import GraphedStep
 from dsfunc.optim.base import Transform, multi_transform
@@ -38,6 +39,9 @@ from dsfunc.optim.from_config import LrSchedule, update_from_config
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.groups import ParamGroups
 from dsfunc.optim.update import ChainUpdate
+from dsfunc.pipeline.place import place
+from dsfunc.pipeline.runtime import Pipeline
+from dsfunc.pipeline.stage import StageModule
 from dsfunc.program import Program
 from dsfunc.remat import checkpoint_units
 from dsfunc.scaling import LossScaler
@@ -70,6 +74,7 @@ def init_state(
     in_place: bool = False,
     param_groups: ParamGroups | None = None,
     lr_schedule: LrSchedule | None = None,
+    pipeline: int | Mapping[str, Any] | PipelineConfig | None = None,
 ) -> TrainState:
     """Build the training state for ``model`` as the DeepSpeed ``config`` describes.
 
@@ -104,11 +109,39 @@ def init_state(
         over parameter names (:class:`dsfunc.ParamGroups`), e.g. no weight decay on biases and norms.
       lr_schedule: ``lr_schedule(group_lr) -> Schedule`` replaces the config's scheduler section, once
         per parameter group.
+      pipeline: pipeline parallelism (:mod:`dsfunc.pipeline`): the stages, or a ``pipeline`` config section
+        (``{"stages": 2, "schedule": "1F1B"}``); default: the config's section. ``model`` is then a layer list
+        (``nn.Sequential``, or modules, ``LayerSpec``/``TiedLayerSpec`` and callables) or a ``PipelineModule``;
+        each rank builds and trains its own stage, ZeRO runs over the stage's data-parallel ranks
+        (``world_size / stages``, which the config's batch sizes count), ``loss_fn(outputs, labels)`` runs on the
+        last stage, and a step's batch is ``(inputs, labels)``.
 
     Returns:
       A :class:`TrainState`; every rank of the process group must call this. Unless ``in_place``,
       ``model`` itself is only read: the state trains a skeleton copy of it.
     """
+    placement = place(model, config, pipeline, loss_fn)
+    if placement is not None:
+        with placement.pipeline.scope():  # ZeRO over the stage's data-parallel ranks
+            return _build(placement.module, config, None, optimizer=optimizer, seed=seed,
+                          unit_modules=placement.module.unit_modules() if unit_modules is None else unit_modules,
+                          param_init_fn=param_init_fn, device=device, compile=compile,
+                          activation_checkpointing=activation_checkpointing, in_place=in_place,
+                          param_groups=param_groups, lr_schedule=lr_schedule, pipeline=placement.pipeline)
+    if unit_modules is None and isinstance(model, StageModule):  # a layer list's units are its layers
+        unit_modules = model.unit_modules()
+    return _build(model, config, loss_fn, optimizer=optimizer, seed=seed, unit_modules=unit_modules,
+                  param_init_fn=param_init_fn, device=device, compile=compile,
+                  activation_checkpointing=activation_checkpointing, in_place=in_place, param_groups=param_groups,
+                  lr_schedule=lr_schedule, pipeline=None)
+
+
+def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: Any, seed: int,
+           unit_modules: Sequence[str] | None, param_init_fn: Callable[[nn.Module], None] | None,
+           device: torch.device | str | None, compile: bool | Mapping[str, Any] | None,
+           activation_checkpointing: str | Mapping[str, Any] | None, in_place: bool,
+           param_groups: ParamGroups | None, lr_schedule: LrSchedule | None, pipeline: Pipeline | None) -> TrainState:
+    """:func:`init_state` for one module (a pipeline stage's, inside its data-parallel scope)."""
     cfg = Config.load(config, world_size=comm.world_size())
     announce_without_effect(cfg)
     device = torch.device(device) if device is not None else _default_device()
@@ -118,6 +151,9 @@ def init_state(
     comm_dtype = _COMM_DTYPES[cfg.communication_data_type]
     host = HostOffload.from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype, grad_dtype=(
         grad_dtype(cfg.compute_dtype, comm_dtype, plan.world_size, cfg.gradient_accumulation_steps)))
+    if pipeline is not None and host is not None:
+        raise NotSupportedError("ZeRO-Offload with pipeline parallelism is not supported by dsfunc; remove the "
+                                "offload_optimizer/offload_param sections or the pipeline")
     params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn, host)
     slots = Slots(skeleton, plan, buffers.keys())
     scaler = LossScaler.from_config(cfg.fp16)
@@ -135,7 +171,8 @@ def init_state(
         workspace=workspace, update=update, scaler=scaler, loss_fn=loss_fn, device=device,
         compute_dtype=cfg.compute_dtype, comm_dtype=comm_dtype,
         persistent_buffers=tuple(k for k in model.state_dict() if k in buffers),
-        step_fn=_step_fn(compile_options), segment_norm=segment_norm_fn(plan, device), offload=host,
+        step_fn=_step_fn(compile_options, pipeline), segment_norm=segment_norm_fn(plan, device), offload=host,
+        pipeline=pipeline,
     )
     state = _first_state(program, params, buffers, seed)
     workspace.refresh(state.params)
@@ -263,6 +300,16 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
     """
     state.check_usable()
     program = state.program
+    if program.pipeline is None:
+        return _full_params(state)
+    with program.pipeline.scope():
+        mine = _full_params(state)
+    return program.pipeline.gather_stages(mine)
+
+
+def _full_params(state: TrainState) -> dict[str, torch.Tensor]:
+    """:func:`full_params` of one module (a pipeline stage's, inside its data-parallel scope)."""
+    program = state.program
     plan = program.plan
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
@@ -294,7 +341,12 @@ def _remat_options(cfg: Config, given: str | Mapping[str, Any] | None) -> Activa
     return parse_activation_checkpointing({"policy": given} if isinstance(given, str) else given)
 
 
-def _step_fn(options: CompileConfig) -> Callable[..., TrainState]:
+def _step_fn(options: CompileConfig, pipeline: Pipeline | None) -> Callable[..., TrainState]:
+    if pipeline is not None:
+        if options.cuda_graph:
+            raise NotSupportedError("compile.cuda_graph with pipeline parallelism is not supported by dsfunc "
+                                    "(a schedule's point-to-point sends cannot be captured); turn one off")
+        return pipeline.step_fn()
     step = make_train_step()
     return GraphedStep(step, before_step=check_min_scale, after_step=note_min_scale) if options.cuda_graph else step
 

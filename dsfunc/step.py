@@ -122,7 +122,10 @@ def apply_gradients(
     sumsq = None
     if program.offload is not None:  # the update runs on the host: the gradients go there
         grads, sumsq = program.offload.host_grads(grads)
-    sumsq, loss = global_norm_and_loss(program.plan, grads, loss, sumsq=sumsq)
+    if program.pipeline is not None:  # the whole model's norm and loss, over every stage
+        sumsq, loss = program.pipeline.norm_and_loss(program.plan, grads, loss)
+    else:
+        sumsq, loss = global_norm_and_loss(program.plan, grads, loss, sumsq=sumsq)
     scale = state.scaler.scale
     finite = torch.isfinite(sumsq)
     grad_norm = sumsq.sqrt() / scale

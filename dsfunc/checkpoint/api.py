@@ -9,6 +9,7 @@ only then reads the client state (:mod:`.trust`) and the tensors into the templa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -70,7 +71,8 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
     arrive("save_checkpoint", tag, timeout)  # [Note: meeting before the first collective]
     meta = describe(state, tag)
     client = collective(lambda: pickle_client_state(client_state) if comm.rank() == 0 else None)
-    tensors = save_dict(state, staged=async_save)
+    with _scope(state):  # a pipeline stage's units are sharded over its data-parallel ranks
+        tensors = save_dict(state, staged=async_save)
     job = functools.partial(write_checkpoint, Path(save_dir), tag, tensors, meta, client, save_latest)
     if not async_save:
         return job()
@@ -134,7 +136,8 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
     folder, meta = collective(lambda: _open(Path(load_dir), tag, state, selection, verify))
     client = collective(lambda: read_client_state(folder, meta, trust_pickle))
     index = collective(lambda: read_index(folder, trust_pickle=trust_pickle))
-    targets, copy_back = load_dict(state, wanted(meta, state, selection))
+    with _scope(state):
+        targets, copy_back = load_dict(state, wanted(meta, state, selection))
     try:
         read_tensors(targets, folder, index)
         with torch.no_grad():
@@ -149,8 +152,15 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
         ) from e
     new = dataclasses.replace(state)
     state.mark_donated()
-    new.program.workspace.refresh(new.params)
+    with _scope(new):
+        new.program.workspace.refresh(new.params)
     return new, client
+
+
+def _scope(state: TrainState) -> contextlib.AbstractContextManager[None]:
+    """Collectives over the state's data-parallel ranks: a pipeline stage's (the world's otherwise)."""
+    pipeline = state.program.pipeline
+    return contextlib.nullcontext() if pipeline is None else pipeline.scope()
 
 
 def wait_for_checkpoint() -> str | None:

@@ -40,6 +40,9 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
     saved.update({f"{n} (buffer)": tuple(b["shape"]) for n, b in meta["buffers"].items()})
     mine = {s.name: s.shape for u in plan.units for s in u.params}
     mine.update({f"{n} (buffer)": tuple(t.shape) for n, t in state.buffers.items()})
+    pipelined = state.program.pipeline is not None
+    if pipelined:  # a pipeline stage holds part of the model: the rest of the checkpoint is the other stages'
+        saved = {k: v for k, v in saved.items() if k in mine}
     lines = differences(saved, mine, "the model")
     if lines:
         raise CheckpointMismatchError(
@@ -48,6 +51,8 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
         )
     saved_units = [(u["name"], [p["name"] for p in u["params"]]) for u in meta["units"]]
     my_units = [(u.name, [s.name for s in u.params]) for u in plan.units]
+    if pipelined:
+        saved_units = [u for u in saved_units if u[0] in {name for name, _ in my_units}]
     if saved_units != my_units:
         raise CheckpointMismatchError(
             f"the checkpoint {folder} groups the parameters into units {[n for n, _ in saved_units]}, this "
@@ -58,8 +63,9 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
     def describe(unit: str | None, shape: Any) -> str:
         return f"unit {unit}" if unit else f"shape {tuple(shape)}"
 
-    saved_opt = {k[6:]: describe(v["unit"], v["shape"])
-                 for k, v in meta["tensors"].items() if k.startswith("optim/")}
+    units = {u.name for u in plan.units}
+    saved_opt = {k[6:]: describe(v["unit"], v["shape"]) for k, v in meta["tensors"].items()
+                 if k.startswith("optim/") and not (pipelined and v["unit"] is not None and v["unit"] not in units)}
     mine_opt = {e.key[6:]: describe(e.unit, e.tensor.shape)
                 for e in entries(state) if e.key.startswith("optim/")}
     lines = differences(saved_opt, mine_opt, "this state's optimizer")

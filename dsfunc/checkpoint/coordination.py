@@ -66,11 +66,14 @@ def side_group() -> dist.ProcessGroup:
 
 
 def mesh(device_type: str) -> DeviceMesh:
-    """A DeviceMesh over :func:`side_group` for DTensors of ``device_type``."""
+    """A DeviceMesh for DTensors of ``device_type`` over :func:`side_group`, or over the group collectives run
+    over now (a pipeline stage's data-parallel ranks, whose shards of a unit the DTensor splits)."""
     side = _side()
-    if device_type not in side.meshes:
-        side.meshes[device_type] = DeviceMesh.from_group(side.group, device_type)
-    return side.meshes[device_type]
+    group = comm.current_group()
+    key = device_type if group is None else f"{device_type}/{id(group)}"
+    if key not in side.meshes:
+        side.meshes[key] = DeviceMesh.from_group(side.group if group is None else group, device_type)
+    return side.meshes[key]
 
 
 def _next_call() -> int:

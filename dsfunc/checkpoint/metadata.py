@@ -26,7 +26,14 @@ FORMAT_VERSION = 1
 
 
 def describe(state: TrainState, tag: str) -> dict[str, Any]:
-    """The metadata file's content (files and checksums are added once written)."""
+    """The metadata file's content (files and checksums are added once written); a pipeline stage's state
+    describes the whole model (every stage's, joined), so the checkpoint is the one-stage model's."""
+    meta = _describe(state, tag)
+    pipeline = state.program.pipeline
+    return meta if pipeline is None else pipeline.whole_model(meta)
+
+
+def _describe(state: TrainState, tag: str) -> dict[str, Any]:
     program = state.program
     plan, cfg = program.plan, program.config
     param_of = {alias: slot.name for unit in plan.units for slot in unit.params for alias in slot.aliases}

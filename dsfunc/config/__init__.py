@@ -18,7 +18,7 @@ Where dsfunc deliberately differs from DeepSpeed:
 * Unknown or misspelled keys are errors that suggest the closest valid key (DeepSpeed ignores unknown
   top-level keys and keys in its older sections, and only fails on optimizer/scheduler params when the class
   is constructed).
-* Known DeepSpeed features that dsfunc does not have (offload to NVMe, ZeRO++, MiCS, pipeline parallelism, Apex AMP,
+* Known DeepSpeed features that dsfunc does not have (offload to NVMe, ZeRO++, MiCS, Apex AMP,
   the FLOPs profiler, wandb, ...) are accepted only while disabled or at their default value; asking for them
   is an error saying dsfunc does not support them, never a silent no-op.
 * ``"auto"`` values are errors: they are placeholders the Hugging Face Trainer fills in (DeepSpeed drops them
@@ -60,6 +60,7 @@ from dsfunc.config.config import Config
 from dsfunc.config.errors import ConfigError
 from dsfunc.config.monitor import MonitorConfig
 from dsfunc.config.optimizer import OptimizerConfig, parse_optimizer
+from dsfunc.config.pipeline import PipelineConfig, parse_pipeline
 from dsfunc.config.precision import BF16Config, FP16Config
 from dsfunc.config.scheduler import SchedulerConfig, parse_scheduler
 from dsfunc.config.zero import ZeroConfig
@@ -75,11 +76,13 @@ __all__ = [
     "FrozenDict",
     "MonitorConfig",
     "OptimizerConfig",
+    "PipelineConfig",
     "SchedulerConfig",
     "ZeroConfig",
     "announce_without_effect",
     "parse_activation_checkpointing",
     "parse_compile",
     "parse_optimizer",
+    "parse_pipeline",
     "parse_scheduler",
 ]

@@ -16,6 +16,7 @@ from dsfunc.config.compile import CompileConfig, _compile
 from dsfunc.config.errors import ConfigError
 from dsfunc.config.monitor import MonitorConfig
 from dsfunc.config.optimizer import OptimizerConfig, _optimizer
+from dsfunc.config.pipeline import PipelineConfig, _pipeline, parse_pipeline
 from dsfunc.config.precision import _BF16_FIXED, _FP16_FIXED, BF16Config, FP16Config, _grad_accum_dtype
 from dsfunc.config.scheduler import SchedulerConfig, _scheduler
 from dsfunc.config.schema import _key, _parse, _Schema, _section, _Spec, _specs_of
@@ -90,6 +91,8 @@ class Config:
     """torch.compile of each unit's forward, and dsfunc's whole-step CUDA graph."""
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()  # noqa: RUF009
     """DeepSpeed's activation checkpointing keys, and dsfunc's per-unit policy."""
+    pipeline: PipelineConfig = PipelineConfig()  # noqa: RUF009
+    """Pipeline parallelism: stages and schedule (dsfunc.pipeline)."""
     raw: Mapping[str, Any] = FrozenDict()
     """Not a key: the user's dict as given, frozen (checkpoints record it; without_effect reads the keys given
     from it).
@@ -175,7 +178,7 @@ class Config:
             section = getattr(self, name)
             out[name] = None if section is None else {"type": section.type, "params": thaw(section.params)}
         for name in ("fp16", "bf16", "zero_optimization", "tensorboard", "csv_monitor", "compile",
-                     "activation_checkpointing"):
+                     "activation_checkpointing", "pipeline"):
             out[name] = thaw(dataclasses.asdict(getattr(self, name)))
         for f in dataclasses.fields(self):
             if "check" in f.metadata:
@@ -199,8 +202,17 @@ _TOP = _Schema(
         "csv_monitor": _Spec(MonitorConfig(), _section(MonitorConfig)),
         "compile": _Spec(CompileConfig(), _compile),
         "activation_checkpointing": _Spec(ActivationCheckpointingConfig(), _activation_checkpointing),
+        "pipeline": _Spec(PipelineConfig(), _pipeline),
     }
     | _specs_of(Config),
     fixed=_UNSUPPORTED_TOP,
     aliases={"bfloat16": "bf16"},
 )
+
+
+def pipeline_section(source: Any) -> PipelineConfig:
+    """The ``pipeline`` section of a config source (dict, JSON path, ``Config``, ...), read before the rest:
+    the stages decide the data-parallel size the batch triple is resolved against."""
+    if isinstance(source, Config):
+        return source.pipeline
+    return parse_pipeline(_read_source(source).get("pipeline"))

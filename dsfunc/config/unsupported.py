@@ -23,17 +23,6 @@ from dsfunc.config.schema import Rule
 _UNSUPPORTED_TOP: dict[str, Rule] = {
     "flops_profiler": _off("the FLOPs profiler", ds.FLOPS_PROFILER),
     "autotuning": _off("autotuning", ds.AUTOTUNING),
-    "pipeline": _only(
-        {
-            "stages": "auto",
-            "partition": "best",
-            "seed_layers": False,
-            "activation_checkpoint_interval": 0,
-            "pipe_partitioned": True,
-            "grad_partitioned": True,
-        },
-        feature="pipeline parallelism",
-    ),
     "data_efficiency": _off("data efficiency (curriculum learning, random-LTD)", ds.DATA_EFFICIENCY),
     "wandb": _off("the Weights & Biases monitor", ds.WANDB, 'dsfunc has "tensorboard" and "csv_monitor".'),
     "comet": _off("the Comet monitor", ds.COMET, 'dsfunc has "tensorboard" and "csv_monitor".'),

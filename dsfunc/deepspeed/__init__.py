@@ -23,13 +23,13 @@ from dsfunc.deepspeed.namespace import (
     DeepSpeedTransformerConfig,
     DeepSpeedTransformerLayer,
     InferenceEngine,
-    PipelineEngine,
-    PipelineModule,
     add_tuning_arguments,
     init_inference,
     tp_model_init,
 )
 from dsfunc.deepspeed.ops import DeepSpeedOptimizer
+from dsfunc.deepspeed.pipe import PipelineModule
+from dsfunc.deepspeed.pipe_engine import PipelineEngine
 from dsfunc.deepspeed.utils import OnDevice, log_dist, logger
 
 __all__ = [

@@ -22,6 +22,8 @@ from dsfunc.data import DistributedLoader, check_dataset
 from dsfunc.deepspeed.arguments import config_source
 from dsfunc.deepspeed.engine import Engine
 from dsfunc.deepspeed.groups import Groups, freeze_all_but, labelled, parameter_groups
+from dsfunc.deepspeed.pipe import PipelineModule
+from dsfunc.deepspeed.pipe_engine import PipelineEngine
 from dsfunc.deepspeed.translate import client_schedule, optimizer_section
 from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, group_views
 from dsfunc.distributed import comm, init_distributed, launched_by_mpi
@@ -86,7 +88,8 @@ def initialize(
     if dist_init_required is not False:
         _join_world(distributed_port)
     local_rank = _local_rank(args)
-    world = comm.world_size()
+    pipelined = isinstance(model, PipelineModule)
+    world = comm.world_size() // model.num_stages if pipelined else comm.world_size()  # the data-parallel ranks
     cfg = Config.load(source, world_size=world)
     if training_data is not None:
         check_dataset(training_data)
@@ -104,12 +107,13 @@ def initialize(
     if training_data is not None:
         cuda = state.program.device.type == "cuda"
         loader = DistributedLoader(
-            training_data, cfg.train_micro_batch_size_per_gpu, rank=comm.rank(), world_size=world,
+            training_data, cfg.train_micro_batch_size_per_gpu, rank=comm.rank() % world, world_size=world,
+            shuffle=not pipelined,  # DeepSpeed's pipeline engine reads its data in order
             drop_last=cfg.dataloader_drop_last, collate_fn=collate_fn, num_workers=2 if cuda else 0,
             pin_memory=cuda,
         )
     views = group_views(state, param_groups, client_lr) if cfg.optimizer is not None else None
-    engine = Engine(state, model=model, local_rank=local_rank, groups=views,
+    engine = (PipelineEngine if pipelined else Engine)(state, model=model, local_rank=local_rank, groups=views,
                     scheduled=client_lr is not None or cfg.scheduler is not None, training_dataloader=loader,
                     progress_bar=progress_bar, total_steps=total_steps)
     engine.client_optimizer, engine.client_lr_scheduler = optimizer, lr_scheduler

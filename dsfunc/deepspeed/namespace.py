@@ -48,6 +48,11 @@ ALIASES = {
     "compression.helper": "dsfunc.deepspeed.compression",
     "checkpointing": "dsfunc.deepspeed.checkpointing",
     "runtime.activation_checkpointing.checkpointing": "dsfunc.deepspeed.checkpointing",
+    "pipe": "dsfunc.deepspeed.pipe",
+    "runtime.pipe": "dsfunc.deepspeed.pipe",
+    "runtime.pipe.module": "dsfunc.deepspeed.pipe",
+    "runtime.pipe.topology": "dsfunc.deepspeed.pipe",
+    "runtime.pipe.engine": "dsfunc.deepspeed.pipe_engine",
 }
 
 # DeepSpeed's top-level packages dsfunc answers for (implemented in part, per ALIASES, or not at all)
@@ -148,8 +153,6 @@ def package(name: str) -> types.ModuleType:
 # DeepSpeed's top-level names dsfunc does not implement (``deepspeed.init_inference``, ...)
 init_inference = unsupported("deepspeed.init_inference", "DeepSpeed inference", "run the model with torch")
 tp_model_init = unsupported("deepspeed.tp_model_init", "tensor parallelism")
-PipelineModule = unsupported("deepspeed.PipelineModule", "pipeline parallelism")
-PipelineEngine = unsupported("deepspeed.PipelineEngine", "pipeline parallelism")
 InferenceEngine = unsupported("deepspeed.InferenceEngine", "DeepSpeed inference")
 DeepSpeedHybridEngine = unsupported("deepspeed.DeepSpeedHybridEngine", "the hybrid (RLHF) engine")
 DeepSpeedTransformerLayer = unsupported("deepspeed.DeepSpeedTransformerLayer", "DeepSpeed's fused transformer kernels")

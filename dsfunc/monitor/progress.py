@@ -50,6 +50,7 @@ from typing import Any
 import optree
 import torch
 
+from dsfunc.distributed import comm
 from dsfunc.errors import InputError, MissingDependencyError
 from dsfunc.monitor.writers import CsvMonitor, TensorBoardMonitor
 from dsfunc.zero.memory import memory_estimate
@@ -142,7 +143,7 @@ class Monitor:
         program = state.program
         config = program.config
         self.device = program.device
-        self.rank = program.plan.rank
+        self.rank = comm.rank()  # the world's (a pipeline stage's plan ranks only its data-parallel replicas)
         self.world_size = program.plan.world_size
         self.train_batch_size = config.train_batch_size
         self.steps_per_print = config.steps_per_print

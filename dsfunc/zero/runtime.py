@@ -183,6 +183,32 @@ class MicroBatchRuntime:
         self._backwards += 1
         self.phase = Phase.BACKWARD
 
+    def seed(self, loss_scale: torch.Tensor | float, micro_count: int) -> torch.Tensor | float:
+        """What a loss is multiplied by before a backward the caller runs in :meth:`run_backwards`:
+        ``loss_scale / ranks / micro_count``, the seed :meth:`backward` applies itself."""
+        return loss_scale / self.ranks / micro_count
+
+    def run_backwards(self, run: Callable[[], torch.Tensor], *, micro: tuple[int, int] = (0, 1)) -> None:
+        """Bind the parameters and call ``run()``, which runs forwards and backwards itself (a pipeline
+        schedule's, over several micro-batches of its own) on losses already multiplied by :meth:`seed`. Each
+        unit's gradient reaches the reducer as in :meth:`backward` and the parameters are unbound after it;
+        ``run`` returns the (unseeded, detached) loss to record. ``end()`` comes next."""
+        self.begin_forward(micro)
+        _BACKWARDS_RUNNING[0] += 1
+        try:
+            with self._rng_scope(micro[0], 0):
+                loss = run()
+        except BaseException:
+            self._unbind()
+            self._end_micro()
+            raise
+        finally:
+            _BACKWARDS_RUNNING[0] -= 1
+        self._unbind()
+        self._micro_loss = loss.detach().float()
+        self._backwards += 1
+        self.phase = Phase.BACKWARD
+
     def end(self) -> None:
         """Let the reducer finish this micro-batch: units no loss reached still join the collectives.
         A forward after the last backward is dropped."""

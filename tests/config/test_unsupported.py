@@ -109,13 +109,6 @@ def test_unimplemented_sections_accepted_when_off(section):
         ),
         ({"autotuning": {"enabled": True}}, "dsfunc does not support autotuning yet"),
         ({"elasticity": {"enabled": False}}, "elasticity: elastic training has been removed"),
-        (
-            {"pipeline": {"stages": 2}},
-            (
-                "pipeline.stages = 2: dsfunc does not support pipeline parallelism yet. Remove the "
-                'key or set it to "auto"'
-            ),
-        ),
         ({"sparse_attention": {}}, "sparse_attention: DeepSpeed Sparse Attention has been removed"),
         ({"compression_training": {}}, "compression_training: the DeepSpeed compression library has been removed"),
         (

@@ -50,7 +50,7 @@ IMPORTS = [
 ]
 UNSUPPORTED = {"get_fp32_state_dict_from_zero_checkpoint", "estimate_zero3_model_states_mem_needs_all_live",
                "WarmupLR", "PipeModelDataParallelTopology", "MoE", "init_compression",
-               "PipelineModule", "LayerSpec", "get_model_profile", "replace_transformer_layer",
+               "get_model_profile", "replace_transformer_layer",
                "DeepSpeedInferenceConfig"}
 
 
@@ -68,7 +68,7 @@ def test_what_scripts_import_from_deepspeed_imports(module, name):
 def test_top_level_names_of_deepspeed():
     assert deepspeed.DeepSpeedEngine is deepspeed.Engine and deepspeed.get_accelerator().device_name() == "cpu"
     assert deepspeed.zero.Init is dsfunc.zero.Init and deepspeed.comm is importlib.import_module("dsfunc.comm")
-    for stub, feature in [(deepspeed.init_inference, "DeepSpeed inference"), (deepspeed.PipelineModule, "pipeline")]:
+    for stub, feature in [(deepspeed.init_inference, "DeepSpeed inference"), (deepspeed.tp_model_init, "tensor parallelism")]:
         with pytest.raises(NotSupportedError, match=feature):
             stub(torch.nn.Linear(2, 2))
     with pytest.raises(AttributeError, match="has no attribute 'not_a_deepspeed_module'"):
