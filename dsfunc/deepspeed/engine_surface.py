@@ -23,7 +23,6 @@ from torch.utils.data import IterableDataset
 from dsfunc.data import DistributedLoader, check_dataset
 from dsfunc.deepspeed.timers import SynchronizedWallClockTimer, ThroughputTimer
 from dsfunc.deepspeed.utils import log_dist, safe_set_full_fp32_param
-from dsfunc.distributed import comm
 from dsfunc.errors import InputError, NotSupportedError, UsageError
 
 
@@ -143,15 +142,20 @@ class EngineSurface:
     # -- parallelism --------------------------------------------------------------------------------
     @property
     def dp_world_size(self) -> int:
-        return self.world_size
+        """The ranks this rank's parameters are sharded and averaged over (a pipeline stage's replicas)."""
+        return self.state.program.plan.world_size
 
     @property
     def seq_dp_world_size(self) -> int:
-        return self.world_size
+        return self.dp_world_size
 
     @property
     def data_parallel_group(self) -> Any:
-        """The process group gradients are averaged over (the world; None without a process group)."""
+        """The process group gradients are averaged over: the world, or a pipeline stage's replicas (None
+        without a process group)."""
+        pipeline = self.state.program.pipeline
+        if pipeline is not None and pipeline.topology.data_group is not None:
+            return pipeline.topology.data_group
         return dist.group.WORLD if dist.is_initialized() else None
 
     seq_data_parallel_group = data_parallel_group
@@ -195,7 +199,7 @@ class EngineSurface:
         return {p: n for n, p in self.module.named_parameters()}
 
     def get_data_parallel_rank(self) -> int:
-        return comm.rank()
+        return self.state.program.plan.rank
 
     def get_model_parallel_rank(self) -> int:
         return 0
@@ -308,8 +312,8 @@ class EngineSurface:
         check_dataset(dataset)
         cfg = self.state.program.config
         return DistributedLoader(
-            dataset, batch_size or cfg.train_micro_batch_size_per_gpu, rank=comm.rank(),
-            world_size=comm.world_size(), drop_last=cfg.dataloader_drop_last,
+            dataset, batch_size or cfg.train_micro_batch_size_per_gpu, rank=self.get_data_parallel_rank(),
+            world_size=self.dp_world_size, drop_last=cfg.dataloader_drop_last,
             collate_fn=collate_fn or self.collate_fn, num_workers=num_local_io_workers or 0,
             pin_memory=pin_memory and self.state.program.device.type == "cuda",
         )

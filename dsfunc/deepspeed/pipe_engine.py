@@ -24,12 +24,13 @@ from dsfunc.step import train_step
 class PipelineEngine(Engine):
     """The engine ``deepspeed.initialize`` returns for a ``PipelineModule``."""
 
+    pipeline_parallelism = True
+
     def __init__(self, state: Any, **kwargs: Any) -> None:
         super().__init__(state, **kwargs)
         pipeline = state.program.pipeline
         self.topology = pipeline.topology
         self.global_rank, self.world_size = comm.rank(), comm.world_size()
-        self.dp_world_size = self.topology.data_parallel
         self.num_stages, self.stage_id = self.topology.stages, self.topology.stage
         self.micro_batches = self.gradient_accumulation_steps()
         self.data_iterator: Iterator[Any] | None = None
