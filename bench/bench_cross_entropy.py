@@ -1,7 +1,7 @@
 """The output projection and the loss of the BENCH.md GPT alone: forward + backward of ``hidden @ weight.T`` and
 the mean cross-entropy, bf16, plain PyTorch eager, ``torch.compile``d, and ``dsfunc.kernels.linear_cross_entropy``.
 
-    python bench/bench_cross_entropy.py [--device cuda] [--shapes 8192x768,8192x2048] [--repeat 20]
+    python bench/bench_cross_entropy.py [--device cuda] [--shapes 8192x768,8192x2048] [--repeat 20] [--chunks 2048,8192]
 
 One row per shape (tokens x width, vocab 50304) and variant: median milliseconds of CUDA-event timings after
 warm-up, and the peak memory allocated above the inputs (``--device cpu`` is a smoke run, timed on the host).
@@ -23,7 +23,12 @@ def plain(h, w, t):
     return F.cross_entropy((h @ w.t()).float(), t)
 
 
-VARIANTS = {"eager": plain, "compile": torch.compile(plain), "dsfunc": linear_cross_entropy}
+def variants(chunks: list[int]) -> dict:
+    """The baselines, dsfunc's op at its default chunk, and at each of ``chunks`` rows."""
+    out = {"eager": plain, "compile": torch.compile(plain), "dsfunc": linear_cross_entropy}
+    for rows in chunks:
+        out[f"dsfunc, chunks of {rows}"] = lambda h, w, t, rows=rows: linear_cross_entropy(h, w, t, chunk_rows=rows)
+    return out
 
 
 def measure(fn, h, w, t, repeat: int, device: torch.device) -> tuple[float, float]:
@@ -64,6 +69,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="8192x768,8192x2048")
     parser.add_argument("--vocab", type=int, default=50304)
     parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--chunks", default="", help="comma-separated chunk sizes (rows) to time besides the default")
     args = parser.parse_args()
     device = torch.device(args.device)
     print(f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}, "
@@ -76,7 +82,7 @@ def main() -> None:
         h = torch.randn(n, d, device=device, generator=g).bfloat16().requires_grad_()
         w = (torch.randn(args.vocab, d, device=device, generator=g) * 0.02).bfloat16().requires_grad_()
         t = torch.randint(0, args.vocab, (n,), device=device, generator=g)
-        for name, fn in VARIANTS.items():
+        for name, fn in variants([int(c) for c in args.chunks.split(",") if c]).items():
             ms, peak = measure(fn, h, w, t, args.repeat, device)
             with torch.no_grad():
                 loss = float(fn(h, w, t))

@@ -5,7 +5,9 @@ while forward and backward run on the compute device.
 A :class:`HostOffload` owns the host side of that traffic:
 
 * gradients out: each unit's reduced gradient shard is copied to a host buffer as soon as its reduction
-  lands (:meth:`HostOffload.put_grad`, non-blocking from the device), its sum of squares for the global
+  lands (:meth:`HostOffload.put_grad`, non-blocking, on a copy stream of its own so that backward's kernels
+  go on beside it; at most :attr:`HostOffload.copies_in_flight` units' copies are queued before the compute
+  stream waits, so the device gradients they read stay few), its sum of squares for the global
   norm taken on the device after the last micro-batch, so only one number per unit is summed there; the
   reducer then drops its device copy, so backward holds no gradient shards on the device beyond the
   reductions in flight (at stages 2-3 with gradient accumulation too: :mod:`dsfunc.zero.reduce`; at stage 1
@@ -31,6 +33,7 @@ tensors, the copies are real copies and the update is the host one, so nothing o
 
 from __future__ import annotations
 
+import collections
 import logging
 import weakref
 from collections.abc import Mapping
@@ -87,6 +90,8 @@ class _Pinned:
 class HostOffload:
     """The host buffers of a run with the optimizer offloaded, reused every step."""
 
+    copies_in_flight = 2  # units' gradient copies to the host queued on the copy stream beside backward
+
     def __init__(self, plan: ShardingPlan, *, compute_device: torch.device, compute_dtype: torch.dtype,
                  pin_memory: bool, params: bool, grad_bytes: int = 4) -> None:
         self.plan = plan
@@ -104,6 +109,10 @@ class HostOffload:
         self.pending = PendingUpdate(compute_device)  # the update of lazy units, in the background
         # offload_param on a GPU: the stream that gathers copy host shards in on, beside the compute stream
         self.transfer = torch.cuda.Stream(compute_device) if params and compute_device.type == "cuda" else None
+        # gradients out on a GPU: the stream their copies to the host run on, and when each unit's landed
+        self.copies = torch.cuda.Stream(compute_device) if compute_device.type == "cuda" else None
+        self._copied: dict[str, torch.cuda.Event] = {}
+        self._queued: collections.deque[torch.cuda.Event] = collections.deque()
 
     @classmethod
     def from_config(cls, plan: ShardingPlan, zero: ZeroConfig, *, compute_device: torch.device,
@@ -140,8 +149,28 @@ class HostOffload:
             if buf is not None and self._pinned is not None:
                 self._pinned.release(buf)
             buf = self._grads[unit.name] = self.empty(grad.numel(), dtype)
-        buf.copy_(grad, non_blocking=True)
+        if self.copies is None:
+            buf.copy_(grad, non_blocking=True)
+            return buf
+        compute = torch.cuda.current_stream(self.compute_device)
+        self.copies.wait_stream(compute)  # the gradient is made, and the last read of buf (fetch_grad) is done
+        with torch.cuda.stream(self.copies):
+            buf.copy_(grad, non_blocking=True)
+        grad.record_stream(self.copies)  # its memory is reused only once the copy has read it
+        done = self._copied[unit.name] = torch.cuda.Event()
+        done.record(self.copies)
+        self._queued.append(done)
+        if len(self._queued) > self.copies_in_flight:
+            compute.wait_event(self._queued.popleft())  # bounds the device gradients the queue holds
         return buf
+
+    def fetch_grad(self, unit: Unit, buf: torch.Tensor) -> torch.Tensor:
+        """``unit``'s gradient sum so far (``buf``, what :meth:`put_grad` returned) back on the compute device in
+        fp32, once its copy out has landed (the next micro-batch adds to it)."""
+        done = self._copied.pop(unit.name, None)
+        if done is not None:
+            torch.cuda.current_stream(self.compute_device).wait_event(done)
+        return buf.to(self.compute_device, torch.float32, non_blocking=True)
 
     @torch.no_grad()
     def host_grads(self, grads: Mapping[str, torch.Tensor | None]
@@ -159,6 +188,8 @@ class HostOffload:
         self._sumsq = {}
         if self.compute_device.type == "cuda":
             torch.cuda.current_stream(self.compute_device).synchronize()  # the host reads them next
+            self.copies.synchronize()
+            self._copied, self._queued = {}, collections.deque()
         total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.compute_device)
         return out, total
 
