@@ -1,5 +1,5 @@
 """``torch.ops.dsfunc.linear_cross_entropy``: the output projection and the mean cross-entropy in one op that
-never holds the fp32 logits (nor the full logits in any dtype).
+never holds the fp32 logits, and of the compute-dtype logits one chunk of rows at a time.
 
 The rows (tokens) go through in chunks: each chunk's logits ``hidden_c @ weight.T`` are made in the compute
 dtype, their loss and gradient ``(softmax - one_hot) / valid`` are computed in fp32 registers and written over
