@@ -7,7 +7,9 @@ A :class:`HostOffload` owns the host side of that traffic:
 * gradients out: each unit's reduced gradient shard is copied to a host buffer as soon as its reduction
   lands (:meth:`HostOffload.put_grad`, non-blocking, on a copy stream of its own so that backward's kernels
   go on beside it; at most :attr:`HostOffload.copies_in_flight` units' copies are queued before the compute
-  stream waits, so the device gradients they read stay few), its sum of squares for the global
+  stream waits, so the device gradients they read stay few; with accumulation the sum a unit's next
+  micro-batch adds to comes back on a second stream while the unit before it runs backward:
+  :meth:`HostOffload.fetch_grad`), its sum of squares for the global
   norm taken on the device after the last micro-batch, so only one number per unit is summed there; the
   reducer then drops its device copy, so backward holds no gradient shards on the device beyond the
   reductions in flight (at stages 2-3 with gradient accumulation too: :mod:`dsfunc.zero.reduce`; at stage 1
@@ -111,8 +113,11 @@ class HostOffload:
         self.transfer = torch.cuda.Stream(compute_device) if params and compute_device.type == "cuda" else None
         # gradients out on a GPU: the stream their copies to the host run on, and when each unit's landed
         self.copies = torch.cuda.Stream(compute_device) if compute_device.type == "cuda" else None
+        self.fetches = torch.cuda.Stream(compute_device) if compute_device.type == "cuda" else None  # sums back
         self._copied: dict[str, torch.cuda.Event] = {}
         self._queued: collections.deque[torch.cuda.Event] = collections.deque()
+        self._fetched: dict[str, tuple[torch.Tensor, torch.cuda.Event]] = {}  # unit -> sum on its way back
+        self._before = {u.name: plan.units[i - 1].name for i, u in enumerate(plan.units) if i > 0}
 
     @classmethod
     def from_config(cls, plan: ShardingPlan, zero: ZeroConfig, *, compute_device: torch.device,
@@ -166,11 +171,34 @@ class HostOffload:
 
     def fetch_grad(self, unit: Unit, buf: torch.Tensor) -> torch.Tensor:
         """``unit``'s gradient sum so far (``buf``, what :meth:`put_grad` returned) back on the compute device in
-        fp32, once its copy out has landed (the next micro-batch adds to it)."""
-        done = self._copied.pop(unit.name, None)
+        fp32, once its copy out has landed (the next micro-batch adds to it). On a GPU the copy back runs on the
+        fetch stream, and the sum of the unit backward reaches next (the one before it in the plan) starts
+        coming back at once, so that copy runs beside this unit's backward."""
+        if self.copies is None:
+            return buf.to(self.compute_device, torch.float32, non_blocking=True)
+        fetched = self._fetched.pop(unit.name, None)
+        if fetched is None or fetched[0].numel() != buf.numel() or fetched[0].dtype != buf.dtype:
+            fetched = self._start_fetch(unit.name, buf)
+        out, landed = fetched
+        torch.cuda.current_stream(self.compute_device).wait_event(landed)
+        before = self._before.get(unit.name)
+        if before is not None and before in self._grads and before not in self._fetched:
+            self._fetched[before] = self._start_fetch(before, self._grads[before])
+        return out.float()
+
+    def _start_fetch(self, name: str, buf: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Copy host ``buf`` (unit ``name``'s) into a new device tensor on the fetch stream, after its copy out."""
+        out = torch.empty(buf.numel(), dtype=buf.dtype, device=self.compute_device)
+        self.fetches.wait_stream(torch.cuda.current_stream(self.compute_device))  # out's memory is free to write
+        done = self._copied.get(name)
         if done is not None:
-            torch.cuda.current_stream(self.compute_device).wait_event(done)
-        return buf.to(self.compute_device, torch.float32, non_blocking=True)
+            self.fetches.wait_event(done)
+        with torch.cuda.stream(self.fetches):
+            out.copy_(buf, non_blocking=True)
+        out.record_stream(self.fetches)
+        landed = torch.cuda.Event()
+        landed.record(self.fetches)
+        return out, landed
 
     @torch.no_grad()
     def host_grads(self, grads: Mapping[str, torch.Tensor | None]
@@ -189,7 +217,7 @@ class HostOffload:
         if self.compute_device.type == "cuda":
             torch.cuda.current_stream(self.compute_device).synchronize()  # the host reads them next
             self.copies.synchronize()
-            self._copied, self._queued = {}, collections.deque()
+            self._copied, self._queued, self._fetched = {}, collections.deque(), {}
         total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.compute_device)
         return out, total
 
