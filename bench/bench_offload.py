@@ -7,7 +7,8 @@ Every trial is a process of its own (``--one SHAPE SETTING SYSTEM``), so a faile
 memory and the memory cap stay with it. ``--trials`` lists, per setting, sizes (``LxD``: L layers of width
 D) to try in order, stopping at the first that does not fit. All trials: ZeRO-3 on one GPU, bf16 with fp32 master weights, AdamW lr 3e-4, clipping
 1.0, every block checkpointed (dsfunc's ``activation_checkpointing`` policy "units"; for DeepSpeed,
-``torch.utils.checkpoint`` around each block), micro-batch ``--micro`` of 1024 random tokens, 2 warm-up
+``torch.utils.checkpoint`` around each block), micro-batch ``--micro`` of 1024 random tokens (``--accum``
+micro-batches per step), 2 warm-up
 steps and ``--steps`` timed steps. Settings: ``none``, ``opt`` (``offload_optimizer`` to pinned CPU
 memory), ``opt+param`` (and ``offload_param``). The entry ``deepspeed:SHAPE`` runs DeepSpeed 0.19.x's engine
 with ZeRO-Offload (its DeepSpeedCPUAdam, built on first use) on SHAPE with the ``opt`` setting, beside
@@ -19,6 +20,7 @@ that do not fit one device), then initialises it as dsfunc does, one module gath
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -28,6 +30,7 @@ import time
 import torch
 
 PEAK_FLOPS = 790e12  # bf16 matmul rate measured on these H200s (BENCH.md)
+ACCUM = [1]  # --accum: micro-batches per optimizer step (set once by main)
 
 
 def shape(name: str):
@@ -49,6 +52,7 @@ def zero_section(setting: str) -> dict:
 def config(micro: int, setting: str) -> dict:
     return {
         "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": ACCUM[0],
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
         "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
@@ -60,7 +64,7 @@ def config(micro: int, setting: str) -> dict:
 def batches(cfg, micro: int, count: int):
     g = torch.Generator(device="cuda").manual_seed(1234)
     for _ in range(count):
-        tokens = torch.randint(0, cfg.vocab_size, (micro, cfg.seq_len + 1), device="cuda", generator=g)
+        tokens = torch.randint(0, cfg.vocab_size, (micro * ACCUM[0], cfg.seq_len + 1), device="cuda", generator=g)
         yield tokens[:, :-1], tokens[:, 1:]
 
 
@@ -79,8 +83,8 @@ def run_dsfunc(cfg, setting: str, micro: int, steps: int):
     import dsfunc
     from dsfunc.models.gpt import GPT, init_weights
 
-    with torch.device("meta"):
-        model = GPT(cfg)
+    with torch.device("meta"):  # the loss through dsfunc's chunked op: no fp32 logits on the capped GPU
+        model = GPT(dataclasses.replace(cfg, fused_loss=True))
     cfg_ds = {**config(micro, setting), "activation_checkpointing": {"policy": "units"}}
     box = [dsfunc.init_state(model, cfg_ds, param_init_fn=init_weights, device="cuda")]
 
@@ -112,9 +116,10 @@ def run_deepspeed(cfg, setting: str, micro: int, steps: int):
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config_ds)
 
     def step(batch) -> float:
-        loss = engine(*batch)
-        engine.backward(loss)
-        engine.step()
+        for x, y in zip(*(t.chunk(ACCUM[0]) for t in batch)):  # DeepSpeed steps at the accumulation boundary
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
         return loss.detach()
 
     elapsed, losses = timed(step, cfg, micro, steps)
@@ -140,7 +145,7 @@ def one(size: str, setting: str, system: str, cap_gib: float, micro: int, steps:
     except torch.OutOfMemoryError as e:
         print(json.dumps({"fits": False, "why": str(e).splitlines()[0][:160]}))
         return
-    tokens = micro * cfg.seq_len * steps / elapsed
+    tokens = micro * ACCUM[0] * cfg.seq_len * steps / elapsed
     with open("/proc/self/status") as f:
         rss = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**20
     print(json.dumps({"fits": True, "tokens": tokens, "mfu": tokens * flops / PEAK_FLOPS,
@@ -150,7 +155,7 @@ def one(size: str, setting: str, system: str, cap_gib: float, micro: int, steps:
 
 def trial(size: str, setting: str, system: str, args) -> dict:
     cmd = [sys.executable, __file__, "--one", size, setting, system, "--cap_gib", str(args.cap_gib),
-           "--micro", str(args.micro), "--steps", str(args.steps)]
+           "--micro", str(args.micro), "--accum", str(args.accum), "--steps", str(args.steps)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.trial_timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -181,15 +186,17 @@ def main() -> None:
     parser.add_argument("--trials", default="none:24x2048/32x2560,opt:32x2560/32x3200/40x3584,opt+param:40x3584,"
                                           "deepspeed:32x2560")
     parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--accum", type=int, default=1, help="gradient_accumulation_steps")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--trial_timeout", type=float, default=240)
     parser.add_argument("--one", nargs=3, metavar=("SIZE", "SETTING", "SYSTEM"))
     args = parser.parse_args()
+    ACCUM[0] = args.accum
     if args.one:
         one(*args.one, args.cap_gib, args.micro, args.steps)
         return
     print(f"{torch.cuda.get_device_name()} capped to {args.cap_gib} GiB, torch {torch.__version__}, "
-          f"micro {args.micro} x 1024 tokens, {args.steps} timed steps")
+          f"micro {args.micro} x 1024 tokens x accumulation {args.accum}, {args.steps} timed steps")
     print("| model | system | offload | tokens/s | MFU | peak GiB (GPU) | peak GiB (host RSS) | loss | host update s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for entry in args.trials.split(","):

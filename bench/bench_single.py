@@ -4,11 +4,15 @@
 
 A system is a name and options joined by ``+``:
 
-* ``plain``: the model in bf16 autocast, fused AdamW, clip 1.0 (BENCH.md's "plain PyTorch");
-  ``+compile`` wraps it in ``torch.compile``; ``+ckpt`` puts ``torch.utils.checkpoint`` around every block.
+* ``plain``: the model in bf16 autocast returning its loss (``model(x, y)``: the fp32 cross-entropy over the
+  logits, nanoGPT's), fused AdamW, clip 1.0 (BENCH.md's "plain PyTorch"); ``+compile`` wraps the whole model,
+  loss inside, in ``torch.compile`` (the strong baseline); ``+ckpt`` puts ``torch.utils.checkpoint`` around
+  every block.
 * ``dsfunc``: ``dsfunc.train_step`` at ZeRO stage 0 (``+zero3`` for stage 3), bf16, the same AdamW;
   ``+compile`` compiles each block (``compile.enabled``), ``+graph`` replays the whole step as a CUDA graph
   (``compile.cuda_graph``), ``+units`` / ``+selective`` checkpoint every block (``activation_checkpointing``).
+* ``+fused`` (either kind): the loss through ``dsfunc.kernels.linear_cross_entropy`` (``GPTConfig.fused_loss``:
+  output projection and cross-entropy a chunk of rows at a time, no fp32 logits).
 
 Systems run in the order given, each for ``--warmup`` then ``--steps`` timed steps; ``--rounds 2`` repeats the
 list (interleaved, so drifting clocks affect all alike). One Markdown row per system and round: tokens/s,
@@ -20,11 +24,11 @@ run of this script (tests/test_bench.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import time
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import dsfunc
@@ -54,7 +58,7 @@ def make_model(cfg: GPTConfig, device: torch.device) -> GPT:
 
 
 def run_plain(cfg: GPTConfig, options: set[str], micro: int, warmup: int, steps: int, device: torch.device):
-    model = make_model(cfg, device)
+    model = make_model(dataclasses.replace(cfg, fused_loss="fused" in options), device)
     if "ckpt" in options:
         for block in model.blocks:
             block.forward = lambda x, f=block.forward: checkpoint(f, x, use_reentrant=False)
@@ -67,8 +71,7 @@ def run_plain(cfg: GPTConfig, options: set[str], micro: int, warmup: int, steps:
             start = time.perf_counter()
             PROFILER.start()
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            logits = step_model(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+            loss = step_model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -82,7 +85,7 @@ def run_plain(cfg: GPTConfig, options: set[str], micro: int, warmup: int, steps:
 
 def run_dsfunc(cfg: GPTConfig, options: set[str], micro: int, warmup: int, steps: int, device: torch.device):
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = GPT(dataclasses.replace(cfg, fused_loss="fused" in options))
     config = {
         "train_micro_batch_size_per_gpu": micro,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},

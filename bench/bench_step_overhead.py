@@ -39,7 +39,7 @@ def sync(device: torch.device) -> None:
 
 def plain(model: nn.Module, batch, steps: int, device: torch.device) -> float:
     model = copy.deepcopy(model).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=device.type == "cuda")
     for i in range(steps + 10):
         if i == 10:
             sync(device)

@@ -182,6 +182,8 @@ def main() -> None:
     world = dist.get_world_size()
     tiny = GPTConfig(vocab_size=512, seq_len=64, n_layer=2, n_head=2, d_model=64)
     cfg = tiny if args.model == "tiny" else _shape(args.model)
+    with torch.device("meta"):  # counted on a copy: DeepSpeed's ZeRO-3 leaves its model's parameters empty
+        flops_per_token = GPT(cfg).flops_per_token()
     micro = args.micro or (4 if args.model == "6.7b" else 8)
     if dist.get_rank() == 0:
         print(f"{args.model}: {world} x {torch.cuda.get_device_name()}, torch {torch.__version__}, micro {micro}")
@@ -200,7 +202,7 @@ def main() -> None:
         elapsed, losses, model, note = run(cfg, *stages, micro, args.warmup, args.steps, device, **extra)
         name = label.format(stage) + "".join(f" + {o}" for o in options)
         tokens = micro * cfg.seq_len * args.steps * world / elapsed
-        mfu = tokens / world * model.flops_per_token() / PEAK_FLOPS
+        mfu = tokens / world * flops_per_token / PEAK_FLOPS
         peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         if leftover > 0.01:

@@ -4,8 +4,9 @@
 #     tests      the CUDA tests (kernels, steps, CUDA graphs, activation memory, offload)
 #     overhead   bench_step_overhead: the per-step cost of train_step against a plain loop (tiny MLP, small GPT)
 #     engine     the engine on NCCL ranks: engine vs functional, an exact resume, DeepSpeed's CIFAR-10 tutorial
-#     single13   bench_single at 1.3b: plain / compiled / checkpointed PyTorch against dsfunc's variants
+#     single13   bench_single at 1.3b: plain / compiled (loss inside) PyTorch against dsfunc's variants
 #     single124  bench_single at 124m
+#     ce         bench_cross_entropy: the output projection and loss alone, eager / compiled / dsfunc's op
 #     offload    the capped 24 GiB GPU: the largest GPT without and with offload, and DeepSpeed ZeRO-Offload
 #     zero13     bench_zero at 1.3b on every GPU: dsfunc ZeRO-2/3 against FSDP2 and DeepSpeed
 #     why124     dsfunc+compile at 124m again, with dynamo's recompile and graph-break logs
@@ -36,7 +37,8 @@ want() { [[ $parts == *",$1,"* ]]; }
 ngpu=$(nvidia-smi -L | wc -l)
 
 if want tests; then
-    for t in tests/kernels/test_kernels_cuda.py tests/kernels/test_kernels.py "tests/optim tests/test_scaling.py" \
+    for t in tests/kernels/test_cross_entropy_cuda.py tests/kernels/test_cross_entropy.py \
+             tests/kernels/test_kernels_cuda.py tests/kernels/test_kernels.py "tests/optim tests/test_scaling.py" \
              tests/test_step.py tests/zero/test_zero_cuda.py tests/test_graphs_cuda.py tests/test_remat_cuda.py \
              tests/zero/test_offload_cuda.py; do  # one process each: CUDA settings a test changes stay with it
         [ -e "${t%% *}" ] || continue
@@ -55,10 +57,13 @@ single() {  # model systems timeout [log name]
         | grep -vE "^\s*$|UserWarning|warnings.warn" | tail -40 | tee "$out/${4:-single-$1}.txt"
 }
 if want single13; then
-    single 1.3b plain,plain+ckpt,plain+compile,dsfunc,dsfunc+units,dsfunc+selective,dsfunc+compile,dsfunc+compile+graph 330
+    single 1.3b ${SINGLE13:-plain+compile,plain+compile+fused,dsfunc,dsfunc+fused,dsfunc+compile+fused,dsfunc+compile+graph+fused} 330
 fi
 if want single124; then
-    single 124m plain,plain+compile,dsfunc,dsfunc+compile,dsfunc+compile+graph 200
+    single 124m ${SINGLE124:-plain,plain+compile,plain+compile+fused,dsfunc,dsfunc+fused,dsfunc+compile+fused,dsfunc+compile+graph,dsfunc+compile+graph+fused} 240
+fi
+if want ce; then
+    timeout 120 python3 bench/bench_cross_entropy.py 2>&1 | grep -vE "UserWarning|warnings.warn" | tee "$out/ce.txt"
 fi
 if want graphs; then
     { timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_graphs_cuda.py 2>&1 | tail -15

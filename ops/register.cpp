@@ -12,6 +12,8 @@ void adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::T
                     const at::Tensor& skip, double beta1, double beta2, double eps, double weight_decay,
                     bool adam_w_mode, bool bias_correction);
 at::Tensor sum_of_squares_cuda(at::TensorList tensors);
+at::Tensor cross_entropy_rows_cuda(const at::Tensor& logits, const at::Tensor& target, const at::Tensor& scale,
+                                   int64_t ignore_index, bool write_grad);
 }  // namespace dsfunc
 
 TORCH_LIBRARY(dsfunc_cuda, m) {
@@ -20,9 +22,11 @@ TORCH_LIBRARY(dsfunc_cuda, m) {
       "Tensor(d!)? lowp, Tensor grad_scale, Tensor lr, Tensor step, Tensor skip, float beta1, "
       "float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction) -> ()");
   m.def("sum_of_squares(Tensor[] tensors) -> Tensor");
+  m.def("cross_entropy_rows_(Tensor(a!) logits, Tensor target, Tensor scale, int ignore_index, bool write_grad) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(dsfunc_cuda, CUDA, m) {
   m.impl("adam_step_", &dsfunc::adam_step_cuda);
   m.impl("sum_of_squares", &dsfunc::sum_of_squares_cuda);
+  m.impl("cross_entropy_rows_", &dsfunc::cross_entropy_rows_cuda);
 }

@@ -31,8 +31,8 @@ def test_bench_zero_runs_every_system_on_gloo_ranks():
 
 
 def test_bench_single_runs_every_kind_of_system():
-    systems = ["plain", "plain+compile", "plain+ckpt", "dsfunc", "dsfunc+compile", "dsfunc+units",
-               "dsfunc+selective", "dsfunc+graph", "dsfunc+zero3+compile+units"]
+    systems = ["plain", "plain+compile", "plain+ckpt", "plain+fused", "dsfunc", "dsfunc+compile", "dsfunc+units",
+               "dsfunc+selective", "dsfunc+graph", "dsfunc+fused", "dsfunc+zero3+compile+units"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-W", "ignore", str(ROOT / "bench" / "bench_single.py"), "--device", "cpu",
            "--model", "tiny", "--systems", ",".join(systems), "--warmup", "1", "--steps", "2"]
@@ -41,8 +41,21 @@ def test_bench_single_runs_every_kind_of_system():
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
     assert [r[1].strip() for r in rows] == systems
     first_losses = {r[1].strip(): float(r[6].split("->")[0]) for r in rows}
-    # every dsfunc variant computes the same first step (checkpointing, compiling, graphs change no math)
+    # every dsfunc variant computes the same first step (checkpointing, compiling, graphs, the fused loss change no
+    # math), and so does every plain one (the compiled model with its loss inside, the fused loss)
     assert len({round(v, 4) for k, v in first_losses.items() if k.startswith("dsfunc")}) == 1, first_losses
+    assert len({round(v, 4) for k, v in first_losses.items() if k.startswith("plain")}) == 1, first_losses
+
+
+def test_bench_cross_entropy_times_every_variant_with_one_loss():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-W", "ignore", str(ROOT / "bench" / "bench_cross_entropy.py"), "--device", "cpu",
+           "--shapes", "64x16", "--vocab", "100", "--repeat", "1", "--chunks", "16"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 64x16 |")]
+    assert [r[1].strip() for r in rows] == ["eager", "compile", "dsfunc", "dsfunc, chunks of 16"], proc.stdout
+    assert len({r[4].strip() for r in rows}) == 1 and all(float(r[2]) > 0 for r in rows), proc.stdout
 
 
 def test_bench_host_adam_times_every_variant_in_both_16_bit_dtypes():

@@ -8,6 +8,9 @@
 ``torch.ops.dsfunc.sum_of_squares``
     The sum of squares of every element of a list of tensors, as a 0-d fp32 tensor: the global
     gradient norm and the overflow check in one pass (inf/nan anywhere makes it non-finite).
+``torch.ops.dsfunc.linear_cross_entropy``
+    The output projection and the mean cross-entropy in one op, a chunk of rows at a time, that never holds
+    the fp32 logits; its forward also makes the gradients (:func:`linear_cross_entropy` is the public call).
 
 Each op has a plain-torch implementation that is the reference and runs on every device (it is
 the CPU path), a fake implementation so ``torch.compile`` traces through, and a CUDA kernel from
@@ -28,10 +31,11 @@ from __future__ import annotations
 import torch
 
 from dsfunc.kernels.adam import adam_step_
+from dsfunc.kernels.cross_entropy import linear_cross_entropy
 from dsfunc.kernels.native import native_ready
 from dsfunc.kernels.sum_of_squares import sum_of_squares
 
-__all__ = ["adam_step_", "fused_adam_available", "sum_of_squares"]
+__all__ = ["adam_step_", "fused_adam_available", "linear_cross_entropy", "sum_of_squares"]
 
 
 def fused_adam_available(device: torch.device | str | int) -> bool:

@@ -5,7 +5,11 @@ while forward and backward run on the compute device.
 A :class:`HostOffload` owns the host side of that traffic:
 
 * gradients out: each unit's reduced gradient shard is copied to a host buffer as soon as its reduction
-  lands (:meth:`HostOffload.put_grad`, non-blocking from the device), its sum of squares for the global
+  lands (:meth:`HostOffload.put_grad`, non-blocking, on a copy stream of its own so that backward's kernels
+  go on beside it; at most :attr:`HostOffload.copies_in_flight` units' copies are queued before the compute
+  stream waits, so the device gradients they read stay few; with accumulation the sum a unit's next
+  micro-batch adds to comes back on a second stream while the unit before it runs backward:
+  :meth:`HostOffload.fetch_grad`), its sum of squares for the global
   norm taken on the device after the last micro-batch, so only one number per unit is summed there; the
   reducer then drops its device copy, so backward holds no gradient shards on the device beyond the
   reductions in flight (at stages 2-3 with gradient accumulation too: :mod:`dsfunc.zero.reduce`; at stage 1
@@ -31,6 +35,7 @@ tensors, the copies are real copies and the update is the host one, so nothing o
 
 from __future__ import annotations
 
+import collections
 import logging
 import weakref
 from collections.abc import Mapping
@@ -87,6 +92,8 @@ class _Pinned:
 class HostOffload:
     """The host buffers of a run with the optimizer offloaded, reused every step."""
 
+    copies_in_flight = 2  # units' gradient copies to the host queued on the copy stream beside backward
+
     def __init__(self, plan: ShardingPlan, *, compute_device: torch.device, compute_dtype: torch.dtype,
                  pin_memory: bool, params: bool, grad_bytes: int = 4) -> None:
         self.plan = plan
@@ -104,6 +111,13 @@ class HostOffload:
         self.pending = PendingUpdate(compute_device)  # the update of lazy units, in the background
         # offload_param on a GPU: the stream that gathers copy host shards in on, beside the compute stream
         self.transfer = torch.cuda.Stream(compute_device) if params and compute_device.type == "cuda" else None
+        # gradients out on a GPU: the stream their copies to the host run on, and when each unit's landed
+        self.copies = torch.cuda.Stream(compute_device) if compute_device.type == "cuda" else None
+        self.fetches = torch.cuda.Stream(compute_device) if compute_device.type == "cuda" else None  # sums back
+        self._copied: dict[str, torch.cuda.Event] = {}
+        self._queued: collections.deque[torch.cuda.Event] = collections.deque()
+        self._fetched: dict[str, tuple[torch.Tensor, torch.cuda.Event]] = {}  # unit -> sum on its way back
+        self._before = {u.name: plan.units[i - 1].name for i, u in enumerate(plan.units) if i > 0}
 
     @classmethod
     def from_config(cls, plan: ShardingPlan, zero: ZeroConfig, *, compute_device: torch.device,
@@ -140,8 +154,51 @@ class HostOffload:
             if buf is not None and self._pinned is not None:
                 self._pinned.release(buf)
             buf = self._grads[unit.name] = self.empty(grad.numel(), dtype)
-        buf.copy_(grad, non_blocking=True)
+        if self.copies is None:
+            buf.copy_(grad, non_blocking=True)
+            return buf
+        compute = torch.cuda.current_stream(self.compute_device)
+        self.copies.wait_stream(compute)  # the gradient is made, and the last read of buf (fetch_grad) is done
+        with torch.cuda.stream(self.copies):
+            buf.copy_(grad, non_blocking=True)
+        grad.record_stream(self.copies)  # its memory is reused only once the copy has read it
+        done = self._copied[unit.name] = torch.cuda.Event()
+        done.record(self.copies)
+        self._queued.append(done)
+        if len(self._queued) > self.copies_in_flight:
+            compute.wait_event(self._queued.popleft())  # bounds the device gradients the queue holds
         return buf
+
+    def fetch_grad(self, unit: Unit, buf: torch.Tensor) -> torch.Tensor:
+        """``unit``'s gradient sum so far (``buf``, what :meth:`put_grad` returned) back on the compute device in
+        fp32, once its copy out has landed (the next micro-batch adds to it). On a GPU the copy back runs on the
+        fetch stream, and the sum of the unit backward reaches next (the one before it in the plan) starts
+        coming back at once, so that copy runs beside this unit's backward."""
+        if self.copies is None:
+            return buf.to(self.compute_device, torch.float32, non_blocking=True)
+        fetched = self._fetched.pop(unit.name, None)
+        if fetched is None or fetched[0].numel() != buf.numel() or fetched[0].dtype != buf.dtype:
+            fetched = self._start_fetch(unit.name, buf)
+        out, landed = fetched
+        torch.cuda.current_stream(self.compute_device).wait_event(landed)
+        before = self._before.get(unit.name)
+        if before is not None and before in self._grads and before not in self._fetched:
+            self._fetched[before] = self._start_fetch(before, self._grads[before])
+        return out.float()
+
+    def _start_fetch(self, name: str, buf: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Copy host ``buf`` (unit ``name``'s) into a new device tensor on the fetch stream, after its copy out."""
+        out = torch.empty(buf.numel(), dtype=buf.dtype, device=self.compute_device)
+        self.fetches.wait_stream(torch.cuda.current_stream(self.compute_device))  # out's memory is free to write
+        done = self._copied.get(name)
+        if done is not None:
+            self.fetches.wait_event(done)
+        with torch.cuda.stream(self.fetches):
+            out.copy_(buf, non_blocking=True)
+        out.record_stream(self.fetches)
+        landed = torch.cuda.Event()
+        landed.record(self.fetches)
+        return out, landed
 
     @torch.no_grad()
     def host_grads(self, grads: Mapping[str, torch.Tensor | None]
@@ -159,6 +216,8 @@ class HostOffload:
         self._sumsq = {}
         if self.compute_device.type == "cuda":
             torch.cuda.current_stream(self.compute_device).synchronize()  # the host reads them next
+            self.copies.synchronize()
+            self._copied, self._queued, self._fetched = {}, collections.deque(), {}
         total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.compute_device)
         return out, total
 

@@ -38,6 +38,7 @@ from dsfunc.zero.layout import ShardingPlan, Unit
 
 Grads = dict[str, torch.Tensor | None]
 Sink = Callable[[Unit, torch.Tensor, torch.dtype, bool], torch.Tensor]
+Fetch = Callable[[Unit, torch.Tensor], torch.Tensor]  # a sunk sum back on the device, in fp32
 
 
 def exact_dtype(dtype: torch.dtype, comm_dtype: torch.dtype, ranks: int) -> torch.dtype:
@@ -89,9 +90,11 @@ class ZeroReducer:
     max_inflight = 2  # reductions in flight during backward; older ones are waited for as new ones start
 
     def __init__(self, plan: ShardingPlan, *, comm_dtype: torch.dtype, bucket_size: int,
-                 device: torch.device, sink: Sink | None = None, narrow: bool = False) -> None:
+                 device: torch.device, sink: Sink | None = None, fetch: Fetch | None = None,
+                 narrow: bool = False) -> None:
         self.plan = plan
         self.sink = sink
+        self.fetch = fetch or (lambda _unit, t: t.to(device, torch.float32, non_blocking=True))
         self.narrow = narrow or sink is not None  # a gradient kept in its exact dtype (a sunk one always is)
         self.comm_dtype = comm_dtype
         self.bucket_size = bucket_size
@@ -147,7 +150,7 @@ class ZeroReducer:
     def _store(self, unit: Unit, reduced: torch.Tensor, last: bool, exact: torch.dtype) -> None:
         prev = self._grads.pop(unit.name, None)
         if prev is None and unit.name in self._sunk:  # an earlier micro-batch's (or backward's) sum, on the host
-            prev = self._sunk.pop(unit.name).to(self.device, torch.float32, non_blocking=True)
+            prev = self.fetch(unit, self._sunk.pop(unit.name))
         if prev is not None:
             reduced, exact = prev.float().add_(reduced), torch.float32
         else:  # its exact dtype after the last micro-batch if kept narrow; fp32 before it (more will be added)
