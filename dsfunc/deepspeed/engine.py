@@ -176,8 +176,21 @@ class Engine(nn.Module):
         """True while the current micro-batch is the last of its optimizer step."""
         return self.steps.is_boundary()
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say whether the current micro-batch ends the optimizer step (until said otherwise): the next
+        ``engine.step()`` then applies the update exactly when it is True, whatever the micro-batch count.
+        Several backwards before one ``step()`` are one micro-batch whose gradients add up, each backward
+        divided by ``gradient_accumulation_steps`` (accelerate's loop)."""
+        self.steps.boundary = bool(is_boundary)
+        self.steps.place()
+
     def get_lr(self) -> list[float]:
-        """The lr the next optimizer step will use, per parameter group (DeepSpeed's list)."""
+        """The lr the next optimizer step will use, per parameter group (DeepSpeed's list: the optimizer's
+        ``param_groups`` lr, which a client may have set)."""
+        return self.optimizer.lrs() if self.optimizer is not None else []
+
+    def scheduled_lr(self) -> list[float]:
+        """The lr the engine's own schedule (or constant lr) gives the next step, per parameter group."""
         if not self.groups:
             return []
         t = schedule_count(self.state.opt_state) - 1
@@ -294,7 +307,7 @@ class Engine(nn.Module):
         if not self.steps.end_micro_batch():
             self._lap("step", start)
             return
-        new = self.steps.finish()
+        new = self.steps.finish(lr=self.optimizer.step_lr())
         self.global_samples += self.train_batch_size()
         self._lap("step", start)
         self.monitor.log(new, samples=self.global_samples, tokens=self._tokens * self.world_size,
@@ -369,7 +382,8 @@ class Engine(nn.Module):
                 f"{self.gradient_accumulation_steps()}): its gradients would be lost; save after the "
                 "engine.step() that ends the step"
             )
-        client[ENGINE_KEY] = {"global_samples": self.global_samples, "skipped_steps": self.skipped_steps}
+        client[ENGINE_KEY] = {"global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
+                              "param_group_lr": self.get_lr()}
         self.monitor.flush()
         checkpoint.save_checkpoint(self.state, save_dir, tag=tag, client_state=client, save_latest=save_latest)
         return True
@@ -420,6 +434,8 @@ class Engine(nn.Module):
             counters = counters or {}
             self.global_samples = counters.get("global_samples", step * self.train_batch_size())
             self.monitor.restart(loaded, skipped_steps=counters.get("skipped_steps", 0))
+            if self.optimizer is not None and load_lr_scheduler_states and "param_group_lr" in counters:
+                self.optimizer.restore(counters["param_group_lr"])  # a client may have set them
             if self.training_dataloader is not None:
                 self.training_dataloader.skip_to(self.micro_steps)
         return str(folder), client

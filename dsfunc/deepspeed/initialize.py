@@ -25,6 +25,7 @@ from dsfunc.deepspeed.groups import Groups, freeze_all_but, labelled, parameter_
 from dsfunc.deepspeed.translate import client_schedule, optimizer_section
 from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, group_views
 from dsfunc.distributed import comm, init_distributed, launched_by_mpi
+from dsfunc.distributed.init import init_alone
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.init import init_state
 from dsfunc.optim.base import chain
@@ -168,11 +169,13 @@ def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, groups:
 
 def _join_world(distributed_port: int) -> None:
     """Join the process group the environment describes (started by dsfunc, torchrun or mpirun); a process
-    started alone needs none (world size 1)."""
+    started alone gets a one-process group."""
     if dist.is_initialized():
         return
     if "WORLD_SIZE" in os.environ or launched_by_mpi():
         init_distributed(distributed_port=distributed_port)
+    else:
+        init_alone()
 
 
 def _local_rank(args: Any) -> int:

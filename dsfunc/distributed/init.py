@@ -175,6 +175,17 @@ def init_distributed(
         logger.info("init_distributed: rank %d of %d, backend %s", comm.rank(), comm.world_size(), backend)
 
 
+def init_alone(dist_backend: str | None = None) -> None:
+    """A one-process group for a process no launcher started (``python train.py``), as DeepSpeed's
+    ``initialize`` forms one (through MPI discovery): libraries that call ``torch.distributed`` next to the
+    engine (accelerate gathering metrics) find a group. Its store lives in memory, so no port is taken."""
+    if comm.is_distributed():
+        return
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    atexit.register(_destroy_at_exit)
+
+
 def _destroy_at_exit() -> None:
     """Tear down the group we created, so a script that simply ends does not abort in gloo/NCCL teardown."""
     if comm.is_distributed():

@@ -141,6 +141,12 @@ class MicroBatchRuntime:
         self._forwards += 1
         self.phase = Phase.FORWARD
 
+    def place(self, micro: tuple[int, int]) -> None:
+        """Move the open micro-batch to ``micro``: its place in the step, declared by the client between its
+        forward and its backward (DeepSpeed's ``set_gradient_accumulation_boundary``). The backwards and
+        ``end()`` from now on tell the reducer that place."""
+        self.micro = micro
+
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale, for a script that calls ``backward()`` on it itself (fp16)."""
         self._check_loss(loss)
