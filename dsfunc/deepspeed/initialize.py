@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dsfunc.config import Config
@@ -24,8 +23,8 @@ from dsfunc.deepspeed.engine import Engine
 from dsfunc.deepspeed.groups import Groups, freeze_all_but, labelled, parameter_groups
 from dsfunc.deepspeed.translate import client_schedule, optimizer_section
 from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, group_views
-from dsfunc.distributed import comm, init_distributed, launched_by_mpi
-from dsfunc.distributed.init import init_alone
+from dsfunc.distributed import comm
+from dsfunc.distributed.init import join_world
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.init import init_state
 from dsfunc.optim.base import chain
@@ -85,7 +84,7 @@ def initialize(
     _check_arguments(model, mpu, mesh_param, config, config_params)
     source = config_source(args, config if config is not None else config_params)
     if dist_init_required is not False:
-        _join_world(distributed_port)
+        join_world(distributed_port)
     local_rank = _local_rank(args)
     world = comm.world_size()
     cfg = Config.load(source, world_size=world)
@@ -165,17 +164,6 @@ def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, groups:
         if cfg.scheduler is not None:
             logger.warning("the client lr_scheduler passed to initialize replaces the config's scheduler section")
     return Config.load(raw, world_size=cfg.world_size), groups, client_lr, client_opt is not None
-
-
-def _join_world(distributed_port: int) -> None:
-    """Join the process group the environment describes (started by dsfunc, torchrun or mpirun); a process
-    started alone gets a one-process group."""
-    if dist.is_initialized():
-        return
-    if "WORLD_SIZE" in os.environ or launched_by_mpi():
-        init_distributed(distributed_port=distributed_port)
-    else:
-        init_alone()
 
 
 def _local_rank(args: Any) -> int:

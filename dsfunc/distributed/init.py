@@ -175,14 +175,19 @@ def init_distributed(
         logger.info("init_distributed: rank %d of %d, backend %s", comm.rank(), comm.world_size(), backend)
 
 
-def init_alone(dist_backend: str | None = None) -> None:
-    """A one-process group for a process no launcher started (``python train.py``), as DeepSpeed's
-    ``initialize`` forms one (through MPI discovery): libraries that call ``torch.distributed`` next to the
-    engine (accelerate gathering metrics) find a group. Its store lives in memory, so no port is taken."""
+def join_world(distributed_port: int = 29500) -> None:
+    """Join the process group the environment describes (started by dsfunc, torchrun or mpirun), or form a
+    one-process group for a process no launcher started (``python train.py``), as DeepSpeed's
+    ``initialize`` and ``zero.Init`` do (through MPI discovery): libraries that call ``torch.distributed``
+    next to the engine (accelerate gathering metrics) find a group. A lone group's store lives in memory,
+    so it takes no port. Nothing to do when a group exists."""
     if comm.is_distributed():
         return
-    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if "WORLD_SIZE" in os.environ or launched_by_mpi():
+        init_distributed(distributed_port=distributed_port)
+        return
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
     atexit.register(_destroy_at_exit)
 
 

@@ -3,8 +3,10 @@
 ``Init`` builds a model without memory: under it modules are created on the ``meta`` device, and
 :func:`dsfunc.init_state` (so ``deepspeed.initialize``) materialises only this rank's shard, one
 module at a time, with each module's ``reset_parameters()`` (or ``param_init_fn``). Initialisation
-code that ran at construction ran on ``meta`` and had no effect; a model whose weights come from that
-code (or from a checkpoint loaded before ``initialize``) should be built normally instead.
+code that ran at construction ran on ``meta`` and had no effect; values written through
+``GatheredParameters(params, modifier_rank=r)`` before ``initialize`` (how Hugging Face initialises
+and loads a ZeRO-3 model) are kept, sharded, and used instead (:mod:`dsfunc.zero.pending`). Buffers
+are on ``meta`` too and get their values from ``reset_parameters()`` only.
 
 ``GatheredParameters(params, modifier_rank=None)`` makes the full values of a module's ZeRO-3
 parameters visible inside the ``with`` block (outside, they are empty, as DeepSpeed's). Every rank must
@@ -24,9 +26,11 @@ import torch
 from torch import nn
 
 from dsfunc.distributed import comm
-from dsfunc.errors import InputError, NotSupportedError
+from dsfunc.distributed.init import join_world
+from dsfunc.errors import NotSupportedError
 from dsfunc.zero.gather import Workspace, owner
 from dsfunc.zero.layout import Unit
+from dsfunc.zero.pending import Exposed
 
 
 class Init:
@@ -49,6 +53,8 @@ class Init:
                                     '"cpu"} in the config, or leave remote_device out')
         self.enabled = enabled and module is None
         self._meta: torch.device | None = None
+        if self.enabled:
+            join_world()  # as DeepSpeed's: loading under it (GatheredParameters) is collective
 
     def __enter__(self) -> Init:  # noqa: PYI034 - DeepSpeed's class, not meant to be subclassed
         if self.enabled:
@@ -70,13 +76,7 @@ class GatheredParameters:
         tensors = [] if params is None else [params] if isinstance(params, torch.Tensor) else list(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        if enabled and modifier_rank is not None and any(t.is_meta for t in tensors):
-            raise InputError(
-                "GatheredParameters(modifier_rank=...) on parameters on the meta device (built under zero.Init "
-                "before initialize): they have no values yet, so writes would be lost. Initialise them in the "
-                "module's reset_parameters() (initialize materialises meta models with it), or build the model "
-                "without zero.Init"
-            )
+        self._meta = Exposed([t for t in tensors if t.is_meta])  # built under zero.Init, before initialize
         self._units: dict[int, tuple[Workspace, list[Unit]]] = {}
         for t in tensors:
             found = owner(t)
@@ -89,6 +89,7 @@ class GatheredParameters:
     def __enter__(self) -> GatheredParameters:  # noqa: PYI034 - DeepSpeed's class, not subclassed
         if not self.enabled:
             return self
+        self._meta.expose()
         for workspace, units in self._ordered():
             for unit in units:
                 if self.modifier_rank is None:
@@ -100,6 +101,7 @@ class GatheredParameters:
     def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
+        self._meta.hide(self.modifier_rank)
         for workspace, units in self._ordered():
             if self.modifier_rank is None:
                 for unit in units:

@@ -20,12 +20,17 @@ def test_zero_init_builds_on_meta_and_initialize_materialises():
     assert all(p.is_meta for p in net.parameters())
     with Init(enabled=False):
         assert not MLP().inp.weight.is_meta
-    with pytest.raises(dsfunc.InputError, match="meta device.*writes would be lost"):
-        GatheredParameters(net.inp.weight, modifier_rank=0)
-    with GatheredParameters(net.inp.weight):  # nothing to gather yet
-        pass
-    deepspeed.initialize(model=net, config=config(micro=2, stage=3))
+    with GatheredParameters(net.inp.weight):  # nothing written yet: nan
+        assert net.inp.weight.isnan().all()
+    with GatheredParameters([net.inp.weight, net.inp.bias], modifier_rank=0), torch.no_grad():
+        net.inp.weight.fill_(0.5)  # the bias is left alone: reset_parameters() gives it its value
+    assert net.inp.weight.is_meta  # kept aside until initialize
+    with GatheredParameters(net.inp.weight):
+        assert (net.inp.weight == 0.5).all()
+    engine, *_ = deepspeed.initialize(model=net, config=config(micro=2, stage=3))
     assert not any(p.is_meta for p in net.parameters())
+    full = dsfunc.full_params(engine.state)
+    assert (full["inp.weight"] == 0.5).all() and not full["inp.bias"].isnan().any()
     with pytest.raises(dsfunc.NotSupportedError, match="parameter offload to NVMe is not built"):
         Init(remote_device="nvme")
     with Init(remote_device="cpu"):  # where the state lives is the config's offload sections
