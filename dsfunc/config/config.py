@@ -96,6 +96,26 @@ class Config:
     from it).
     """
 
+    # Read as a dict, a config is the user's dict as given (``raw``), as DeepSpeed's ``engine.config`` is:
+    # libraries read it so (``engine.config.get("zero_optimization", {})``).
+    def __getitem__(self, key: str) -> Any:
+        return self.raw[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.raw
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.raw.get(key, default)
+
+    def keys(self) -> Any:
+        return self.raw.keys()
+
+    def items(self) -> Any:
+        return self.raw.items()
+
+    def values(self) -> Any:
+        return self.raw.values()
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "raw", freeze(self.raw))
         t, m, g, w = (

@@ -101,7 +101,7 @@ class Engine(nn.Module):
         self._timings: dict[str, float] = {}
         self._tokens = 0
         self._compiled = self.config.compile.enabled
-        direct.install(model, self.steps)
+        self._direct_hooks = direct.install(model, self.steps)
         _ENGINES.add(self)
 
     def __getattr__(self, name: str) -> Any:
@@ -349,6 +349,26 @@ class Engine(nn.Module):
         return True
 
     save_fp16_model = save_16bit_model
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """The config's ``stage3_gather_16bit_weights_on_model_save``: whether a ZeRO-3 model save gathers."""
+        return self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+        """The module's full weights in the compute dtype, as CPU tensors on rank 0 (None elsewhere),
+        gathered one unit at a time; every rank calls it. ZeRO-3 only (a ValueError otherwise, as DeepSpeed's)."""
+        if not self.zero_optimization_partition_weights():
+            raise ValueError("this function requires ZeRO-3 mode")
+        return gathered_state_dict(self.module, exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def destroy(self) -> None:
+        """Release the engine (DeepSpeed's ``destroy``): its monitor closes and a direct call of its module
+        no longer trains through it; the per-parameter helpers stop finding it."""
+        self.monitor.close()
+        for hook in self._direct_hooks:
+            hook.remove()
+        self._direct_hooks = []
+        _ENGINES.discard(self)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(
