@@ -76,6 +76,7 @@ class Engine(nn.Module):
         model: nn.Module,
         local_rank: int = 0,
         groups: list[GroupView] | None = None,
+        param_groups: list[dict[str, Any]] | None = None,
         scheduled: bool = False,
         training_dataloader: DistributedLoader | None = None,
         progress_bar: bool = False,
@@ -95,7 +96,9 @@ class Engine(nn.Module):
         self.global_rank = program.plan.rank
         self.world_size = program.plan.world_size
         self.monitor = Monitor(state, progress_bar=progress_bar, total_steps=total_steps)
-        self.optimizer = EngineOptimizer(self) if groups is not None else None
+        # a client torch optimizer's param_groups are the engine optimizer's: a scheduler built on either
+        # drives the engine's lr, as with DeepSpeed
+        self.optimizer = EngineOptimizer(self, param_groups) if groups is not None else None
         self.lr_scheduler = EngineLRScheduler(self) if groups is not None and scheduled else None
         self.global_samples = 0
         self._timings: dict[str, float] = {}

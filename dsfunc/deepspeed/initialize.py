@@ -92,10 +92,10 @@ def initialize(
         check_dataset(training_data)
 
     groups = parameter_groups(model_parameters) if model_parameters is not None else None
-    cfg, groups, client_lr, from_client = _with_client_objects(cfg, optimizer, lr_scheduler, groups, model)
+    cfg, groups, client_lr, client_opt = _with_client_objects(cfg, optimizer, lr_scheduler, groups, model)
     if groups is not None:
         freeze_all_but(model, [p for params, _ in groups for p in params],
-                       "the client optimizer" if from_client else "model_parameters")
+                       "the client optimizer" if client_opt is not None else "model_parameters")
     param_groups = labelled(model, groups) if groups is not None and cfg.optimizer is not None else None
     update = chain() if cfg.optimizer is None else None  # an engine without optimizer only evaluates
     state = init_state(model, cfg, optimizer=update, seed=seed, in_place=True, param_groups=param_groups,
@@ -109,7 +109,8 @@ def initialize(
             pin_memory=cuda,
         )
     views = group_views(state, param_groups, client_lr) if cfg.optimizer is not None else None
-    engine = Engine(state, model=model, local_rank=local_rank, groups=views,
+    shared = client_opt.param_groups if client_opt is not None and views is not None else None
+    engine = Engine(state, model=model, local_rank=local_rank, groups=views, param_groups=shared,
                     scheduled=client_lr is not None or cfg.scheduler is not None, training_dataloader=loader,
                     progress_bar=progress_bar, total_steps=total_steps)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
@@ -127,13 +128,13 @@ def _check_arguments(model: Any, mpu: Any, mesh_param: Any, config: Any, config_
 
 
 def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, groups: Groups | None,
-                         model: nn.Module) -> tuple[Config, Groups | None, LrSchedule | None, bool]:
+                         model: nn.Module) -> tuple[Config, Groups | None, LrSchedule | None, Any]:
     """The config with a client torch optimizer translated into its ``optimizer`` section (and the
     parameter groups it holds), and a client lr scheduler translated into a per-group schedule (its
     section dropped).
 
-    Returns ``(config, parameter groups or None, client schedule or None, groups came from the client
-    optimizer)``.
+    Returns ``(config, parameter groups or None, client schedule or None, the client torch optimizer or
+    None)``.
     """
     client_opt = optimizer
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -163,7 +164,7 @@ def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, groups:
         raw.pop("scheduler", None)
         if cfg.scheduler is not None:
             logger.warning("the client lr_scheduler passed to initialize replaces the config's scheduler section")
-    return Config.load(raw, world_size=cfg.world_size), groups, client_lr, client_opt is not None
+    return Config.load(raw, world_size=cfg.world_size), groups, client_lr, client_opt
 
 
 def _local_rank(args: Any) -> int:

@@ -82,16 +82,20 @@ class EngineOptimizer:
     """What :func:`initialize` returns as ``optimizer``: a view of the engine's update.
 
     ``param_groups`` is one persistent dict per parameter group, as a torch optimizer's: its
-    hyper-parameters, ``params`` and the ``lr`` the next step uses. A client may write that ``lr`` (a torch
-    lr scheduler built on this optimizer does): the next step then uses it, as DeepSpeed's does; the
+    hyper-parameters, ``params`` and the ``lr`` the next step uses (a client torch optimizer's own dicts,
+    when one was passed to ``initialize``). A client may write that ``lr`` (a torch lr scheduler built on
+    this optimizer or on the client's does): the next step then uses it, as DeepSpeed's does; the
     engine's own schedule, where it has one, writes its value again after that step, else the client's lr
     stays. The dicts are brought up to date when read (one device sync after a step). ``zero_grad()`` is
     the engine's; stepping it or saving it is an error that points to the engine.
     """
 
-    def __init__(self, engine: Viewed) -> None:
+    def __init__(self, engine: Viewed, param_groups: list[dict[str, Any]] | None = None) -> None:
+        """``param_groups``: a client torch optimizer's, translated into the engine's groups (same order),
+        kept as the dicts of this view."""
         self._engine = engine
-        self._groups = [{**g.hyper, "lr": g.lr, "params": g.params} for g in engine.groups]
+        self._groups = param_groups if param_groups is not None else [
+            {**g.hyper, "lr": g.lr, "params": g.params} for g in engine.groups]
         self._written: list[float] = [g.lr for g in engine.groups]  # the lr the engine last put in each dict
         self._fresh_at: int | None = None  # the applied-step count the dicts were last brought up to date at
 
@@ -116,7 +120,7 @@ class EngineOptimizer:
         self._refresh()
         out = {}
         for view, group, written in zip(self._engine.groups, self._groups, self._written):
-            changed = sorted(k for k, v in view.hyper.items() if k != "lr" and group.get(k, v) != v)
+            changed = sorted(k for k, v in view.hyper.items() if k != "lr" and k in group and plain(group[k]) != v)
             if changed:
                 raise UsageError(f"param_groups {changed} were changed; dsfunc's engine follows a client's lr only "
                                  "(set the others in the config or the optimizer passed to initialize)")
