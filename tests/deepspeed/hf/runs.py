@@ -61,7 +61,7 @@ def pretrained(out: str) -> str:
 
 
 def trainer_runs(out: str, deepspeed_checkpoint: str | None) -> dict:
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     tiny = pretrained(f"{out}/tiny{rank}")
     res = {"reference": train(f"{out}/ref", None),
            "z2_trainer_optimizer": train(f"{out}/z2", ds_config(2), save=True),
@@ -146,7 +146,7 @@ def main() -> None:
                                                                 gradient_clipping=1.0))
     else:
         res = {"launched": accelerate_loop(None, launched=True)}
-    if int(os.environ.get("RANK", 0)) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:
         print("RESULT " + json.dumps(res), flush=True)
 
 

@@ -67,12 +67,12 @@ def _copy_source(dest: str) -> str:
     """What a fresh clone holds of the package (its tracked files, plus the working tree's changes)."""
     names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
                            check=True).stdout.split()
+    top = ("pyproject.toml", "setup.py", "README.md", "MANIFEST.in")
     for name in names:
-        if name.startswith(("dsfunc/", "dsfunc_as_deepspeed")) or name in ("pyproject.toml", "setup.py",
-                                                                           "README.md", "MANIFEST.in"):
-            if os.path.exists(os.path.join(ROOT, name)):
-                os.makedirs(os.path.dirname(os.path.join(dest, name)) or dest, exist_ok=True)
-                shutil.copy(os.path.join(ROOT, name), os.path.join(dest, name))
+        wanted = name.startswith(("dsfunc/", "dsfunc_as_deepspeed")) or name in top
+        if wanted and os.path.exists(os.path.join(ROOT, name)):
+            os.makedirs(os.path.dirname(os.path.join(dest, name)) or dest, exist_ok=True)
+            shutil.copy(os.path.join(ROOT, name), os.path.join(dest, name))
     return dest
 
 
