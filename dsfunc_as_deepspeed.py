@@ -85,7 +85,11 @@ class Finder(importlib.abc.MetaPathFinder):
                                               is_package=True)
 
     def find_distributions(self, context: Any = None) -> list[importlib.metadata.Distribution]:
+        """``deepspeed`` for a search of this interpreter's path (not for tools that scan a given folder, as
+        pip does: they must see what is installed there)."""
         name = getattr(context, "name", None)
+        if getattr(context, "path", sys.path) is not sys.path:
+            return []
         if name is None or re.sub(r"[-_.]+", "-", name).lower() == "deepspeed":
             return [_Distribution()]
         return []

@@ -3,7 +3,7 @@
 (rank 0). Several runs share one process: importing transformers costs seconds.
 
 ``python runs.py trainer OUT [DEEPSPEED_CHECKPOINT]`` (1 rank, or under torch.distributed.run),
-``python runs.py real OUT`` (the real DeepSpeed), ``python runs.py accelerate``, and, under
+``python runs.py real OUT`` (the real DeepSpeed), ``python runs.py accelerate OUT``, and, under
 ``accelerate launch --use_deepspeed``, ``python runs.py launched``.
 """
 
@@ -84,9 +84,10 @@ def real_runs(out: str) -> dict:
             "z2_config_optimizer": train(f"{out}/z2o", ds_config(2, optimizer=True), save=True)}
 
 
-def accelerate_loop(plugin: DeepSpeedPlugin | None, launched: bool = False) -> list[float]:
+def accelerate_loop(plugin: DeepSpeedPlugin | None, launched: bool = False, state_dir: str | None = None) -> list[float]:
     """accelerate's loop: torch AdamW and LambdaLR, 2 accumulated micro-batches, clipping; each micro-batch's
-    loss averaged over the ranks."""
+    loss averaged over the ranks. With ``state_dir``: ``save_state`` halfway, and at the end ``load_state`` and
+    the second half once more (its losses appended)."""
     handlers = [InitProcessGroupKwargs(backend="gloo")] if launched else []
     acc = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=2, kwargs_handlers=handlers)
     torch.manual_seed(0)
@@ -97,16 +98,29 @@ def accelerate_loop(plugin: DeepSpeedPlugin | None, launched: bool = False) -> l
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
     assert (type(model).__name__ == "Engine") == (plugin is not None or launched), type(model)
     losses = []
-    for batch in loader:
-        with acc.accumulate(model):
-            loss = model(**batch).loss
-            acc.backward(loss)
-            if acc.sync_gradients:
-                acc.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses.append(acc.gather(loss.detach()).mean().item())
+
+    def run(batches: list) -> None:
+        for batch in batches:
+            with acc.accumulate(model):
+                loss = model(**batch).loss
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                losses.append(acc.gather(loss.detach()).mean().item())
+
+    batches = list(loader)
+    half = len(batches) // 2
+    run(batches[:half])
+    if state_dir is not None:
+        acc.save_state(state_dir)
+    run(batches[half:])
+    if state_dir is not None:
+        acc.load_state(state_dir)
+        run(batches[half:])
+    acc.free_memory()
     AcceleratorState._reset_state(True)
     return losses
 
@@ -143,7 +157,7 @@ def main() -> None:
         res = {"reference": accelerate_loop(None), "launch_reference": launch_reference()}
         for stage in (2, 3):
             res[f"z{stage}"] = accelerate_loop(DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=2,
-                                                                gradient_clipping=1.0))
+                                                                gradient_clipping=1.0), state_dir=f"{sys.argv[2]}/z{stage}")
     else:
         res = {"launched": accelerate_loop(None, launched=True)}
     if int(os.environ.get("RANK", "0")) == 0:
