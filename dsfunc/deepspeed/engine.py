@@ -307,10 +307,11 @@ class Engine(nn.Module):
                 "engine.backward(loss), engine.step() for every micro-batch"
             )
         start = self._clock()
+        lr = self.optimizer.step_lr() if self.steps.is_boundary() else None  # a client's param_groups lr
         if not self.steps.end_micro_batch():
             self._lap("step", start)
             return
-        new = self.steps.finish(lr=self.optimizer.step_lr())
+        new = self.steps.finish(lr=lr)
         self.global_samples += self.train_batch_size()
         self._lap("step", start)
         self.monitor.log(new, samples=self.global_samples, tokens=self._tokens * self.world_size,
