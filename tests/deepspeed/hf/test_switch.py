@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import site as site_module
 import subprocess
 import sys
 
@@ -79,6 +80,8 @@ def _copy_source(dest: str) -> str:
 @pytest.mark.parametrize("editable", [False, True], ids=["wheel", "editable"])
 def test_an_install_carries_the_switch(editable, tmp_path):
     pytest.importorskip("setuptools")
+    if sys.prefix != sys.base_prefix or not site_module.ENABLE_USER_SITE:
+        pytest.skip("installs into a throwaway user site-packages, which a virtualenv does not read")
     source = _copy_source(str(tmp_path / "src"))
     env = {**base_env(), "PYTHONUSERBASE": str(tmp_path / "user"), "PYTHONPATH": "", "PIP_NO_INDEX": "1"}
     target = ["-e", source] if editable else [source]
