@@ -91,6 +91,7 @@ def test_the_client_declares_the_accumulation_boundary():
         if i % 2 == 1:
             engine.step()
     assert engine.global_steps == ref.global_steps == 2
+    assert engine.state.metrics.loss.item() == pytest.approx(ref.state.metrics.loss.item())  # the mean, not a sum
     a, b = deepspeed.full_params(engine.state), deepspeed.full_params(ref.state)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
