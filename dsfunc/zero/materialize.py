@@ -105,11 +105,12 @@ class _MetaSource:
         alone._buffers = {k: torch.empty_like(v, device=self.device)
                           for k, v in module._buffers.items() if v is not None}
         given = {k: v for k, v in module._parameters.items() if v is not None and pending.has_value(v)}
+        built = {k: v for k, v in module._buffers.items() if v is not None and not v.is_meta}  # under zero.Init
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.seed * 1_000_003 + self.order[path])
             with torch.no_grad():
-                if len(given) == len(alone._parameters) and not alone._buffers:
-                    pass  # every value was given before initialize (below)
+                if len(given) == len(alone._parameters) and len(built) == len(alone._buffers):
+                    pass  # every value exists already (below)
                 elif self.init_fn is not None:
                     self.init_fn(alone)
                 elif hasattr(alone, "reset_parameters"):
@@ -122,4 +123,6 @@ class _MetaSource:
                     )
         for k, param in given.items():  # values written under GatheredParameters before initialize
             alone._parameters[k].data.copy_(pending.full_value(param))
+        for k, buffer in built.items():  # a buffer keeps its value (a meta model's parameters have none)
+            alone._buffers[k].copy_(buffer)
         return {**alone._parameters, **alone._buffers}

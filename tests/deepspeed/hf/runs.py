@@ -17,10 +17,20 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Trainer,
+    TrainingArguments,
+)
 
 CONFIG = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+LLAMA = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)  # RoPE buffers
 MICRO, STEPS = 4, 4
 DS_OPTIMIZER = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto",
                                             "torch_adam": True}}
@@ -73,6 +83,11 @@ def trainer_runs(out: str, deepspeed_checkpoint: str | None) -> dict:
         res["z2_config_optimizer"] = train(f"{out}/z2o", ds_config(2, optimizer=True))
         res["z3_trainer_optimizer"] = train(f"{out}/z3t", ds_config(3))
         res["z3_from_config"] = train(f"{out}/z3c", ds_config(3), lambda: AutoModelForCausalLM.from_config(CONFIG))
+        torch.manual_seed(0)
+        LlamaForCausalLM(LLAMA).save_pretrained(f"{out}/llama")
+        llama = lambda: LlamaForCausalLM.from_pretrained(f"{out}/llama")
+        res["llama_reference"] = train(f"{out}/l0", None, llama)
+        res["z3_llama_from_pretrained"] = train(f"{out}/l3", ds_config(3), llama)
     if deepspeed_checkpoint is not None:  # written by the real DeepSpeed: its Trainer's AdamW has 2 groups
         res["resumed_from_deepspeed"] = train(f"{out}/dsr", ds_config(2, optimizer=True), resume=deepspeed_checkpoint)
     return res
