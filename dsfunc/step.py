@@ -101,8 +101,12 @@ def apply_gradients(
     loss: torch.Tensor,
     *,
     optimizer: Transform | None = None,
+    lr: Mapping[str | None, float] | None = None,
 ) -> TrainState:
     """The update half of a step: norm, overflow check, optimizer, loss scaler, metrics.
+
+    ``lr`` (parameter group label -> lr; None labels the only group) replaces those groups' constant or
+    scheduled lr for this step; their schedules still advance.
 
     ``grads`` are this rank's reduced gradients laid out like ``state.params`` (still multiplied by the
     loss scale; fp32, or 16-bit where that holds them exactly: :func:`dsfunc.zero.reduce.grad_dtype`);
@@ -133,7 +137,7 @@ def apply_gradients(
     update = ChainUpdate(optimizer) if optimizer is not None else program.update
     lowp = program.workspace.lowp_targets() if update.writes_compute_copy else {}
     sent: set[str] = set()  # offload: units already on their way back to the device
-    ctx = _update_context(program, scale, grad_norm, finite, lowp, sent)
+    ctx = dataclasses.replace(_update_context(program, scale, grad_norm, finite, lowp, sent), lr=lr)
     params, opt_state = update.apply(params, grads, state.opt_state, ctx)
     program.workspace.refresh(params, written=set(lowp) | sent)
     if program.offload is not None:

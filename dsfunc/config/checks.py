@@ -146,6 +146,15 @@ def _fields(keys: Mapping[str, Check]) -> Check:
 _SIZE = _integer(ge=0, whole_floats=True)
 _NON_NEGATIVE = _number(ge=0.0)
 _STEPS = _integer(ge=1)
+
+
+def _print_steps(value: Any, path: str) -> int | None:
+    """``steps_per_print``: steps >= 1, or ``null`` or infinity (accelerate's way to turn printing off): None."""
+    if value is None or (isinstance(value, float) and value == math.inf):
+        return None
+    return _STEPS(value, path)
+
+
 _DTYPE_NAME = _optional(_choice("fp32", "fp16", "bf16"))
 _LR = _NON_NEGATIVE
 

@@ -11,7 +11,7 @@ import torch
 
 from dsfunc.config.activation_checkpointing import ActivationCheckpointingConfig, _activation_checkpointing
 from dsfunc.config.batch import _batch_size, _check_triple, _resolve_batch, _world_size
-from dsfunc.config.checks import _DTYPE_NAME, _NON_NEGATIVE, _STEPS, _bool, _number, _optional
+from dsfunc.config.checks import _DTYPE_NAME, _NON_NEGATIVE, _bool, _number, _optional, _print_steps
 from dsfunc.config.compile import CompileConfig, _compile
 from dsfunc.config.errors import ConfigError
 from dsfunc.config.monitor import MonitorConfig
@@ -54,8 +54,9 @@ class Config:
     """Clip the global L2 norm of the (unscaled) gradients to this; 0 turns clipping off. The default 1.0 is
     DeepSpeed's since 0.19.3.
     """
-    steps_per_print: int | None = _key(10, _optional(_STEPS))
-    """Optimizer steps between progress lines on rank 0 (DeepSpeed's default 10); null: none."""
+    steps_per_print: int | None = _key(10, _print_steps)
+    """Optimizer steps between progress lines on rank 0 (DeepSpeed's default 10); null (or infinity, as
+    accelerate sets it): none."""
     wall_clock_breakdown: bool = _key(False, _bool)
     """Add a time (ms) line of forward, backward and step to the progress lines, and those times as monitor
     events (the engine synchronises the device to time them).
@@ -97,6 +98,26 @@ class Config:
     """Not a key: the user's dict as given, frozen (checkpoints record it; without_effect reads the keys given
     from it).
     """
+
+    # Read as a dict, a config is the user's dict as given (``raw``), as DeepSpeed's ``engine.config`` is:
+    # libraries read it so (``engine.config.get("zero_optimization", {})``).
+    def __getitem__(self, key: str) -> Any:
+        return self.raw[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.raw
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.raw.get(key, default)
+
+    def keys(self) -> Any:
+        return self.raw.keys()
+
+    def items(self) -> Any:
+        return self.raw.items()
+
+    def values(self) -> Any:
+        return self.raw.values()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "raw", freeze(self.raw))

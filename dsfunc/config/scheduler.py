@@ -25,7 +25,7 @@ class SchedulerConfig(_TypedSection):
     """``scheduler``: canonical ``type`` (DeepSpeed's class name) and its complete, validated ``params``."""
 
 
-_SCHEDULER_NAMES = {
+SCHEDULER_NAMES = {  # DeepSpeed's scheduler class names (deepspeed.runtime.lr_schedules)
     name: name for name in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 }
 def _fresh_iteration(value: Any, path: str) -> int:
@@ -95,7 +95,7 @@ _SCHEDULER_SECTION = _Schema(specs=_TYPE_AND_PARAMS)
 
 def _scheduler(value: Any, path: str) -> SchedulerConfig:
     section = _parse(value, path, _SCHEDULER_SECTION)
-    kind = _canonical_type(section["type"], f"{path}.type", _SCHEDULER_NAMES, "LR scheduler")
+    kind = _canonical_type(section["type"], f"{path}.type", SCHEDULER_NAMES, "LR scheduler")
     params = _parse(
         section["params"], f"{path}.params", _Schema(_SCHEDULER_PARAMS[kind], what=f'scheduler "{kind}"')
     )

@@ -27,8 +27,9 @@ from dsfunc.deepspeed.step_in_progress import StepInProgress
 from dsfunc.zero.runtime import MicroBatchRuntime
 
 
-def install(module: nn.Module, steps: StepInProgress) -> None:
-    """Hook ``module`` so that calling it directly runs through the engine's step in progress, ``steps``."""
+def install(module: nn.Module, steps: StepInProgress) -> list[Any]:
+    """Hook ``module`` so that calling it directly runs through the engine's step in progress, ``steps``;
+    returns the hooks' handles."""
     me = weakref.ref(steps)  # the module outlives a dropped engine; its hooks then do nothing
     opened: list[Any] = []  # per call in flight: what the pre-hook opened (None: nothing)
 
@@ -47,9 +48,11 @@ def install(module: nn.Module, steps: StepInProgress) -> None:
         if token is not None:
             _end(token, output)
 
-    module._dsfunc_hooks.append(module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True))
-    module._dsfunc_hooks.append(module.register_forward_hook(post, always_call=True))
+    handles = [module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True),
+               module.register_forward_hook(post, always_call=True)]
+    module._dsfunc_hooks.extend(handles)
     module.zero_grad = types.MethodType(_zero_grad, module)
+    return handles
 
 
 def _zero_grad(module: nn.Module, set_to_none: bool = True) -> None:

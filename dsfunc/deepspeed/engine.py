@@ -79,6 +79,7 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         model: nn.Module,
         local_rank: int = 0,
         groups: list[GroupView] | None = None,
+        param_groups: list[dict[str, Any]] | None = None,
         scheduled: bool = False,
         training_dataloader: DistributedLoader | None = None,
         progress_bar: bool = False,
@@ -98,14 +99,16 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         self.global_rank = program.plan.rank
         self.world_size = program.plan.world_size
         self.monitor = Monitor(state, progress_bar=progress_bar, total_steps=total_steps)
-        self.optimizer = EngineOptimizer(self) if groups is not None else None
+        # a client torch optimizer's param_groups are the engine optimizer's: a scheduler built on either
+        # drives the engine's lr, as with DeepSpeed
+        self.optimizer = EngineOptimizer(self, param_groups) if groups is not None else None
         self.lr_scheduler = EngineLRScheduler(self) if groups is not None and scheduled else None
         self.global_samples = 0
         self._timings: dict[str, float] = {}
         self._tokens = 0
         self._compiled = self.config.compile.enabled
         self._init_surface()
-        direct.install(model, self.steps)
+        self._direct_hooks = direct.install(model, self.steps)
         live_engines.register(self)
 
     def __getattr__(self, name: str) -> Any:
@@ -150,8 +153,21 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         """True while the current micro-batch is the last of its optimizer step."""
         return self.steps.is_boundary()
 
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say whether the current micro-batch ends the optimizer step (until said otherwise): the next
+        ``engine.step()`` then applies the update exactly when it is True, whatever the micro-batch count.
+        Several backwards before one ``step()`` are one micro-batch whose gradients add up, each backward
+        divided by ``gradient_accumulation_steps`` (accelerate's loop)."""
+        self.steps.boundary = bool(is_boundary)
+        self.steps.place()
+
     def get_lr(self) -> list[float]:
-        """The lr the next optimizer step will use, per parameter group (DeepSpeed's list)."""
+        """The lr the next optimizer step will use, per parameter group (DeepSpeed's list: the optimizer's
+        ``param_groups`` lr, which a client may have set)."""
+        return self.optimizer.lrs() if self.optimizer is not None else []
+
+    def scheduled_lr(self) -> list[float]:
+        """The lr the engine's own schedule (or constant lr) gives the next step, per parameter group."""
         if not self.groups:
             return []
         t = schedule_count(self.state.opt_state) - 1
@@ -270,11 +286,12 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
                 "engine.backward(loss), engine.step() for every micro-batch"
             )
         start = self._clock()
+        lr = self.optimizer.step_lr() if self.steps.is_boundary() else None  # a client's param_groups lr
         if not self.steps.end_micro_batch():
             self.tput_timer.stop(global_step=False)
             self._lap("step", start)
             return
-        new = self.steps.finish()
+        new = self.steps.finish(lr=lr)
         self.tput_timer.stop(global_step=True)
         self.global_samples += self.train_batch_size()
         self._lap("step", start)
@@ -318,6 +335,22 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
 
     save_fp16_model = save_16bit_model
 
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+        """The module's full weights in the compute dtype, as CPU tensors on rank 0 (None elsewhere),
+        gathered one unit at a time; every rank calls it. ZeRO-3 only (a ValueError otherwise, as DeepSpeed's)."""
+        if not self.zero_optimization_partition_weights():
+            raise ValueError("this function requires ZeRO-3 mode")
+        return gathered_state_dict(self.module, exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def destroy(self) -> None:
+        """Release the engine (DeepSpeed's ``destroy``): its monitor closes and a direct call of its module
+        no longer trains through it; the per-parameter helpers stop finding it."""
+        self.monitor.close()
+        for hook in self._direct_hooks:
+            hook.remove()
+        self._direct_hooks = []
+        live_engines.unregister(self)
+
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(
         self,
@@ -350,7 +383,8 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
                 f"{self.gradient_accumulation_steps()}): its gradients would be lost; save after the "
                 "engine.step() that ends the step"
             )
-        client[ENGINE_KEY] = {"global_samples": self.global_samples, "skipped_steps": self.skipped_steps}
+        client[ENGINE_KEY] = {"global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
+                              "param_group_lr": self.get_lr()}
         self.monitor.flush()
         checkpoint.save_checkpoint(self.state, save_dir, tag=tag, client_state=client, save_latest=save_latest)
         return True
@@ -401,6 +435,8 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
             counters = counters or {}
             self.global_samples = counters.get("global_samples", step * self.train_batch_size())
             self.monitor.restart(loaded, skipped_steps=counters.get("skipped_steps", 0))
+            if self.optimizer is not None and load_lr_scheduler_states and "param_group_lr" in counters:
+                self.optimizer.restore(counters["param_group_lr"])  # a client may have set them
             if self.training_dataloader is not None:
                 self.training_dataloader.skip_to(self.micro_steps)
         return str(folder), client

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dsfunc.config import Config
@@ -26,7 +25,8 @@ from dsfunc.deepspeed.pipe import PipelineModule
 from dsfunc.deepspeed.pipe_engine import PipelineEngine
 from dsfunc.deepspeed.translate import client_schedule, optimizer_section
 from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, group_views
-from dsfunc.distributed import comm, init_distributed, launched_by_mpi
+from dsfunc.distributed import comm
+from dsfunc.distributed.init import join_world
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.init import init_state
 from dsfunc.optim.base import chain
@@ -86,7 +86,7 @@ def initialize(
     _check_arguments(model, mpu, mesh_param, config, config_params)
     source = config_source(args, config if config is not None else config_params)
     if dist_init_required is not False:
-        _join_world(distributed_port)
+        join_world(distributed_port)
     local_rank = _local_rank(args)
     pipelined = isinstance(model, PipelineModule)
     world = comm.world_size() // model.num_stages if pipelined else comm.world_size()  # the data-parallel ranks
@@ -95,10 +95,10 @@ def initialize(
         check_dataset(training_data)
 
     groups = parameter_groups(model_parameters) if model_parameters is not None else None
-    cfg, groups, client_lr, from_client = _with_client_objects(cfg, optimizer, lr_scheduler, groups, model)
+    cfg, groups, client_lr, client_opt = _with_client_objects(cfg, optimizer, lr_scheduler, groups, model)
     if groups is not None:
         freeze_all_but(model, [p for params, _ in groups for p in params],
-                       "the client optimizer" if from_client else "model_parameters")
+                       "the client optimizer" if client_opt is not None else "model_parameters")
     param_groups = labelled(model, groups) if groups is not None and cfg.optimizer is not None else None
     update = chain() if cfg.optimizer is None else None  # an engine without optimizer only evaluates
     state = init_state(model, cfg, optimizer=update, seed=seed, in_place=True, param_groups=param_groups,
@@ -113,9 +113,11 @@ def initialize(
             pin_memory=cuda,
         )
     views = group_views(state, param_groups, client_lr) if cfg.optimizer is not None else None
-    engine = (PipelineEngine if pipelined else Engine)(state, model=model, local_rank=local_rank, groups=views,
-                    scheduled=client_lr is not None or cfg.scheduler is not None, training_dataloader=loader,
-                    progress_bar=progress_bar, total_steps=total_steps)
+    shared = client_opt.param_groups if client_opt is not None and views is not None else None
+    engine_class = PipelineEngine if pipelined else Engine
+    engine = engine_class(state, model=model, local_rank=local_rank, groups=views, param_groups=shared,
+                          scheduled=client_lr is not None or cfg.scheduler is not None, training_dataloader=loader,
+                          progress_bar=progress_bar, total_steps=total_steps)
     engine.client_optimizer, engine.client_lr_scheduler = optimizer, lr_scheduler
     engine.training_data, engine.collate_fn = training_data, collate_fn
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
@@ -133,13 +135,13 @@ def _check_arguments(model: Any, mpu: Any, mesh_param: Any, config: Any, config_
 
 
 def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, groups: Groups | None,
-                         model: nn.Module) -> tuple[Config, Groups | None, LrSchedule | None, bool]:
+                         model: nn.Module) -> tuple[Config, Groups | None, LrSchedule | None, Any]:
     """The config with a client torch optimizer translated into its ``optimizer`` section (and the
     parameter groups it holds), and a client lr scheduler translated into a per-group schedule (its
     section dropped).
 
-    Returns ``(config, parameter groups or None, client schedule or None, groups came from the client
-    optimizer)``.
+    Returns ``(config, parameter groups or None, client schedule or None, the client torch optimizer or
+    None)``.
     """
     client_opt = optimizer
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -169,16 +171,7 @@ def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, groups:
         raw.pop("scheduler", None)
         if cfg.scheduler is not None:
             logger.warning("the client lr_scheduler passed to initialize replaces the config's scheduler section")
-    return Config.load(raw, world_size=cfg.world_size), groups, client_lr, client_opt is not None
-
-
-def _join_world(distributed_port: int) -> None:
-    """Join the process group the environment describes (started by dsfunc, torchrun or mpirun); a process
-    started alone needs none (world size 1)."""
-    if dist.is_initialized():
-        return
-    if "WORLD_SIZE" in os.environ or launched_by_mpi():
-        init_distributed(distributed_port=distributed_port)
+    return Config.load(raw, world_size=cfg.world_size), groups, client_lr, client_opt
 
 
 def _local_rank(args: Any) -> int:

@@ -15,6 +15,10 @@ def register(engine: Any) -> None:
     _ENGINES.add(engine)
 
 
+def unregister(engine: Any) -> None:
+    _ENGINES.discard(engine)
+
+
 def engine_of(workspace: Any) -> Any:
     """The live engine whose state's workspace is ``workspace``."""
     for engine in _ENGINES:

@@ -10,7 +10,8 @@ implements to the shells that implement them (the same module object: ``dsfunc.c
 pipeline or MoE pieces at top level but never uses them runs, and one that uses them fails at the call,
 never with an ImportError at import. dsfunc's own packages (``zero``, ``checkpoint``, ``monitor``,
 ``launcher``, ...) keep their names; DeepSpeed's ``zero.Init`` and ``zero.GatheredParameters`` live in
-:mod:`dsfunc.zero`.
+:mod:`dsfunc.zero`; DeepSpeed modules inside them that libraries import (``deepspeed.checkpoint.utils``,
+``deepspeed.launcher.runner``) are aliases too.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ ALIASES = {
     "runtime.dataloader": "dsfunc.deepspeed.utils",
     "runtime.engine": "dsfunc.deepspeed.engine",
     "runtime.zero": "dsfunc.zero",
-    "runtime.zero.partition_parameters": "dsfunc.zero",
+    "runtime.zero.partition_parameters": "dsfunc.deepspeed.partition_parameters",
+    "zero.partition_parameters": "dsfunc.deepspeed.partition_parameters",
     "moe.utils": "dsfunc.deepspeed.moe",
     "compression.helper": "dsfunc.deepspeed.compression",
     "checkpointing": "dsfunc.deepspeed.checkpointing",
@@ -53,6 +55,10 @@ ALIASES = {
     "runtime.pipe.module": "dsfunc.deepspeed.pipe",
     "runtime.pipe.topology": "dsfunc.deepspeed.pipe",
     "runtime.pipe.engine": "dsfunc.deepspeed.pipe_engine",
+    "runtime.lr_schedules": "dsfunc.deepspeed.lr_schedules",
+    # DeepSpeed's modules inside packages whose names are dsfunc's own (dsfunc.checkpoint, dsfunc.launcher)
+    "checkpoint.utils": "dsfunc.deepspeed.checkpoint_utils",
+    "launcher.runner": "dsfunc.deepspeed.runner",
 }
 
 # DeepSpeed's top-level packages dsfunc answers for (implemented in part, per ALIASES, or not at all)
@@ -86,11 +92,12 @@ _PREFIX = "dsfunc."
 
 
 def _deepspeed_path(fullname: str) -> str | None:
-    """``"runtime.zero"`` for ``"dsfunc.runtime.zero"`` when that is under one of :data:`PACKAGES`."""
+    """``"runtime.zero"`` for ``"dsfunc.runtime.zero"`` when that is under one of :data:`PACKAGES` or one of
+    :data:`ALIASES`."""
     if not fullname.startswith(_PREFIX):
         return None
     path = fullname[len(_PREFIX):]
-    return path if path.partition(".")[0] in PACKAGES else None
+    return path if path in ALIASES or path.partition(".")[0] in PACKAGES else None
 
 
 class _Loader(importlib.abc.Loader):
@@ -98,17 +105,22 @@ class _Loader(importlib.abc.Loader):
 
     def __init__(self, path: str) -> None:
         self.path = path
+        self.spec: importlib.machinery.ModuleSpec | None = None  # an alias's own
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         if self.path in ALIASES:
             module = importlib.import_module(ALIASES[self.path])
+            self.spec = module.__spec__
             if not hasattr(module, "__path__"):  # so that DeepSpeed's submodules of it resolve (as stand-ins)
                 module.__path__ = []
             return module
         return _stand_in(spec.name, self.path)
 
     def exec_module(self, module: types.ModuleType) -> None:
-        """Nothing to run: the module is complete."""
+        """Nothing to run: the module is complete. An alias gets its own spec back (the import machinery set
+        the alias's on it)."""
+        if self.spec is not None:
+            module.__spec__ = self.spec
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -28,6 +28,9 @@ class StepInProgress:
         self.trains = trains  # whether there is an optimizer: without one every forward is an evaluation
         self.runtime: MicroBatchRuntime | None = None
         self.micro_steps = 0
+        # the client's word on whether the current micro-batch ends the optimizer step (DeepSpeed's
+        # set_gradient_accumulation_boundary: accelerate runs the step's backwards and calls step() once)
+        self.boundary: bool | None = None
 
     @property
     def accumulation_steps(self) -> int:
@@ -48,11 +51,24 @@ class StepInProgress:
         return self.state.program.workspace.active is not None
 
     def micro(self) -> tuple[int, int]:
-        """``(index, count)`` of the current micro-batch in its optimizer step."""
-        return self.micro_steps % self.accumulation_steps, self.accumulation_steps
+        """``(index, count)`` of the current micro-batch in its optimizer step (the last index exactly when
+        it is the boundary, so the reducer finishes the step's reductions there)."""
+        count = self.accumulation_steps
+        if self.boundary is not None:
+            return (count - 1 if self.boundary else 0), count
+        return self.micro_steps % count, count
+
+    def place(self) -> None:
+        """Tell the open micro-batch its place again after the client declared the boundary: accelerate
+        does so between a forward and its backward, so the place the forward took may be stale."""
+        if self.boundary is not None and self.runtime is not None:
+            self.runtime.place(self.micro())
 
     def is_boundary(self) -> bool:
-        """True while the current micro-batch is the last of its optimizer step."""
+        """True while the current micro-batch is the last of its optimizer step: the client's word when it
+        gave one, else every ``gradient_accumulation_steps``-th micro-batch."""
+        if self.boundary is not None:
+            return self.boundary
         return (self.micro_steps + 1) % self.accumulation_steps == 0
 
     def begin(self) -> MicroBatchRuntime:
@@ -73,12 +89,13 @@ class StepInProgress:
         self.micro_steps += 1
         return boundary
 
-    def finish(self) -> TrainState:
-        """Apply the step's gradients (or skip them on overflow): the new state replaces the old, donated."""
+    def finish(self, lr: dict[str | None, float] | None = None) -> TrainState:
+        """Apply the step's gradients (or skip them on overflow), with ``lr`` replacing those groups' lr
+        (see :func:`~dsfunc.apply_gradients`): the new state replaces the old, donated."""
         loss, grads = self.runtime.finish()
         self.runtime = None
         old = self.state
-        self.state = apply_gradients(old, grads, loss)
+        self.state = apply_gradients(old, grads, loss, lr=lr or None)
         old.mark_donated()
         return self.state
 

@@ -13,7 +13,7 @@ import torch
 from dsfunc.errors import InputError, UsageError
 from dsfunc.optim.from_config import LrSchedule, group_section, lr_schedule_of
 from dsfunc.optim.groups import ParamGroups, plain
-from dsfunc.optim.transforms import ScheduleState, current_lr
+from dsfunc.optim.transforms import ScheduleState
 from dsfunc.schedules import Schedule
 from dsfunc.state import TrainState
 
@@ -27,6 +27,8 @@ class Viewed(Protocol):
     def state(self) -> TrainState: ...
 
     def get_lr(self) -> list[float]: ...
+
+    def scheduled_lr(self) -> list[float]: ...
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...
 
@@ -54,10 +56,6 @@ class GroupView:
         """The lr at DeepSpeed's schedule counter ``t`` (the k-th applied step uses ``t = k - 1``)."""
         return self.lr if self.schedule is None else float(self.schedule(t))
 
-    def last_lr(self, opt_state: Any) -> torch.Tensor | None:
-        """The lr the last applied step used, from the group's part of the optimizer state."""
-        mine = opt_state["optimizer"][self.label] if self.label is not None else opt_state
-        return current_lr(mine)
 
 
 def group_views(state: TrainState, param_groups: ParamGroups | None, schedule_for: LrSchedule | None) -> list[GroupView]:
@@ -83,17 +81,69 @@ def group_views(state: TrainState, param_groups: ParamGroups | None, schedule_fo
 class EngineOptimizer:
     """What :func:`initialize` returns as ``optimizer``: a view of the engine's update.
 
-    ``param_groups`` has, per parameter group, its hyper-parameters with the current ``lr`` and its
-    ``params``; ``zero_grad()`` is the engine's; stepping or saving it is an error that points to the engine.
+    ``param_groups`` is one persistent dict per parameter group, as a torch optimizer's: its
+    hyper-parameters, ``params`` and the ``lr`` the next step uses (a client torch optimizer's own dicts,
+    when one was passed to ``initialize``). A client may write that ``lr`` (a torch lr scheduler built on
+    this optimizer or on the client's does): the next step then uses it, as DeepSpeed's does; the
+    engine's own schedule, where it has one, writes its value again after that step, else the client's lr
+    stays. The dicts are brought up to date when read (one device sync after a step). ``zero_grad()`` is
+    the engine's; stepping it or saving it is an error that points to the engine.
     """
 
-    def __init__(self, engine: Viewed) -> None:
+    def __init__(self, engine: Viewed, param_groups: list[dict[str, Any]] | None = None) -> None:
+        """``param_groups``: a client torch optimizer's, translated into the engine's groups (same order),
+        kept as the dicts of this view."""
         self._engine = engine
+        self._groups = param_groups if param_groups is not None else [
+            {**g.hyper, "lr": g.lr, "params": g.params} for g in engine.groups]
+        self._written: list[float] = [g.lr for g in engine.groups]  # the lr the engine last put in each dict
+        self._fresh_at: int | None = None  # the applied-step count the dicts were last brought up to date at
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        lrs = self._engine.get_lr()
-        return [{**g.hyper, "lr": lr, "params": g.params} for g, lr in zip(self._engine.groups, lrs)]
+        self._refresh()
+        return self._groups
+
+    def _refresh(self) -> None:
+        """Write the schedule's lr into each dict the client has not written since the engine did."""
+        at = int(schedule_count(self._engine.state.opt_state))
+        if at == self._fresh_at:
+            return
+        for i, lr in enumerate(self._engine.scheduled_lr()):
+            if self._groups[i]["lr"] == self._written[i]:
+                self._groups[i]["lr"] = self._written[i] = lr
+        self._fresh_at = at
+
+    def step_lr(self) -> dict[str | None, float]:
+        """The lr of the step about to be applied, per group label, where the client set it; the groups whose
+        lr the engine schedules take the schedule's again after this step."""
+        self._refresh()
+        out = {}
+        for view, group, written in zip(self._engine.groups, self._groups, self._written):
+            changed = sorted(k for k, v in view.hyper.items() if k != "lr" and k in group and plain(group[k]) != v)
+            if changed:
+                raise UsageError(f"param_groups {changed} were changed; dsfunc's engine follows a client's lr only "
+                                 "(set the others in the config or the optimizer passed to initialize)")
+            if group["lr"] != written:
+                out[view.label] = float(group["lr"])
+        for i, view in enumerate(self._engine.groups):
+            if view.schedule is not None:
+                self._written[i] = self._groups[i]["lr"]  # consumed: the next refresh writes the schedule's
+        return out
+
+    def lrs(self) -> list[float]:
+        """The lr each group's next step uses."""
+        return [float(g["lr"]) for g in self.param_groups]
+
+    def restore(self, lrs: list[float]) -> None:
+        """Set the groups' lr to a checkpoint's (what they held when it was saved)."""
+        if len(lrs) != len(self._groups):
+            raise InputError(f"the checkpoint holds the lr of {len(lrs)} parameter groups, the engine has "
+                             f"{len(self._groups)}")
+        self._fresh_at = None
+        self._refresh()
+        for group, lr in zip(self._groups, lrs):
+            group["lr"] = lr
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The engine's ``zero_grad`` (nothing to zero: gradients never live on the module's parameters)."""
@@ -128,11 +178,9 @@ class EngineLRScheduler:
         return self._engine.get_lr()
 
     def get_last_lr(self) -> list[float]:
-        """The lr the last applied optimizer step used, per parameter group."""
-        if self.last_batch_iteration < 0:
-            raise UsageError("need to call step() first: no optimizer step has been applied yet")
-        opt_state = self._engine.state.opt_state
-        return [float(g.last_lr(opt_state)) for g in self._engine.groups]
+        """DeepSpeed's meaning: the lr the scheduler last set, i.e. the one the next optimizer step uses
+        (set at construction already)."""
+        return self._engine.get_lr()
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         raise UsageError("the engine advances the lr schedule in engine.step(); remove lr_scheduler.step()")

@@ -175,6 +175,22 @@ def init_distributed(
         logger.info("init_distributed: rank %d of %d, backend %s", comm.rank(), comm.world_size(), backend)
 
 
+def join_world(distributed_port: int = 29500) -> None:
+    """Join the process group the environment describes (started by dsfunc, torchrun or mpirun), or form a
+    one-process group for a process no launcher started (``python train.py``), as DeepSpeed's
+    ``initialize`` and ``zero.Init`` do (through MPI discovery): libraries that call ``torch.distributed``
+    next to the engine (accelerate gathering metrics) find a group. A lone group's store lives in memory,
+    so it takes no port. Nothing to do when a group exists."""
+    if comm.is_distributed():
+        return
+    if "WORLD_SIZE" in os.environ or launched_by_mpi():
+        init_distributed(distributed_port=distributed_port)
+        return
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1)
+    atexit.register(_destroy_at_exit)
+
+
 def _destroy_at_exit() -> None:
     """Tear down the group we created, so a script that simply ends does not abort in gloo/NCCL teardown."""
     if comm.is_distributed():

@@ -10,6 +10,7 @@ from dsfunc.errors import Error
 
 #: Variables whose name starts with one of these are forwarded to every node (DeepSpeed's list plus NCCL).
 EXPORT_PREFIXES = ("NCCL", "PYTHON", "UCX", "MLFLOW", "MV2")
+DEEPSPEED_ENVIRONMENT_NAME = ".deepspeed_env"  # DeepSpeed's environment file (deepspeed.launcher.runner's name)
 
 _KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -44,7 +45,7 @@ def parse_env_file(text: str, path: str) -> dict[str, str]:
 def env_file_paths(cwd: str, home: str, environ: Mapping[str, str]) -> list[str]:
     """Existing environment files, in the order they apply (later wins): home before the working directory,
     ``.deepspeed_env`` (renamed by ``DS_ENV_FILE``) before ``.dsfunc_env``."""
-    names = [environ.get("DS_ENV_FILE", ".deepspeed_env"), ".dsfunc_env"]
+    names = [environ.get("DS_ENV_FILE", DEEPSPEED_ENVIRONMENT_NAME), ".dsfunc_env"]
     dirs = [home] if os.path.realpath(home) == os.path.realpath(cwd) else [home, cwd]
     paths = [os.path.join(d, n) for d in dirs for n in names]
     return [p for p in paths if os.path.isfile(p)]

@@ -7,6 +7,7 @@ Under PyTorch's elastic agent the rank variables are already set. Under ``mpirun
 derived from ``OMPI_COMM_WORLD_*`` or ``SLURM_*`` (:mod:`dsfunc.distributed.env`), so every rank sees RANK,
 LOCAL_RANK, WORLD_SIZE and LOCAL_WORLD_SIZE whatever launched it. With ``--bind_cores_to_rank`` the rank
 binds itself to its share of the node's cores (:mod:`dsfunc.launcher.cores`) before the program starts.
+Every rank runs with ``DSFUNC_AS_DEEPSPEED=1`` (``import deepspeed`` is dsfunc, :mod:`dsfunc_as_deepspeed`).
 With ``DSFUNC_RANK_LOG_DIR`` set, the rank's stdout and stderr go to
 ``<dir>/<DSFUNC_LAUNCH_STAMP>_rank<RANK>.log`` (DeepSpeed's ``--enable_each_rank_log`` layout).
 """
@@ -21,6 +22,7 @@ import sys
 import time
 import traceback
 
+import dsfunc_as_deepspeed
 from dsfunc.distributed.env import rank_env_from_launcher
 from dsfunc.launcher.cores import check_cores_here, rank_cores
 from dsfunc.launcher.exits import exit_code, report_exit, report_start
@@ -133,6 +135,8 @@ def main(args: list[str] | None = None) -> None:
         args = json.loads(os.environ.pop(RANK_ARGS_VARIABLE)) if len(sys.argv) == 1 else sys.argv[1:]
     rank = parse_rank_args(args)
     os.environ.update(rank_env_from_launcher(dict(os.environ)))
+    os.environ[dsfunc_as_deepspeed.VARIABLE] = "1"  # every rank, and what it starts, imports dsfunc as deepspeed
+    dsfunc_as_deepspeed.install()
     report_start(os.environ["RANK"])  # [Note: which rank failed first] (dsfunc.launcher.exits)
     if rank.bind_cores:
         check_cores_here(rank.core_list)

@@ -142,6 +142,11 @@ def named_chain(*named: tuple[str, Transform]) -> Transform:
     return Transform(init, update)
 
 
+class ByLabel(dict):
+    """An extra of :func:`multi_transform`'s ``update`` whose value differs per label: each label's
+    transform gets its own entry (None where the label has none)."""
+
+
 def multi_transform(transforms: Mapping[str, Transform], labels: Mapping[str, str] | Callable[[str], str]) -> Transform:
     """optax's ``multi_transform`` over a flat mapping: each key's label picks the transform that updates
     it (a step's keys are its units, each holding one parameter group). The state is ``{label: state}``.
@@ -168,7 +173,8 @@ def multi_transform(transforms: Mapping[str, Transform], labels: Mapping[str, st
                **extra: Any) -> tuple[Updates, dict]:
         out, new_state = {}, {}
         for label, t in transforms.items():
-            part, new_state[label] = t.update(split(updates, label), state[label], split(params, label), **extra)
+            mine = {k: v.get(label) if isinstance(v, ByLabel) else v for k, v in extra.items()}
+            part, new_state[label] = t.update(split(updates, label), state[label], split(params, label), **mine)
             out.update(part)
         return {k: out[k] for k in updates}, new_state
 

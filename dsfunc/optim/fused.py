@@ -95,7 +95,10 @@ class FusedAdam:
         for label, group in self.groups.items():
             chain = states if label is None else states[label]
             adam, sched = chain["adam"], chain["lr"]
-            if group.schedule is None:
+            given = None if ctx.lr is None else ctx.lr.get(label)
+            if given is not None:
+                lr = torch.full((), float(given), dtype=torch.float32, device=loss_scale.device)
+            elif group.schedule is None:
                 lr = torch.full((), group.lr, dtype=torch.float32, device=loss_scale.device)
             else:
                 lr = group.schedule(sched.count - 1).to(torch.float32)

@@ -249,7 +249,8 @@ class ScheduleState(NamedTuple):
 
 def scale_by_learning_rate(lr: ScalarOrSchedule) -> Transform:
     """``u = u * (-lr)``; ``lr`` is a float or a schedule evaluated at ``count - 1`` (DeepSpeed's t: the k-th
-    applied step uses ``schedule(k - 1)``). The state records the lr used (:func:`current_lr`)."""
+    applied step uses ``schedule(k - 1)``). An ``lr=`` extra of ``update`` (not None) replaces it for that step.
+    The state records the lr used (:func:`current_lr`)."""
     _check(callable(lr) or lr >= 0, f"lr must be >= 0 or a schedule, got {lr!r}")
 
     def init(params: Params) -> ScheduleState:
@@ -260,7 +261,11 @@ def scale_by_learning_rate(lr: ScalarOrSchedule) -> Transform:
 
     def update(updates: Updates, state: ScheduleState, params: Params | None = None,
                **extra: Any) -> tuple[Updates, ScheduleState]:
-        step_lr = _value_at(lr, state.count) if callable(lr) else state.lr
+        given = extra.get("lr")  # this step's lr, set by the caller (UpdateContext.lr)
+        if given is not None:
+            step_lr = torch.full((), float(given), dtype=torch.float32, device=state.count.device)
+        else:
+            step_lr = _value_at(lr, state.count) if callable(lr) else state.lr
         return _map(lambda u: u * (-step_lr), updates), ScheduleState(state.count + 1, step_lr)
 
     return Transform(init, update)

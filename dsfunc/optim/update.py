@@ -17,7 +17,7 @@ import optree
 import torch
 
 from dsfunc.frozen import FrozenDict
-from dsfunc.optim.base import Transform, apply_updates
+from dsfunc.optim.base import ByLabel, Transform, apply_updates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +37,9 @@ class UpdateContext:
     # at stage 3 queues the lazy units' share for the background (dsfunc.zero.host_update): the step returns
     # before it is done and the next forward waits per unit. ``work`` calls ``updated`` after each unit.
     schedule: Callable[[list[str], Callable[[list[str]], None]], None] = lambda names, work: work(names)
+    # The lr of this step per parameter group (label; None: the only group), replacing the group's constant
+    # or scheduled lr: a client that set its optimizer's param_groups lr (DeepSpeed steps with it).
+    lr: Mapping[str | None, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +57,12 @@ class ChainUpdate:
               ctx: UpdateContext) -> tuple[FrozenDict, Any]:
         """New params and optimizer state, written into the old buffers (unchanged where not finite)."""
         grads = {name: g.float() for name, g in grads.items()}  # offloaded host gradients may be 16-bit
+        lr = ctx.lr
+        if lr is not None:  # one group: its scale_by_learning_rate takes the value; several: multi_transform picks
+            lr = lr[None] if None in lr else ByLabel(lr)
         updates, new_opt_state = self.transform.update(
             grads, opt_state, dict(params),
-            grad_scale=1.0 / ctx.loss_scale, global_norm=ctx.grad_norm, segment_norm=ctx.segment_norm,
+            grad_scale=1.0 / ctx.loss_scale, global_norm=ctx.grad_norm, segment_norm=ctx.segment_norm, lr=lr,
         )
         new_params = apply_updates(dict(params), updates)
 

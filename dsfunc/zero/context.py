@@ -1,10 +1,12 @@
 """The ZeRO context managers DeepSpeed scripts use: ``zero.Init`` and ``zero.GatheredParameters``.
 
-``Init`` builds a model without memory: under it modules are created on the ``meta`` device, and
+``Init`` builds a model without memory: under it each parameter goes to the ``meta`` device as it is
+registered (buffers are built as usual, as DeepSpeed leaves them whole), and
 :func:`dsfunc.init_state` (so ``deepspeed.initialize``) materialises only this rank's shard, one
-module at a time, with each module's ``reset_parameters()`` (or ``param_init_fn``). Initialisation
-code that ran at construction ran on ``meta`` and had no effect; a model whose weights come from that
-code (or from a checkpoint loaded before ``initialize``) should be built normally instead.
+module at a time, with each module's ``reset_parameters()`` (or ``param_init_fn``). The values
+initialisation code gave parameters at construction are dropped; values written through
+``GatheredParameters(params, modifier_rank=r)`` before ``initialize`` (how Hugging Face initialises
+and loads a ZeRO-3 model) are kept, sharded, and used instead (:mod:`dsfunc.zero.pending`).
 
 ``GatheredParameters(params, modifier_rank=None)`` makes the full values of a module's ZeRO-3
 parameters visible inside the ``with`` block (outside, they are empty, as DeepSpeed's). Every rank must
@@ -24,13 +26,16 @@ import torch
 from torch import nn
 
 from dsfunc.distributed import comm
-from dsfunc.errors import InputError, NotSupportedError
+from dsfunc.distributed.init import join_world
+from dsfunc.errors import NotSupportedError
 from dsfunc.zero.gather import Workspace, owner
 from dsfunc.zero.layout import Unit
+from dsfunc.zero.pending import Exposed
 
 
 class Init:
-    """DeepSpeed's ``zero.Init``: modules built inside it land on ``meta`` (see the module docstring).
+    """DeepSpeed's ``zero.Init``: the parameters of modules built inside it land on ``meta`` (see the module
+    docstring); buffers are built as usual.
 
     The arguments are DeepSpeed's; ``enabled=False`` makes it a no-op, ``module=`` (converting a built
     model) needs nothing since ``initialize`` shards any model, and the rest configure DeepSpeed's own
@@ -48,18 +53,34 @@ class Init:
                                     'built in dsfunc; use remote_device="cpu" with "offload_param": {"device": '
                                     '"cpu"} in the config, or leave remote_device out')
         self.enabled = enabled and module is None
-        self._meta: torch.device | None = None
+        self._register: Any = None  # nn.Module.register_parameter while inside
+        if self.enabled:
+            join_world()  # as DeepSpeed's: loading under it (GatheredParameters) is collective
 
     def __enter__(self) -> Init:  # noqa: PYI034 - DeepSpeed's class, not meant to be subclassed
         if self.enabled:
-            self._meta = torch.device("meta")
-            self._meta.__enter__()
+            self._register = nn.Module.register_parameter
+            nn.Module.register_parameter = _on_meta(self._register)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._meta is not None:
-            self._meta.__exit__(*exc)
-            self._meta = None
+        if self._register is not None:
+            nn.Module.register_parameter = self._register
+            self._register = None
+
+
+def _on_meta(register: Any) -> Any:
+    """``nn.Module.register_parameter`` that puts each parameter on ``meta`` as it is registered (its values
+    are dropped; one parameter exists at a time); buffers are left as built (a rotary embedding's)."""
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            meta = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            param = meta
+        register(module, name, param)
+
+    return register_on_meta
 
 
 class GatheredParameters:
@@ -70,13 +91,7 @@ class GatheredParameters:
         tensors = [] if params is None else [params] if isinstance(params, torch.Tensor) else list(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        if enabled and modifier_rank is not None and any(t.is_meta for t in tensors):
-            raise InputError(
-                "GatheredParameters(modifier_rank=...) on parameters on the meta device (built under zero.Init "
-                "before initialize): they have no values yet, so writes would be lost. Initialise them in the "
-                "module's reset_parameters() (initialize materialises meta models with it), or build the model "
-                "without zero.Init"
-            )
+        self._meta = Exposed([t for t in tensors if t.is_meta])  # built under zero.Init, before initialize
         self._units: dict[int, tuple[Workspace, list[Unit]]] = {}
         for t in tensors:
             found = owner(t)
@@ -89,6 +104,7 @@ class GatheredParameters:
     def __enter__(self) -> GatheredParameters:  # noqa: PYI034 - DeepSpeed's class, not subclassed
         if not self.enabled:
             return self
+        self._meta.expose()
         for workspace, units in self._ordered():
             for unit in units:
                 if self.modifier_rank is None:
@@ -100,6 +116,7 @@ class GatheredParameters:
     def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
+        self._meta.hide(self.modifier_rank)
         for workspace, units in self._ordered():
             if self.modifier_rank is None:
                 for unit in units:

@@ -5,7 +5,8 @@ and every buffer and frozen parameter, is broadcast from rank 0 before each rank
 script that does not seed its ranks alike still trains one model. A model built on the ``meta`` device
 never exists in full on any rank: each rank materialises one owning module at a time
 (``reset_parameters()`` or the user's ``param_init_fn``, seeded per module so every rank draws the
-same values, which is why nothing needs broadcasting), flattens each unit and keeps only its own shard.
+same values, which is why nothing needs broadcasting; or the values written before ``initialize``,
+:mod:`dsfunc.zero.pending`), flattens each unit and keeps only its own shard.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 
 from dsfunc.distributed import comm
 from dsfunc.errors import InputError
+from dsfunc.zero import pending
 from dsfunc.zero.layout import ShardingPlan, flatten_unit, local_shard
 from dsfunc.zero.offload import HostOffload
 
@@ -66,6 +68,8 @@ def materialize(
     if source is not None:
         extra = source.unit_tensors(list(extra))
     buffers = {k: v.detach().to(device).clone() for k, v in extra.items()}
+    for p in model.parameters():  # a module may be materialised for several units: forget only now
+        pending.forget(p)
     if source is None:
         for t in buffers.values():
             comm.broadcast(t, src=0)
@@ -100,10 +104,14 @@ class _MetaSource:
                              for k, v in module._parameters.items() if v is not None}
         alone._buffers = {k: torch.empty_like(v, device=self.device)
                           for k, v in module._buffers.items() if v is not None}
+        given = {k: v for k, v in module._parameters.items() if v is not None and pending.has_value(v)}
+        built = {k: v for k, v in module._buffers.items() if v is not None and not v.is_meta}  # under zero.Init
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.seed * 1_000_003 + self.order[path])
             with torch.no_grad():
-                if self.init_fn is not None:
+                if len(given) == len(alone._parameters) and len(built) == len(alone._buffers):
+                    pass  # every value exists already (below)
+                elif self.init_fn is not None:
                     self.init_fn(alone)
                 elif hasattr(alone, "reset_parameters"):
                     alone.reset_parameters()
@@ -113,4 +121,8 @@ class _MetaSource:
                         f"({type(module).__name__}) owns parameters or buffers but has no reset_parameters(); "
                         "pass param_init_fn=fn to dsfunc.init_state, where fn(module) fills them in place"
                     )
+        for k, param in given.items():  # values written under GatheredParameters before initialize
+            alone._parameters[k].data.copy_(pending.full_value(param))
+        for k, buffer in built.items():  # a buffer keeps its value (a meta model's parameters have none)
+            alone._buffers[k].copy_(buffer)
         return {**alone._parameters, **alone._buffers}

@@ -101,6 +101,8 @@ class MicroBatchRuntime:
         self._forwards = 0  # forwards run in this micro-batch (each draws its own dropout masks)
         self._backwards = 0  # backwards in this micro-batch, the runtime's and the script's own
         self._micro_loss: torch.Tensor | None = None
+        self._micro_losses = 0  # losses added into _micro_loss
+        self._declared = False  # place() was called: each backward's loss is a micro-batch's (see place)
         self._prescaled = False  # scale() multiplied a loss by the loss scale for a direct backward
         self._loss_sum: torch.Tensor | None = None
         self._losses = 0
@@ -141,6 +143,14 @@ class MicroBatchRuntime:
         self._forwards += 1
         self.phase = Phase.FORWARD
 
+    def place(self, micro: tuple[int, int]) -> None:
+        """Move the open micro-batch to ``micro``: its place in the step, declared by the client between its
+        forward and its backward (DeepSpeed's ``set_gradient_accumulation_boundary``). The backwards and
+        ``end()`` from now on tell the reducer that place, and each backward's loss counts as one micro-batch's
+        in :meth:`mean_loss` (such a client runs one micro-batch per backward between its declarations)."""
+        self.micro = micro
+        self._declared = True
+
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale, for a script that calls ``backward()`` on it itself (fp16)."""
         self._check_loss(loss)
@@ -180,6 +190,7 @@ class MicroBatchRuntime:
         self._unbind()
         value = loss.detach().float()
         self._micro_loss = value if self._micro_loss is None else self._micro_loss + value
+        self._micro_losses += 1
         self._backwards += 1
         self.phase = Phase.BACKWARD
 
@@ -305,9 +316,10 @@ class MicroBatchRuntime:
         self.reducer.end_micro(last=index == count - 1)
         if self._micro_loss is not None:
             self._loss_sum = self._micro_loss if self._loss_sum is None else self._loss_sum + self._micro_loss
-            self._losses += 1
+            self._losses += self._micro_losses if self._declared else 1
         self._micros_ended += 1
         self._micro_loss, self._forwards, self._backwards, self._prescaled = None, 0, 0, False
+        self._micro_losses = 0
         self.leaves, self._order = [], []
         self.phase = Phase.IDLE
 

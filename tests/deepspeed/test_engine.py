@@ -140,16 +140,16 @@ def test_get_lr_follows_the_config_schedule_like_deepspeed():
     engine, optimizer, _, scheduler = initialize(model=MLP(), config=cfg)
     # DeepSpeed's WarmupLR: the k-th step uses lr(t = k - 1); t = -1 gives warmup_min_lr
     expected = [0.0, 0.0, 0.0025, 0.005, 0.0075, 0.01, 0.01]
-    with pytest.raises(RuntimeError, match="need to call step"):
-        scheduler.get_last_lr()
+    # DeepSpeed's get_last_lr: the lr the scheduler last wrote, i.e. the next step's (set at construction)
+    assert scheduler.get_last_lr() == [pytest.approx(expected[0])]
     seen, used = [], []
     x, y = mlp_batches(1, 2)[0]
-    for _ in range(6):
+    for k in range(6):
         seen.append(engine.get_lr()[0])
         engine.backward(engine(x, y))
         engine.step()
         used.append(engine.state.metrics.lr.item())
-        assert scheduler.get_last_lr() == [pytest.approx(used[-1])]
+        assert scheduler.get_last_lr() == [pytest.approx(expected[k + 1])]
     assert seen == pytest.approx(expected[:6])
     assert used == pytest.approx(expected[:6])
     assert scheduler.get_lr() == pytest.approx([expected[6]]) and scheduler.state_dict() == {"last_batch_iteration": 5}

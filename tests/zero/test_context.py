@@ -20,12 +20,17 @@ def test_zero_init_builds_on_meta_and_initialize_materialises():
     assert all(p.is_meta for p in net.parameters())
     with Init(enabled=False):
         assert not MLP().inp.weight.is_meta
-    with pytest.raises(dsfunc.InputError, match="meta device.*writes would be lost"):
-        GatheredParameters(net.inp.weight, modifier_rank=0)
-    with GatheredParameters(net.inp.weight):  # nothing to gather yet
-        pass
-    deepspeed.initialize(model=net, config=config(micro=2, stage=3))
+    with GatheredParameters(net.inp.weight):  # nothing written yet: nan
+        assert net.inp.weight.isnan().all()
+    with GatheredParameters([net.inp.weight, net.inp.bias], modifier_rank=0), torch.no_grad():
+        net.inp.weight.fill_(0.5)  # the bias is left alone: reset_parameters() gives it its value
+    assert net.inp.weight.is_meta  # kept aside until initialize
+    with GatheredParameters(net.inp.weight):
+        assert (net.inp.weight == 0.5).all()
+    engine, *_ = deepspeed.initialize(model=net, config=config(micro=2, stage=3))
     assert not any(p.is_meta for p in net.parameters())
+    full = dsfunc.full_params(engine.state)
+    assert (full["inp.weight"] == 0.5).all() and not full["inp.bias"].isnan().any()
     with pytest.raises(dsfunc.NotSupportedError, match="parameter offload to NVMe is not built"):
         Init(remote_device="nvme")
     with Init(remote_device="cpu"):  # where the state lives is the config's offload sections
@@ -80,3 +85,25 @@ def test_gathered_parameters_and_the_per_parameter_helpers_on_two_ranks(stage):
     assert results[1]["consolidated"] is None and consolidated["blocks.1.0.weight"].shape == (10, 10)
     for name, value in consolidated.items():
         assert torch.equal(value, results[0]["full"][name]), name
+
+
+def loaded_before_initialize(rank: int, world: int) -> dict:
+    """What Hugging Face's ZeRO-3 from_pretrained does: build under zero.Init, write through rank 0."""
+    with Init(config_dict_or_path={"zero_optimization": {"stage": 3}}):
+        net = MLP(width=10, depth=3)
+    weights = MLP(width=10, depth=3).state_dict()  # torch's init: the values rank 0 loads
+    for name, p in net.named_parameters():
+        with GatheredParameters([p], modifier_rank=0), torch.no_grad():
+            if rank == 0:
+                p.copy_(weights[name])
+    piece = net.blocks[0][0].weight.__dict__["_dsfunc_pending"].values.numel()  # this rank's share, until then
+    engine, *_ = deepspeed.initialize(model=net, config=config(micro=2, world=world, stage=3))
+    return {"piece": piece, "full": dsfunc.full_params(engine.state), "loaded": weights if rank == 0 else None}
+
+
+def test_values_written_under_zero_init_are_kept_sharded_until_initialize():
+    results = run_world(loaded_before_initialize, 2)
+    want = results[0]["loaded"]
+    for r in results:
+        assert r["piece"] == 50  # 1/2 of a 10x10 weight on each rank, never the model
+        assert all(torch.equal(r["full"][k], want[k]) for k in want)

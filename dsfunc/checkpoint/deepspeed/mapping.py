@@ -10,6 +10,7 @@ fp32 master (or the fp32 module, stage 0)   ``params/<unit>``: this rank's ``tor
 ``exp_avg`` / ``exp_avg_sq``                ``optim/.../adam/mu/<unit>`` / ``.../nu/<unit>`` (ScaleByAdamState)
 the torch optimizer's ``step``              ``optim/.../adam/count``
 ``lr_scheduler.last_batch_iteration`` = t   ``optim/.../lr/count`` = t + 1 (the k-th applied step uses t = k-1)
+a torch scheduler's ``last_epoch`` = k      ``optim/.../lr/count`` = k
 fp16 ``DynamicLossScaler``                  ``scaler/*`` (fp16 with a dynamic scale on both sides only)
 ``global_steps``                            ``step``
 module buffers, frozen parameters           ``buffers/<name>``
@@ -68,7 +69,7 @@ class ImportPlan:
 
     names: dict[str, str]  # the template's parameter and buffer names -> DeepSpeed's
     parts: frozenset[str]  # Selection.parts()
-    adam: ScaleByAdamState | None  # the template's moments to fill; None keeps them
+    adams: tuple[ScaleByAdamState, ...]  # the template's moments to fill (one per parameter group); () keeps them
     schedules: tuple[ScheduleState, ...]  # the template's lr positions to set
     scaler: bool  # take the loss scaler's state
 
@@ -77,20 +78,30 @@ def plan_import(ckpt: DeepSpeedCheckpoint, state: TrainState, selection: Selecti
     """Check ``ckpt`` against the template; raise :class:`CheckpointMismatchError` naming what differs."""
     parts = frozenset(selection.parts())
     names = _match_names(ckpt, state)
-    adam = _adam_state(ckpt, state) if "optimizer" in parts else None
+    adams = _adam_states(ckpt, state) if "optimizer" in parts else ()
     schedules: tuple[ScheduleState, ...] = ()
     if "schedule" in parts:
         found = optree.tree_leaves(state.opt_state, is_leaf=lambda x: isinstance(x, ScheduleState))
         schedules = tuple(x for x in found if isinstance(x, ScheduleState))
-        if ckpt.schedule is not None and "last_batch_iteration" not in ckpt.schedule:
+        if ckpt.schedule is not None and _applied_steps(ckpt.schedule) is None:
             raise CheckpointMismatchError(
-                f"the lr scheduler state in {ckpt.files.main} ({sorted(ckpt.schedule)}) is not one of "
-                "DeepSpeed's schedulers, whose position dsfunc reads; pass load_lr_scheduler_states=False to "
-                "start this state's schedule afresh")
+                f"the lr scheduler state in {ckpt.files.main} ({sorted(ckpt.schedule)}) is neither one of "
+                "DeepSpeed's schedulers nor a torch lr scheduler, whose position dsfunc reads; pass "
+                "load_lr_scheduler_states=False to start this state's schedule afresh")
     program = state.program
     scaler = ("scaler" in parts and ckpt.scaler is not None and ckpt.scaler.dynamic and ckpt.precision == "fp16"
               and precision(state) == "fp16" and program.scaler.dynamic)
-    return ImportPlan(names, parts, adam, schedules, scaler)
+    return ImportPlan(names, parts, adams, schedules, scaler)
+
+
+def _applied_steps(schedule: Any) -> int | None:
+    """The optimizer steps a saved scheduler has followed: DeepSpeed's ``last_batch_iteration`` t (t + 1),
+    or a torch scheduler's ``last_epoch`` (a client scheduler DeepSpeed saved); None for anything else."""
+    if "last_batch_iteration" in schedule:
+        return int(schedule["last_batch_iteration"]) + 1
+    if "last_epoch" in schedule and "base_lrs" in schedule:
+        return int(schedule["last_epoch"])
+    return None
 
 
 def _match_names(ckpt: DeepSpeedCheckpoint, state: TrainState) -> dict[str, str]:
@@ -121,8 +132,9 @@ def _match_names(ckpt: DeepSpeedCheckpoint, state: TrainState) -> dict[str, str]
     return names
 
 
-def _adam_state(ckpt: DeepSpeedCheckpoint, state: TrainState) -> ScaleByAdamState:
-    """The template's one Adam state, which the checkpoint's moments fill; an error if either side lacks it."""
+def _adam_states(ckpt: DeepSpeedCheckpoint, state: TrainState) -> tuple[ScaleByAdamState, ...]:
+    """The template's Adam states (one per parameter group, each over its own units), which the checkpoint's
+    moments fill by parameter name; an error if either side lacks them."""
     found = optree.tree_leaves(state.opt_state, is_leaf=lambda x: isinstance(x, ScaleByAdamState))
     adams = [x for x in found if isinstance(x, ScaleByAdamState)]
     ours = {id(t) for a in adams for t in (a.count, *a.mu.values(), *a.nu.values())}
@@ -131,7 +143,7 @@ def _adam_state(ckpt: DeepSpeedCheckpoint, state: TrainState) -> ScaleByAdamStat
     mine = cfg.optimizer.type if cfg.optimizer is not None else "a custom transform"
     hint = ("pass load_optimizer_states=False to take everything else and start this optimizer fresh (its lr "
             "schedule restarts too)")
-    if len(adams) != 1 or other:
+    if not adams or other:
         raise CheckpointMismatchError(
             f"this state's optimizer ({mine!r}) keeps {other or 'no Adam moments'}, which the Adam moments of "
             f"the DeepSpeed checkpoint {ckpt.folder} ({ckpt.optimizer}) cannot fill: use Adam or AdamW, or "
@@ -140,7 +152,7 @@ def _adam_state(ckpt: DeepSpeedCheckpoint, state: TrainState) -> ScaleByAdamStat
         raise CheckpointMismatchError(
             f"the DeepSpeed checkpoint {ckpt.folder} holds no Adam moments ({ckpt.optimizer}) for this state's "
             f"{mine!r}: " + hint)
-    return adams[0]
+    return tuple(adams)
 
 
 def fill(ckpt: DeepSpeedCheckpoint, state: TrainState, plan: ImportPlan) -> None:
@@ -148,8 +160,9 @@ def fill(ckpt: DeepSpeedCheckpoint, state: TrainState, plan: ImportPlan) -> None
     quantities: dict[str, Any] = {}
     if "params" in plan.parts:
         quantities[MASTER] = state.params
-    if plan.adam is not None:
-        quantities.update({EXP_AVG: plan.adam.mu, EXP_AVG_SQ: plan.adam.nu})
+    if plan.adams:  # each unit's moments live in its group's Adam state
+        quantities.update({EXP_AVG: {u: t for a in plan.adams for u, t in a.mu.items()},
+                           EXP_AVG_SQ: {u: t for a in plan.adams for u, t in a.nu.items()}})
     if quantities:
         for unit in state.program.plan.units:
             _fill_unit(ckpt, state, unit, quantities, plan.names)
@@ -201,11 +214,11 @@ def _fill_buffers(ckpt: DeepSpeedCheckpoint, state: TrainState, names: dict[str,
 def _fill_counters(ckpt: DeepSpeedCheckpoint, state: TrainState, plan: ImportPlan) -> None:
     if "step" in plan.parts:
         state.step.fill_(ckpt.global_steps)
-    if plan.adam is not None:
-        plan.adam.count.fill_(ckpt.adam_step)
+    for adam in plan.adams:
+        adam.count.fill_(ckpt.adam_step)
     if plan.schedules:
-        t = ckpt.schedule.get("last_batch_iteration") if ckpt.schedule is not None else None
-        count = ckpt.adam_step if t is None else int(t) + 1
+        applied = _applied_steps(ckpt.schedule) if ckpt.schedule is not None else None
+        count = ckpt.adam_step if applied is None else applied
         schedule = lr_schedule(state.program.config)
         for s in plan.schedules:
             s.count.fill_(count)

@@ -1,0 +1,16 @@
+"""``deepspeed.checkpoint.utils``: the helper libraries call before ``torch.save`` of a state dict
+(``deepspeed.checkpoint`` itself is dsfunc's checkpoint package, :mod:`dsfunc.checkpoint`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+
+
+def clone_tensors_for_torch_save(item: Any, device: torch.device | str = "cpu") -> Any:
+    """``item`` with every tensor in it (nested in lists, tuples and dicts) replaced by a detached copy
+    on ``device``, so that ``torch.save`` writes each tensor's own values, not a larger storage it views."""
+    return optree.tree_map(lambda x: x.detach().clone().to(device) if isinstance(x, torch.Tensor) else x, item,
+                           none_is_leaf=True)

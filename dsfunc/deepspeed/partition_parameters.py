@@ -1,0 +1,29 @@
+"""``deepspeed.runtime.zero.partition_parameters``: ZeRO-3's context managers and parameter status
+(:mod:`dsfunc.zero`), and the tensor-constructor hook libraries swap around ``zero.Init``.
+
+DeepSpeed's ``zero.Init`` wraps torch's tensor constructors (``torch.empty``, ``torch.arange``, ...) with
+:func:`zero_wrapper_for_fp_tensor_constructor` to place them and cast them to the ZeRO dtype;
+Hugging Face swaps that function (keeping ``torch.arange`` uncast for RoPE buffers). dsfunc's ``Init``
+builds on ``meta`` and wraps no constructor, so the function here is the identity and swapping it
+changes nothing, which is what the swap wants.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dsfunc.deepspeed.accelerator import get_accelerator
+from dsfunc.zero import GatheredParameters, Init, ZeroParamStatus, register_external_parameter
+
+_orig_torch_arange = torch.arange  # DeepSpeed's name for the unwrapped constructor
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., Any], target_fp_dtype: torch.dtype,
+                                           target_device: Any = None) -> Callable[..., Any]:
+    """``fn`` itself: dsfunc's ``zero.Init`` leaves tensor constructors alone."""
+    return fn
+
+
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "get_accelerator", "register_external_parameter",
+           "zero_wrapper_for_fp_tensor_constructor"]
