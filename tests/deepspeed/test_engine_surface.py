@@ -44,7 +44,8 @@ def surfaces(tmp_path_factory):
         path = str(tmp_path_factory.mktemp("surface") / f"{backend}.json")
         env = {k: v for k, v in os.environ.items() if not k.startswith("DSFUNC_")}
         env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=ROOT, RANK="0", WORLD_SIZE="1",
-                   LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+                   LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                   DSFUNC_AS_DEEPSPEED="1" if backend == "dsfunc" else "0")
         proc = subprocess.run([sys.executable, SCRIPT, "--backend", backend, "--out", path], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=600, check=False)
         assert proc.returncode == 0, f"{backend}: exit {proc.returncode}\n{proc.stderr[-3000:]}"

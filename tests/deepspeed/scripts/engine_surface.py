@@ -1,4 +1,5 @@
-"""Build an engine with real DeepSpeed or dsfunc (``--backend``) for a few configs, one process, and write
+"""Build an engine with real DeepSpeed or dsfunc (``--backend``, the ``import deepspeed`` the environment gives)
+for a few configs, one process, and write
 JSON: its public names (class and instance) and every zero-argument config accessor's value."""
 
 from __future__ import annotations
@@ -65,16 +66,9 @@ def main() -> None:
     parser.add_argument("--backend", choices=["deepspeed", "dsfunc"], required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    if args.backend == "dsfunc":
-        import sys
+    import deepspeed  # dsfunc under DSFUNC_AS_DEEPSPEED=1 (the test sets it for --backend dsfunc)
 
-        import dsfunc
-
-        sys.modules["deepspeed"] = dsfunc
-        import dsfunc.runtime.engine  # deepspeed.runtime.engine, which values() imports
-        sys.modules["deepspeed.runtime.engine"] = sys.modules["dsfunc.runtime.engine"]
-    import deepspeed
-
+    assert (deepspeed.__name__ == "dsfunc") == (args.backend == "dsfunc"), deepspeed.__file__
     deepspeed.init_distributed(dist_backend="gloo")
     result = {}
     for label, config in CONFIGS.items():
