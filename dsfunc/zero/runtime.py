@@ -178,9 +178,21 @@ class MicroBatchRuntime:
         seed = loss_scale / self.ranks
         if mean_over_micro:
             seed = seed / self.micro[1]
+        with self._backward_scope():
+            torch.autograd.backward(loss.reshape(()) * seed, inputs=self.leaves, retain_graph=retain_graph)
+        value = loss.detach().float()
+        self._micro_loss = value if self._micro_loss is None else self._micro_loss + value
+        self._micro_losses += 1
+        self._backwards += 1
+        self.phase = Phase.BACKWARD
+
+    @contextlib.contextmanager
+    def _backward_scope(self) -> Iterator[None]:
+        """Around a backward: counted as running (for the reducer's hooks), the parameters unbound after it; a
+        failed one also ends the micro-batch."""
         _BACKWARDS_RUNNING[0] += 1
         try:
-            torch.autograd.backward(loss.reshape(()) * seed, inputs=self.leaves, retain_graph=retain_graph)
+            yield
         except BaseException:
             self._unbind()
             self._end_micro()
@@ -188,11 +200,6 @@ class MicroBatchRuntime:
         finally:
             _BACKWARDS_RUNNING[0] -= 1
         self._unbind()
-        value = loss.detach().float()
-        self._micro_loss = value if self._micro_loss is None else self._micro_loss + value
-        self._micro_losses += 1
-        self._backwards += 1
-        self.phase = Phase.BACKWARD
 
     def seed(self, loss_scale: torch.Tensor | float, micro_count: int) -> torch.Tensor | float:
         """What a loss is multiplied by before a backward the caller runs in :meth:`run_backwards`:
@@ -205,17 +212,8 @@ class MicroBatchRuntime:
         unit's gradient reaches the reducer as in :meth:`backward` and the parameters are unbound after it;
         ``run`` returns the (unseeded, detached) loss to record. ``end()`` comes next."""
         self.begin_forward(micro)
-        _BACKWARDS_RUNNING[0] += 1
-        try:
-            with self._rng_scope(micro[0], 0):
-                loss = run()
-        except BaseException:
-            self._unbind()
-            self._end_micro()
-            raise
-        finally:
-            _BACKWARDS_RUNNING[0] -= 1
-        self._unbind()
+        with self._backward_scope(), self._rng_scope(micro[0], 0):
+            loss = run()
         self._micro_loss = loss.detach().float()
         self._backwards += 1
         self.phase = Phase.BACKWARD
