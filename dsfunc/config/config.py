@@ -55,8 +55,9 @@ class Config:
     DeepSpeed's since 0.19.3.
     """
     steps_per_print: int | None = _key(10, _print_steps)
-    """Optimizer steps between progress lines on rank 0 (DeepSpeed's default 10); null (or infinity, as
-    accelerate sets it): none."""
+    """Optimizer steps between progress lines on rank 0; null (or infinity, as accelerate sets it): none.
+    dsfunc's default is 10; DeepSpeed 0.19.8's is null (its engine prints no progress lines unless asked).
+    """
     wall_clock_breakdown: bool = _key(False, _bool)
     """Add a time (ms) line of forward, backward and step to the progress lines, and those times as monitor
     events (the engine synchronises the device to time them).

@@ -30,7 +30,7 @@ def test_top_level_defaults():
     assert c.world_size == 1
     assert c.optimizer is None and c.scheduler is None
     assert c.gradient_clipping == 1.0
-    assert c.steps_per_print == 10  # DeepSpeed's default
+    assert c.steps_per_print == 10  # dsfunc's default (DeepSpeed 0.19.8's is None)
     assert c.wall_clock_breakdown is False
     assert c.communication_data_type is None
     assert c.prescale_gradients is False
