@@ -57,7 +57,6 @@ class GroupView:
         return self.lr if self.schedule is None else float(self.schedule(t))
 
 
-
 def group_views(state: TrainState, param_groups: ParamGroups | None, schedule_for: LrSchedule | None) -> list[GroupView]:
     """The engine's parameter groups, in order, with what :func:`dsfunc.init_state` made of them."""
     program = state.program
