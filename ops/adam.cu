@@ -298,11 +298,11 @@ void launch_for_lowp(const at::Tensor& param, const at::Tensor& grad, const at::
 
 }  // namespace
 
-void adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& lowp,
-                    const at::Tensor& grad_scale, const at::Tensor& lr, const at::Tensor& step,
-                    const at::Tensor& skip, double beta1, double beta2, double eps, double weight_decay,
-                    bool adam_w_mode, bool bias_correction) {
+static void adam_step_one(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                   const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& lowp,
+                   const at::Tensor& grad_scale, const at::Tensor& lr, const at::Tensor& step,
+                   const at::Tensor& skip, double beta1, double beta2, double eps, double weight_decay,
+                   bool adam_w_mode, bool bias_correction) {
   check_flat(param, "param", param);
   check_flat(grad, "grad", param, /*low_ok=*/true);
   check_flat(exp_avg, "exp_avg", param);
@@ -329,6 +329,24 @@ void adam_step_cuda(const at::Tensor& param, const at::Tensor& grad, const at::T
     launch_for_lowp<__half>(param, grad, exp_avg, exp_avg_sq, lowp, grad_scale, lr, step, skip, h);
   } else {
     launch_for_lowp<float>(param, grad, exp_avg, exp_avg_sq, lowp, grad_scale, lr, step, skip, h);
+  }
+}
+
+// One call per parameter group: the shards' kernels are launched from here, so the step's Python runs once.
+void adam_steps_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                     at::TensorList exp_avg_sqs, at::TensorList lowps, const at::Tensor& grad_scale,
+                     const at::Tensor& lr, const at::Tensor& step, const at::Tensor& skip, double beta1,
+                     double beta2, double eps, double weight_decay, bool adam_w_mode, bool bias_correction) {
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
+                  (lowps.empty() || lowps.size() == n),
+              "dsfunc_cuda::adam_steps_: one grad, exp_avg and exp_avg_sq per param (and no lowp or one per "
+              "param), got ", n, ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), " and ",
+              lowps.size());
+  for (size_t i = 0; i < n; ++i) {
+    const std::optional<at::Tensor> lowp = lowps.empty() ? std::nullopt : std::optional<at::Tensor>(lowps[i]);
+    adam_step_one(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], lowp, grad_scale, lr, step, skip, beta1, beta2,
+                  eps, weight_decay, adam_w_mode, bias_correction);
   }
 }
 

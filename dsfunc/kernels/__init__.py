@@ -1,7 +1,7 @@
 """Custom ops for the step's memory-bound hot paths, in the torch.library namespace ``dsfunc``.
 
-``torch.ops.dsfunc.adam_step_``
-    The Adam/AdamW update of one flat fp32 shard, in place and in one pass over memory: unscale the
+``torch.ops.dsfunc.adam_steps_``
+    The Adam/AdamW update of a list of flat fp32 shards, in place and in one pass over memory: unscale the
     raw gradient, (L2 or decoupled) weight decay, both moments, bias correction, the learning rate,
     and optionally the bf16/fp16 copy of the new parameters that the next all-gather sends. A 0-d
     bool ``skip`` (the found-inf flag) turns the whole call into a no-op on the device.
@@ -30,16 +30,16 @@ from __future__ import annotations
 
 import torch
 
-from dsfunc.kernels.adam import adam_step_
+from dsfunc.kernels.adam import adam_step_, adam_steps_
 from dsfunc.kernels.cross_entropy import linear_cross_entropy
 from dsfunc.kernels.native import native_ready
 from dsfunc.kernels.sum_of_squares import sum_of_squares
 
-__all__ = ["adam_step_", "fused_adam_available", "linear_cross_entropy", "sum_of_squares"]
+__all__ = ["adam_step_", "adam_steps_", "fused_adam_available", "linear_cross_entropy", "sum_of_squares"]
 
 
 def fused_adam_available(device: torch.device | str | int) -> bool:
-    """Whether ``adam_step_``/``sum_of_squares`` on ``device`` run the CUDA kernels of ``ops/``.
+    """Whether ``adam_steps_``/``sum_of_squares`` on ``device`` run the CUDA kernels of ``ops/``.
 
     Builds the kernels on the first call for a CUDA device (cached across runs); on failure logs
     one line saying why. False for every other device, where the reference implementation runs.

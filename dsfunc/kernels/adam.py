@@ -1,4 +1,4 @@
-"""``torch.ops.dsfunc.adam_step_``: the Adam/AdamW update of one flat fp32 shard, in place, in one pass.
+"""``torch.ops.dsfunc.adam_steps_``: the Adam/AdamW update of a list of flat fp32 shards, in place, one pass each.
 
 It unscales the raw gradient, applies (L2 or decoupled) weight decay, both moments, bias correction and
 the learning rate, and optionally writes the bf16/fp16 copy of the new parameters that the next
@@ -6,14 +6,18 @@ all-gather sends. A 0-d bool ``skip`` (the found-inf flag) turns the whole call 
 device. Everything that changes per step is a tensor argument, so a step neither synchronises with the
 host nor recompiles.
 
-The op is defined with ``torch.library.Library.define``/``impl`` rather than ``custom_op``: a call costs
-~2 us of Python instead of ~15 us, which matters once per parameter unit per step. Its signature is
-written in :class:`AdamArgs` (the implementations take it positionally), in the schema below, in the
-public :func:`adam_step_`, in ``ops/register.cpp`` and in ``ops/adam_cpu.cpp`` (the host kernel of ZeRO-Offload).
+One call takes every shard of a parameter group (the step's units share its scalars and hyper-parameters),
+so the step pays the op's Python and dispatch once per group, not once per unit; on CUDA the kernels are
+launched from C++. ``lowps`` is empty (no 16-bit copy) or holds one tensor per shard: torch's
+functionalization cannot take a mutable list with holes. The op is defined with
+``torch.library.Library.define``/``impl`` rather than ``custom_op``: a call costs ~2 us of Python instead of
+~15 us. Its signature is written in the schema below, in :func:`adam_steps_`, in ``ops/register.cpp``, and
+per shard in :class:`AdamArgs` and ``ops/adam_cpu.cpp`` (the host kernel of ZeRO-Offload).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -24,8 +28,8 @@ from dsfunc.kernels.native import native_ready
 
 _LOWP_DTYPES = (torch.bfloat16, torch.float16)
 _SCHEMA = (
-    "adam_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
-    "Tensor(d!)? lowp, Tensor grad_scale, Tensor lr, Tensor step, Tensor skip, float beta1, "
+    "adam_steps_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+    "Tensor(d!)[] lowps, Tensor grad_scale, Tensor lr, Tensor step, Tensor skip, float beta1, "
     "float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction) -> ()"
 )
 
@@ -34,7 +38,7 @@ _lib.define(_SCHEMA)
 
 
 class AdamArgs(NamedTuple):
-    """The op's arguments in schema order (every implementation receives them positionally)."""
+    """One shard's call in the per-shard order of the host kernel (``ops/adam_cpu.cpp``)."""
 
     param: Tensor
     grad: Tensor
@@ -53,40 +57,75 @@ class AdamArgs(NamedTuple):
     bias_correction: bool
 
 
-def _check(a: AdamArgs) -> None:
-    """The checks shared by the reference, the CUDA path and the fake implementation."""
-    device, numel = a.param.device, a.param.numel()
-    flats = [("param", a.param, (torch.float32,)), ("grad", a.grad, (torch.float32, *_LOWP_DTYPES))]
-    flats += [("exp_avg", a.exp_avg, (torch.float32,)), ("exp_avg_sq", a.exp_avg_sq, (torch.float32,))]
-    if a.lowp is not None:
-        flats.append(("lowp", a.lowp, _LOWP_DTYPES))
+def _shards(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+            exp_avg_sqs: Sequence[Tensor], lowps: Sequence[Tensor]) -> list[tuple[Tensor, ...]]:
+    """The op's lists as one ``(param, grad, exp_avg, exp_avg_sq, lowp or None)`` per shard, checked."""
+    n = len(params)
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n and len(lowps) in (0, n)):
+        raise InputError(
+            f"dsfunc.adam_steps_: params, grads, exp_avgs and exp_avg_sqs need one tensor per shard and lowps none "
+            f"or one per shard, got {n}, {len(grads)}, {len(exp_avgs)}, {len(exp_avg_sqs)} and {len(lowps)}"
+        )
+    shards = [(p, g, m, v, lowps[i] if lowps else None)
+              for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs))]
+    for i, shard in enumerate(shards):
+        _check_shard(*shard, where="" if n == 1 else f" (shard {i})")
+    return shards
+
+
+def _check_shard(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, lowp: Tensor | None, *,
+                 where: str = "") -> None:
+    device, numel = param.device, param.numel()
+    flats = [("param", param, (torch.float32,)), ("grad", grad, (torch.float32, *_LOWP_DTYPES)),
+             ("exp_avg", exp_avg, (torch.float32,)), ("exp_avg_sq", exp_avg_sq, (torch.float32,))]
+    if lowp is not None:
+        flats.append(("lowp", lowp, _LOWP_DTYPES))
     for name, t, dtypes in flats:
         if t.dtype not in dtypes or t.dim() != 1 or not t.is_contiguous():
             want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
             layout = "" if t.is_contiguous() else ", non-contiguous"
             raise InputError(
                 f"dsfunc.adam_step_: {name} must be a 1-D contiguous {want} tensor (a flat shard), "
-                f"got {t.dtype} of shape {tuple(t.shape)}{layout}; pass t.reshape(-1) of a contiguous tensor"
+                f"got {t.dtype} of shape {tuple(t.shape)}{layout}{where}; pass t.reshape(-1) of a contiguous tensor"
             )
         if t.device != device or t.numel() != numel:
             raise InputError(
                 f"dsfunc.adam_step_: {name} must match param ({numel} elements on {device}), "
-                f"got {t.numel()} elements on {t.device}"
+                f"got {t.numel()} elements on {t.device}{where}"
             )
-    for name, t, dtype in (("grad_scale", a.grad_scale, torch.float32), ("lr", a.lr, torch.float32),
-                           ("step", a.step, torch.float32), ("skip", a.skip, torch.bool)):
+
+
+def _check_scalars(device: torch.device, grad_scale: Tensor, lr: Tensor, step: Tensor, skip: Tensor,
+                   beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    for name, t, dtype in (("grad_scale", grad_scale, torch.float32), ("lr", lr, torch.float32),
+                           ("step", step, torch.float32), ("skip", skip, torch.bool)):
         if t.dim() != 0 or t.dtype != dtype or t.device != device:
             raise InputError(
                 f"dsfunc.adam_step_: {name} must be a 0-d {dtype} tensor on {device} (per-step values stay "
                 f"on the device: no host sync, no recompilation), got {t.dtype} of shape {tuple(t.shape)} "
                 f"on {t.device}"
             )
-    if not (0.0 <= a.beta1 < 1.0 and 0.0 <= a.beta2 < 1.0):
-        raise InputError(f"dsfunc.adam_step_: betas must lie in [0, 1), got beta1={a.beta1}, beta2={a.beta2}")
-    if a.eps < 0.0 or a.weight_decay < 0.0:
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise InputError(f"dsfunc.adam_step_: betas must lie in [0, 1), got beta1={beta1}, beta2={beta2}")
+    if eps < 0.0 or weight_decay < 0.0:
         raise InputError(
-            f"dsfunc.adam_step_: eps and weight_decay must be >= 0, got {a.eps} and {a.weight_decay}"
+            f"dsfunc.adam_step_: eps and weight_decay must be >= 0, got {eps} and {weight_decay}"
         )
+
+
+def _check(a: AdamArgs) -> None:
+    """One shard's call, checked as the op checks it."""
+    _check_shard(a.param, a.grad, a.exp_avg, a.exp_avg_sq, a.lowp)
+    _check_scalars(a.param.device, *a[5:13])
+
+
+def _check_all(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
+               exp_avg_sqs: Sequence[Tensor], lowps: Sequence[Tensor], *scalars: object) -> list[tuple[Tensor, ...]]:
+    """The checks shared by the reference, the CUDA path and the fake implementation; the shards."""
+    shards = _shards(params, grads, exp_avgs, exp_avg_sqs, lowps)
+    if shards:
+        _check_scalars(params[0].device, *scalars[:8])
+    return shards
 
 
 def bias_corrections(beta1: float | Tensor, beta2: float | Tensor, step: Tensor) -> tuple[Tensor, Tensor]:
@@ -103,72 +142,103 @@ def bias_corrections(beta1: float | Tensor, beta2: float | Tensor, step: Tensor)
     return (1 - b1**t).to(torch.float32), (1 - b2**t).sqrt().to(torch.float32)
 
 
-def _reference(*args: object) -> None:
-    """Plain torch, on every device (the CPU path). The exact sequence of torch calls of dsfunc.optim's
+def _reference(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+               lowps: list[Tensor], *scalars: object) -> None:
+    """Plain torch, on every device (the CPU path). Per shard, the exact sequence of torch calls of dsfunc.optim's
     chain (scale_by_factor -> scale_by_adam -> add_decayed_weights -> scale_by_learning_rate), so that
     this op and the chain agree bit for bit."""
-    a = AdamArgs(*args)
-    _check(a)
-    p = a.param
-    g = a.grad.float() * a.grad_scale
-    if a.weight_decay != 0.0 and not a.adam_w_mode:
-        g = g.add(p, alpha=a.weight_decay)
-    m = a.exp_avg.mul(a.beta1).add(g, alpha=1 - a.beta1)
-    v = a.exp_avg_sq.mul(a.beta2).addcmul(g, g, value=1 - a.beta2)
-    if a.bias_correction:
-        bc1, bc2_sqrt = bias_corrections(a.beta1, a.beta2, a.step)
-        u = (m / bc1) / (v.sqrt() / bc2_sqrt).add(a.eps)
-    else:
-        u = m / v.sqrt().add(a.eps)
-    if a.weight_decay != 0.0 and a.adam_w_mode:
-        u = u.add(p, alpha=a.weight_decay)
-    u = u * (-a.lr)
-    new_p = p + u
-    a.param.copy_(torch.where(a.skip, a.param, new_p))
-    a.exp_avg.copy_(torch.where(a.skip, a.exp_avg, m))
-    a.exp_avg_sq.copy_(torch.where(a.skip, a.exp_avg_sq, v))
-    if a.lowp is not None:
-        a.lowp.copy_(torch.where(a.skip, a.lowp, new_p.to(a.lowp.dtype)))
+    shards = _check_all(params, grads, exp_avgs, exp_avg_sqs, lowps, *scalars)
+    if not shards:
+        return
+    grad_scale, lr, step, skip, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction = scalars
+    if bias_correction:
+        bc1, bc2_sqrt = bias_corrections(beta1, beta2, step)
+    for param, grad, exp_avg, exp_avg_sq, lowp in shards:
+        g = grad.float() * grad_scale
+        if weight_decay != 0.0 and not adam_w_mode:
+            g = g.add(param, alpha=weight_decay)
+        m = exp_avg.mul(beta1).add(g, alpha=1 - beta1)
+        v = exp_avg_sq.mul(beta2).addcmul(g, g, value=1 - beta2)
+        if bias_correction:
+            u = (m / bc1) / (v.sqrt() / bc2_sqrt).add(eps)
+        else:
+            u = m / v.sqrt().add(eps)
+        if weight_decay != 0.0 and adam_w_mode:
+            u = u.add(param, alpha=weight_decay)
+        u = u * (-lr)
+        new_p = param + u
+        param.copy_(torch.where(skip, param, new_p))
+        exp_avg.copy_(torch.where(skip, exp_avg, m))
+        exp_avg_sq.copy_(torch.where(skip, exp_avg_sq, v))
+        if lowp is not None:
+            lowp.copy_(torch.where(skip, lowp, new_p.to(lowp.dtype)))
 
 
 def _cuda(*args: object) -> None:
     if not native_ready():
         _reference(*args)
         return
-    a = AdamArgs(*args)
-    _check(a)
-    torch.ops.dsfunc_cuda.adam_step_.default(*a)
-    _written(a)
+    _check_all(*args)
+    torch.ops.dsfunc_cuda.adam_steps_.default(*args)
+    params, _, exp_avgs, exp_avg_sqs, lowps = args[:5]
+    _written(params, exp_avgs, exp_avg_sqs, lowps)
 
 
 def host_adam_step_(*args: object) -> None:
-    """:func:`adam_step_` on host tensors by the CPU kernel of ``ops/adam_cpu.cpp`` (ZeRO-Offload's update), which
-    holds no Python lock while it runs; the reference where that kernel cannot be built. Arguments in schema
-    order (:class:`AdamArgs`), checked here as the public op checks them."""
+    """One shard's update on host tensors by the CPU kernel of ``ops/adam_cpu.cpp`` (ZeRO-Offload's update), which
+    holds no Python lock while it runs; the reference where that kernel cannot be built. Arguments in
+    :class:`AdamArgs` order, checked as the public op checks them."""
     a = AdamArgs(*args)
     _check(a)
     if not native_ready("cpu"):
-        _reference(*a)
+        _reference([a.param], [a.grad], [a.exp_avg], [a.exp_avg_sq], [] if a.lowp is None else [a.lowp], *a[5:])
         return
     torch.ops.dsfunc_cpu.adam_step_.default(*a)
-    _written(a)
+    _written([a.param], [a.exp_avg], [a.exp_avg_sq], [] if a.lowp is None else [a.lowp])
 
 
-def _written(a: AdamArgs) -> None:
+def _written(*lists: Sequence[Tensor]) -> None:
     """Bump the version of what a kernel wrote, as the in-place torch ops it stands for would: the private ops of
     ops/ register no kernel for the dispatch key that does it for torch's own (ADInplaceOrView)."""
-    for t in (a.param, a.exp_avg, a.exp_avg_sq, a.lowp):
-        if t is not None:
+    for ts in lists:
+        for t in ts:
             torch.autograd.graph.increment_version(t)
 
 
 def _fake(*args: object) -> None:
-    _check(AdamArgs(*args))
+    _check_all(*args)
 
 
-_lib.impl("adam_step_", _reference, "CompositeExplicitAutograd")
-_lib.impl("adam_step_", _cuda, "CUDA")
-torch.library.register_fake("dsfunc::adam_step_", _fake, lib=_lib)
+_lib.impl("adam_steps_", _reference, "CompositeExplicitAutograd")
+_lib.impl("adam_steps_", _cuda, "CUDA")
+torch.library.register_fake("dsfunc::adam_steps_", _fake, lib=_lib)
+
+
+def adam_steps_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    *,
+    grad_scale: Tensor,
+    lr: Tensor,
+    step: Tensor,
+    skip: Tensor,
+    lowps: Sequence[Tensor] = (),
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    adam_w_mode: bool = True,
+    bias_correction: bool = True,
+) -> None:
+    """One Adam/AdamW step on flat fp32 shards that share this step's scalars, in place
+    (``torch.ops.dsfunc.adam_steps_``); each shard as :func:`adam_step_` says. ``lowps`` is empty or holds one
+    16-bit tensor per shard."""
+    torch.ops.dsfunc.adam_steps_.default(
+        list(params), list(grads), list(exp_avgs), list(exp_avg_sqs), list(lowps), grad_scale, lr, step, skip,
+        float(beta1), float(beta2), float(eps), float(weight_decay), bool(adam_w_mode), bool(bias_correction),
+    )
 
 
 def adam_step_(
@@ -189,7 +259,7 @@ def adam_step_(
     adam_w_mode: bool = True,
     bias_correction: bool = True,
 ) -> None:
-    """One Adam/AdamW step on a flat fp32 shard, in place (``torch.ops.dsfunc.adam_step_``).
+    """One Adam/AdamW step on a flat fp32 shard, in place (:func:`adam_steps_` of one shard).
 
     Args:
         param: 1-D contiguous fp32 master weights; updated in place.
@@ -218,7 +288,6 @@ def adam_step_(
         >>> p
         tensor([0.9000, 0.9000, 0.9000, 0.9000])
     """
-    torch.ops.dsfunc.adam_step_.default(
-        param, grad, exp_avg, exp_avg_sq, lowp, grad_scale, lr, step, skip, float(beta1), float(beta2),
-        float(eps), float(weight_decay), bool(adam_w_mode), bool(bias_correction),
-    )
+    adam_steps_([param], [grad], [exp_avg], [exp_avg_sq], lowps=() if lowp is None else (lowp,),
+                grad_scale=grad_scale, lr=lr, step=step, skip=skip, beta1=beta1, beta2=beta2, eps=eps,
+                weight_decay=weight_decay, adam_w_mode=adam_w_mode, bias_correction=bias_correction)

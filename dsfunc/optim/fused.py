@@ -1,8 +1,8 @@
 """The fast update path: the config's Adam/AdamW applied in place by dsfunc's fused op.
 
 When the optimizer comes from the config and is Adam or AdamW (without OneCycle's cycled momentum),
-the step does not run the transform chain. Instead, per unit, one ``dsfunc::adam_step_`` call unscales
-and clips the gradient, skips on overflow, updates the moments and the fp32 master in place, and
+the step does not run the transform chain. Instead, per parameter group, one ``dsfunc::adam_steps_`` call
+unscales and clips each unit's gradient, skips on overflow, updates the moments and the fp32 master in place, and
 writes the compute-dtype copy that the next all-gather sends: one pass over memory. On CUDA that is the
 kernel in ``ops/``; elsewhere the op's plain-torch reference runs (the same math as the chain
 ``scale_by_factor -> clip_by_global_norm -> adam``, up to the unscale and clip factors being multiplied
@@ -85,10 +85,10 @@ class FusedAdam:
               ctx: UpdateContext) -> tuple[FrozenDict, Any]:
         """Update ``params``, the moments and ``ctx.lowp`` in place; return them with the new counters."""
         loss_scale, grad_norm, finite = ctx.loss_scale, ctx.grad_norm, ctx.finite
-        clip = torch.ones_like(grad_norm)
+        divisor = loss_scale  # the loss scale, times the clip coefficient when clipping
         if self.max_norm > 0:
-            clip = torch.clamp((grad_norm + 1e-6) / self.max_norm, min=1.0)
-        grad_scale = (1.0 / (loss_scale * clip)).to(torch.float32)
+            divisor = loss_scale * torch.clamp((grad_norm + 1e-6) / self.max_norm, min=1.0)
+        grad_scale = (1.0 / divisor).to(torch.float32)
         skip = ~finite
         states = opt_state["optimizer"]
         new_states = {}
@@ -108,14 +108,17 @@ class FusedAdam:
                 ctx.schedule(names, functools.partial(
                     _host_update, params=params, grads=grads, adam=adam, ctx=ctx, group=group, lr=lr, step=step,
                     grad_scale=grad_scale, skip=skip))
-            else:
-                for name in names:
-                    kernels.adam_step_(
-                        params[name], grads[name], adam.mu[name], adam.nu[name],
-                        grad_scale=grad_scale, lr=lr, step=step, skip=skip, lowp=ctx.lowp.get(name),
-                        beta1=group.beta1, beta2=group.beta2, eps=group.eps, weight_decay=group.weight_decay,
-                        adam_w_mode=group.adam_w_mode, bias_correction=group.bias_correction,
-                    )
+            else:  # one call for the group's units with a 16-bit copy to write, one for those without
+                for lowp in (True, False):
+                    part = [n for n in names if (n in ctx.lowp) is lowp]
+                    if part:
+                        kernels.adam_steps_(
+                            [params[n] for n in part], [grads[n] for n in part], [adam.mu[n] for n in part],
+                            [adam.nu[n] for n in part], lowps=[ctx.lowp[n] for n in part] if lowp else (),
+                            grad_scale=grad_scale, lr=lr, step=step, skip=skip, beta1=group.beta1,
+                            beta2=group.beta2, eps=group.eps, weight_decay=group.weight_decay,
+                            adam_w_mode=group.adam_w_mode, bias_correction=group.bias_correction,
+                        )
             applied = finite.to(adam.count.dtype)
             new_states[label] = {
                 **chain,

@@ -163,8 +163,34 @@ OPCHECK_CASES = [
 def test_opcheck_adam_step(case):
     lowp_dtype, wd, adam_w, bias_corr, skip = case
     param, grad, m, v, lowp, s = _inputs(33, 2, lowp_dtype, skip=skip)
-    args = (param, grad, m, v, lowp, *s.values(), 0.9, 0.999, 1e-8, wd, adam_w, bias_corr)
-    torch.library.opcheck(torch.ops.dsfunc.adam_step_.default, args)
+    other = _inputs(9, 3, lowp_dtype, skip=skip)[:5]  # a second shard of another size in the same call
+    shards = list(zip((param, grad, m, v, lowp), other))
+    params, grads, ms, vs, lowps = ([*pair] for pair in shards)
+    args = (params, grads, ms, vs, [] if lowp is None else lowps, *s.values(), 0.9, 0.999, 1e-8, wd, adam_w,
+            bias_corr)
+    torch.library.opcheck(torch.ops.dsfunc.adam_steps_.default, args)
+
+
+@pytest.mark.parametrize("lowp_dtype", [None, torch.bfloat16])
+def test_one_call_over_shards_equals_a_call_per_shard_bitwise(lowp_dtype):
+    shards = [_inputs(n, seed, lowp_dtype)[:5] for seed, n in enumerate((1, 70, 333))]
+    s = _inputs(1, 0)[5]
+    each = [[t.clone() if t is not None else None for t in shard] for shard in shards]
+    for p, g, m, v, low in each:
+        K.adam_step_(p, g, m, v, lowp=low, **s, weight_decay=0.01)
+    params, grads, ms, vs, lowps = (list(ts) for ts in zip(*shards))
+    K.adam_steps_(params, grads, ms, vs, lowps=() if lowp_dtype is None else lowps, **s, weight_decay=0.01)
+    for one, many in zip(each, shards):
+        for a, b in zip(one, many):
+            assert (a is None and b is None) or torch.equal(_bits(a), _bits(b))
+
+
+def test_shard_lists_of_different_lengths_are_refused():
+    p, g, m, v, low, s = _inputs(8, 0, torch.bfloat16)
+    with pytest.raises(ValueError, match="one tensor per shard and lowps none or one per shard, got 2, 1, 2, 2 and 1"):
+        K.adam_steps_([p, p.clone()], [g], [m, m.clone()], [v, v.clone()], lowps=[low], **s)
+    with pytest.raises(ValueError, match=r"grad must be a 1-D contiguous .* \(shard 1\)"):
+        K.adam_steps_([p, p.clone()], [g, g.view(2, 4)], [m, m.clone()], [v, v.clone()], **s)
 
 
 def test_opcheck_sum_of_squares():
