@@ -14,6 +14,7 @@ compatible).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -52,6 +53,16 @@ class Unit:
     def numel(self) -> int:
         last = self.params[-1]
         return last.offset + last.numel
+
+    @functools.cached_property
+    def sizes(self) -> list[int]:
+        """The parameters' element counts, in layout order."""
+        return [slot.numel for slot in self.params]
+
+    @functools.cached_property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """The parameters' shapes, in layout order."""
+        return [tuple(slot.shape) for slot in self.params]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,11 +186,11 @@ def flatten_unit(unit: Unit, tensors: Mapping[str, torch.Tensor], padded: int) -
 
 
 def unit_views(unit: Unit, flat: torch.Tensor) -> list[torch.Tensor]:
-    """Views of ``flat`` shaped like the unit's parameters (autograd: one ``cat`` in backward)."""
-    sizes = [slot.numel for slot in unit.params]
+    """Views of ``flat`` shaped like the unit's parameters (autograd: one ``cat`` in backward). Once per unit and
+    micro-batch: the sizes are the unit's own, the split is torch's op without its Python wrapper."""
     pad = flat.numel() - unit.numel
-    pieces = flat.split(sizes + [pad] if pad else sizes)
-    return [piece.view(slot.shape) for piece, slot in zip(pieces, unit.params)]
+    pieces = flat.split_with_sizes([*unit.sizes, pad] if pad else unit.sizes)
+    return [piece.view(shape) for piece, shape in zip(pieces, unit.shapes)]
 
 
 def local_shard(plan: ShardingPlan, unit: Unit, flat: torch.Tensor) -> torch.Tensor:

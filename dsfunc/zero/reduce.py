@@ -118,7 +118,9 @@ class ZeroReducer:
         full = grad if alone else grad.to(self.comm_dtype)
         if local is not None:
             full = full + local.to(self.comm_dtype)
-        if stage == 0:
+        if self.plan.world_size == 1:  # no collective to issue or wait for: stored as it comes
+            self._store(unit, full, last, exact)
+        elif stage == 0:
             chunks = full.split(self.bucket_size)
             for chunk in chunks[:-1]:
                 self._pending.append((comm.all_reduce_sum(chunk, async_op=True), lambda: None))

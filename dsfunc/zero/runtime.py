@@ -175,9 +175,7 @@ class MicroBatchRuntime:
                 "micro-batch (computed under torch.no_grad(), detached, or from the original module instead "
                 "of the model the step binds); compute it from the outputs of this micro-batch's forward"
             )
-        seed = loss_scale / self.ranks
-        if mean_over_micro:
-            seed = seed / self.micro[1]
+        seed = _divided(loss_scale, self.ranks, self.micro[1] if mean_over_micro else 1)
         with self._backward_scope():
             torch.autograd.backward(loss.reshape(()) * seed, inputs=self.leaves, retain_graph=retain_graph)
         value = loss.detach().float()
@@ -204,7 +202,7 @@ class MicroBatchRuntime:
     def seed(self, loss_scale: torch.Tensor | float, micro_count: int) -> torch.Tensor | float:
         """What a loss is multiplied by before a backward the caller runs in :meth:`run_backwards`:
         ``loss_scale / ranks / micro_count``, the seed :meth:`backward` applies itself."""
-        return loss_scale / self.ranks / micro_count
+        return _divided(loss_scale, self.ranks, micro_count)
 
     def run_backwards(self, run: Callable[[], torch.Tensor], *, micro: tuple[int, int] = (0, 1)) -> None:
         """Bind the parameters and call ``run()``, which runs forwards and backwards itself (a pipeline
@@ -258,7 +256,7 @@ class MicroBatchRuntime:
             if not self.has_gradients:
                 raise UsageError("no micro-batch has run backward() in this runtime yet")
             return torch.full((), float("nan"), device=self.workspace.device)
-        return self._loss_sum / self._losses
+        return _divided(self._loss_sum, self._losses)
 
     def evaluate(self, fn: Callable[[nn.Module, Any], T], inputs: Any) -> T:
         """``fn(model, inputs)`` under ``torch.no_grad()``: an evaluation, bound and unbound around it
@@ -416,6 +414,15 @@ class MicroBatchRuntime:
             if cuda:
                 torch.cuda.default_generators[device.index if device.index is not None else 0].manual_seed(seed)
             yield
+
+
+def _divided(value: torch.Tensor | float, *divisors: int) -> torch.Tensor | float:
+    """``value`` divided by each divisor in turn, skipping those that are 1 (the result is the same, without a
+    device op per step)."""
+    for d in divisors:
+        if d != 1:
+            value = value / d
+    return value
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
