@@ -68,3 +68,16 @@ def test_bench_host_adam_times_every_variant_in_both_16_bit_dtypes():
     assert [(r[0].strip(), r[1].strip()) for r in rows] == [
         (dtype, threads) for dtype in ("bfloat16", "float16") for threads in ("1", "2") for _ in range(3)]
     assert all(float(r[3]) > 0 for r in rows), proc.stdout
+
+
+def test_profile_step_says_where_the_eager_step_time_goes():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-W", "ignore", str(ROOT / "bench" / "profile_step.py"), "--device", "cpu",
+           "--steps", "5", "--top", "3"]
+    proc = subprocess.run(cmd, cwd=ROOT / "bench", env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    parts = {line.rsplit(None, 2)[0].strip(): float(line.split()[-2]) for line in proc.stdout.splitlines()
+             if line.endswith("ms/step")}
+    assert list(parts) == ["forward (binding, the model)", "backward (autograd, gradient hooks)",
+                           "update (norm, optimizer, scaler, metrics)", "whole step"], proc.stdout
+    assert all(v > 0 for v in parts.values()) and parts["whole step"] > parts["update (norm, optimizer, scaler, metrics)"]

@@ -1,0 +1,61 @@
+"""Where the eager step's host time goes: cProfile of dsfunc.train_step on bench_step_overhead's tiny MLP.
+
+    python bench/profile_step.py [--device cpu|cuda] [--steps 300] [--top 25]
+
+Prints the milliseconds per step of the step's parts (forward with binding, backward, update) and the
+functions with the most time of their own. For the step's host overhead against a plain loop see
+bench_step_overhead.py; this says where it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+
+import torch
+from bench_step_overhead import Tiny
+
+import dsfunc
+
+PARTS = {  # label -> (file suffix, function name) of the step's parts
+    "forward (binding, the model)": ("dsfunc/zero/runtime.py", "forward"),
+    "backward (autograd, gradient hooks)": ("dsfunc/zero/runtime.py", "backward"),
+    "update (norm, optimizer, scaler, metrics)": ("dsfunc/step.py", "apply_gradients"),
+    "whole step": ("dsfunc/step.py", "_run_step"),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    batch = (torch.randn(8, 32, device=device), torch.randint(0, 10, (8,), device=device))
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
+    state = dsfunc.init_state(Tiny(), config, device=device)
+    for _ in range(20):
+        state = dsfunc.train_step(state, batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(args.steps):
+        state = dsfunc.train_step(state, batch)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    print(f"device {device}, torch {torch.__version__}, {args.steps} steps under cProfile (which slows Python)")
+    for label, (path, name) in PARTS.items():
+        cumulative = sum(v[3] for (file, _, fn), v in stats.stats.items() if file.endswith(path) and fn == name)
+        print(f"  {label:45s} {cumulative / args.steps * 1e3:7.3f} ms/step")
+    stats.sort_stats("tottime").print_stats(args.top)
+
+
+if __name__ == "__main__":
+    main()
