@@ -37,17 +37,27 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def plain(model: nn.Module, batch, steps: int, device: torch.device) -> float:
+def plain_step(model: nn.Module, device: torch.device):
+    """The plain loop's step on a copy of ``model``: ``step(batch)``."""
     model = copy.deepcopy(model).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=device.type == "cuda")
-    for i in range(steps + 10):
-        if i == 10:
-            sync(device)
-            start = time.perf_counter()
+
+    def step(batch) -> None:
         opt.zero_grad(set_to_none=True)
         model(*batch).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+
+    return step
+
+
+def plain(model: nn.Module, batch, steps: int, device: torch.device) -> float:
+    step = plain_step(model, device)
+    for i in range(steps + 10):
+        if i == 10:
+            sync(device)
+            start = time.perf_counter()
+        step(batch)
     sync(device)
     return (time.perf_counter() - start) / steps * 1e3
 

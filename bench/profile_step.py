@@ -2,19 +2,22 @@
 
     python bench/profile_step.py [--device cpu|cuda] [--steps 300] [--top 25]
 
-Prints the milliseconds per step of the step's parts (forward with binding, backward, update) and the
-functions with the most time of their own. For the step's host overhead against a plain loop see
-bench_step_overhead.py; this says where it is.
+Prints the milliseconds per step of the step's parts (forward with binding, backward, update), the functions
+with the most time of their own, and the device kernels one step launches against the plain loop's
+(bench_step_overhead's, with fused AdamW on CUDA): on a GPU each launch is host time. For the step's host
+overhead against the plain loop see bench_step_overhead.py; this says where it is.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import pstats
 
 import torch
-from bench_step_overhead import Tiny
+from bench_step_overhead import Tiny, plain_step
+from torch.profiler import ProfilerActivity, profile
 
 import dsfunc
 
@@ -55,6 +58,27 @@ def main() -> None:
         cumulative = sum(v[3] for (file, _, fn), v in stats.stats.items() if file.endswith(path) and fn == name)
         print(f"  {label:45s} {cumulative / args.steps * 1e3:7.3f} ms/step")
     stats.sort_stats("tottime").print_stats(args.top)
+    if device.type == "cuda":
+        ours = kernels(lambda: dsfunc.train_step(state, batch))
+        print_kernels("dsfunc step", ours)
+        step = plain_step(Tiny(), device)
+        for _ in range(3):
+            step(batch)
+        print_kernels("plain loop", kernels(lambda: step(batch)))
+
+
+def kernels(run) -> collections.Counter:
+    """The device kernels ``run()`` launches, by name."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return collections.Counter(e.name for e in prof.events() if e.device_type.name == "CUDA")
+
+
+def print_kernels(label: str, counts: collections.Counter) -> None:
+    print(f"{label}: {sum(counts.values())} kernels")
+    for name, n in counts.most_common():
+        print(f"  {n:3d}  {name[:110]}")
 
 
 if __name__ == "__main__":
