@@ -1,6 +1,6 @@
 """The config's Adam/AdamW on the host (ZeRO-Offload): dsfunc's CPU kernel, one call per unit.
 
-``torch.ops.dsfunc_cpu.adam_step_`` (``ops/adam_cpu.cpp``) is ``dsfunc::adam_step_`` for host memory: one pass
+``torch.ops.dsfunc_cpu.adam_step_`` (``ops/adam_cpu.cpp``) is ``dsfunc::adam_steps_`` for host memory: one pass
 over each unit, spread over the intra-op threads, reading its 16-bit gradient as it is (widened exactly as
 it is read: bf16 in registers, fp16 a block at a time) and writing the 16-bit copy the device gets with the
 new parameters: 28 bytes of host traffic per parameter. Torch's own fused CPU Adam (``torch._fused_adamw_``) needs the gradient widened into a
