@@ -40,31 +40,44 @@ def main() -> None:
     batch = (torch.randn(8, 32, device=device), torch.randint(0, 10, (8,), device=device))
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
-    state = dsfunc.init_state(Tiny(), config, device=device)
-    for _ in range(20):
-        state = dsfunc.train_step(state, batch)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    profiler = cProfile.Profile()
-    profiler.enable()
-    for _ in range(args.steps):
-        state = dsfunc.train_step(state, batch)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    profiler.disable()
-    stats = pstats.Stats(profiler)
+    states = [dsfunc.init_state(Tiny(), config, device=device)]
+
+    def dsfunc_step() -> None:
+        states[0] = dsfunc.train_step(states[0], batch)
+
+    stats = profiled(dsfunc_step, args.steps, device)
     print(f"device {device}, torch {torch.__version__}, {args.steps} steps under cProfile (which slows Python)")
     for label, (path, name) in PARTS.items():
-        cumulative = sum(v[3] for (file, _, fn), v in stats.stats.items() if file.endswith(path) and fn == name)
-        print(f"  {label:45s} {cumulative / args.steps * 1e3:7.3f} ms/step")
+        print(f"  {label:45s} {cumulative(stats, path, name) / args.steps * 1e3:7.3f} ms/step")
+    step = plain_step(Tiny(), device)
+    plain_stats = profiled(lambda: step(batch), args.steps, device)
+    backward = cumulative(plain_stats, "torch/autograd/__init__.py", "backward")
+    print(f"  plain loop: backward {backward / args.steps * 1e3:.3f} ms/step, "
+          f"whole step {plain_stats.total_tt / args.steps * 1e3:.3f} ms/step")
     stats.sort_stats("tottime").print_stats(args.top)
     if device.type == "cuda":
-        ours = kernels(lambda: dsfunc.train_step(state, batch))
-        print_kernels("dsfunc step", ours)
-        step = plain_step(Tiny(), device)
-        for _ in range(3):
-            step(batch)
+        print_kernels("dsfunc step", kernels(dsfunc_step))
         print_kernels("plain loop", kernels(lambda: step(batch)))
+
+
+def profiled(run, steps: int, device: torch.device) -> pstats.Stats:
+    """cProfile of ``steps`` calls of ``run()`` after 20 unprofiled ones (on CUDA, until the device is done)."""
+    for _ in range(20):
+        run()
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    sync()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        run()
+    sync()
+    profiler.disable()
+    return pstats.Stats(profiler)
+
+
+def cumulative(stats: pstats.Stats, path: str, name: str) -> float:
+    """Seconds spent inside the function ``name`` of the file ending in ``path``."""
+    return sum(v[3] for (file, _, fn), v in stats.stats.items() if file.endswith(path) and fn == name)
 
 
 def kernels(run) -> collections.Counter:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -76,8 +77,10 @@ def test_profile_step_says_where_the_eager_step_time_goes():
            "--steps", "5", "--top", "3"]
     proc = subprocess.run(cmd, cwd=ROOT / "bench", env=env, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    parts = {line.rsplit(None, 2)[0].strip(): float(line.split()[-2]) for line in proc.stdout.splitlines()
-             if line.endswith("ms/step")}
+    lines = [line for line in proc.stdout.splitlines() if line.endswith("ms/step")]
+    parts = {line.rsplit(None, 2)[0].strip(): float(line.split()[-2]) for line in lines[:-1]}
     assert list(parts) == ["forward (binding, the model)", "backward (autograd, gradient hooks)",
                            "update (norm, optimizer, scaler, metrics)", "whole step"], proc.stdout
     assert all(v > 0 for v in parts.values()) and parts["whole step"] > parts["update (norm, optimizer, scaler, metrics)"]
+    backward, whole = (float(x) for x in re.findall(r"([0-9.]+) ms/step", lines[-1]))
+    assert lines[-1].startswith("  plain loop: backward") and 0 < backward < whole, lines[-1]
