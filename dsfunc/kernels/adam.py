@@ -124,7 +124,12 @@ def _check_all(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequ
     """The checks shared by the reference, the CUDA path and the fake implementation; the shards."""
     shards = _shards(params, grads, exp_avgs, exp_avg_sqs, lowps)
     if shards:
-        _check_scalars(params[0].device, *scalars[:8])
+        device = params[0].device
+        elsewhere = [i for i, p in enumerate(params) if p.device != device]
+        if elsewhere:
+            raise InputError(f"dsfunc.adam_steps_: every shard must be on one device, but shard {elsewhere[0]} is "
+                             f"on {params[elsewhere[0]].device} and shard 0 on {device}; make one call per device")
+        _check_scalars(device, *scalars[:8])
     return shards
 
 

@@ -191,6 +191,9 @@ def test_shard_lists_of_different_lengths_are_refused():
         K.adam_steps_([p, p.clone()], [g], [m, m.clone()], [v, v.clone()], lowps=[low], **s)
     with pytest.raises(ValueError, match=r"grad must be a 1-D contiguous .* \(shard 1\)"):
         K.adam_steps_([p, p.clone()], [g, g.view(2, 4)], [m, m.clone()], [v, v.clone()], **s)
+    on_meta = [t.to("meta") for t in (p, g, m, v)]
+    with pytest.raises(ValueError, match="every shard must be on one device, but shard 1 is on meta"):
+        K.adam_steps_([p, on_meta[0]], [g, on_meta[1]], [m, on_meta[2]], [v, on_meta[3]], **s)
 
 
 def test_opcheck_sum_of_squares():
