@@ -9,7 +9,8 @@ A system is a name and options joined by ``+``:
   loss inside, in ``torch.compile`` (the strong baseline); ``+ckpt`` puts ``torch.utils.checkpoint`` around
   every block.
 * ``dsfunc``: ``dsfunc.train_step`` at ZeRO stage 0 (``+zero3`` for stage 3), bf16, the same AdamW;
-  ``+compile`` compiles each block (``compile.enabled``), ``+graph`` replays the whole step as a CUDA graph
+  ``+compile`` compiles each block (``compile.enabled``), ``+whole`` the whole model's forward, loss inside,
+  as one graph (``compile.scope = "model"``), ``+graph`` replays the whole step as a CUDA graph
   (``compile.cuda_graph``), ``+units`` / ``+selective`` checkpoint every block (``activation_checkpointing``).
 * ``+fused`` (either kind): the loss through ``dsfunc.kernels.linear_cross_entropy`` (``GPTConfig.fused_loss``:
   output projection and cross-entropy a chunk of rows at a time, no fp32 logits).
@@ -92,7 +93,8 @@ def run_dsfunc(cfg: GPTConfig, options: set[str], micro: int, warmup: int, steps
         "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
         "zero_optimization": {"stage": 3 if "zero3" in options else 0},
-        "compile": {"enabled": "compile" in options, "cuda_graph": "graph" in options},
+        "compile": {"enabled": bool(options & {"compile", "whole"}), "scope": "model" if "whole" in options else "units",
+                    "cuda_graph": "graph" in options},
     }
     policy = "units" if "units" in options else "selective" if "selective" in options else "none"
     config["activation_checkpointing"] = {"policy": policy}

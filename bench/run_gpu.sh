@@ -57,7 +57,7 @@ single() {  # model systems timeout [log name]
         | grep -vE "^\s*$|UserWarning|warnings.warn" | tail -40 | tee "$out/${4:-single-$1}.txt"
 }
 if want single13; then
-    single 1.3b ${SINGLE13:-plain+compile,plain+compile+fused,dsfunc,dsfunc+fused,dsfunc+compile+fused,dsfunc+compile+graph+fused} 330
+    single 1.3b ${SINGLE13:-plain+compile,plain+compile+fused,dsfunc,dsfunc+fused,dsfunc+compile+fused,dsfunc+compile+graph+fused} ${SINGLE13_S:-330}
 fi
 if want single124; then
     single 124m ${SINGLE124:-plain,plain+compile,plain+compile+fused,dsfunc,dsfunc+fused,dsfunc+compile+fused,dsfunc+compile+graph,dsfunc+compile+graph+fused} 240

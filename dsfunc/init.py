@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from dsfunc.batch import LossFn
-from dsfunc.compile import compile_units
+from dsfunc.compile import compile_forwards
 from dsfunc.config import (
     ActivationCheckpointingConfig,
     CompileConfig,
@@ -95,8 +95,9 @@ def init_state(
       unit_modules: module paths to shard as units (default: blocks of the largest ModuleList).
       param_init_fn: initialises a module materialised from ``meta`` (in place).
       device: where the state lives (default: the current CUDA device, else the CPU).
-      compile: compile each unit's forward with ``torch.compile`` (:mod:`dsfunc.compile`): ``True``, or a
-        ``compile`` config section (``{"backend": ..., "kwargs": {...}}``); default: the config's section.
+      compile: compile each unit's forward, or the whole model's (``"scope": "model"``), with ``torch.compile``
+        (:mod:`dsfunc.compile`): ``True``, or a ``compile`` config section (``{"backend": ..., "scope": ...,
+        "kwargs": {...}}``); default: the config's section.
       activation_checkpointing: which units recompute their forward in backward (:mod:`dsfunc.remat`):
         a policy (``"units"``, ``"selective"``, ``"none"``) or an ``activation_checkpointing`` config section
         (``{"policy": "units", "every": 2}``); default: the config's section.
@@ -208,7 +209,7 @@ def _plan(model: nn.Module, stage: int, unit_modules: Sequence[str] | None,
 
 def _prepare_skeleton(skeleton: nn.Module, workspace: Workspace, cfg: Config,
                       remat: ActivationCheckpointingConfig, compile: CompileConfig) -> None:
-    """Hooks (stage-3 gathers, input cast), then checkpointing, then compilation, of the unit forwards.
+    """Hooks (stage-3 gathers, input cast), then checkpointing of the unit forwards, then compilation.
 
     A module trained in place before first drops what that state installed, which this one replaces.
     """
@@ -222,7 +223,7 @@ def _prepare_skeleton(skeleton: nn.Module, workspace: Workspace, cfg: Config,
             module = skeleton.get_submodule(unit.module)
             module._dsfunc_own_forward = module.__dict__.get("forward")
     checkpoint_units(skeleton, workspace.plan, remat)
-    compile_units(skeleton, workspace.plan, compile)
+    compile_forwards(skeleton, workspace.plan, compile, remat)
 
 
 def _restore_forwards(skeleton: nn.Module) -> None:
@@ -346,6 +347,9 @@ def _step_fn(options: CompileConfig, pipeline: Pipeline | None) -> Callable[...,
         if options.cuda_graph:
             raise NotSupportedError("compile.cuda_graph with pipeline parallelism is not supported by dsfunc "
                                     "(a schedule's point-to-point sends cannot be captured); turn one off")
+        if options.enabled and options.scope == "model":
+            raise NotSupportedError('compile.scope "model" with pipeline parallelism is not supported by dsfunc '
+                                    '(a stage is not the whole model); use compile.scope "units"')
         return pipeline.step_fn()
     step = make_train_step()
     return GraphedStep(step, before_step=check_min_scale, after_step=note_min_scale) if options.cuda_graph else step

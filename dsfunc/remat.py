@@ -59,11 +59,14 @@ def checkpoint(function: Callable[..., Any], *args: Any, options: ActivationChec
                **kwargs: Any) -> Any:
     """``function(*args, **kwargs)``, keeping only its inputs for backward and running it again there."""
     options = options or ActivationCheckpointingConfig(policy="units")
-    context_fn = _selective if options.policy == "selective" else _no_context
+    # torch's own default when not selective: a compiled forward accepts only it or dispatch modes
+    selective = {"context_fn": _selective} if options.policy == "selective" else {}
     on_cpu = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) \
         if options.cpu_checkpointing else contextlib.nullcontext()
-    with _boundary(options, function), on_cpu:
-        return torch_checkpoint(function, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    # entered only when asked: its host clock and syncs would break a graph that compiles this forward
+    bounded = options.synchronize_checkpoint_boundary or options.profile
+    with _boundary(options, function) if bounded else contextlib.nullcontext(), on_cpu:
+        return torch_checkpoint(function, *args, use_reentrant=False, **selective, **kwargs)
 
 
 def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -74,19 +77,14 @@ def _selective() -> tuple[Any, Any]:
     return create_selective_checkpoint_contexts(_policy)
 
 
-def _no_context() -> tuple[Any, Any]:
-    return contextlib.nullcontext(), contextlib.nullcontext()
-
-
 @contextlib.contextmanager
 def _boundary(options: ActivationCheckpointingConfig, function: Callable[..., Any]) -> Iterator[None]:
     """DeepSpeed's ``synchronize_checkpoint_boundary`` and ``profile`` around one checkpointed forward."""
-    sync = options.synchronize_checkpoint_boundary or options.profile
-    if sync and torch.cuda.is_available():
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
     yield
-    if sync and torch.cuda.is_available():
+    if torch.cuda.is_available():
         torch.cuda.synchronize()
     if options.profile:
         name = getattr(function, "__qualname__", type(function).__name__)

@@ -1,8 +1,8 @@
-"""The ``compile`` section: each unit's forward compiled with ``torch.compile`` (regional compilation).
+"""The ``compile`` section: each unit's forward, or the whole model's, compiled with ``torch.compile``.
 
 ``enabled``, ``backend`` and ``kwargs`` are the keys DeepSpeed documented for its torch.compile
-integration (``kwargs`` go to ``torch.compile``); ``cuda_graph`` is dsfunc's: the whole step captured
-once and replayed (:mod:`dsfunc.graphs`). DeepSpeed 0.19's DeepCompile keys are accepted only at their
+integration (``kwargs`` go to ``torch.compile``); ``scope`` and ``cuda_graph`` are dsfunc's: what is
+compiled (:mod:`dsfunc.compile`), and the whole step captured once and replayed (:mod:`dsfunc.graphs`). DeepSpeed 0.19's DeepCompile keys are accepted only at their
 defaults (dsfunc has no DeepCompile passes).
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dsfunc.config.checks import _bool, _only, _string
+from dsfunc.config.checks import _bool, _choice, _only, _string
 from dsfunc.config.deepspeed_keys import COMPILE_DEFAULTS
 from dsfunc.config.errors import _bad
 from dsfunc.config.schema import _key, _section
@@ -27,11 +27,16 @@ def _kwargs(value: Any, path: str) -> Mapping[str, Any]:
 
 @dataclass(frozen=True)
 class CompileConfig:
-    """``compile``: whether, and how, each unit's forward is compiled."""
+    """``compile``: whether, and how, the model's forward is compiled."""
 
     enabled: bool = _key(False, _bool)
-    """Compile each unit module's forward with torch.compile (regional compilation); the stage-3 gathers stay
-    outside the compiled code.
+    """Compile the forward with torch.compile, each unit's or the whole model's (``scope``)."""
+    scope: str = _key("units", _choice("units", "model"))
+    """A dsfunc key: what is compiled. "units": each unit module's forward (regional compilation, as torchtitan
+    does); the model's own code around them (embeddings, final norm, output projection, a loss the model
+    computes) runs eagerly, and ZeRO-3's gathers stay outside the compiled code. "model": the model's own
+    forward as one graph, loss inside when the model returns it, so the compiler fuses the head with the
+    loss (as torch.compile(model) does); not with ZeRO-3, whose gathers run inside that forward.
     """
     backend: str = _key("inductor", _string)
     """The torch.compile backend."""

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from dsfunc import checkpoint
-from dsfunc.compile import compile_units
+from dsfunc.compile import compile_forwards
 from dsfunc.config import parse_compile
 from dsfunc.data import DistributedLoader
 from dsfunc.deepspeed import direct, live_engines
@@ -184,18 +184,20 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
 
     def compile(self, backend: str | None = None, compile_kwargs: dict[str, Any] | None = None,
                 schedule: Any = None) -> None:
-        """DeepSpeed's ``engine.compile()``: compile each unit's forward, as the config's ``compile`` section
-        does (not ``nn.Module.compile``, which would compile the engine's own Python)."""
+        """DeepSpeed's ``engine.compile()``: compile each unit's forward, or the whole model's when the config
+        says ``compile.scope = "model"``, as the config's ``compile`` section does (not ``nn.Module.compile``,
+        which would compile the engine's own Python)."""
         if schedule is not None:
             raise NotSupportedError("engine.compile(schedule=...) (DeepSpeed's compiler, DeepCompile) is not "
                                     "implemented by dsfunc; engine.compile() compiles each unit's forward")
         if self.is_compiled:
             logger.warning("engine.compile(): the engine is already compiled; nothing to do")
             return
-        section = {"enabled": True, "kwargs": dict(compile_kwargs or {})}
+        section = {"enabled": True, "scope": self.config.compile.scope, "kwargs": dict(compile_kwargs or {})}
         if backend is not None:
             section["backend"] = backend
-        compile_units(self.module, self.state.program.plan, parse_compile(section))
+        compile_forwards(self.module, self.state.program.plan, parse_compile(section),
+                         self.config.activation_checkpointing)
         self._compiled = True
 
     @property

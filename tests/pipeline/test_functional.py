@@ -56,6 +56,11 @@ def test_a_batch_that_is_not_micro_batches_is_named(two_stages):
     assert "6 samples" in message and "gradient_accumulation_steps (4)" in message
 
 
+def test_a_stage_is_refused_the_whole_model_compile_scope(two_stages):
+    assert 'compile.scope "model" with pipeline parallelism' in two_stages[0]["whole_model_compile"]
+    assert 'use compile.scope "units"' in two_stages[1]["whole_model_compile"]
+
+
 def test_two_stages_by_two_replicas_at_zero_1_2_3_and_a_resumed_checkpoint(two_stages, folder):
     results = run_world(workers.two_by_two, 4, folder)
     for zero in (1, 2, 3):

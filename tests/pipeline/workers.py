@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dsfunc
-from dsfunc.errors import InputError
+from dsfunc.errors import InputError, NotSupportedError
 from dsfunc.pipeline import LayerSpec, StageModule, TiedLayerSpec
 
 VOCAB, DIM, SEQ, MICRO, GAS, STEPS = 16, 8, 5, 2, 4, 4
@@ -126,7 +126,7 @@ def resume(state: Any, folder: str, replicas: int, replica: int) -> list[float]:
 
 def two_stages(rank: int, world: int, folder: str) -> dict[str, Any]:
     """pp 2 on 2 ranks: 1F1B with clipping, GPipe from the config section, activation checkpointing, bf16,
-    a batch of the wrong size, and a checkpoint half way."""
+    a batch of the wrong size, a stage refused the whole-model compile scope, and a checkpoint half way."""
     out = {
         "ckpt": save_half_way(folder),
         "1f1b": train_pipelined(config(), PIPE, 1, 0),
@@ -141,6 +141,10 @@ def two_stages(rank: int, world: int, folder: str) -> dict[str, Any]:
         dsfunc.train_step(state, (tokens[:6], labels[:6]))
     except InputError as e:
         out["bad_batch"] = str(e)
+    try:
+        dsfunc.init_state(layers(), config(compile={"enabled": True, "scope": "model"}), loss_fn=loss_fn, pipeline=PIPE)
+    except NotSupportedError as e:
+        out["whole_model_compile"] = str(e)
     for case in out.values():
         if isinstance(case, dict):
             case.pop("state", None)
