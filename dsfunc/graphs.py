@@ -76,8 +76,7 @@ class GraphedStep:
 
     def _capture(self, state: TrainState, batch: Any) -> None:
         device = state.program.device
-        self.batch = optree.tree_map(lambda t: t.detach().to(device).clone() if isinstance(t, torch.Tensor)
-                                     else t, batch)
+        self.batch = optree.tree_map(lambda t: _static_copy(t, device) if isinstance(t, torch.Tensor) else t, batch)
         self.inputs, self.treedef = optree.tree_flatten(state)
         self.graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
@@ -108,6 +107,16 @@ class GraphedStep:
         self.inputs = optree.tree_leaves(new)
         self.after_step(new)
         return new
+
+
+def _static_copy(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The graph's own copy of a batch tensor, with ``t``'s strides where they do not overlap: a compiled forward
+    guards on its inputs' strides (``tokens[:, :-1]`` has a row stride one more than its width), so a
+    contiguous copy would make it compile anew inside the capture, which cannot be done."""
+    if any(stride == 0 and size > 1 for stride, size in zip(t.stride(), t.shape)):
+        return t.detach().to(device).clone()
+    static = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    return static.copy_(t.detach())
 
 
 def _why_not(state: TrainState, donate: bool) -> str | None:

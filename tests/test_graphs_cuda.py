@@ -49,3 +49,20 @@ def test_graphed_steps_equal_eager_steps(stage, precision):
     assert relative_diff(dsfunc.full_params(graphed), dsfunc.full_params(eager)) == 0.0
     if precision == "fp16":  # some replayed steps overflowed and were skipped (the first two run eagerly)
         assert any(skipped[2:]) and not all(skipped), skipped
+
+
+def test_a_graphed_step_of_the_whole_compiled_model_captures_on_strided_batches():
+    """The model scope's compiled forward guards on its inputs' strides: the graph's batch copy keeps them, so the
+    capture does not compile anew (which cannot be done inside a capture)."""
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_clipping": 1.0, "bf16": {"enabled": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    compiled = {"enabled": True, "scope": "model"}
+    eager = dsfunc.init_state(gpt(), cfg, compile=compiled)
+    graphed = dsfunc.init_state(gpt(), cfg, compile={**compiled, "cuda_graph": True})
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        tokens = torch.randint(0, 256, (8, 65), generator=g).cuda()
+        batch = (tokens[:, :-1], tokens[:, 1:])  # row stride 65, width 64
+        eager, graphed = dsfunc.train_step(eager, batch), dsfunc.train_step(graphed, batch)
+        torch.testing.assert_close(graphed.metrics.loss, eager.metrics.loss, rtol=1e-3, atol=1e-3)
+    assert graphed.program.step_fn.graph is not None
