@@ -8,8 +8,8 @@ outside), with ``torch.utils.checkpoint`` in its non-reentrant form:
   freed again once its gradient is reduced;
 * dropout draws the same masks in the recomputation (the checkpoint restores the RNG state of the
   forward), so a checkpointed run trains bit for bit like one without, and resumes bit for bit;
-* the ``"selective"`` policy saves the outputs of matmuls and attention and recomputes the rest
-  (elementwise ops, norms), the usual trade of a little memory for most of the recompute time;
+* the ``"selective"`` policy saves the outputs of matmuls and attention (without dropout) and recomputes the
+  rest (elementwise ops, norms), the usual trade of a little memory for most of the recompute time;
 * ``cpu_checkpointing`` keeps what is saved in pinned host memory (``torch.autograd.graph.save_on_cpu``).
 
 The same wrapper serves ``deepspeed.checkpointing.checkpoint(fn, *args)`` (:func:`checkpoint`).
@@ -70,7 +70,20 @@ def checkpoint(function: Callable[..., Any], *args: Any, options: ActivationChec
 
 
 def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """Save the matmuls' and attention's outputs, but not an attention that draws dropout: a saved op is not run
+    again in the recomputation, so it would not advance the RNG as the forward did, and every dropout after it
+    would draw other masks than the forward's (wrong gradients: seen with CUDA's fused attention)."""
+    if op not in _SAVED_OPS or _dropout_p(op, args, kwargs) > 0.0:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
+
+
+def _dropout_p(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> float:
+    names = [a.name for a in op._schema.arguments]
+    if "dropout_p" not in names:
+        return 0.0
+    i = names.index("dropout_p")
+    return float(args[i] if i < len(args) else kwargs.get("dropout_p", 0.0))
 
 
 def _selective() -> tuple[Any, Any]:

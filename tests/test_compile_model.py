@@ -38,7 +38,9 @@ def train(stage: int, section: dict | None, remat: str = "none", steps: int = 4)
     GRAPHS.clear()
     cfg = config(stage, 1, section)
     cfg["activation_checkpointing"] = {"policy": remat}
-    state = dsfunc.init_state(gpt(), cfg, seed=5)
+    # On CPU: on CUDA a compiled checkpointed forward draws its dropout from torch's functionalized (philox) RNG,
+    # other masks than the eager step's, so only the CPU run can be compared bit for bit
+    state = dsfunc.init_state(gpt(), cfg, seed=5, device="cpu")
     graphs = []
     for batch in batches(0, 1)[:steps]:
         state = dsfunc.train_step(state, batch)

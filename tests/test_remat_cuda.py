@@ -40,3 +40,20 @@ def test_checkpointing_every_unit_keeps_at_most_a_third_of_the_activations():
     print(f"activation peak GiB: none {none:.2f}, selective {selective:.2f}, units {units:.2f}")
     assert units <= none / 3, (none, units)
     assert units < selective < none, (none, selective, units)
+
+
+@pytest.mark.parametrize("policy", ["units", "selective"])
+def test_checkpointed_dropout_gradients_equal_the_unchecked_ones_with_fused_attention(policy):
+    """CUDA's fused attention draws its dropout from the generator: the selective policy must not save it (a saved
+    op is not rerun, so the dropouts after it would draw other masks in the recomputation)."""
+    from tests.test_compile import batches, config, gpt
+
+    def first_step(remat: str):
+        cfg = {**config(0, 1, None), "gradient_accumulation_steps": 1, "activation_checkpointing": {"policy": remat}}
+        state = dsfunc.init_state(gpt(dropout=0.1), cfg, seed=5)
+        tokens, targets = batches(0, 1)[0]
+        return dsfunc.train_step(state, (tokens[:2], targets[:2])).metrics
+
+    plain, checkpointed = first_step("none"), first_step(policy)
+    assert torch.equal(checkpointed.loss, plain.loss)
+    assert torch.equal(checkpointed.grad_norm, plain.grad_norm)
