@@ -1,13 +1,23 @@
 """Every test starts without a process group: ``deepspeed.initialize`` and ``zero.Init`` form a one-process
 group in a process no launcher started (as DeepSpeed's do), which would otherwise outlive the test that
-made it and change what later tests in the same worker see."""
+made it and change what later tests in the same worker see.
+
+Tests that compute in the pytest process use one intra-op thread, as every rank of tests/multiprocess.py does:
+the suite runs two workers on two cores beside the ranks they start, and OpenMP threads spinning for a core
+made such a test 10x slower (the README's quickstart: 34 s beside a notebook, 2.5 s on one thread). A test
+about thread counts sets its own."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

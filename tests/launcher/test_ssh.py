@@ -53,11 +53,15 @@ def job(tmp_path: Path, sshd: Sshd):
     return tmp_path, out, cli_env(home), base
 
 
-def test_world_of_four_over_ssh_with_env_file(job):
+def test_world_of_four_over_ssh_with_env_file_and_venv_script(job):
+    """One launch (each costs tens of seconds here) checks the world, the env file, the forwarded variables
+    and the --venv_script sourced on every node."""
     cwd, out, env, base = job
     (cwd / ".deepspeed_env").write_text("DSFUNC_TEST_VAR=from env file\n")
     env["UCX_TEST_VAR"] = "forwarded"
-    res = run_dsfunc([*base, REPORT, str(out)], cwd, env)
+    script = cwd / "activate"
+    script.write_text("export DSFUNC_TEST_VENV=sourced\n")
+    res = run_dsfunc([*base, "--venv_script", str(script), REPORT, str(out)], cwd, env)
     assert res.returncode == 0, res.stderr
     ranks = reports(out)
     assert sorted(ranks) == [0, 1, 2, 3]
@@ -67,6 +71,7 @@ def test_world_of_four_over_ssh_with_env_file(job):
         assert (e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["WORLD_SIZE"]) == (str(rank % 2), "2", "4")
         assert r["argv"][0] == f"--local_rank={rank % 2}"
         assert e["DSFUNC_TEST_VAR"] == "from env file" and e["UCX_TEST_VAR"] == "forwarded"
+        assert e["DSFUNC_TEST_VENV"] == "sourced"
         assert e["PYTHONPATH"].split(":")[0] == str(cwd)
     assert "Error waiting on exit barrier" not in res.stderr
 
@@ -155,12 +160,3 @@ def test_pdsh_runner_world_and_failure(job, sshd):
     assert "dsfunc: node node-a exited with code 1; stopping every node" in res.stderr
     assert not wait_gone(str(SCRIPTS / "fail.py"))
 
-
-def test_venv_script_is_sourced_on_every_node(job):
-    cwd, out, env, base = job
-    script = cwd / "activate"
-    script.write_text("export DSFUNC_TEST_VENV=sourced\n")
-    res = run_dsfunc([*base, "--venv_script", str(script), REPORT, str(out)], cwd, env)
-    assert res.returncode == 0, res.stderr
-    ranks = reports(out)
-    assert sorted(ranks) == [0, 1, 2, 3] and all(r["env"]["DSFUNC_TEST_VENV"] == "sourced" for r in ranks.values())

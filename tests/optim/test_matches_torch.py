@@ -78,7 +78,7 @@ def torch_adamw() -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in net.state_dict().items()}
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 4])  # 4 ranks shard at stages 1-3; 2 would add no case
 def test_adamw_equals_torch_adamw_to_float32_rounding(world):
     """Before the bias corrections were computed in float64, every run was ~6e-6 off (1 - 0.999 in float32)."""
     reference = torch_adamw()
