@@ -189,7 +189,8 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         which would compile the engine's own Python)."""
         if schedule is not None:
             raise NotSupportedError("engine.compile(schedule=...) (DeepSpeed's compiler, DeepCompile) is not "
-                                    "implemented by dsfunc; engine.compile() compiles each unit's forward")
+                                    "implemented by dsfunc; engine.compile() compiles each unit's forward, or the "
+                                    'whole model\'s with compile.scope "model"')
         if self.is_compiled:
             logger.warning("engine.compile(): the engine is already compiled; nothing to do")
             return

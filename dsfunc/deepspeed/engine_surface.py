@@ -42,7 +42,8 @@ def _refused_attribute(name: str, feature: str, hint: str = "") -> property:
 
 
 _REDUCTION = "DeepSpeed's hand-driven gradient reduction", "dsfunc reduces a step's gradients in engine.step()"
-_COMPILE = "DeepSpeed's compiler passes (DeepCompile, AutoTP, AutoSP)", "engine.compile() compiles each unit"
+_COMPILE = ("DeepSpeed's compiler passes (DeepCompile, AutoTP, AutoSP)",
+            'engine.compile() compiles each unit, or the whole model (compile.scope "model")')
 
 # method -> (the feature, what to do instead)
 NOT_SUPPORTED = {
