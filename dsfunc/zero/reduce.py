@@ -66,6 +66,8 @@ def _accumulate(sums: dict[str, torch.Tensor], name: str, grad: torch.Tensor, *,
 class LocalReducer:
     """This process's gradients, summed in fp32 over micro-batches (one micro-batch's kept as is if ``narrow``)."""
 
+    streams = False  # nothing to start while backward runs: the gradients may come after it
+
     def __init__(self, plan: ShardingPlan, *, narrow: bool = False) -> None:
         self.plan = plan
         self.narrow = narrow
@@ -94,6 +96,9 @@ class ZeroReducer:
                  narrow: bool = False) -> None:
         self.plan = plan
         self.sink = sink
+        # whether a gradient should come as soon as backward makes it: its collective, or its copy to the host,
+        # then runs beside the rest of backward (on one rank without a sink they may come after it)
+        self.streams = plan.world_size > 1 or sink is not None
         self.fetch = fetch or (lambda _unit, t: t.to(device, torch.float32, non_blocking=True))
         self.narrow = narrow or sink is not None  # a gradient kept in its exact dtype (a sunk one always is)
         self.comm_dtype = comm_dtype
@@ -145,9 +150,11 @@ class ZeroReducer:
     def finish(self) -> Grads:
         """This rank's reduced gradients by unit (each in its :func:`grad_dtype`), after the last micro-batch."""
         self._drain()
-        grads: Grads = {**self._grads, **self._sunk}
+        got = {**self._grads, **self._sunk}
         self._grads, self._sunk = {}, {}
-        return grads
+        # in the plan's order, not the order they came in: the norm sums them in this order, and it must not
+        # depend on whether they came as backward made them or after it
+        return {u.name: got[u.name] for u in self.plan.units if u.name in got}
 
     def _store(self, unit: Unit, reduced: torch.Tensor, last: bool, exact: torch.dtype) -> None:
         prev = self._grads.pop(unit.name, None)

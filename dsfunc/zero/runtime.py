@@ -33,6 +33,14 @@ the mean loss (``nan`` when no loss of the step was seen). Under fp16 the loss m
 loss scale before its backward (:meth:`MicroBatchRuntime.scale`), so a direct ``loss.backward()`` of an
 unscaled loss is an error then.
 
+[Note: gradients as they come] Where the reducer wants each unit's gradient as backward makes it (its
+collective, or its copy to the host, then runs beside the rest of backward: ``Reducer.streams``), a unit is
+gathered lazily (freed once its gradient is taken), or the loss is scaled (fp16: a script's own backward of an
+unscaled loss is refused as it runs), each leaf gets a post-accumulate-grad hook. Otherwise (one rank, nothing
+offloaded, bf16 or fp32) the gradients are taken from the leaves once backward returns, or, after a backward
+the script ran itself, the next time the runtime is asked about the micro-batch: a Python hook runs on the
+autograd engine's thread, about 40 us a unit on an H200's host, against a few for reading ``leaf.grad``.
+
 [Note: lazy binding at stage 3] Units whose compute copy is gathered on demand are bound by the module
 hooks (:mod:`dsfunc.zero.hooks`) just before the unit's forward and freed after it; a hook on the
 unit's outputs re-gathers it before its backward and prefetches the unit that ran before it.
@@ -74,6 +82,8 @@ class Phase(enum.Enum):
 class Reducer(Protocol):
     """What the runtime hands gradients to (:mod:`dsfunc.zero.reduce`)."""
 
+    streams: bool  # it wants each unit's gradient as backward makes it (see [Note: gradients as they come])
+
     def add(self, unit: Unit, grad: torch.Tensor, *, last: bool) -> None: ...
     def end_micro(self, *, last: bool) -> None: ...
     def finish(self) -> Grads: ...
@@ -92,9 +102,13 @@ class MicroBatchRuntime:
         self.phase = Phase.IDLE
         self.micro: tuple[int, int] = (0, 1)
         self.leaves: list[torch.Tensor] = []  # every autograd leaf bound in this micro-batch
+        self._leaf_units: list[Unit] = []  # the unit of each leaf
+        # see [Note: gradients as they come]
+        scaler = self.program.scaler
+        self._streaming = (reducer.streams or any(self.workspace.lazy(u) for u in self.program.plan.units)
+                           or scaler.dynamic or scaler.init_scale != 1.0)
         self._bound = False
         self._grad_binding = True  # False while an evaluation is bound: views without leaves
-        self._leaf_of: dict[str, torch.Tensor] = {}
         self._views: dict[str, list[torch.Tensor]] = {}
         self._order: list[str] = []  # lazy units in the order this micro-batch's forwards ran them
         self._write_back: Callable[[], None] | None = None
@@ -191,6 +205,7 @@ class MicroBatchRuntime:
         _BACKWARDS_RUNNING[0] += 1
         try:
             yield
+            self._collect()
         except BaseException:
             self._unbind()
             self._end_micro()
@@ -219,27 +234,31 @@ class MicroBatchRuntime:
     def end(self) -> None:
         """Let the reducer finish this micro-batch: units no loss reached still join the collectives.
         A forward after the last backward is dropped."""
+        self._collect()
         if self._backwards == 0:
             self._expect(Phase.BACKWARD, "end")
         self._end_micro()
 
     def drop_forward(self) -> None:
         """Drop the forwards since the last backward (unbound on this rank; nothing reaches the reducer)."""
+        self._collect()  # a backward the script ran itself is not dropped with them
         if self._bound:
             self._unbind()
         if self.phase is Phase.FORWARD:
             self.phase = Phase.BACKWARD if self._backwards else Phase.IDLE
             if self.phase is Phase.IDLE:
-                self._forwards, self.leaves, self._order = 0, [], []
+                self._forwards, self.leaves, self._leaf_units, self._order = 0, [], [], []
 
     @property
     def micro_backwards(self) -> int:
         """Backwards (the runtime's and the script's own) in the current micro-batch."""
+        self._collect()
         return self._backwards
 
     @property
     def has_gradients(self) -> bool:
         """True once a backward reached this optimizer step (its gradients would be lost by dropping it)."""
+        self._collect()
         return self._backwards > 0 or self._micros_ended > 0
 
     def finish(self) -> tuple[torch.Tensor, Grads]:
@@ -288,7 +307,7 @@ class MicroBatchRuntime:
         self._grad_binding = grad
         self._bound = True
         self.workspace.active = self
-        self._leaf_of, self._views = {}, {}
+        self._views = {}
         for unit in self.program.plan.units:
             if not self.workspace.lazy(unit):
                 self._bind_unit(unit)
@@ -299,13 +318,14 @@ class MicroBatchRuntime:
         self.program.slots.restore(self.state.buffers)
         self.workspace.active = None
         self._bound = False
-        self._leaf_of, self._views = {}, {}
+        self._views = {}
         self.workspace.release_all()
         if self._write_back is not None:
             self._write_back()
             self._write_back = None
 
     def _end_micro(self) -> None:
+        self._collect()  # what a backward the script ran itself left in the leaves
         if self._bound:
             self._unbind()
         index, count = self.micro
@@ -316,7 +336,7 @@ class MicroBatchRuntime:
         self._micros_ended += 1
         self._micro_loss, self._forwards, self._backwards, self._prescaled = None, 0, 0, False
         self._micro_losses = 0
-        self.leaves, self._order = [], []
+        self.leaves, self._leaf_units, self._order = [], [], []
         self.phase = Phase.IDLE
 
     def _bind_unit(self, unit: Unit) -> None:
@@ -328,13 +348,21 @@ class MicroBatchRuntime:
         flat = self.workspace.ensure(unit, self.state.params)
         if self._grad_binding:
             flat = flat.detach().requires_grad_()
-            me = weakref.ref(self)  # weak: a cycle leaf -> hook -> runtime -> leaf would keep whole states alive
-            flat.register_post_accumulate_grad_hook(lambda t, u=unit: me()._on_grad(u, t))
-            self._leaf_of[unit.name] = flat
+            if self._streaming:
+                me = weakref.ref(self)  # weak: a cycle leaf -> hook -> runtime -> leaf would keep whole states alive
+                flat.register_post_accumulate_grad_hook(lambda t, u=unit: me()._on_grad(u, t))
             self.leaves.append(flat)
+            self._leaf_units.append(unit)
         views = unit_views(unit, flat)
         self._views[unit.name] = views
         self.program.slots.bind_unit(unit.name, views)
+
+    def _collect(self) -> None:
+        """Hand the reducer the gradients left in the leaves (when it does not take them as they come)."""
+        if not self._streaming:
+            for unit, leaf in zip(self._leaf_units, self.leaves):
+                if leaf.grad is not None:
+                    self._on_grad(unit, leaf)
 
     def _on_grad(self, unit: Unit, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
