@@ -150,11 +150,9 @@ class ZeroReducer:
     def finish(self) -> Grads:
         """This rank's reduced gradients by unit (each in its :func:`grad_dtype`), after the last micro-batch."""
         self._drain()
-        got = {**self._grads, **self._sunk}
+        grads: Grads = {**self._grads, **self._sunk}
         self._grads, self._sunk = {}, {}
-        # in the plan's order, not the order they came in: the norm sums them in this order, and it must not
-        # depend on whether they came as backward made them or after it
-        return {u.name: got[u.name] for u in self.plan.units if u.name in got}
+        return grads
 
     def _store(self, unit: Unit, reduced: torch.Tensor, last: bool, exact: torch.dtype) -> None:
         prev = self._grads.pop(unit.name, None)

@@ -358,9 +358,11 @@ class MicroBatchRuntime:
         self.program.slots.bind_unit(unit.name, views)
 
     def _collect(self) -> None:
-        """Hand the reducer the gradients left in the leaves (when it does not take them as they come)."""
+        """Hand the reducer the gradients left in the leaves (when it does not take them as they come), last bound
+        first: the order backward finishes a chain of units in, which hooks would have given. The reducer keeps
+        that order, and the norm sums in it, so a run trains bit for bit the same either way."""
         if not self._streaming:
-            for unit, leaf in zip(self._leaf_units, self.leaves):
+            for unit, leaf in zip(reversed(self._leaf_units), reversed(self.leaves)):
                 if leaf.grad is not None:
                     self._on_grad(unit, leaf)
 
