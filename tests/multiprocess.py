@@ -19,6 +19,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def leave_together() -> None:
+    """End a torchrun script's ranks together: every rank done before any leaves, then the process group's threads
+    joined. Left to the interpreter's exit, a rank whose peer had gone could abort in gloo's teardown ("terminate
+    called without an active exception") after all its work, failing the run."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 # imported once by the forkserver that every gloo rank forks from, instead of by each rank (~2.4 s of CPU a rank
 # on this 2-core machine, most of the cost of a small multi-process test)
 PRELOAD = ["torch", "torch.distributed", "optree", "dsfunc", "tests.models", "tests.multiprocess"]

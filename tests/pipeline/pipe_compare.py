@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.multiprocess import leave_together
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--backend", choices=["deepspeed", "dsfunc"], required=True)
 parser.add_argument("--steps", type=int, default=6)
@@ -96,3 +98,4 @@ torch.save({"losses": losses, "params": params, "stage": engine.stage_id, "eval"
             "first": engine.is_first_stage(), "last": engine.is_last_stage()},
            f"{args.out}.{args.backend}.rank{rank}.pt")
 print(f"{args.backend} rank {rank}: losses {losses}", flush=True)
+leave_together()

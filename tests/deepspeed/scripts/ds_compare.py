@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.multiprocess import leave_together
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--backend", choices=["deepspeed", "dsfunc"], required=True)
 parser.add_argument("--stages", default="0,1,2,3")
@@ -73,3 +75,4 @@ results = {int(s): train(int(s)) for s in args.stages.split(",")}
 torch.save(results, f"{args.out}.{args.backend}.rank{rank}.pt")
 if rank == 0:
     print(f"{args.backend}: stages {sorted(results)} done", flush=True)
+leave_together()
