@@ -168,11 +168,11 @@ def _update_context(program: Program, scale: torch.Tensor, grad_norm: torch.Tens
                              segment_norm=program.segment_norm)
 
     workspace, pending = program.workspace, offload.pending
-    staging = {u.name: offload.staging(u) for u in program.plan.units}
-    host_lowp = {name: buf for name, buf in staging.items() if buf is not None}
+    host_lowp = offload.staging_map()  # each unit's buffer taken as the update reaches it
 
     def updated(name: str, master: torch.Tensor) -> None:
-        if workspace.send_updated(name, master, staged=name in host_lowp):
+        # a skipped update writes nothing, its staging slot included: the unchanged master is cast into it
+        if workspace.send_updated(name, master, staged=name in host_lowp and not skipped):
             sent.add(name)
         if name in background:
             pending.unit_done(name)
@@ -190,6 +190,7 @@ def _update_context(program: Program, scale: torch.Tensor, grad_norm: torch.Tens
             pending.add(later, work)
 
     scale, grad_norm, finite = (t.to(offload.device) for t in (scale, grad_norm, finite))
+    skipped = not bool(finite)
     return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=host_lowp,
                          segment_norm=program.segment_norm, host=True, updated=updated,
                          schedule=schedule)

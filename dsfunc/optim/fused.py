@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -137,6 +137,20 @@ def _host_update(names: list[str], *, params: Mapping[str, torch.Tensor], grads:
         [params[n] for n in names], [grads[n] for n in names], [adam.mu[n] for n in names],
         [adam.nu[n] for n in names], grad_scale=grad_scale, lr=lr, step=step, skip=skip, beta1=group.beta1,
         beta2=group.beta2, eps=group.eps, weight_decay=group.weight_decay, adam_w_mode=group.adam_w_mode,
-        bias_correction=group.bias_correction, lowp=[ctx.lowp.get(n) for n in names],
+        bias_correction=group.bias_correction, lowp=_JustInTime(ctx.lowp, names),
         done=None if ctx.updated is None else lambda i: ctx.updated(names[i], params[names[i]]),
     )
+
+
+class _JustInTime(Sequence):
+    """``lowp[names[i]]`` (or None), read when the host Adam reaches unit i: offload's staging buffers are a few
+    slots reused in turn (:meth:`dsfunc.zero.offload.HostOffload.staging_map`), taken one unit at a time."""
+
+    def __init__(self, lowp: Mapping[str, torch.Tensor], names: list[str]) -> None:
+        self._lowp, self._names = lowp, names
+
+    def __getitem__(self, i: int) -> torch.Tensor | None:
+        return self._lowp.get(self._names[i])
+
+    def __len__(self) -> int:
+        return len(self._names)

@@ -22,7 +22,10 @@ A :class:`HostOffload` owns the host side of that traffic:
   copied to the device (:meth:`HostOffload.stage`, :meth:`HostOffload.send`), half the bytes of the fp32
   master, unit by unit as the host update writes them (:meth:`dsfunc.zero.gather.Workspace.send_updated`),
   so a unit's cast and copy overlap the update of the next. With ``offload_param`` at stage 3
-  that host copy is the only one between gathers: each gather streams it host to device.
+  that host copy is the only one between gathers: each gather streams it host to device, so every unit keeps
+  one. Otherwise the device keeps the shard and the host copy is only a way station: a few buffers of the
+  largest shard's size (:attr:`HostOffload.staging_slots`) are reused in turn, once the copy out of each has
+  landed, instead of one per unit (2 bytes a parameter less host memory in bf16).
 
 Only the buffers that take part in copies with the GPU are pinned (the masters and moments are read by
 the host alone), and they are pinned at their exact size with ``cudaHostRegister``: torch's pinned
@@ -37,8 +40,9 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -93,6 +97,7 @@ class HostOffload:
     """The host buffers of a run with the optimizer offloaded, reused every step."""
 
     copies_in_flight = 2  # units' gradient copies to the host queued on the copy stream beside backward
+    staging_slots = 3  # host buffers the new 16-bit shards pass through when the device keeps them
 
     def __init__(self, plan: ShardingPlan, *, compute_device: torch.device, compute_dtype: torch.dtype,
                  pin_memory: bool, params: bool, grad_bytes: int = 4) -> None:
@@ -108,6 +113,13 @@ class HostOffload:
         self._lowp: dict[str, torch.Tensor] = {}  # unit -> compute-dtype parameter shard (host, 16-bit only)
         self._sumsq: dict[str, torch.Tensor] = {}  # unit -> sum of squares of its gradient (device)
         self._sent: dict[str, torch.cuda.Event] = {}  # unit -> after the last copy out of its staged shard
+        self._slots: list[torch.Tensor] = []  # without offload_param: the staging buffers, reused in turn
+        self._owners: list[str | None] = []  # the unit whose shard each slot holds
+        self._slot_of: dict[str, int] = {}  # unit -> the slot holding its shard
+        self._unsent: set[str] = set()  # units staged in a slot whose copy to the device is not yet started
+        self._next_slot = 0
+        self._largest = 0  # elements of the largest shard: every slot's size
+        self._slot_lock = threading.Lock()  # the background update and the main thread both stage
         self.pending = PendingUpdate(compute_device)  # the update of lazy units, in the background
         # offload_param on a GPU: the stream that gathers copy host shards in on, beside the compute stream
         self.transfer = torch.cuda.Stream(compute_device) if params and compute_device.type == "cuda" else None
@@ -224,16 +236,60 @@ class HostOffload:
     # -- parameters back ----------------------------------------------------------------------------
     def staging(self, unit: Unit) -> torch.Tensor | None:
         """``unit``'s host buffer for its compute-dtype shard, once no copy out of it is in flight (None when
-        the compute dtype is fp32: the master itself is sent)."""
+        the compute dtype is fp32: the master itself is sent). Without ``offload_param`` it is the next staging
+        slot, which holds the shard until :attr:`staging_slots` more units have been staged."""
         if self.compute_dtype not in _LOWP:
             return None
+        if not self.params:
+            return self._take_slot(unit)
         buf = self._lowp.get(unit.name)
         if buf is None:
             buf = self._lowp[unit.name] = self.empty(self.plan.shard_size(unit), self.compute_dtype)
-        sent = self._sent.pop(unit.name, None)
+        self._wait_sent(unit.name)
+        return buf
+
+    def _take_slot(self, unit: Unit) -> torch.Tensor:
+        """The slot ``unit`` holds (staged again: a skipped update's cast) or the next one whose shard has gone."""
+        with self._slot_lock:
+            i = self._slot_of.get(unit.name)
+            if i is None:
+                i = self._free_slot()
+                before, self._owners[i] = self._owners[i], unit.name
+                if before is not None:
+                    self._wait_sent(before)
+                    del self._lowp[before], self._slot_of[before]
+                self._slot_of[unit.name] = i
+            else:
+                self._wait_sent(unit.name)
+            self._unsent.add(unit.name)
+            buf = self._lowp[unit.name] = self._slots[i][: self.plan.shard_size(unit)]
+            return buf
+
+    def _free_slot(self) -> int:
+        """A new slot until there are :attr:`staging_slots`, then the next in turn that holds no shard still to be
+        sent (a new one if every slot does: never met by a step, which sends each unit before staging the next)."""
+        if not self._slots:
+            self._largest = max(self.plan.shard_size(u) for u in self.plan.units)
+        count = len(self._slots)
+        if count >= self.staging_slots:
+            for k in range(count):
+                i = (self._next_slot + k) % count
+                if self._owners[i] not in self._unsent:
+                    self._next_slot = (i + 1) % count
+                    return i
+        self._slots.append(self.empty(self._largest, self.compute_dtype))
+        self._owners.append(None)
+        return count
+
+    def _wait_sent(self, name: str) -> None:
+        sent = self._sent.pop(name, None)
         if sent is not None:
             sent.synchronize()
-        return buf
+
+    def staging_map(self) -> Mapping[str, torch.Tensor]:
+        """The units' staging buffers as a mapping whose reads stage (:meth:`staging`), each unit's when first
+        read: the update asks for a unit's just before writing it, so a few slots serve every unit."""
+        return _StagingMap(self)
 
     @torch.no_grad()
     def stage(self, unit: Unit, src: torch.Tensor) -> torch.Tensor:
@@ -244,7 +300,13 @@ class HostOffload:
 
     def staged(self, unit: Unit, master: torch.Tensor) -> torch.Tensor:
         """What :meth:`stage` (or the update) last wrote for ``unit`` from its ``master`` shard."""
-        return self._lowp[unit.name] if self.compute_dtype in _LOWP else master
+        if self.compute_dtype not in _LOWP:
+            return master
+        staged = self._lowp.get(unit.name)
+        if staged is None:
+            raise RuntimeError(f"unit {unit.name!r}'s staging slot was taken by another unit before its shard was "
+                               "sent (a dsfunc bug: please report it)")
+        return staged
 
     def send(self, unit: Unit, host: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """A device copy of ``unit``'s staged shard, into ``out`` or a new tensor (non-blocking from pinned
@@ -255,10 +317,42 @@ class HostOffload:
         if out.is_cuda:
             sent = self._sent[unit.name] = torch.cuda.Event()
             sent.record(torch.cuda.current_stream(self.compute_device))
+        with self._slot_lock:
+            self._unsent.discard(unit.name)
         return out
 
     def host_bytes(self) -> int:
         """Host bytes of the buffers besides the masters and optimizer state: gradient and parameter shards."""
-        shard = sum(self.plan.shard_size(u) for u in self.plan.units)
+        shards = [self.plan.shard_size(u) for u in self.plan.units]
         lowp = torch.empty((), dtype=self.compute_dtype).element_size() if self.compute_dtype in _LOWP else 0
-        return shard * (self.grad_bytes + lowp)
+        staged = sum(shards) if self.params else max(shards) * min(self.staging_slots, len(shards))
+        return sum(shards) * self.grad_bytes + staged * lowp
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The host buffers held now besides the masters and optimizer state (what :meth:`host_bytes` counts)."""
+        return [*self._grads.values(), *(self._lowp.values() if self.params else self._slots)]
+
+
+class _StagingMap(Mapping):
+    """:meth:`HostOffload.staging_map`: each unit's staging buffer, taken when first read."""
+
+    def __init__(self, host: HostOffload) -> None:
+        self._host = host
+        self._names = [u.name for u in host.plan.units] if host.compute_dtype in _LOWP else []
+        self._taken: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._taken:
+            if name not in self._names:
+                raise KeyError(name)
+            self._taken[name] = self._host.staging(self._host.plan.unit(name))
+        return self._taken[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names

@@ -72,7 +72,7 @@ def run(cfg: GPTConfig, stage: int, offload: bool, precision: str | None, steps:
         "pinned_masters": any(p.is_pinned() for p in state.params.values()),
     }
     if state.program.offload is not None:
-        buffers = [*state.program.offload._grads.values(), *state.program.offload._lowp.values()]
+        buffers = state.program.offload.buffers()
         out["buffers_pinned"] = bool(buffers) and all(b.is_pinned() for b in buffers)
         out["grad_dtypes"] = {g.dtype for g in state.program.offload._grads.values()}
     del state
