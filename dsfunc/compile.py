@@ -63,10 +63,11 @@ def _check_whole_model(plan: ShardingPlan, remat: ActivationCheckpointingConfig)
             "unit's parameters in module hooks inside the model's forward, which one compiled graph cannot hold. "
             'Use compile.scope "units" (each unit compiled, the gathers between them), or ZeRO stage 0-2.'
         )
-    host = [k for k in ("cpu_checkpointing", "synchronize_checkpoint_boundary", "profile") if getattr(remat, k)]
-    if remat.policy != "none" and host:
+    host = remat.host_work()
+    if host:
         raise ConfigError(
             f'compile.scope = "model" is invalid with activation_checkpointing.{host[0]} = true: it runs host work '
             "(a host copy, a device sync, a timer) around each checkpointed unit, which one compiled graph cannot "
-            f'hold. Turn activation_checkpointing.{host[0]} off, or use compile.scope "units".'
+            f'hold. Turn activation_checkpointing.{host[0]} off, or use compile.scope "units" (each unit compiled, '
+            "the host work around it)."
         )

@@ -222,8 +222,14 @@ def _prepare_skeleton(skeleton: nn.Module, workspace: Workspace, cfg: Config,
         if unit.module is not None:
             module = skeleton.get_submodule(unit.module)
             module._dsfunc_own_forward = module.__dict__.get("forward")
-    checkpoint_units(skeleton, workspace.plan, remat)
-    compile_forwards(skeleton, workspace.plan, compile, remat)
+    if compile.scope == "units" and remat.host_work():
+        # the checkpoint's host work (a host copy, a sync, a clock) around each compiled unit, not inside its
+        # graph: there dynamo would give up on the unit and run it eagerly, silently
+        compile_forwards(skeleton, workspace.plan, compile, remat)
+        checkpoint_units(skeleton, workspace.plan, remat)
+    else:
+        checkpoint_units(skeleton, workspace.plan, remat)
+        compile_forwards(skeleton, workspace.plan, compile, remat)
 
 
 def _restore_forwards(skeleton: nn.Module) -> None:

@@ -78,6 +78,27 @@ def test_compiled_units_train_like_eager_and_compile_once(world, stages, precisi
             assert graphs[0] >= 1 and graphs[-1] == graphs[0], (stage, graphs)  # nothing compiles after step 1
 
 
+@pytest.mark.parametrize("host_work", ["cpu_checkpointing", "synchronize_checkpoint_boundary", "profile"])
+def test_checkpoint_host_work_stays_outside_the_compiled_units(host_work):
+    """Checkpointing's host work (a host copy of what is saved, a sync, a clock) wraps each compiled unit from
+    outside: inside its graph dynamo gave up on every unit and ran it eagerly, and said nothing."""
+    from torch._dynamo.utils import counters
+
+    out = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        cfg = config(0, 1, {"enabled": True, "backend": "aot_eager"} if compiled else None)
+        cfg["activation_checkpointing"] = {"policy": "units", host_work: True}
+        state = dsfunc.init_state(gpt(), cfg, seed=5)
+        for batch in batches(0, 1)[:3]:
+            state = dsfunc.train_step(state, batch)
+        out[compiled] = dsfunc.full_params(state)
+        if compiled:
+            assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
+    assert relative_diff(out[True], out[False]) < 1e-5
+
+
 def test_inductor_forward_matches_eager_and_a_new_shape_recompiles_once(caplog):
     from torch._dynamo.utils import counters
 

@@ -51,6 +51,11 @@ class ActivationCheckpointingConfig:
     which dsfunc refuses.
     """
 
+    def host_work(self) -> list[str]:
+        """The options set that run host work around each checkpointed forward (none without checkpointing)."""
+        options = ("cpu_checkpointing", "synchronize_checkpoint_boundary", "profile")
+        return [k for k in options if getattr(self, k)] if self.policy != "none" else []
+
     def checkpoints(self, index: int) -> bool:
         """Whether the ``index``-th unit module (0-based, in model order) is checkpointed."""
         return self.policy != "none" and index % self.every == 0
