@@ -62,6 +62,12 @@ class LossScaler:
     min_scale: float = 1.0
     raise_error_at_min_scale: bool = True
 
+    @property
+    def unscaled(self) -> bool:
+        """The scale is 1 for good (bf16, fp32, or a static fp16 scale of 1): multiplying or dividing by it can
+        be skipped, bit for bit."""
+        return not self.dynamic and self.init_scale == 1.0
+
     def __post_init__(self) -> None:
         if not (math.isfinite(self.init_scale) and self.init_scale > 0):
             raise InputError(f"loss scale must be a finite number > 0, got {self.init_scale!r}")

@@ -133,7 +133,7 @@ def apply_gradients(
         sumsq, loss = global_norm_and_loss(program.plan, grads, loss, sumsq=sumsq)
     scale = state.scaler.scale
     finite = sumsq < math.inf  # a sum of squares is >= 0, inf or nan: isfinite's answer in one op, not four
-    grad_norm = sumsq.sqrt() / scale
+    grad_norm = sumsq.sqrt() if program.scaler.unscaled else sumsq.sqrt() / scale
 
     update = ChainUpdate(optimizer) if optimizer is not None else program.update
     lowp = program.workspace.lowp_targets() if update.writes_compute_copy else {}
@@ -143,12 +143,13 @@ def apply_gradients(
     program.workspace.refresh(params, written=set(lowp) | sent)
     if program.offload is not None:
         program.offload.pending.start()  # the lazy units' host update, beside the next forward
-    scaler = program.scaler.update(state.scaler, ~finite)
+    overflow = ~finite
+    scaler = program.scaler.update(state.scaler, overflow)
     lr = current_lr(opt_state)
     metrics = Metrics(
         loss=loss.detach(), grad_norm=grad_norm.detach(), loss_scale=scale.detach().clone(),
         lr=torch.zeros((), device=program.device) if lr is None else lr.detach().to(program.device).clone(),
-        skipped=(~finite).to(torch.int32),
+        skipped=overflow.to(torch.int32),
     )
     new = dataclasses.replace(
         state, step=state.step + 1, params=params, opt_state=opt_state, scaler=scaler, metrics=metrics,

@@ -104,9 +104,8 @@ class MicroBatchRuntime:
         self.leaves: list[torch.Tensor] = []  # every autograd leaf bound in this micro-batch
         self._leaf_units: list[Unit] = []  # the unit of each leaf
         # see [Note: gradients as they come]
-        scaler = self.program.scaler
         self._streaming = (reducer.streams or any(self.workspace.lazy(u) for u in self.program.plan.units)
-                           or scaler.dynamic or scaler.init_scale != 1.0)
+                           or not self.program.scaler.unscaled)
         self._bound = False
         self._grad_binding = True  # False while an evaluation is bound: views without leaves
         self._views: dict[str, list[torch.Tensor]] = {}
@@ -377,8 +376,7 @@ class MicroBatchRuntime:
 
     def _direct_seed(self, grad: torch.Tensor) -> torch.Tensor:
         """A unit's gradient from a backward the script called itself, times the seed."""
-        scaler = self.program.scaler
-        if not self._prescaled and (scaler.dynamic or scaler.init_scale != 1.0):
+        if not self._prescaled and not self.program.scaler.unscaled:
             raise UsageError(
                 "loss.backward() was called directly, but fp16 training needs the loss multiplied by the "
                 "loss scale before its backward; call engine.backward(loss), or engine.scale(loss).backward()"
