@@ -95,7 +95,8 @@ def test_checkpoint_host_work_stays_outside_the_compiled_units(host_work):
             state = dsfunc.train_step(state, batch)
         out[compiled] = dsfunc.full_params(state)
         if compiled:
-            assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
+            breaks = dict(counters["graph_break"])
+            assert counters["stats"]["unique_graphs"] >= 1 and not breaks, breaks
     assert relative_diff(out[True], out[False]) < 1e-5
 
 

@@ -34,7 +34,9 @@ def make_schedule(name: str, module: StageModule, topology: Topology, device: to
             raise InputError(f'the "{name}" schedule runs one stage per rank, but stages_per_rank is '
                              f'{module.stages_per_rank}: use "Interleaved1F1B" or stages_per_rank 1')
         stage = PipelineStage(module, topology.stage, module.num_stages, device, group=topology.pipe_group)
-        return getattr(pipelining, SINGLE[name])(stage, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
+        schedule = getattr(pipelining, SINGLE[name])
+        return schedule(stage, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
     stages = [PipelineStage(chunk, index, module.num_stages, device, group=topology.pipe_group)
               for chunk, index in zip(module.chunks(), module.held_stages)]
-    return getattr(pipelining, MULTI[name])(stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
+    schedule = getattr(pipelining, MULTI[name])
+    return schedule(stages, n_microbatches=micro_batches, loss_fn=loss_fn, scale_grads=False)
