@@ -110,7 +110,11 @@ def scale_loss() -> GradTransform:
 
     def transform(inner: GradFn) -> GradFn:
         def grad_fn(ctx: GradContext, batch: Batch) -> GradResult:
-            return inner(ctx.replace(cotangent=ctx.cotangent * ctx.state.scaler.scale), batch)
+            if ctx.state.program.scaler.unscaled:  # bf16 or fp32: a scale of 1 for good, no device op for it
+                return inner(ctx, batch)
+            scale = ctx.state.scaler.scale
+            cotangent = scale if isinstance(ctx.cotangent, float) and ctx.cotangent == 1.0 else ctx.cotangent * scale
+            return inner(ctx.replace(cotangent=cotangent), batch)
 
         return grad_fn
 

@@ -166,7 +166,7 @@ def _update_context(program: Program, scale: torch.Tensor, grad_norm: torch.Tens
     offload = program.offload
     if offload is None:
         return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=lowp,
-                             segment_norm=program.segment_norm)
+                             segment_norm=program.segment_norm, unscaled=program.scaler.unscaled)
 
     workspace, pending = program.workspace, offload.pending
     host_lowp = offload.staging_map()  # each unit's buffer taken as the update reaches it
@@ -193,8 +193,8 @@ def _update_context(program: Program, scale: torch.Tensor, grad_norm: torch.Tens
     scale, grad_norm, finite = (t.to(offload.device) for t in (scale, grad_norm, finite))
     skipped = not bool(finite)
     return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=host_lowp,
-                         segment_norm=program.segment_norm, host=True, updated=updated,
-                         schedule=schedule)
+                         segment_norm=program.segment_norm, host=True, unscaled=program.scaler.unscaled,
+                         updated=updated, schedule=schedule)
 
 
 def note_min_scale(state: TrainState) -> None:

@@ -65,6 +65,8 @@ class FusedAdam:
     unit_groups: Mapping[str, str | None]
     max_norm: float
     chain: Transform  # unscale -> clip -> adam (per group): the same math, and the layout of the state
+    # (label, device) -> a constant lr as a 0-d tensor, made once rather than filled every step
+    _constant_lrs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     writes_compute_copy = True  # the update writes this rank's slice of the 16-bit compute copy
     reads_16_bit_grads = True  # the op reads a 16-bit gradient as it is, widening element by element
 
@@ -87,8 +89,9 @@ class FusedAdam:
         loss_scale, grad_norm, finite = ctx.loss_scale, ctx.grad_norm, ctx.finite
         divisor = loss_scale  # the loss scale, times the clip coefficient when clipping
         if self.max_norm > 0:
-            divisor = loss_scale * torch.clamp((grad_norm + 1e-6) / self.max_norm, min=1.0)
-        grad_scale = (1.0 / divisor).to(torch.float32)
+            clip = torch.clamp((grad_norm + 1e-6) / self.max_norm, min=1.0)
+            divisor = clip if ctx.unscaled else loss_scale * clip
+        grad_scale = divisor.reciprocal().to(torch.float32)  # what 1 / divisor computes, less its "* 1"
         skip = ~finite
         states = opt_state["optimizer"]
         new_states = {}
@@ -99,7 +102,11 @@ class FusedAdam:
             if given is not None:
                 lr = torch.full((), float(given), dtype=torch.float32, device=loss_scale.device)
             elif group.schedule is None:
-                lr = torch.full((), group.lr, dtype=torch.float32, device=loss_scale.device)
+                key = (label, loss_scale.device)
+                lr = self._constant_lrs.get(key)
+                if lr is None:
+                    lr = self._constant_lrs[key] = torch.full((), group.lr, dtype=torch.float32,
+                                                              device=loss_scale.device)
             else:
                 lr = group.schedule(sched.count - 1).to(torch.float32)
             step = (adam.count + 1).to(torch.float32)

@@ -30,6 +30,7 @@ class UpdateContext:
     lowp: Mapping[str, torch.Tensor]  # where the update may write the new 16-bit compute copy
     segment_norm: Callable[[Any], Any] | None  # per-parameter norms over flat shards (Lamb)
     host: bool = False  # the update runs on the host (ZeRO-Offload): every tensor here is in host memory
+    unscaled: bool = False  # loss_scale is 1 for good (bf16, fp32): multiplying by it may be skipped
     # An update that writes unit by unit (the host Adam) calls this with each unit's name and new master as soon
     # as it is final, so copying it back to the device overlaps the update of the next unit.
     updated: Callable[[str, torch.Tensor], None] | None = None

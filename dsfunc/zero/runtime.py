@@ -189,8 +189,15 @@ class MicroBatchRuntime:
                 "of the model the step binds); compute it from the outputs of this micro-batch's forward"
             )
         seed = _divided(loss_scale, self.ranks, self.micro[1] if mean_over_micro else 1)
+        loss = loss.reshape(())
+        # the seed as backward's incoming gradient: the numbers of backpropagating loss * seed, without its two
+        # multiplications (forward and backward) and the ones it would be seeded with
+        if isinstance(seed, torch.Tensor):
+            seed = seed.to(device=loss.device, dtype=loss.dtype).reshape(())
+        else:
+            seed = torch.full_like(loss, seed)
         with self._backward_scope():
-            torch.autograd.backward(loss.reshape(()) * seed, inputs=self.leaves, retain_graph=retain_graph)
+            torch.autograd.backward(loss, grad_tensors=seed, inputs=self.leaves, retain_graph=retain_graph)
         value = loss.detach().float()
         self._micro_loss = value if self._micro_loss is None else self._micro_loss + value
         self._micro_losses += 1
