@@ -170,6 +170,8 @@ def _update_context(program: Program, scale: torch.Tensor, grad_norm: torch.Tens
 
     workspace, pending = program.workspace, offload.pending
     host_lowp = offload.staging_map()  # each unit's buffer taken as the update reaches it
+    scale, grad_norm, finite = (t.to(offload.device) for t in (scale, grad_norm, finite))
+    skipped = not bool(finite)
 
     def updated(name: str, master: torch.Tensor) -> None:
         # a skipped update writes nothing, its staging slot included: the unchanged master is cast into it
@@ -190,8 +192,6 @@ def _update_context(program: Program, scale: torch.Tensor, grad_norm: torch.Tens
             sent.update(later)  # their copies go out as the worker writes them
             pending.add(later, work)
 
-    scale, grad_norm, finite = (t.to(offload.device) for t in (scale, grad_norm, finite))
-    skipped = not bool(finite)
     return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=host_lowp,
                          segment_norm=program.segment_norm, host=True, unscaled=program.scaler.unscaled,
                          updated=updated, schedule=schedule)
