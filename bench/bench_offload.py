@@ -31,6 +31,7 @@ import torch
 
 PEAK_FLOPS = 790e12  # bf16 matmul rate measured on these H200s (BENCH.md)
 ACCUM = [1]  # --accum: micro-batches per optimizer step (set once by main)
+OPTIONS = {"resident": 0, "profile": False}  # --resident, --profile (set once by main)
 
 
 def shape(name: str):
@@ -86,6 +87,8 @@ def run_dsfunc(cfg, setting: str, micro: int, steps: int):
     with torch.device("meta"):  # the loss through dsfunc's chunked op: no fp32 logits on the capped GPU
         model = GPT(dataclasses.replace(cfg, fused_loss=True))
     cfg_ds = {**config(micro, setting), "activation_checkpointing": {"policy": "units"}}
+    if OPTIONS["resident"] and "offload_optimizer" in cfg_ds["zero_optimization"]:
+        cfg_ds["zero_optimization"]["offload_optimizer"]["grad_accumulation_on_device"] = OPTIONS["resident"]
     box = [dsfunc.init_state(model, cfg_ds, param_init_fn=init_weights, device="cuda")]
 
     def step(batch) -> float:
@@ -95,7 +98,41 @@ def run_dsfunc(cfg, setting: str, micro: int, steps: int):
     elapsed, losses = timed(step, cfg, micro, steps)
     offload = box[0].program.offload
     host_update = None if offload is None else offload.pending.seconds  # the last step's, in the worker
+    if OPTIONS["profile"]:
+        print(json.dumps({"profile": busy(step, next(batches(cfg, micro, 1)))}), flush=True)
     return elapsed, [float(x) for x in losses], model.flops_per_token(), host_update
+
+
+def busy(step, batch) -> dict:
+    """One more step under torch's profiler: its seconds, and the seconds the device spent in kernels, in copies to
+    the host and in copies from it (each the union of its intervals, so copies on two streams count once)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        step(batch)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    spans: dict[str, list[tuple[float, float]]] = {"kernels": [], "to host": [], "from host": []}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        kind = "to host" if "DtoH" in e.name else "from host" if "HtoD" in e.name else "kernels"
+        spans[kind].append((e.time_range.start, e.time_range.end))
+    out = {"step s": wall, **{f"{kind} s": union(s) / 1e6 for kind, s in spans.items()}}
+    out["copies s"] = union(spans["to host"] + spans["from host"]) / 1e6
+    out["anything s"] = union([i for s in spans.values() for i in s]) / 1e6
+    return out
+
+
+def union(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def run_deepspeed(cfg, setting: str, micro: int, steps: int):
@@ -155,12 +192,16 @@ def one(size: str, setting: str, system: str, cap_gib: float, micro: int, steps:
 
 def trial(size: str, setting: str, system: str, args) -> dict:
     cmd = [sys.executable, __file__, "--one", size, setting, system, "--cap_gib", str(args.cap_gib),
-           "--micro", str(args.micro), "--accum", str(args.accum), "--steps", str(args.steps)]
+           "--micro", str(args.micro), "--accum", str(args.accum), "--steps", str(args.steps),
+           "--resident", str(args.resident), *(["--profile"] if args.profile else [])]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.trial_timeout, check=False)
     except subprocess.TimeoutExpired:
         return {"fits": False, "why": f"over {args.trial_timeout} s"}
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    for line in proc.stdout.splitlines():
+        if line.startswith('{"profile"'):
+            print(f"profile of one more step ({size} {setting} {system}): {line}", flush=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"fits"')]
     if not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         return {"fits": False, "why": f"exit {proc.returncode}: {' / '.join(tail)[:300]}"}
@@ -189,14 +230,19 @@ def main() -> None:
     parser.add_argument("--accum", type=int, default=1, help="gradient_accumulation_steps")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--trial_timeout", type=float, default=240)
+    parser.add_argument("--resident", type=float, default=0,
+                        help="dsfunc's offload_optimizer.grad_accumulation_on_device (elements)")
+    parser.add_argument("--profile", action="store_true", help="print where one more step's device time goes")
     parser.add_argument("--one", nargs=3, metavar=("SIZE", "SETTING", "SYSTEM"))
     args = parser.parse_args()
     ACCUM[0] = args.accum
+    OPTIONS.update(resident=int(args.resident), profile=args.profile)
     if args.one:
         one(*args.one, args.cap_gib, args.micro, args.steps)
         return
     print(f"{torch.cuda.get_device_name()} capped to {args.cap_gib} GiB, torch {torch.__version__}, "
-          f"micro {args.micro} x 1024 tokens x accumulation {args.accum}, {args.steps} timed steps")
+          f"micro {args.micro} x 1024 tokens x accumulation {args.accum}, {args.steps} timed steps, "
+          f"dsfunc's sums on the device: {int(args.resident):,} elements")
     print("| model | system | offload | tokens/s | MFU | peak GiB (GPU) | peak GiB (host RSS) | loss | host update s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for entry in args.trials.split(","):

@@ -4,7 +4,8 @@
 ``"nvme"`` (ZeRO-Infinity) is not built. DeepSpeed's other keys of the sections tune NVMe swapping, tiles
 or Superchip offload, none of which dsfunc has: with offload on they must keep DeepSpeed's default
 (``tests/config/test_zero.py`` checks these defaults against DeepSpeed's own classes). With offload off
-any valid value is accepted, as DeepSpeed ignores them then.
+any valid value is accepted, as DeepSpeed ignores them then. ``offload_optimizer`` has one key of dsfunc's
+own, ``grad_accumulation_on_device`` (:attr:`OffloadConfig.grad_accumulation_on_device`).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsfunc.config import deepspeed_keys as ds
-from dsfunc.config.checks import _fields
+from dsfunc.config.checks import _SIZE, _fields
 from dsfunc.config.errors import ConfigError, _bad, _show
-from dsfunc.config.schema import _as_is
+from dsfunc.config.schema import Check, _as_is
 
 # DeepSpeed 0.19.8's defaults (runtime/zero/offload_config.py) of the keys that cannot apply to CPU offload
 OPTIMIZER_DEFAULTS: Mapping[str, Any] = {
@@ -38,11 +39,19 @@ class OffloadConfig:
     """Page-lock the host buffers (asynchronous copies), only where CUDA is available and kept pageable if
     page-locking fails; true is DeepSpeed's default since 0.19.5.
     """
+    grad_accumulation_on_device: int = 0
+    """dsfunc's own key of ``offload_optimizer`` (stages 2-3, with gradient accumulation): elements of this
+    rank's gradient shards whose fp32 sums stay on the compute device between micro-batches (4 bytes each),
+    whole units in the order backward reaches them. The other units' sums go to host memory and come back
+    for each micro-batch, 8 bytes a parameter over PCIe; these make that trip once a step. 0 (default): none.
+    """
 
 
-def _offload_section(what: str, keys: Mapping[str, Any], defaults: Mapping[str, Any]):
-    """The check of one offload section: ``None`` when off, else an :class:`OffloadConfig`."""
-    check = _fields({"device": _as_is, **keys})
+def _offload_section(what: str, keys: Mapping[str, Any], defaults: Mapping[str, Any],
+                     own: Mapping[str, Check] | None = None):
+    """The check of one offload section: ``None`` when off, else an :class:`OffloadConfig`. ``own``: the
+    section's keys that are dsfunc's, not DeepSpeed's."""
+    check = _fields({"device": _as_is, **keys, **(own or {})})
 
     def parse(value: Any, path: str) -> OffloadConfig | None:
         if value is None:
@@ -67,12 +76,14 @@ def _offload_section(what: str, keys: Mapping[str, Any], defaults: Mapping[str, 
                     f"NVMe swapping, tiled or partial offload, which dsfunc lacks). Remove the key or set it to "
                     f"{_show(default)} (DeepSpeed's default)."
                 )
-        return OffloadConfig(pin_memory=True if values["pin_memory"] is None else values["pin_memory"])
+        extra = {key: values[key] for key in own or {} if values[key] is not None}
+        return OffloadConfig(pin_memory=True if values["pin_memory"] is None else values["pin_memory"], **extra)
 
     return parse
 
 
-offload_optimizer = _offload_section("optimizer state", ds.OFFLOAD_OPTIMIZER, OPTIMIZER_DEFAULTS)
+offload_optimizer = _offload_section("optimizer state", ds.OFFLOAD_OPTIMIZER, OPTIMIZER_DEFAULTS,
+                                    {"grad_accumulation_on_device": _SIZE})
 offload_param = _offload_section("parameters", ds.OFFLOAD_PARAM, PARAM_DEFAULTS)
 
 

@@ -9,7 +9,9 @@ A :class:`HostOffload` owns the host side of that traffic:
   go on beside it; at most :attr:`HostOffload.copies_in_flight` units' copies are queued before the compute
   stream waits, so the device gradients they read stay few; with accumulation the sum a unit's next
   micro-batch adds to comes back on a second stream while the unit before it runs backward:
-  :meth:`HostOffload.fetch_grad`), its sum of squares for the global
+  :meth:`HostOffload.fetch_grad`; the sums of the units in :attr:`HostOffload.resident`, as many as
+  ``grad_accumulation_on_device`` lets, stay on the device instead until the last micro-batch), its sum of
+  squares for the global
   norm taken on the device after the last micro-batch, so only one number per unit is summed there; the
   reducer then drops its device copy, so backward holds no gradient shards on the device beyond the
   reductions in flight (at stages 2-3 with gradient accumulation too: :mod:`dsfunc.zero.reduce`; at stage 1
@@ -100,8 +102,9 @@ class HostOffload:
     staging_slots = 3  # host buffers the new 16-bit shards pass through when the device keeps them
 
     def __init__(self, plan: ShardingPlan, *, compute_device: torch.device, compute_dtype: torch.dtype,
-                 pin_memory: bool, params: bool, grad_bytes: int = 4) -> None:
+                 pin_memory: bool, params: bool, grad_bytes: int = 4, resident_elements: int = 0) -> None:
         self.plan = plan
+        self.resident = _resident_units(plan, resident_elements)  # units whose sums wait on the device
         self.device = torch.device("cpu")  # where the masters and optimizer state live
         self.compute_device = compute_device
         self.compute_dtype = compute_dtype
@@ -129,18 +132,32 @@ class HostOffload:
         self._copied: dict[str, torch.cuda.Event] = {}
         self._queued: collections.deque[torch.cuda.Event] = collections.deque()
         self._fetched: dict[str, tuple[torch.Tensor, torch.cuda.Event]] = {}  # unit -> sum on its way back
-        self._before = {u.name: plan.units[i - 1].name for i, u in enumerate(plan.units) if i > 0}
+        # unit -> the unit whose sum backward fetches next: the one before it in the plan that is not resident
+        fetched = [u.name for u in plan.units if u.name not in self.resident]
+        self._before = dict(zip(fetched[1:], fetched[:-1]))
 
     @classmethod
     def from_config(cls, plan: ShardingPlan, zero: ZeroConfig, *, compute_device: torch.device,
-                    compute_dtype: torch.dtype, grad_dtype: torch.dtype) -> HostOffload | None:
+                    compute_dtype: torch.dtype, grad_dtype: torch.dtype, micro_batches: int) -> HostOffload | None:
         """The host side for ``zero``'s offload sections, or None when the optimizer is not offloaded.
         ``grad_dtype``: what the host gradient buffers are expected to hold (for the memory estimate)."""
-        if zero.offload_optimizer is None:
+        section = zero.offload_optimizer
+        if section is None:
             return None
-        return cls(plan, compute_device=compute_device, compute_dtype=compute_dtype,
-                   pin_memory=zero.offload_optimizer.pin_memory, params=zero.offload_param is not None,
-                   grad_bytes=torch.empty((), dtype=grad_dtype).element_size())
+        budget = section.grad_accumulation_on_device
+        if budget and (micro_batches == 1 or zero.stage == 1):
+            logger.warning("offload_optimizer.grad_accumulation_on_device has no effect %s", "without gradient "
+                           "accumulation" if micro_batches == 1 else "at stage 1, which sums micro-batches on the "
+                           "device anyway")
+            budget = 0
+        host = cls(plan, compute_device=compute_device, compute_dtype=compute_dtype, pin_memory=section.pin_memory,
+                   params=zero.offload_param is not None, grad_bytes=torch.empty((), dtype=grad_dtype).element_size(),
+                   resident_elements=budget)
+        if budget and not host.resident:
+            logger.warning("offload_optimizer.grad_accumulation_on_device = %d is smaller than every unit's gradient "
+                           "shard (the smallest has %d elements): every sum goes to the host", budget,
+                           min(plan.shard_size(u) for u in plan.units))
+        return host
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A host buffer for copies with the compute device: pinned when that is a GPU and pinning is on."""
@@ -232,6 +249,10 @@ class HostOffload:
             self._copied, self._queued, self._fetched = {}, collections.deque(), {}
         total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.compute_device)
         return out, total
+
+    def resident_bytes(self) -> int:
+        """Device bytes of the fp32 sums of the :attr:`resident` units, held between micro-batches."""
+        return 4 * sum(self.plan.shard_size(self.plan.unit(name)) for name in self.resident)
 
     # -- parameters back ----------------------------------------------------------------------------
     def staging(self, unit: Unit) -> torch.Tensor | None:
@@ -331,6 +352,17 @@ class HostOffload:
     def buffers(self) -> list[torch.Tensor]:
         """The host buffers held now besides the masters and optimizer state (what :meth:`host_bytes` counts)."""
         return [*self._grads.values(), *(self._lowp.values() if self.params else self._slots)]
+
+
+def _resident_units(plan: ShardingPlan, elements: int) -> frozenset[str]:
+    """The units whose gradient sums fit in ``elements`` together, taken whole in the order backward reaches
+    them (the plan's last first), skipping any too large for what is left."""
+    chosen, left = [], elements
+    for unit in reversed(plan.units):
+        if 0 < plan.shard_size(unit) <= left:
+            chosen.append(unit.name)
+            left -= plan.shard_size(unit)
+    return frozenset(chosen)
 
 
 class _StagingMap(Mapping):

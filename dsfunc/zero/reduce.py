@@ -24,7 +24,8 @@ unit's shard as each of its reductions lands, to start its copy to host memory w
 and the device copy is dropped; :meth:`ZeroReducer.finish` then returns the host copies. With gradient
 accumulation at stages 2-3 the next micro-batch's reduction brings the host sum back to the device, adds
 to it and sends it out again (stream-ordered copies; DeepSpeed accumulates offloaded stage-2 gradients the
-same way), so no gradient shard waits on the device between micro-batches.
+same way), so no gradient shard waits on the device between micro-batches, but those of the ``resident``
+units (``offload_optimizer.grad_accumulation_on_device``), whose sums go to the sink after the last.
 """
 
 from __future__ import annotations
@@ -93,9 +94,10 @@ class ZeroReducer:
 
     def __init__(self, plan: ShardingPlan, *, comm_dtype: torch.dtype, bucket_size: int,
                  device: torch.device, sink: Sink | None = None, fetch: Fetch | None = None,
-                 narrow: bool = False) -> None:
+                 resident: frozenset[str] = frozenset(), narrow: bool = False) -> None:
         self.plan = plan
         self.sink = sink
+        self.resident = resident  # with a sink: units whose sums stay here until the last micro-batch
         # whether a gradient should come as soon as backward makes it: its collective, or its copy to the host,
         # then runs beside the rest of backward (on one rank without a sink they may come after it)
         self.streams = plan.world_size > 1 or sink is not None
@@ -162,7 +164,7 @@ class ZeroReducer:
             reduced, exact = prev.float().add_(reduced), torch.float32
         else:  # its exact dtype after the last micro-batch if kept narrow; fp32 before it (more will be added)
             reduced = reduced.to(exact if last and self.narrow else torch.float32)
-        if self.sink is None:
+        if self.sink is None or (not last and unit.name in self.resident):
             self._grads[unit.name] = reduced
         else:
             self._sunk[unit.name] = self.sink(unit, reduced, exact if last else torch.float32, last)

@@ -480,6 +480,7 @@ def zero_runtime(state: TrainState) -> MicroBatchRuntime:
                           bucket_size=program.config.zero_optimization.reduce_bucket_size,
                           sink=None if program.offload is None else program.offload.put_grad,
                           fetch=None if program.offload is None else program.offload.fetch_grad,
+                          resident=frozenset() if program.offload is None else program.offload.resident,
                           narrow=program.update.reads_16_bit_grads)
     return MicroBatchRuntime(state, reducer, ranks=program.plan.world_size)
 

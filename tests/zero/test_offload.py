@@ -28,10 +28,13 @@ MODES = {"none": {}, "optimizer": {"offload_optimizer": OPTIMIZER},
 
 
 def make_state(world: int, stage: int, mode: str, *, micro: int = 2, gas: int = 2, seed: int = 0,
-               **extra: object) -> dsfunc.TrainState:
+               resident: int = 0, **extra: object) -> dsfunc.TrainState:
+    """``resident``: offload_optimizer.grad_accumulation_on_device (elements)."""
     torch.manual_seed(seed)
     cfg = config(micro=micro, gas=gas, world=world, stage=stage, gradient_clipping=0.05, **extra)
     cfg["zero_optimization"].update(MODES[mode], stage3_param_persistence_threshold=0)
+    if resident:
+        cfg["zero_optimization"]["offload_optimizer"] = {**OPTIMIZER, "grad_accumulation_on_device": resident}
     return dsfunc.init_state(MLP(width=10, depth=3), cfg)
 
 
@@ -158,6 +161,11 @@ def test_checkpoints_move_between_offloaded_and_resident_states_and_world_sizes(
          "offload_optimizer.pipeline_read = true"),
         ({"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memroy": False}},
          'Unknown config key "zero_optimization.offload_optimizer.pin_memroy". Did you mean'),
+        ({"stage": 2, "offload_optimizer": {"device": "cpu", "grad_accumulation_on_device": -1}},
+         "offload_optimizer.grad_accumulation_on_device = -1 is invalid: expected an integer >= 0"),
+        ({"stage": 3, "offload_optimizer": {"device": "cpu"},
+          "offload_param": {"device": "cpu", "grad_accumulation_on_device": 10}},
+         'Unknown config key "zero_optimization.offload_param.grad_accumulation_on_device"'),
     ],
 )
 def test_offload_config_errors(zero, expected):
@@ -351,3 +359,56 @@ def test_adamw_on_16_bit_host_gradients_trains_like_the_resident_run():
     offload = state.program.offload
     assert {g.dtype for g in offload._grads.values()} == {torch.bfloat16}
     assert relative_diff(full["optimizer"], full["none"]) < 1e-5
+
+
+def resident_sums(rank: int, world: int) -> dict:
+    """Three micro-batches a step, the last two units' sums kept on the device between them: the units each
+    micro-batch leaves on the device, and the parameters after training (Lamb: the same arithmetic offloaded
+    or not)."""
+    from dsfunc.zero.runtime import zero_runtime
+
+    lamb = {"type": "Lamb", "params": {"lr": 1e-2}}
+    plan = make_state(world, 2, "optimizer", micro=1, gas=3).program.plan
+    budget = sum(plan.shard_size(u) for u in plan.units[-2:])
+    out = {}
+    for stage in (2, 3):
+        for resident in (0, budget):
+            state = make_state(world, stage, "optimizer", micro=1, gas=3, optimizer=lamb, resident=resident)
+            runtime = zero_runtime(state)
+            waiting = []
+            for i, micro in enumerate(mlp_batches(3, world)):
+                x, y = micro[0][rank : rank + 1], micro[1][rank : rank + 1]
+                runtime.backward(runtime.forward(lambda model, b: model(*b), (x, y), micro=(i, 3)))
+                runtime.end()
+                waiting.append(sorted(runtime.reducer._grads))
+            runtime.finish()
+            trained = train(make_state(world, stage, "optimizer", micro=1, gas=3, optimizer=lamb, resident=resident),
+                            rank, world)
+            out[stage, resident] = {
+                "waiting": waiting, "resident": sorted(state.program.offload.resident),
+                "estimate": memory_estimate(state)["gradients"], "full": dsfunc.full_params(trained),
+                "grad_norm": trained.metrics.grad_norm.item(),
+            }
+    out["last two"] = sorted(u.name for u in plan.units[-2:])
+    out["budget"] = budget
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_sums_kept_on_the_device_between_micro_batches_train_bit_for_bit(world):
+    for r in run_world(resident_sums, world):
+        for stage in (2, 3):
+            kept, sent = r[stage, r["budget"]], r[stage, 0]
+            assert kept["resident"] == r["last two"] and sent["resident"] == []
+            # before the last micro-batch only the resident units' sums wait on the device; after it none does
+            assert kept["waiting"] == [r["last two"], r["last two"], []] and sent["waiting"] == [[], [], []]
+            assert kept["estimate"] == 4 * r["budget"] and sent["estimate"] == 0
+            assert relative_diff(kept["full"], sent["full"]) == 0.0 and kept["grad_norm"] == sent["grad_norm"]
+
+
+def test_sums_on_the_device_say_when_they_cannot_apply(caplog):
+    with caplog.at_level("WARNING", logger="dsfunc"):
+        assert not make_state(1, 2, "optimizer", micro=2, gas=1, resident=10**9).program.offload.resident
+        assert "has no effect without gradient accumulation" in caplog.text
+        assert not make_state(1, 2, "optimizer", resident=1).program.offload.resident
+        assert "= 1 is smaller than every unit's gradient shard" in caplog.text

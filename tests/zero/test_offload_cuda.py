@@ -143,3 +143,14 @@ def test_parameter_offload_at_stage3_on_the_gpu_trains_like_the_resident_run():
     resident, loss = train_mlp(3, {}, "bf16")
     offloaded, offloaded_loss = train_mlp(3, {**OFFLOAD, "offload_param": {"device": "cpu"}}, "bf16")
     assert relative_diff(offloaded, resident) < 1e-2 and abs(offloaded_loss - loss) < 1e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("stage", [2, 3])
+def test_sums_kept_on_the_gpu_between_micro_batches_train_bit_for_bit(stage):
+    """Two of the MLP's units keep their sums on the device: the others' copies out and back (each fetch
+    starting the next one's) skip them, and the same host update sees the same sums."""
+    sent, loss = train_mlp(stage, OFFLOAD, "bf16")
+    kept = {"offload_optimizer": {**OFFLOAD["offload_optimizer"], "grad_accumulation_on_device": 9000}}
+    resident, resident_loss = train_mlp(stage, kept, "bf16")
+    assert relative_diff(resident, sent) == 0.0 and resident_loss == loss
