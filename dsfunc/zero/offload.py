@@ -10,8 +10,9 @@ A :class:`HostOffload` owns the host side of that traffic:
   stream waits, so the device gradients they read stay few; with accumulation the sum a unit's next
   micro-batch adds to comes back on a second stream while the unit before it runs backward:
   :meth:`HostOffload.fetch_grad`; the sums of the units in :attr:`HostOffload.resident`, as many as
-  ``grad_accumulation_on_device`` lets, stay on the device instead until the last micro-batch), its sum of
-  squares for the global
+  ``grad_accumulation_on_device`` lets, stay on the device instead until the last micro-batch, and the
+  host adds the micro-batches between the first and the last of those in :attr:`HostOffload.summed`:
+  :meth:`HostOffload.add_grad`, :mod:`dsfunc.zero.host_sums`), its sum of squares for the global
   norm taken on the device after the last micro-batch, so only one number per unit is summed there; the
   reducer then drops its device copy, so backward holds no gradient shards on the device beyond the
   reductions in flight (at stages 2-3 with gradient accumulation too: :mod:`dsfunc.zero.reduce`; at stage 1
@@ -44,12 +45,13 @@ import collections
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
 from dsfunc import kernels
 from dsfunc.config import ZeroConfig
+from dsfunc.zero.host_sums import HostSums
 from dsfunc.zero.host_update import PendingUpdate
 from dsfunc.zero.layout import ShardingPlan, Unit
 
@@ -102,9 +104,12 @@ class HostOffload:
     staging_slots = 3  # host buffers the new 16-bit shards pass through when the device keeps them
 
     def __init__(self, plan: ShardingPlan, *, compute_device: torch.device, compute_dtype: torch.dtype,
-                 pin_memory: bool, params: bool, grad_bytes: int = 4, resident_elements: int = 0) -> None:
+                 pin_memory: bool, params: bool, grad_bytes: int = 4, micro_grad_bytes: int = 4,
+                 resident_elements: int = 0, summed_elements: int = 0) -> None:
         self.plan = plan
-        self.resident = _resident_units(plan, resident_elements)  # units whose sums wait on the device
+        # units whose sums wait on the device between micro-batches, and those the host adds micro-batches into
+        self.resident = _units_within(reversed(plan.units), plan, resident_elements)
+        self.summed = _units_within([u for u in plan.units if u.name not in self.resident], plan, summed_elements)
         self.device = torch.device("cpu")  # where the masters and optimizer state live
         self.compute_device = compute_device
         self.compute_dtype = compute_dtype
@@ -112,6 +117,9 @@ class HostOffload:
         self.params = params  # offload_param: no device copy of a stage-3 unit's shard between its gathers
         self.grad_bytes = grad_bytes  # per element of a host gradient buffer, as the config lets expect
         self._pinned = _Pinned(self) if self.pin else None
+        largest_summed = max((plan.shard_size(plan.unit(name)) for name in self.summed), default=0)
+        self.sums = HostSums(self.empty, largest_summed * micro_grad_bytes, min(HostSums.staging_slots,
+                             len(self.summed))) if self.summed else None
         self._grads: dict[str, torch.Tensor] = {}  # unit -> gradient shard (host)
         self._lowp: dict[str, torch.Tensor] = {}  # unit -> compute-dtype parameter shard (host, 16-bit only)
         self._sumsq: dict[str, torch.Tensor] = {}  # unit -> sum of squares of its gradient (device)
@@ -132,31 +140,38 @@ class HostOffload:
         self._copied: dict[str, torch.cuda.Event] = {}
         self._queued: collections.deque[torch.cuda.Event] = collections.deque()
         self._fetched: dict[str, tuple[torch.Tensor, torch.cuda.Event]] = {}  # unit -> sum on its way back
-        # unit -> the unit whose sum backward fetches next: the one before it in the plan that is not resident
+        # last micro-batch or not -> unit -> the unit whose sum backward fetches next: the one before it in the
+        # plan whose sum is not on the device, and before the last micro-batch not added on the host either
         fetched = [u.name for u in plan.units if u.name not in self.resident]
-        self._before = dict(zip(fetched[1:], fetched[:-1]))
+        between = [name for name in fetched if name not in self.summed]
+        self._before = {True: dict(zip(fetched[1:], fetched[:-1])), False: dict(zip(between[1:], between[:-1]))}
 
     @classmethod
     def from_config(cls, plan: ShardingPlan, zero: ZeroConfig, *, compute_device: torch.device,
-                    compute_dtype: torch.dtype, grad_dtype: torch.dtype, micro_batches: int) -> HostOffload | None:
+                    compute_dtype: torch.dtype, grad_dtype: torch.dtype, micro_grad_dtype: torch.dtype,
+                    micro_batches: int) -> HostOffload | None:
         """The host side for ``zero``'s offload sections, or None when the optimizer is not offloaded.
-        ``grad_dtype``: what the host gradient buffers are expected to hold (for the memory estimate)."""
+        ``grad_dtype``: what the host gradient buffers are expected to hold (for the memory estimate);
+        ``micro_grad_dtype``: one micro-batch's reduced gradient."""
         section = zero.offload_optimizer
         if section is None:
             return None
-        budget = section.grad_accumulation_on_device
-        if budget and (micro_batches == 1 or zero.stage == 1):
-            logger.warning("offload_optimizer.grad_accumulation_on_device has no effect %s", "without gradient "
-                           "accumulation" if micro_batches == 1 else "at stage 1, which sums micro-batches on the "
-                           "device anyway")
-            budget = 0
+        budgets = {"device": section.grad_accumulation_on_device, "host": section.grad_accumulation_on_host}
+        for where, fewest in (("device", 2), ("host", 3)):
+            if budgets[where] and (micro_batches < fewest or zero.stage == 1):
+                logger.warning("offload_optimizer.grad_accumulation_on_%s has no effect %s", where,
+                               f"with fewer than {fewest} micro-batches a step" if micro_batches < fewest else
+                               "at stage 1, which sums micro-batches on the device anyway")
+                budgets[where] = 0
         host = cls(plan, compute_device=compute_device, compute_dtype=compute_dtype, pin_memory=section.pin_memory,
                    params=zero.offload_param is not None, grad_bytes=torch.empty((), dtype=grad_dtype).element_size(),
-                   resident_elements=budget)
-        if budget and not host.resident:
-            logger.warning("offload_optimizer.grad_accumulation_on_device = %d is smaller than every unit's gradient "
-                           "shard (the smallest has %d elements): every sum goes to the host", budget,
-                           min(plan.shard_size(u) for u in plan.units))
+                   micro_grad_bytes=torch.empty((), dtype=micro_grad_dtype).element_size(),
+                   resident_elements=budgets["device"], summed_elements=budgets["host"])
+        for where, units in (("device", host.resident), ("host", host.summed)):
+            if budgets[where] and not units:
+                logger.warning("offload_optimizer.grad_accumulation_on_%s = %d is smaller than every unit's gradient "
+                               "shard left (the smallest has %d elements): it takes none", where, budgets[where],
+                               min(plan.shard_size(u) for u in plan.units))
         return host
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -183,40 +198,65 @@ class HostOffload:
             if buf is not None and self._pinned is not None:
                 self._pinned.release(buf)
             buf = self._grads[unit.name] = self.empty(grad.numel(), dtype)
+        done = self._copy_out(grad, buf)
+        if done is not None:
+            self._copied[unit.name] = done
+        return buf
+
+    @torch.no_grad()
+    def add_grad(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
+        """Start adding this micro-batch's gradient shard of a unit in :attr:`summed` into its host sum (what
+        :meth:`put_grad` returned, which is returned): copied out into a staging buffer, then added by the host's
+        worker. Not for the last micro-batch, whose sum the device makes (:meth:`fetch_grad`)."""
+        buf = self._grads[unit.name]
+        slot, staged = self.sums.slot(grad.numel(), grad.dtype)
+        landed = self._copy_out(grad, staged)
+        self.sums.add(unit.name, buf, slot, staged, [self._copied.get(unit.name), landed])
+        return buf
+
+    def _copy_out(self, grad: torch.Tensor, buf: torch.Tensor) -> torch.cuda.Event | None:
+        """Copy device ``grad`` into host ``buf`` on the copy stream, after what the compute stream has queued;
+        the event after it (None off a GPU, where the copy is done on return)."""
         if self.copies is None:
             buf.copy_(grad, non_blocking=True)
-            return buf
+            return None
         compute = torch.cuda.current_stream(self.compute_device)
         self.copies.wait_stream(compute)  # the gradient is made, and the last read of buf (fetch_grad) is done
         with torch.cuda.stream(self.copies):
             buf.copy_(grad, non_blocking=True)
         grad.record_stream(self.copies)  # its memory is reused only once the copy has read it
-        done = self._copied[unit.name] = torch.cuda.Event()
+        done = torch.cuda.Event()
         done.record(self.copies)
         self._queued.append(done)
         if len(self._queued) > self.copies_in_flight:
             compute.wait_event(self._queued.popleft())  # bounds the device gradients the queue holds
-        return buf
+        return done
 
-    def fetch_grad(self, unit: Unit, buf: torch.Tensor) -> torch.Tensor:
+    def fetch_grad(self, unit: Unit, buf: torch.Tensor, last: bool = True) -> torch.Tensor:
         """``unit``'s gradient sum so far (``buf``, what :meth:`put_grad` returned) back on the compute device in
-        fp32, once its copy out has landed (the next micro-batch adds to it). On a GPU the copy back runs on the
-        fetch stream, and the sum of the unit backward reaches next (the one before it in the plan) starts
-        coming back at once, so that copy runs beside this unit's backward."""
+        fp32, once its copy out (and the host's adds into it) have landed: the micro-batch, the ``last`` or not,
+        adds to it. On a GPU the copy back runs on the fetch stream, and the sum of the unit backward reaches next
+        (the one before it in the plan, of those whose sums come back in this micro-batch) starts coming back at
+        once, so that copy runs beside this unit's backward."""
         if self.copies is None:
+            if self.sums is not None:
+                self.sums.wait(unit.name)
             return buf.to(self.compute_device, torch.float32, non_blocking=True)
         fetched = self._fetched.pop(unit.name, None)
         if fetched is None or fetched[0].numel() != buf.numel() or fetched[0].dtype != buf.dtype:
             fetched = self._start_fetch(unit.name, buf)
         out, landed = fetched
         torch.cuda.current_stream(self.compute_device).wait_event(landed)
-        before = self._before.get(unit.name)
+        before = self._before[last].get(unit.name)
         if before is not None and before in self._grads and before not in self._fetched:
             self._fetched[before] = self._start_fetch(before, self._grads[before])
         return out.float()
 
     def _start_fetch(self, name: str, buf: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """Copy host ``buf`` (unit ``name``'s) into a new device tensor on the fetch stream, after its copy out."""
+        """Copy host ``buf`` (unit ``name``'s) into a new device tensor on the fetch stream, after its copy out and
+        the host's adds into it."""
+        if self.sums is not None:
+            self.sums.wait(name)
         out = torch.empty(buf.numel(), dtype=buf.dtype, device=self.compute_device)
         self.fetches.wait_stream(torch.cuda.current_stream(self.compute_device))  # out's memory is free to write
         done = self._copied.get(name)
@@ -243,6 +283,8 @@ class HostOffload:
                 sums.append(self._sumsq[name])
             out[name] = grad
         self._sumsq = {}
+        if self.sums is not None:
+            self.sums.wait()  # none is pending after a last micro-batch; after an interrupted step there may be
         if self.compute_device.type == "cuda":
             torch.cuda.current_stream(self.compute_device).synchronize()  # the host reads them next
             self.copies.synchronize()
@@ -347,18 +389,20 @@ class HostOffload:
         shards = [self.plan.shard_size(u) for u in self.plan.units]
         lowp = torch.empty((), dtype=self.compute_dtype).element_size() if self.compute_dtype in _LOWP else 0
         staged = sum(shards) if self.params else max(shards) * min(self.staging_slots, len(shards))
-        return sum(shards) * self.grad_bytes + staged * lowp
+        summing = 0 if self.sums is None else self.sums.slot_bytes * self.sums.slots
+        return sum(shards) * self.grad_bytes + staged * lowp + summing
 
     def buffers(self) -> list[torch.Tensor]:
         """The host buffers held now besides the masters and optimizer state (what :meth:`host_bytes` counts)."""
-        return [*self._grads.values(), *(self._lowp.values() if self.params else self._slots)]
+        summing = [] if self.sums is None else self.sums.buffers()
+        return [*self._grads.values(), *(self._lowp.values() if self.params else self._slots), *summing]
 
 
-def _resident_units(plan: ShardingPlan, elements: int) -> frozenset[str]:
-    """The units whose gradient sums fit in ``elements`` together, taken whole in the order backward reaches
-    them (the plan's last first), skipping any too large for what is left."""
+def _units_within(units: Iterable[Unit], plan: ShardingPlan, elements: int) -> frozenset[str]:
+    """Of ``units``, in their order, those whose gradient shards fit in ``elements`` together, whole, skipping any
+    too large for what is left."""
     chosen, left = [], elements
-    for unit in reversed(plan.units):
+    for unit in units:
         if 0 < plan.shard_size(unit) <= left:
             chosen.append(unit.name)
             left -= plan.shard_size(unit)
