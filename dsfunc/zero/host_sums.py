@@ -57,25 +57,26 @@ class HostSums:
         return i, buf[: numel * dtype.itemsize].view(dtype)
 
     def add(self, name: str, into: torch.Tensor, slot: int, grad: torch.Tensor,
-            landed: list[torch.cuda.Event | None]) -> None:
-        """Queue ``into += grad`` for the worker (``grad``: a view of staging buffer ``slot``), once each of
-        ``landed`` (the copies into both) has completed; the slot is free again after it."""
+            landed: list[torch.cuda.Event | None], *, widen: bool = False) -> None:
+        """Queue ``into += grad`` (``into[:] = grad`` if ``widen``) for the worker (``grad``: a view of staging
+        buffer ``slot``), once each of ``landed`` (the copies into both) has completed; the slot is free again
+        after it."""
         self._raise()
         with self._lock:
             self._pending[name] += 1
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsfunc-host-sums")
-        self._adds.append(self._executor.submit(self._add, name, into, slot, grad, landed))
+        self._adds.append(self._executor.submit(self._add, name, into, slot, grad, landed, widen))
 
     def _add(self, name: str, into: torch.Tensor, slot: int, grad: torch.Tensor,
-             landed: list[torch.cuda.Event | None]) -> None:
+             landed: list[torch.cuda.Event | None], widen: bool) -> None:
         try:
             torch.set_num_threads(self._threads)
             for event in landed:
                 if event is not None:
                     event.synchronize()
             with torch.no_grad():
-                into.add_(grad)
+                into.copy_(grad) if widen else into.add_(grad)
         finally:
             with self._lock:
                 self._free.append(slot)

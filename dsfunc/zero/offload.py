@@ -192,26 +192,34 @@ class HostOffload:
         later call for the same unit (the next micro-batch, another backward) replaces both."""
         if last:
             self._sumsq[unit.name] = kernels.sum_of_squares([grad])
-        self.pending.wait_unit(unit.name)  # the last step's update may still read the buffer
-        buf = self._grads.get(unit.name)
-        if buf is None or buf.numel() != grad.numel() or buf.dtype != dtype:
-            if buf is not None and self._pinned is not None:
-                self._pinned.release(buf)
-            buf = self._grads[unit.name] = self.empty(grad.numel(), dtype)
+        buf = self._buffer(unit, grad.numel(), dtype)
         done = self._copy_out(grad, buf)
         if done is not None:
             self._copied[unit.name] = done
         return buf
 
+    def _buffer(self, unit: Unit, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``unit``'s host gradient buffer, made anew if it has another size or dtype, once the last step's
+        update no longer reads it."""
+        self.pending.wait_unit(unit.name)
+        buf = self._grads.get(unit.name)
+        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+            if buf is not None and self._pinned is not None:
+                self._pinned.release(buf)
+            buf = self._grads[unit.name] = self.empty(numel, dtype)
+        return buf
+
     @torch.no_grad()
-    def add_grad(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
-        """Start adding this micro-batch's gradient shard of a unit in :attr:`summed` into its host sum (what
-        :meth:`put_grad` returned, which is returned): copied out into a staging buffer, then added by the host's
-        worker. Not for the last micro-batch, whose sum the device makes (:meth:`fetch_grad`)."""
-        buf = self._grads[unit.name]
+    def add_grad(self, unit: Unit, grad: torch.Tensor, first: bool) -> torch.Tensor:
+        """Start adding this micro-batch's gradient shard of a unit in :attr:`summed` into its fp32 host sum
+        (returned; the ``first`` micro-batch's is widened into it): copied out into a staging buffer, in its
+        own dtype, then added by the host's worker. Not for the last micro-batch, whose sum the device makes
+        (:meth:`fetch_grad`), so that its sum of squares is taken there."""
+        buf = self._buffer(unit, grad.numel(), torch.float32) if first else self._grads[unit.name]
         slot, staged = self.sums.slot(grad.numel(), grad.dtype)
         landed = self._copy_out(grad, staged)
-        self.sums.add(unit.name, buf, slot, staged, [self._copied.get(unit.name), landed])
+        self.sums.add(unit.name, buf, slot, staged, [None if first else self._copied.get(unit.name), landed],
+                      widen=first)
         return buf
 
     def _copy_out(self, grad: torch.Tensor, buf: torch.Tensor) -> torch.cuda.Event | None:

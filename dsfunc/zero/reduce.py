@@ -26,8 +26,8 @@ accumulation at stages 2-3 the next micro-batch's reduction brings the host sum 
 to it and sends it out again (stream-ordered copies; DeepSpeed accumulates offloaded stage-2 gradients the
 same way), so no gradient shard waits on the device between micro-batches, but those of the ``resident``
 units (``offload_optimizer.grad_accumulation_on_device``), whose sums go to the sink after the last. The
-micro-batches between the first and the last of the ``summed`` units (``grad_accumulation_on_host``) go to
-``accumulate`` instead, which adds them into the sunk sum on the host.
+micro-batches before the last of the ``summed`` units (``grad_accumulation_on_host``) go to ``accumulate``
+instead, which adds them into the sunk sum on the host.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dsfunc.zero.layout import ShardingPlan, Unit
 Grads = dict[str, torch.Tensor | None]
 Sink = Callable[[Unit, torch.Tensor, torch.dtype, bool], torch.Tensor]
 Fetch = Callable[[Unit, torch.Tensor, bool], torch.Tensor]  # a sunk sum back on the device, in fp32 (last?)
-Accumulate = Callable[[Unit, torch.Tensor], torch.Tensor]  # a gradient added into its sunk sum
+Accumulate = Callable[[Unit, torch.Tensor, bool], torch.Tensor]  # a gradient added into its sunk sum (first?)
 
 
 def exact_dtype(dtype: torch.dtype, comm_dtype: torch.dtype, ranks: int) -> torch.dtype:
@@ -164,10 +164,10 @@ class ZeroReducer:
 
     def _store(self, unit: Unit, reduced: torch.Tensor, last: bool, exact: torch.dtype) -> None:
         prev = self._grads.pop(unit.name, None)
+        if not last and unit.name in self.summed:  # the host widens the first into the sum, adds the others to it
+            self._sunk[unit.name] = self.accumulate(unit, reduced, unit.name not in self._sunk)
+            return
         if prev is None and unit.name in self._sunk:  # an earlier micro-batch's (or backward's) sum, on the host
-            if not last and unit.name in self.summed:
-                self._sunk[unit.name] = self.accumulate(unit, reduced)
-                return
             prev = self.fetch(unit, self._sunk.pop(unit.name), last)
         if prev is not None:
             reduced, exact = prev.float().add_(reduced), torch.float32
