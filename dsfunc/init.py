@@ -152,7 +152,6 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     comm_dtype = _COMM_DTYPES[cfg.communication_data_type]
     host = HostOffload.from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype, grad_dtype=(
         grad_dtype(cfg.compute_dtype, comm_dtype, plan.world_size, cfg.gradient_accumulation_steps)),
-        micro_grad_dtype=grad_dtype(cfg.compute_dtype, comm_dtype, plan.world_size, 1),
         micro_batches=cfg.gradient_accumulation_steps)
     if pipeline is not None and host is not None:
         raise NotSupportedError("ZeRO-Offload with pipeline parallelism is not supported by dsfunc; remove the "

@@ -5,8 +5,7 @@
 or Superchip offload, none of which dsfunc has: with offload on they must keep DeepSpeed's default
 (``tests/config/test_zero.py`` checks these defaults against DeepSpeed's own classes). With offload off
 any valid value is accepted, as DeepSpeed ignores them then. ``offload_optimizer`` has one key of dsfunc's
-own: where gradient sums wait between micro-batches (:attr:`OffloadConfig.grad_accumulation_on_device`,
-:attr:`OffloadConfig.grad_accumulation_on_host`).
+own, ``grad_accumulation_on_device`` (:attr:`OffloadConfig.grad_accumulation_on_device`).
 """
 
 from __future__ import annotations
@@ -46,14 +45,6 @@ class OffloadConfig:
     whole units in the order backward reaches them. The other units' sums go to host memory and come back
     for each micro-batch, 8 bytes a parameter over PCIe; these make that trip once a step. 0 (default): none.
     """
-    grad_accumulation_on_host: int = 0
-    """dsfunc's own key of ``offload_optimizer`` (stages 2-3, 3 or more micro-batches a step): elements of
-    this rank's gradient shards, whole units from the first in the plan (those not on the device by
-    ``grad_accumulation_on_device``), whose micro-batches between the first and the last are added into the
-    host sum by the CPU (:mod:`dsfunc.zero.host_sums`): their gradient goes out (2 bytes a parameter in bf16)
-    and nothing comes back, the host's memory bandwidth instead of the PCIe round trip. The same numbers
-    bit for bit. 0 (default): none.
-    """
 
 
 def _offload_section(what: str, keys: Mapping[str, Any], defaults: Mapping[str, Any],
@@ -92,7 +83,7 @@ def _offload_section(what: str, keys: Mapping[str, Any], defaults: Mapping[str, 
 
 
 offload_optimizer = _offload_section("optimizer state", ds.OFFLOAD_OPTIMIZER, OPTIMIZER_DEFAULTS,
-                                    {"grad_accumulation_on_device": _SIZE, "grad_accumulation_on_host": _SIZE})
+                                    {"grad_accumulation_on_device": _SIZE})
 offload_param = _offload_section("parameters", ds.OFFLOAD_PARAM, PARAM_DEFAULTS)
 
 

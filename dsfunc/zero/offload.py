@@ -10,9 +10,8 @@ A :class:`HostOffload` owns the host side of that traffic:
   stream waits, so the device gradients they read stay few; with accumulation the sum a unit's next
   micro-batch adds to comes back on a second stream while the unit before it runs backward:
   :meth:`HostOffload.fetch_grad`; the sums of the units in :attr:`HostOffload.resident`, as many as
-  ``grad_accumulation_on_device`` lets, stay on the device instead until the last micro-batch, and the
-  host adds the micro-batches between the first and the last of those in :attr:`HostOffload.summed`:
-  :meth:`HostOffload.add_grad`, :mod:`dsfunc.zero.host_sums`), its sum of squares for the global
+  ``grad_accumulation_on_device`` lets, stay on the device instead until the last micro-batch), its sum of
+  squares for the global
   norm taken on the device after the last micro-batch, so only one number per unit is summed there; the
   reducer then drops its device copy, so backward holds no gradient shards on the device beyond the
   reductions in flight (at stages 2-3 with gradient accumulation too: :mod:`dsfunc.zero.reduce`; at stage 1
@@ -45,13 +44,12 @@ import collections
 import logging
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 
 import torch
 
 from dsfunc import kernels
 from dsfunc.config import ZeroConfig
-from dsfunc.zero.host_sums import HostSums
 from dsfunc.zero.host_update import PendingUpdate
 from dsfunc.zero.layout import ShardingPlan, Unit
 
@@ -104,12 +102,9 @@ class HostOffload:
     staging_slots = 3  # host buffers the new 16-bit shards pass through when the device keeps them
 
     def __init__(self, plan: ShardingPlan, *, compute_device: torch.device, compute_dtype: torch.dtype,
-                 pin_memory: bool, params: bool, grad_bytes: int = 4, micro_grad_bytes: int = 4,
-                 resident_elements: int = 0, summed_elements: int = 0) -> None:
+                 pin_memory: bool, params: bool, grad_bytes: int = 4, resident_elements: int = 0) -> None:
         self.plan = plan
-        # units whose sums wait on the device between micro-batches, and those the host adds micro-batches into
-        self.resident = _units_within(reversed(plan.units), plan, resident_elements)
-        self.summed = _units_within([u for u in plan.units if u.name not in self.resident], plan, summed_elements)
+        self.resident = _resident_units(plan, resident_elements)  # units whose sums wait on the device
         self.device = torch.device("cpu")  # where the masters and optimizer state live
         self.compute_device = compute_device
         self.compute_dtype = compute_dtype
@@ -117,9 +112,6 @@ class HostOffload:
         self.params = params  # offload_param: no device copy of a stage-3 unit's shard between its gathers
         self.grad_bytes = grad_bytes  # per element of a host gradient buffer, as the config lets expect
         self._pinned = _Pinned(self) if self.pin else None
-        largest_summed = max((plan.shard_size(plan.unit(name)) for name in self.summed), default=0)
-        self.sums = HostSums(self.empty, largest_summed * micro_grad_bytes, min(HostSums.staging_slots,
-                             len(self.summed))) if self.summed else None
         self._grads: dict[str, torch.Tensor] = {}  # unit -> gradient shard (host)
         self._lowp: dict[str, torch.Tensor] = {}  # unit -> compute-dtype parameter shard (host, 16-bit only)
         self._sumsq: dict[str, torch.Tensor] = {}  # unit -> sum of squares of its gradient (device)
@@ -140,38 +132,31 @@ class HostOffload:
         self._copied: dict[str, torch.cuda.Event] = {}
         self._queued: collections.deque[torch.cuda.Event] = collections.deque()
         self._fetched: dict[str, tuple[torch.Tensor, torch.cuda.Event]] = {}  # unit -> sum on its way back
-        # last micro-batch or not -> unit -> the unit whose sum backward fetches next: the one before it in the
-        # plan whose sum is not on the device, and before the last micro-batch not added on the host either
+        # unit -> the unit whose sum backward fetches next: the one before it in the plan that is not resident
         fetched = [u.name for u in plan.units if u.name not in self.resident]
-        between = [name for name in fetched if name not in self.summed]
-        self._before = {True: dict(zip(fetched[1:], fetched[:-1])), False: dict(zip(between[1:], between[:-1]))}
+        self._before = dict(zip(fetched[1:], fetched[:-1]))
 
     @classmethod
     def from_config(cls, plan: ShardingPlan, zero: ZeroConfig, *, compute_device: torch.device,
-                    compute_dtype: torch.dtype, grad_dtype: torch.dtype, micro_grad_dtype: torch.dtype,
-                    micro_batches: int) -> HostOffload | None:
+                    compute_dtype: torch.dtype, grad_dtype: torch.dtype, micro_batches: int) -> HostOffload | None:
         """The host side for ``zero``'s offload sections, or None when the optimizer is not offloaded.
-        ``grad_dtype``: what the host gradient buffers are expected to hold (for the memory estimate);
-        ``micro_grad_dtype``: one micro-batch's reduced gradient."""
+        ``grad_dtype``: what the host gradient buffers are expected to hold (for the memory estimate)."""
         section = zero.offload_optimizer
         if section is None:
             return None
-        budgets = {"device": section.grad_accumulation_on_device, "host": section.grad_accumulation_on_host}
-        for where, fewest in (("device", 2), ("host", 3)):
-            if budgets[where] and (micro_batches < fewest or zero.stage == 1):
-                logger.warning("offload_optimizer.grad_accumulation_on_%s has no effect %s", where,
-                               f"with fewer than {fewest} micro-batches a step" if micro_batches < fewest else
-                               "at stage 1, which sums micro-batches on the device anyway")
-                budgets[where] = 0
+        budget = section.grad_accumulation_on_device
+        if budget and (micro_batches == 1 or zero.stage == 1):
+            logger.warning("offload_optimizer.grad_accumulation_on_device has no effect %s", "without gradient "
+                           "accumulation" if micro_batches == 1 else "at stage 1, which sums micro-batches on the "
+                           "device anyway")
+            budget = 0
         host = cls(plan, compute_device=compute_device, compute_dtype=compute_dtype, pin_memory=section.pin_memory,
                    params=zero.offload_param is not None, grad_bytes=torch.empty((), dtype=grad_dtype).element_size(),
-                   micro_grad_bytes=torch.empty((), dtype=micro_grad_dtype).element_size(),
-                   resident_elements=budgets["device"], summed_elements=budgets["host"])
-        for where, units in (("device", host.resident), ("host", host.summed)):
-            if budgets[where] and not units:
-                logger.warning("offload_optimizer.grad_accumulation_on_%s = %d is smaller than every unit's gradient "
-                               "shard left (the smallest has %d elements): it takes none", where, budgets[where],
-                               min(plan.shard_size(u) for u in plan.units))
+                   resident_elements=budget)
+        if budget and not host.resident:
+            logger.warning("offload_optimizer.grad_accumulation_on_device = %d is smaller than every unit's gradient "
+                           "shard (the smallest has %d elements): every sum goes to the host", budget,
+                           min(plan.shard_size(u) for u in plan.units))
         return host
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -192,79 +177,46 @@ class HostOffload:
         later call for the same unit (the next micro-batch, another backward) replaces both."""
         if last:
             self._sumsq[unit.name] = kernels.sum_of_squares([grad])
-        buf = self._buffer(unit, grad.numel(), dtype)
-        done = self._copy_out(grad, buf)
-        if done is not None:
-            self._copied[unit.name] = done
-        return buf
-
-    def _buffer(self, unit: Unit, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """``unit``'s host gradient buffer, made anew if it has another size or dtype, once the last step's
-        update no longer reads it."""
-        self.pending.wait_unit(unit.name)
+        self.pending.wait_unit(unit.name)  # the last step's update may still read the buffer
         buf = self._grads.get(unit.name)
-        if buf is None or buf.numel() != numel or buf.dtype != dtype:
+        if buf is None or buf.numel() != grad.numel() or buf.dtype != dtype:
             if buf is not None and self._pinned is not None:
                 self._pinned.release(buf)
-            buf = self._grads[unit.name] = self.empty(numel, dtype)
-        return buf
-
-    @torch.no_grad()
-    def add_grad(self, unit: Unit, grad: torch.Tensor, first: bool) -> torch.Tensor:
-        """Start adding this micro-batch's gradient shard of a unit in :attr:`summed` into its fp32 host sum
-        (returned; the ``first`` micro-batch's is widened into it): copied out into a staging buffer, in its
-        own dtype, then added by the host's worker. Not for the last micro-batch, whose sum the device makes
-        (:meth:`fetch_grad`), so that its sum of squares is taken there."""
-        buf = self._buffer(unit, grad.numel(), torch.float32) if first else self._grads[unit.name]
-        slot, staged = self.sums.slot(grad.numel(), grad.dtype)
-        landed = self._copy_out(grad, staged)
-        self.sums.add(unit.name, buf, slot, staged, [None if first else self._copied.get(unit.name), landed],
-                      widen=first)
-        return buf
-
-    def _copy_out(self, grad: torch.Tensor, buf: torch.Tensor) -> torch.cuda.Event | None:
-        """Copy device ``grad`` into host ``buf`` on the copy stream, after what the compute stream has queued;
-        the event after it (None off a GPU, where the copy is done on return)."""
+            buf = self._grads[unit.name] = self.empty(grad.numel(), dtype)
         if self.copies is None:
             buf.copy_(grad, non_blocking=True)
-            return None
+            return buf
         compute = torch.cuda.current_stream(self.compute_device)
         self.copies.wait_stream(compute)  # the gradient is made, and the last read of buf (fetch_grad) is done
         with torch.cuda.stream(self.copies):
             buf.copy_(grad, non_blocking=True)
         grad.record_stream(self.copies)  # its memory is reused only once the copy has read it
-        done = torch.cuda.Event()
+        done = self._copied[unit.name] = torch.cuda.Event()
         done.record(self.copies)
         self._queued.append(done)
         if len(self._queued) > self.copies_in_flight:
             compute.wait_event(self._queued.popleft())  # bounds the device gradients the queue holds
-        return done
+        return buf
 
-    def fetch_grad(self, unit: Unit, buf: torch.Tensor, last: bool = True) -> torch.Tensor:
+    def fetch_grad(self, unit: Unit, buf: torch.Tensor) -> torch.Tensor:
         """``unit``'s gradient sum so far (``buf``, what :meth:`put_grad` returned) back on the compute device in
-        fp32, once its copy out (and the host's adds into it) have landed: the micro-batch, the ``last`` or not,
-        adds to it. On a GPU the copy back runs on the fetch stream, and the sum of the unit backward reaches next
-        (the one before it in the plan, of those whose sums come back in this micro-batch) starts coming back at
-        once, so that copy runs beside this unit's backward."""
+        fp32, once its copy out has landed (the next micro-batch adds to it). On a GPU the copy back runs on the
+        fetch stream, and the sum of the unit backward reaches next (the one before it in the plan) starts
+        coming back at once, so that copy runs beside this unit's backward."""
         if self.copies is None:
-            if self.sums is not None:
-                self.sums.wait(unit.name)
             return buf.to(self.compute_device, torch.float32, non_blocking=True)
         fetched = self._fetched.pop(unit.name, None)
         if fetched is None or fetched[0].numel() != buf.numel() or fetched[0].dtype != buf.dtype:
             fetched = self._start_fetch(unit.name, buf)
         out, landed = fetched
         torch.cuda.current_stream(self.compute_device).wait_event(landed)
-        before = self._before[last].get(unit.name)
+        before = self._before.get(unit.name)
         if before is not None and before in self._grads and before not in self._fetched:
             self._fetched[before] = self._start_fetch(before, self._grads[before])
         return out.float()
 
     def _start_fetch(self, name: str, buf: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """Copy host ``buf`` (unit ``name``'s) into a new device tensor on the fetch stream, after its copy out and
-        the host's adds into it."""
-        if self.sums is not None:
-            self.sums.wait(name)
+        """Copy host ``buf`` (unit ``name``'s) into a new device tensor on the fetch stream, after its copy out."""
         out = torch.empty(buf.numel(), dtype=buf.dtype, device=self.compute_device)
         self.fetches.wait_stream(torch.cuda.current_stream(self.compute_device))  # out's memory is free to write
         done = self._copied.get(name)
@@ -291,8 +243,6 @@ class HostOffload:
                 sums.append(self._sumsq[name])
             out[name] = grad
         self._sumsq = {}
-        if self.sums is not None:
-            self.sums.wait()  # none is pending after a last micro-batch; after an interrupted step there may be
         if self.compute_device.type == "cuda":
             torch.cuda.current_stream(self.compute_device).synchronize()  # the host reads them next
             self.copies.synchronize()
@@ -397,20 +347,18 @@ class HostOffload:
         shards = [self.plan.shard_size(u) for u in self.plan.units]
         lowp = torch.empty((), dtype=self.compute_dtype).element_size() if self.compute_dtype in _LOWP else 0
         staged = sum(shards) if self.params else max(shards) * min(self.staging_slots, len(shards))
-        summing = 0 if self.sums is None else self.sums.slot_bytes * self.sums.slots
-        return sum(shards) * self.grad_bytes + staged * lowp + summing
+        return sum(shards) * self.grad_bytes + staged * lowp
 
     def buffers(self) -> list[torch.Tensor]:
         """The host buffers held now besides the masters and optimizer state (what :meth:`host_bytes` counts)."""
-        summing = [] if self.sums is None else self.sums.buffers()
-        return [*self._grads.values(), *(self._lowp.values() if self.params else self._slots), *summing]
+        return [*self._grads.values(), *(self._lowp.values() if self.params else self._slots)]
 
 
-def _units_within(units: Iterable[Unit], plan: ShardingPlan, elements: int) -> frozenset[str]:
-    """Of ``units``, in their order, those whose gradient shards fit in ``elements`` together, whole, skipping any
-    too large for what is left."""
+def _resident_units(plan: ShardingPlan, elements: int) -> frozenset[str]:
+    """The units whose gradient sums fit in ``elements`` together, taken whole in the order backward reaches
+    them (the plan's last first), skipping any too large for what is left."""
     chosen, left = [], elements
-    for unit in units:
+    for unit in reversed(plan.units):
         if 0 < plan.shard_size(unit) <= left:
             chosen.append(unit.name)
             left -= plan.shard_size(unit)

@@ -25,9 +25,7 @@ and the device copy is dropped; :meth:`ZeroReducer.finish` then returns the host
 accumulation at stages 2-3 the next micro-batch's reduction brings the host sum back to the device, adds
 to it and sends it out again (stream-ordered copies; DeepSpeed accumulates offloaded stage-2 gradients the
 same way), so no gradient shard waits on the device between micro-batches, but those of the ``resident``
-units (``offload_optimizer.grad_accumulation_on_device``), whose sums go to the sink after the last. The
-micro-batches before the last of the ``summed`` units (``grad_accumulation_on_host``) go to ``accumulate``
-instead, which adds them into the sunk sum on the host.
+units (``offload_optimizer.grad_accumulation_on_device``), whose sums go to the sink after the last.
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ from dsfunc.zero.layout import ShardingPlan, Unit
 
 Grads = dict[str, torch.Tensor | None]
 Sink = Callable[[Unit, torch.Tensor, torch.dtype, bool], torch.Tensor]
-Fetch = Callable[[Unit, torch.Tensor, bool], torch.Tensor]  # a sunk sum back on the device, in fp32 (last?)
-Accumulate = Callable[[Unit, torch.Tensor, bool], torch.Tensor]  # a gradient added into its sunk sum (first?)
+Fetch = Callable[[Unit, torch.Tensor], torch.Tensor]  # a sunk sum back on the device, in fp32
 
 
 def exact_dtype(dtype: torch.dtype, comm_dtype: torch.dtype, ranks: int) -> torch.dtype:
@@ -97,17 +94,14 @@ class ZeroReducer:
 
     def __init__(self, plan: ShardingPlan, *, comm_dtype: torch.dtype, bucket_size: int,
                  device: torch.device, sink: Sink | None = None, fetch: Fetch | None = None,
-                 resident: frozenset[str] = frozenset(), accumulate: Accumulate | None = None,
-                 summed: frozenset[str] = frozenset(), narrow: bool = False) -> None:
+                 resident: frozenset[str] = frozenset(), narrow: bool = False) -> None:
         self.plan = plan
         self.sink = sink
         self.resident = resident  # with a sink: units whose sums stay here until the last micro-batch
-        self.accumulate = accumulate
-        self.summed = summed  # with a sink: units whose micro-batches before the last go to accumulate
         # whether a gradient should come as soon as backward makes it: its collective, or its copy to the host,
         # then runs beside the rest of backward (on one rank without a sink they may come after it)
         self.streams = plan.world_size > 1 or sink is not None
-        self.fetch = fetch or (lambda _unit, t, _last: t.to(device, torch.float32, non_blocking=True))
+        self.fetch = fetch or (lambda _unit, t: t.to(device, torch.float32, non_blocking=True))
         self.narrow = narrow or sink is not None  # a gradient kept in its exact dtype (a sunk one always is)
         self.comm_dtype = comm_dtype
         self.bucket_size = bucket_size
@@ -164,11 +158,8 @@ class ZeroReducer:
 
     def _store(self, unit: Unit, reduced: torch.Tensor, last: bool, exact: torch.dtype) -> None:
         prev = self._grads.pop(unit.name, None)
-        if not last and unit.name in self.summed:  # the host widens the first into the sum, adds the others to it
-            self._sunk[unit.name] = self.accumulate(unit, reduced, unit.name not in self._sunk)
-            return
         if prev is None and unit.name in self._sunk:  # an earlier micro-batch's (or backward's) sum, on the host
-            prev = self.fetch(unit, self._sunk.pop(unit.name), last)
+            prev = self.fetch(unit, self._sunk.pop(unit.name))
         if prev is not None:
             reduced, exact = prev.float().add_(reduced), torch.float32
         else:  # its exact dtype after the last micro-batch if kept narrow; fp32 before it (more will be added)

@@ -481,8 +481,6 @@ def zero_runtime(state: TrainState) -> MicroBatchRuntime:
                           sink=None if program.offload is None else program.offload.put_grad,
                           fetch=None if program.offload is None else program.offload.fetch_grad,
                           resident=frozenset() if program.offload is None else program.offload.resident,
-                          accumulate=None if program.offload is None else program.offload.add_grad,
-                          summed=frozenset() if program.offload is None else program.offload.summed,
                           narrow=program.update.reads_16_bit_grads)
     return MicroBatchRuntime(state, reducer, ranks=program.plan.world_size)
 

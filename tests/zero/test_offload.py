@@ -28,13 +28,13 @@ MODES = {"none": {}, "optimizer": {"offload_optimizer": OPTIMIZER},
 
 
 def make_state(world: int, stage: int, mode: str, *, micro: int = 2, gas: int = 2, seed: int = 0,
-               sums: dict | None = None, **extra: object) -> dsfunc.TrainState:
-    """``sums``: where the optimizer offload's gradient sums wait between micro-batches (its keys)."""
+               resident: int = 0, **extra: object) -> dsfunc.TrainState:
+    """``resident``: offload_optimizer.grad_accumulation_on_device (elements)."""
     torch.manual_seed(seed)
     cfg = config(micro=micro, gas=gas, world=world, stage=stage, gradient_clipping=0.05, **extra)
     cfg["zero_optimization"].update(MODES[mode], stage3_param_persistence_threshold=0)
-    if sums:
-        cfg["zero_optimization"]["offload_optimizer"] = {**OPTIMIZER, **sums}
+    if resident:
+        cfg["zero_optimization"]["offload_optimizer"] = {**OPTIMIZER, "grad_accumulation_on_device": resident}
     return dsfunc.init_state(MLP(width=10, depth=3), cfg)
 
 
@@ -361,68 +361,54 @@ def test_adamw_on_16_bit_host_gradients_trains_like_the_resident_run():
     assert relative_diff(full["optimizer"], full["none"]) < 1e-5
 
 
-def where_sums_wait(rank: int, world: int) -> dict:
-    """Four micro-batches a step, the last unit's sums kept on the device between them and the first two units'
-    added on the host: the units each micro-batch leaves on the device, the host's staging buffers, and the
-    parameters after training (Lamb: the same arithmetic offloaded or not)."""
+def resident_sums(rank: int, world: int) -> dict:
+    """Three micro-batches a step, the last two units' sums kept on the device between them: the units each
+    micro-batch leaves on the device, and the parameters after training (Lamb: the same arithmetic offloaded
+    or not)."""
     from dsfunc.zero.runtime import zero_runtime
 
     lamb = {"type": "Lamb", "params": {"lr": 1e-2}}
-    plan = make_state(world, 2, "optimizer", micro=1, gas=4).program.plan
-    device, host = plan.units[-1:], plan.units[:2]
-    budgets = {"device": sum(plan.shard_size(u) for u in device), "host": sum(plan.shard_size(u) for u in host)}
-    out = {"device": sorted(u.name for u in device), "host": sorted(u.name for u in host), "budgets": budgets,
-           "largest host": max(plan.shard_size(u) for u in host)}
+    plan = make_state(world, 2, "optimizer", micro=1, gas=3).program.plan
+    budget = sum(plan.shard_size(u) for u in plan.units[-2:])
+    out = {}
     for stage in (2, 3):
-        for kind in ("neither", "device", "host", "both"):
-            sums = {f"grad_accumulation_on_{where}": n for where, n in budgets.items() if kind in (where, "both")}
-            state = make_state(world, stage, "optimizer", micro=1, gas=4, optimizer=lamb, sums=sums)
+        for resident in (0, budget):
+            state = make_state(world, stage, "optimizer", micro=1, gas=3, optimizer=lamb, resident=resident)
             runtime = zero_runtime(state)
             waiting = []
-            for i, micro in enumerate(mlp_batches(4, world)):
+            for i, micro in enumerate(mlp_batches(3, world)):
                 x, y = micro[0][rank : rank + 1], micro[1][rank : rank + 1]
-                runtime.backward(runtime.forward(lambda model, b: model(*b), (x, y), micro=(i, 4)))
+                runtime.backward(runtime.forward(lambda model, b: model(*b), (x, y), micro=(i, 3)))
                 runtime.end()
                 waiting.append(sorted(runtime.reducer._grads))
             runtime.finish()
-            offload = state.program.offload
-            trained = train(make_state(world, stage, "optimizer", micro=1, gas=4, optimizer=lamb, sums=sums),
+            trained = train(make_state(world, stage, "optimizer", micro=1, gas=3, optimizer=lamb, resident=resident),
                             rank, world)
-            out[stage, kind] = {
-                "waiting": waiting, "resident": sorted(offload.resident), "summed": sorted(offload.summed),
-                "staging": sum(b.nbytes for b in offload.sums.buffers()) if offload.sums else 0,
-                "estimate": memory_estimate(state), "full": dsfunc.full_params(trained),
+            out[stage, resident] = {
+                "waiting": waiting, "resident": sorted(state.program.offload.resident),
+                "estimate": memory_estimate(state)["gradients"], "full": dsfunc.full_params(trained),
                 "grad_norm": trained.metrics.grad_norm.item(),
             }
+    out["last two"] = sorted(u.name for u in plan.units[-2:])
+    out["budget"] = budget
     return out
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_sums_kept_on_the_device_or_added_on_the_host_train_bit_for_bit(world):
-    for r in run_world(where_sums_wait, world):
+def test_sums_kept_on_the_device_between_micro_batches_train_bit_for_bit(world):
+    for r in run_world(resident_sums, world):
         for stage in (2, 3):
-            sent = r[stage, "neither"]
-            for kind in ("device", "host", "both"):
-                got = r[stage, kind]
-                on_device, on_host = kind in ("device", "both"), kind in ("host", "both")
-                assert got["resident"] == (r["device"] if on_device else [])
-                assert got["summed"] == (r["host"] if on_host else [])
-                # before the last micro-batch only the resident units' sums wait on the device; after it none does
-                assert got["waiting"] == [r["device"] if on_device else []] * 3 + [[]], (stage, kind)
-                assert got["estimate"]["gradients"] == (4 * r["budgets"]["device"] if on_device else 0)
-                # the host adds through one staging buffer per unit, at most 3, of the largest one's fp32 gradient
-                assert got["staging"] == (2 * 4 * r["largest host"] if on_host else 0)
-                assert got["estimate"]["host_buffers"] - sent["estimate"]["host_buffers"] == got["staging"]
-                assert relative_diff(got["full"], sent["full"]) == 0.0 and got["grad_norm"] == sent["grad_norm"]
+            kept, sent = r[stage, r["budget"]], r[stage, 0]
+            assert kept["resident"] == r["last two"] and sent["resident"] == []
+            # before the last micro-batch only the resident units' sums wait on the device; after it none does
+            assert kept["waiting"] == [r["last two"], r["last two"], []] and sent["waiting"] == [[], [], []]
+            assert kept["estimate"] == 4 * r["budget"] and sent["estimate"] == 0
+            assert relative_diff(kept["full"], sent["full"]) == 0.0 and kept["grad_norm"] == sent["grad_norm"]
 
 
-def test_where_sums_wait_says_when_it_cannot_apply(caplog):
+def test_sums_on_the_device_say_when_they_cannot_apply(caplog):
     with caplog.at_level("WARNING", logger="dsfunc"):
-        state = make_state(1, 2, "optimizer", micro=2, gas=1, sums={"grad_accumulation_on_device": 10**9})
-        assert not state.program.offload.resident
-        assert "grad_accumulation_on_device has no effect with fewer than 2 micro-batches a step" in caplog.text
-        state = make_state(1, 2, "optimizer", micro=2, gas=2, sums={"grad_accumulation_on_host": 10**9})
-        assert not state.program.offload.summed
-        assert "grad_accumulation_on_host has no effect with fewer than 3 micro-batches a step" in caplog.text
-        assert not make_state(1, 2, "optimizer", sums={"grad_accumulation_on_device": 1}).program.offload.resident
-        assert "grad_accumulation_on_device = 1 is smaller than every unit's gradient shard left" in caplog.text
+        assert not make_state(1, 2, "optimizer", micro=2, gas=1, resident=10**9).program.offload.resident
+        assert "has no effect without gradient accumulation" in caplog.text
+        assert not make_state(1, 2, "optimizer", resident=1).program.offload.resident
+        assert "= 1 is smaller than every unit's gradient shard" in caplog.text
