@@ -109,11 +109,11 @@ def test_without_accumulation_the_gradient_shard_leaves_the_device_too():
     assert abs(resident["loss"] - offloaded["loss"]) < 1e-2
 
 
-def train_mlp(stage: int, zero_extra: dict, precision: str | None, steps: int = 4) -> tuple[dict, float]:
+def train_mlp(stage: int, zero_extra: dict, precision: str | None, steps: int = 4, gas: int = 2) -> tuple[dict, float]:
     """The LayerNorm-free MLP of the CPU tests on cuda:0 (the GPT's key bias has a zero gradient, which Adam
     turns into steps of +-lr from rounding noise: no two Adam implementations agree on it)."""
     torch.manual_seed(0)
-    cfg = config(micro=2, gas=2, stage=stage, gradient_clipping=1.0)
+    cfg = config(micro=4 // gas, gas=gas, stage=stage, gradient_clipping=1.0)
     cfg["zero_optimization"].update(stage3_param_persistence_threshold=0, **zero_extra)
     if precision:
         cfg[precision] = {"enabled": True}
@@ -148,9 +148,10 @@ def test_parameter_offload_at_stage3_on_the_gpu_trains_like_the_resident_run():
 @needs_cuda
 @pytest.mark.parametrize("stage", [2, 3])
 def test_sums_kept_on_the_gpu_between_micro_batches_train_bit_for_bit(stage):
-    """Two of the MLP's units keep their sums on the device: the others' copies out and back (each fetch
-    starting the next one's) skip them, and the same host update sees the same sums."""
-    sent, loss = train_mlp(stage, OFFLOAD, "bf16")
+    """Four micro-batches; the MLP's last two units (of a 708-element root and three 4,160-element blocks) keep
+    their sums on the device: the others' copies out and back (each fetch starting the next one's) skip them,
+    and the same host update sees the same sums."""
+    sent, loss = train_mlp(stage, OFFLOAD, "bf16", gas=4)
     kept = {"offload_optimizer": {**OFFLOAD["offload_optimizer"], "grad_accumulation_on_device": 9000}}
-    resident, resident_loss = train_mlp(stage, kept, "bf16")
+    resident, resident_loss = train_mlp(stage, kept, "bf16", gas=4)
     assert relative_diff(resident, sent) == 0.0 and resident_loss == loss
