@@ -365,6 +365,7 @@ def resident_sums(rank: int, world: int) -> dict:
     """Three micro-batches a step, the last two units' sums kept on the device between them: the units each
     micro-batch leaves on the device, and the parameters after training (Lamb: the same arithmetic offloaded
     or not)."""
+    from dsfunc.monitor.progress import startup_summary
     from dsfunc.zero.runtime import zero_runtime
 
     lamb = {"type": "Lamb", "params": {"lr": 1e-2}}
@@ -387,6 +388,7 @@ def resident_sums(rank: int, world: int) -> dict:
             out[stage, resident] = {
                 "waiting": waiting, "resident": sorted(state.program.offload.resident),
                 "estimate": memory_estimate(state)["gradients"], "full": dsfunc.full_params(trained),
+                "summary": startup_summary(state),
                 "grad_norm": trained.metrics.grad_norm.item(),
             }
     out["last two"] = sorted(u.name for u in plan.units[-2:])
@@ -403,6 +405,8 @@ def test_sums_kept_on_the_device_between_micro_batches_train_bit_for_bit(world):
             # before the last micro-batch only the resident units' sums wait on the device; after it none does
             assert kept["waiting"] == [r["last two"], r["last two"], []] and sent["waiting"] == [[], [], []]
             assert kept["estimate"] == 4 * r["budget"] and sent["estimate"] == 0
+            assert "the gradient sums of 2 unit(s) wait on the device" in kept["summary"]
+            assert "wait on the device" not in sent["summary"]
             assert relative_diff(kept["full"], sent["full"]) == 0.0 and kept["grad_norm"] == sent["grad_norm"]
 
 
@@ -412,3 +416,27 @@ def test_sums_on_the_device_say_when_they_cannot_apply(caplog):
         assert "has no effect without gradient accumulation" in caplog.text
         assert not make_state(1, 2, "optimizer", resident=1).program.offload.resident
         assert "= 1 is smaller than every unit's gradient shard" in caplog.text
+
+
+def test_the_engine_keeps_sums_on_the_device_until_its_accumulation_boundary():
+    """The engine's backward per micro-batch and step at the boundary run the same runtime: bit for bit."""
+    import dsfunc as deepspeed
+
+    full = {}
+    for sums in ({}, {"grad_accumulation_on_device": 250}):  # two of the 110-element blocks
+        torch.manual_seed(0)
+        net = MLP(width=10, depth=3)
+        cfg = config(micro=1, gas=4, stage=3, gradient_clipping=0.05)
+        cfg["zero_optimization"].update(offload_optimizer={**OPTIMIZER, **sums}, stage3_param_persistence_threshold=0)
+        engine, _, _, _ = deepspeed.initialize(model=net, config=cfg)
+        waiting = []
+        for x, y in mlp_batches(3, 4):
+            for i in range(4):
+                engine.backward(engine(x[i : i + 1], y[i : i + 1]))
+                engine.step()
+                runtime = engine.steps.runtime
+                waiting.append(len(runtime.reducer._grads) if runtime is not None else None)
+        # between the micro-batches of a step the two units' sums wait on the device; the boundary ends the step
+        assert waiting == ([2 if sums else 0] * 3 + [None]) * 3, waiting
+        full[bool(sums)] = dsfunc.full_params(engine.state)
+    assert relative_diff(full[True], full[False]) == 0.0
