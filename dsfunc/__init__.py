@@ -11,21 +11,9 @@ DeepSpeed's modules answer under dsfunc (``deepspeed.accelerator`` is ``dsfunc.a
 :mod:`dsfunc.deepspeed.namespace`).
 """
 
+import importlib as _importlib
 import importlib.metadata as _metadata
 
-from dsfunc.checkpoint import (
-    CheckpointCorruptError,
-    CheckpointError,
-    CheckpointMismatchError,
-    CheckpointNotFoundError,
-    CheckpointTimeoutError,
-    CheckpointUnsupportedError,
-    export_fp32,
-    export_hf,
-    load_checkpoint,
-    save_checkpoint,
-    wait_for_checkpoint,
-)
 from dsfunc.config import (
     BF16Config,
     Config,
@@ -99,9 +87,21 @@ __version__ = _metadata.version("dsfunc")  # pyproject.toml's, the one source
 _namespace.install()
 
 
+# dsfunc.checkpoint's names, imported on first use: DCP and DTensor take about a second to import
+_CHECKPOINT_NAMES = frozenset({
+    "CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError",
+    "CheckpointTimeoutError", "CheckpointUnsupportedError", "export_fp32", "export_hf", "load_checkpoint",
+    "save_checkpoint", "wait_for_checkpoint",
+})
+
+
 def __getattr__(name: str) -> object:
-    """DeepSpeed's top-level packages (``deepspeed.accelerator``, ``deepspeed.comm``, ``deepspeed.ops``,
-    ``deepspeed.utils``, ``deepspeed.runtime``, ``deepspeed.pipe``, ...), imported on first use."""
+    """dsfunc.checkpoint and its names, and DeepSpeed's top-level packages (``deepspeed.accelerator``,
+    ``deepspeed.comm``, ``deepspeed.ops``, ``deepspeed.utils``, ``deepspeed.runtime``, ``deepspeed.pipe``, ...),
+    imported on first use."""
+    if name == "checkpoint" or name in _CHECKPOINT_NAMES:
+        checkpoint = _importlib.import_module("dsfunc.checkpoint")
+        return checkpoint if name == "checkpoint" else getattr(checkpoint, name)
     return _namespace.package(name)
 
 __all__ = [  # noqa: RUF022 - grouped by layer, as the imports above

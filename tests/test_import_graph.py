@@ -61,3 +61,20 @@ def test_no_module_imports_itself_through_others():
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as e:
         raise AssertionError(f"import circle: {' -> '.join(reversed(e.args[1]))}") from None
+
+
+def test_import_dsfunc_leaves_the_slow_torch_packages_for_later():
+    """DCP, DTensor (a second of import time here) and torch.distributed.pipelining (dynamo) load when a
+    checkpoint or a pipeline is first used, not with ``import dsfunc``; a notebook starts without them."""
+    import subprocess
+    import sys
+
+    slow = ["torch.distributed.checkpoint", "torch.distributed.tensor", "torch.distributed.pipelining"]
+    code = ("import sys, dsfunc; dsfunc.init_state; dsfunc.save_checkpoint; "
+            f"print([m for m in {slow!r} if m in sys.modules])")
+    before = subprocess.run([sys.executable, "-c", code.replace("dsfunc.save_checkpoint; ", "")], capture_output=True,
+                            text=True, timeout=300, check=True, cwd=ROOT)
+    after = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True,
+                           cwd=ROOT)
+    assert before.stdout.strip() == "[]", before.stdout + before.stderr
+    assert "torch.distributed.checkpoint" in after.stdout  # the first use imports it

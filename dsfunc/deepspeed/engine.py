@@ -45,7 +45,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsfunc import checkpoint
 from dsfunc.compile import compile_forwards
 from dsfunc.config import parse_compile
 from dsfunc.data import DistributedLoader
@@ -389,6 +388,8 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         client[ENGINE_KEY] = {"global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
                               "param_group_lr": self.get_lr()}
         self.monitor.flush()
+        from dsfunc import checkpoint  # DCP and DTensor load on first use: a second of import time
+
         checkpoint.save_checkpoint(self.state, save_dir, tag=tag, client_state=client, save_latest=save_latest)
         return True
 
@@ -419,6 +420,8 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
             raise InputError("custom_load_fn is not supported by dsfunc")
         if self.steps.runtime is not None:
             raise UsageError("load_checkpoint in the middle of an optimizer step; call it between steps")
+        from dsfunc import checkpoint  # DCP and DTensor load on first use: a second of import time
+
         try:
             folder = checkpoint.find_checkpoint(load_dir, tag)
         except checkpoint.CheckpointNotFoundError as e:  # DeepSpeed warns and returns (None, None)
