@@ -16,9 +16,10 @@ A :class:`HostOffload` owns the host side of that traffic:
   reducer then drops its device copy, so backward holds no gradient shards on the device beyond the
   reductions in flight (at stages 2-3 with gradient accumulation too: :mod:`dsfunc.zero.reduce`; at stage 1
   the micro-batches before the last sum locally in fp32, as without offload).
-  The buffer has the narrowest dtype that holds the gradient exactly
+  The buffer holds the narrowest dtype that holds the gradient exactly
   (:func:`dsfunc.zero.reduce.exact_dtype`: 16 bits for one micro-batch on one rank, or with 16-bit
-  communication), half the host bytes of fp32 and the same numbers;
+  communication), half the host bytes of fp32 and the same numbers; with accumulation the first micro-batch's
+  sum goes out in it too (a 16-bit view of the unit's fp32 buffer), half the bytes over PCIe both ways;
 * the update then runs where the masters are (:mod:`dsfunc.optim.host_adam` for the config's Adam/AdamW);
 * parameters back: each unit's new shard is cast to the compute dtype on the host (a pinned buffer) and
   copied to the device (:meth:`HostOffload.stage`, :meth:`HostOffload.send`), half the bytes of the fp32
@@ -112,7 +113,8 @@ class HostOffload:
         self.params = params  # offload_param: no device copy of a stage-3 unit's shard between its gathers
         self.grad_bytes = grad_bytes  # per element of a host gradient buffer, as the config lets expect
         self._pinned = _Pinned(self) if self.pin else None
-        self._grads: dict[str, torch.Tensor] = {}  # unit -> gradient shard (host)
+        self._storage: dict[str, torch.Tensor] = {}  # unit -> the bytes of its host gradient buffer
+        self._grads: dict[str, torch.Tensor] = {}  # unit -> its gradient shard there, in the dtype it came in
         self._lowp: dict[str, torch.Tensor] = {}  # unit -> compute-dtype parameter shard (host, 16-bit only)
         self._sumsq: dict[str, torch.Tensor] = {}  # unit -> sum of squares of its gradient (device)
         self._sent: dict[str, torch.cuda.Event] = {}  # unit -> after the last copy out of its staged shard
@@ -178,11 +180,14 @@ class HostOffload:
         if last:
             self._sumsq[unit.name] = kernels.sum_of_squares([grad])
         self.pending.wait_unit(unit.name)  # the last step's update may still read the buffer
-        buf = self._grads.get(unit.name)
-        if buf is None or buf.numel() != grad.numel() or buf.dtype != dtype:
-            if buf is not None and self._pinned is not None:
-                self._pinned.release(buf)
-            buf = self._grads[unit.name] = self.empty(grad.numel(), dtype)
+        nbytes = grad.numel() * dtype.itemsize
+        storage = self._storage.get(unit.name)
+        if storage is None or storage.numel() < nbytes:  # bytes for the widest dtype the unit's sums come in
+            if storage is not None and self._pinned is not None:
+                self._pinned.release(storage)
+            storage = self._storage[unit.name] = self.empty(grad.numel() * max(self.grad_bytes, dtype.itemsize),
+                                                            torch.uint8)
+        buf = self._grads[unit.name] = storage[:nbytes].view(dtype)
         if self.copies is None:
             buf.copy_(grad, non_blocking=True)
             return buf
@@ -351,7 +356,7 @@ class HostOffload:
 
     def buffers(self) -> list[torch.Tensor]:
         """The host buffers held now besides the masters and optimizer state (what :meth:`host_bytes` counts)."""
-        return [*self._grads.values(), *(self._lowp.values() if self.params else self._slots)]
+        return [*self._storage.values(), *(self._lowp.values() if self.params else self._slots)]
 
 
 def _resident_units(plan: ShardingPlan, elements: int) -> frozenset[str]:

@@ -25,7 +25,9 @@ and the device copy is dropped; :meth:`ZeroReducer.finish` then returns the host
 accumulation at stages 2-3 the next micro-batch's reduction brings the host sum back to the device, adds
 to it and sends it out again (stream-ordered copies; DeepSpeed accumulates offloaded stage-2 gradients the
 same way), so no gradient shard waits on the device between micro-batches, but those of the ``resident``
-units (``offload_optimizer.grad_accumulation_on_device``), whose sums go to the sink after the last.
+units (``offload_optimizer.grad_accumulation_on_device``), whose sums go to the sink after the last. A first
+micro-batch's shard goes out in its exact dtype (bf16 on one rank) and comes back widened: the same sum, with
+4 of the 60 bytes a parameter that 8 micro-batches move over PCIe saved.
 """
 
 from __future__ import annotations
@@ -160,14 +162,16 @@ class ZeroReducer:
         prev = self._grads.pop(unit.name, None)
         if prev is None and unit.name in self._sunk:  # an earlier micro-batch's (or backward's) sum, on the host
             prev = self.fetch(unit, self._sunk.pop(unit.name))
+        kept = self.sink is None or (not last and unit.name in self.resident)
         if prev is not None:
-            reduced, exact = prev.float().add_(reduced), torch.float32
-        else:  # its exact dtype after the last micro-batch if kept narrow; fp32 before it (more will be added)
-            reduced = reduced.to(exact if last and self.narrow else torch.float32)
-        if self.sink is None or (not last and unit.name in self.resident):
+            reduced = prev.float().add_(reduced)
+        else:  # its exact dtype after the last micro-batch if kept narrow, or on its way to the host (where the
+            # next micro-batch's fetch widens it): half the bytes each way; fp32 if more will be added here
+            reduced = reduced.to(exact if (last and self.narrow) or not kept else torch.float32)
+        if kept:
             self._grads[unit.name] = reduced
         else:
-            self._sunk[unit.name] = self.sink(unit, reduced, exact if last else torch.float32, last)
+            self._sunk[unit.name] = self.sink(unit, reduced, reduced.dtype, last)
 
     def _drain(self, keep: int = 0) -> None:
         """Finish all but the ``keep`` newest reductions (their full-size inputs are then freed)."""

@@ -343,6 +343,9 @@ def test_with_accumulation_no_gradient_waits_on_the_device_between_micro_batches
             runtime.end()
             if mode == "optimizer":
                 assert not runtime.reducer._grads  # every unit's sum so far is on the host
+                # the first micro-batch's sums, bf16 on one rank, go out as they are; later sums are fp32
+                held = {g.dtype for g in state.program.offload._grads.values()}
+                assert held == {torch.bfloat16 if i == 0 else torch.float32}, i
         _, grads[mode] = runtime.finish()
     for name, reference in grads["none"].items():
         assert grads["optimizer"][name].device.type == "cpu" and grads["optimizer"][name].dtype == torch.float32
