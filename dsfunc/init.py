@@ -151,8 +151,7 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     skeleton = model if in_place else make_skeleton(model)
     comm_dtype = _COMM_DTYPES[cfg.communication_data_type]
     host = HostOffload.from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype, grad_dtype=(
-        grad_dtype(cfg.compute_dtype, comm_dtype, plan.world_size, cfg.gradient_accumulation_steps)),
-        micro_batches=cfg.gradient_accumulation_steps)
+        grad_dtype(cfg.compute_dtype, comm_dtype, plan.world_size, cfg.gradient_accumulation_steps)))
     if pipeline is not None and host is not None:
         raise NotSupportedError("ZeRO-Offload with pipeline parallelism is not supported by dsfunc; remove the "
                                 "offload_optimizer/offload_param sections or the pipeline")

@@ -174,6 +174,7 @@ def _update_context(program: Program, scale: torch.Tensor, grad_norm: torch.Tens
     skipped = not bool(finite)
 
     def updated(name: str, master: torch.Tensor) -> None:
+        offload.done_with_grad(name)
         # a skipped update writes nothing, its staging slot included: the unchanged master is cast into it
         if workspace.send_updated(name, master, staged=name in host_lowp and not skipped):
             sent.add(name)

@@ -40,10 +40,11 @@ class OffloadConfig:
     page-locking fails; true is DeepSpeed's default since 0.19.5.
     """
     grad_accumulation_on_device: int = 0
-    """dsfunc's own key of ``offload_optimizer`` (stages 2-3, with gradient accumulation): elements of this
-    rank's gradient shards whose fp32 sums stay on the compute device between micro-batches (4 bytes each),
-    whole units in the order backward reaches them. The other units' sums go to host memory and come back
-    for each micro-batch, 8 bytes a parameter over PCIe; these make that trip once a step. 0 (default): none.
+    """dsfunc's own key of ``offload_optimizer`` (stages 2-3): elements of this rank's gradient shards whose
+    sums stay on the compute device between micro-batches (4 bytes each in fp32) and after the last until the
+    host update reads them, whole units in the order backward reaches them. The other units' sums go to host
+    memory and come back for each micro-batch, 8 bytes a parameter over PCIe; these go to the host once a step,
+    beside the update, and need no host gradient buffer of their own. 0 (default): none.
     """
 
 

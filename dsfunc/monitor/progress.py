@@ -89,8 +89,8 @@ def startup_summary(state: Any) -> str:
             f"[dsfunc] ZeRO-Offload: {mib['device']:.2f} MiB on the device, {mib['host']:.2f} MiB in host memory "
             "(fp32 master, optimizer state and host buffers)"
             + (", parameters streamed from the host" if program.offload.params else "")
-            + (f"; the gradient sums of {len(program.offload.resident)} unit(s) wait on the device between "
-               "micro-batches" if program.offload.resident else "")
+            + (f"; the gradient sums of {len(program.offload.resident)} unit(s) wait on the device until the "
+               "update reads them" if program.offload.resident else "")
         )
     return "\n".join(lines)
 

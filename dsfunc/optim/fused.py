@@ -141,7 +141,7 @@ def _host_update(names: list[str], *, params: Mapping[str, torch.Tensor], grads:
                  grad_scale: torch.Tensor, skip: torch.Tensor) -> None:
     """The host Adam of units ``names`` (ZeRO-Offload), each unit's new compute copy written with it."""
     host_adam_(
-        [params[n] for n in names], [grads[n] for n in names], [adam.mu[n] for n in names],
+        [params[n] for n in names], _JustInTime(grads, names), [adam.mu[n] for n in names],
         [adam.nu[n] for n in names], grad_scale=grad_scale, lr=lr, step=step, skip=skip, beta1=group.beta1,
         beta2=group.beta2, eps=group.eps, weight_decay=group.weight_decay, adam_w_mode=group.adam_w_mode,
         bias_correction=group.bias_correction, lowp=_JustInTime(ctx.lowp, names),
@@ -150,14 +150,16 @@ def _host_update(names: list[str], *, params: Mapping[str, torch.Tensor], grads:
 
 
 class _JustInTime(Sequence):
-    """``lowp[names[i]]`` (or None), read when the host Adam reaches unit i: offload's staging buffers are a few
-    slots reused in turn (:meth:`dsfunc.zero.offload.HostOffload.staging_map`), taken one unit at a time."""
+    """``values[names[i]]`` (or None), read when the host Adam reaches unit i: offload's staging buffers, and the
+    host copies of the gradients that waited on the device, are a few slots reused in turn
+    (:meth:`dsfunc.zero.offload.HostOffload.staging_map`, :meth:`~dsfunc.zero.offload.HostOffload.held_grad`),
+    taken one unit at a time."""
 
-    def __init__(self, lowp: Mapping[str, torch.Tensor], names: list[str]) -> None:
-        self._lowp, self._names = lowp, names
+    def __init__(self, values: Mapping[str, torch.Tensor], names: list[str]) -> None:
+        self._values, self._names = values, names
 
     def __getitem__(self, i: int) -> torch.Tensor | None:
-        return self._lowp.get(self._names[i])
+        return self._values.get(self._names[i])
 
     def __len__(self) -> int:
         return len(self._names)

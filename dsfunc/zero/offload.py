@@ -10,7 +10,10 @@ A :class:`HostOffload` owns the host side of that traffic:
   stream waits, so the device gradients they read stay few; with accumulation the sum a unit's next
   micro-batch adds to comes back on a second stream while the unit before it runs backward:
   :meth:`HostOffload.fetch_grad`; the sums of the units in :attr:`HostOffload.resident`, as many as
-  ``grad_accumulation_on_device`` lets, stay on the device instead until the last micro-batch), its sum of
+  ``grad_accumulation_on_device`` lets, stay on the device instead, after the last micro-batch too, until
+  the update reads them: :meth:`HostOffload.held_grad` copies each into one of two host slots just before
+  the update reaches its unit, while the update of the one before runs, so those units have no host
+  gradient buffer and their last copy leaves backward's busy PCIe for the update's idle one), its sum of
   squares for the global
   norm taken on the device after the last micro-batch, so only one number per unit is summed there; the
   reducer then drops its device copy, so backward holds no gradient shards on the device beyond the
@@ -42,6 +45,7 @@ tensors, the copies are real copies and the update is the host one, so nothing o
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 import weakref
@@ -114,6 +118,12 @@ class HostOffload:
         self.grad_bytes = grad_bytes  # per element of a host gradient buffer, as the config lets expect
         self._pinned = _Pinned(self) if self.pin else None
         self._storage: dict[str, torch.Tensor] = {}  # unit -> the bytes of its host gradient buffer
+        self._held: dict[str, torch.Tensor] = {}  # resident unit -> its final gradient, on the device until read
+        self._holding: dict[str, tuple[torch.Tensor, torch.cuda.Event | None]] = {}  # unit -> slot, copy landed
+        self._grad_slots = _Slots(self)  # the host buffers the held gradients are read through
+        # resident unit -> the resident unit the update reads next (plan order: the update's), copied in meanwhile
+        held = [u.name for u in plan.units if u.name in self.resident]
+        self._held_next = dict(itertools.pairwise(held))
         self._grads: dict[str, torch.Tensor] = {}  # unit -> its gradient shard there, in the dtype it came in
         self._lowp: dict[str, torch.Tensor] = {}  # unit -> compute-dtype parameter shard (host, 16-bit only)
         self._sumsq: dict[str, torch.Tensor] = {}  # unit -> sum of squares of its gradient (device)
@@ -140,17 +150,16 @@ class HostOffload:
 
     @classmethod
     def from_config(cls, plan: ShardingPlan, zero: ZeroConfig, *, compute_device: torch.device,
-                    compute_dtype: torch.dtype, grad_dtype: torch.dtype, micro_batches: int) -> HostOffload | None:
+                    compute_dtype: torch.dtype, grad_dtype: torch.dtype) -> HostOffload | None:
         """The host side for ``zero``'s offload sections, or None when the optimizer is not offloaded.
         ``grad_dtype``: what the host gradient buffers are expected to hold (for the memory estimate)."""
         section = zero.offload_optimizer
         if section is None:
             return None
         budget = section.grad_accumulation_on_device
-        if budget and (micro_batches == 1 or zero.stage == 1):
-            logger.warning("offload_optimizer.grad_accumulation_on_device has no effect %s", "without gradient "
-                           "accumulation" if micro_batches == 1 else "at stage 1, which sums micro-batches on the "
-                           "device anyway")
+        if budget and zero.stage == 1:
+            logger.warning("offload_optimizer.grad_accumulation_on_device has no effect at stage 1, which sums "
+                           "micro-batches on the device anyway")
             budget = 0
         host = cls(plan, compute_device=compute_device, compute_dtype=compute_dtype, pin_memory=section.pin_memory,
                    params=zero.offload_param is not None, grad_bytes=torch.empty((), dtype=grad_dtype).element_size(),
@@ -241,9 +250,15 @@ class HostOffload:
         have landed, and the sum of squares of them all, on the compute device."""
         out: dict[str, torch.Tensor | None] = {}
         sums = []
+        self._held, self._holding = {}, {}
+        self._grad_slots.release_all()  # the last step's update, which read through them, is done
         for name, grad in grads.items():
             if grad is not None and grad is not self._grads.get(name):
-                grad = self.put_grad(self.plan.unit(name), grad)
+                if name in self.resident:  # on the device until the update reads it (held_grad)
+                    self._sumsq[name] = kernels.sum_of_squares([grad])
+                    self._held[name] = grad
+                else:
+                    grad = self.put_grad(self.plan.unit(name), grad)
             if grad is not None:
                 sums.append(self._sumsq[name])
             out[name] = grad
@@ -253,11 +268,38 @@ class HostOffload:
             self.copies.synchronize()
             self._copied, self._queued, self._fetched = {}, collections.deque(), {}
         total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.compute_device)
-        return out, total
+        return _HostGrads(out, self), total
+
+    def held_grad(self, name: str) -> torch.Tensor:
+        """Resident unit ``name``'s final gradient in a host slot, once its copy there has landed; the copy of
+        the held unit the update reads next starts now, into the other slot, beside this unit's update."""
+        slot, landed = self._holding.pop(name, None) or self._copy_held(name)
+        if landed is not None:
+            landed.synchronize()
+        after = self._held_next.get(name)
+        if after in self._held and self._grad_slots.available():
+            self._holding[after] = self._copy_held(after)
+        return slot
+
+    def _copy_held(self, name: str) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        grad = self._held.pop(name)
+        slot = self._grad_slots.take(name, grad.numel(), grad.dtype)
+        if self.copies is None:
+            return slot.copy_(grad), None
+        with torch.cuda.stream(self.copies):  # host_grads synchronized the stream that made it
+            slot.copy_(grad, non_blocking=True)
+        grad.record_stream(self.copies)  # its memory is reused only once the copy has read it
+        landed = torch.cuda.Event()
+        landed.record(self.copies)
+        return slot, landed
+
+    def done_with_grad(self, name: str) -> None:
+        """The update has read unit ``name``'s gradient: a slot it held is free for the next held unit."""
+        self._grad_slots.release(name)
 
     def resident_bytes(self) -> int:
-        """Device bytes of the fp32 sums of the :attr:`resident` units, held between micro-batches."""
-        return 4 * sum(self.plan.shard_size(self.plan.unit(name)) for name in self.resident)
+        """Device bytes of the gradient sums of the :attr:`resident` units, held until the update reads them."""
+        return self.grad_bytes * sum(self.plan.shard_size(self.plan.unit(name)) for name in self.resident)
 
     # -- parameters back ----------------------------------------------------------------------------
     def staging(self, unit: Unit) -> torch.Tensor | None:
@@ -348,15 +390,20 @@ class HostOffload:
         return out
 
     def host_bytes(self) -> int:
-        """Host bytes of the buffers besides the masters and optimizer state: gradient and parameter shards."""
+        """Host bytes of the buffers besides the masters and optimizer state: gradient and parameter shards (an
+        update that reads every gradient at once, a chain's, takes a gradient slot per resident unit instead)."""
         shards = [self.plan.shard_size(u) for u in self.plan.units]
         lowp = torch.empty((), dtype=self.compute_dtype).element_size() if self.compute_dtype in _LOWP else 0
         staged = sum(shards) if self.params else max(shards) * min(self.staging_slots, len(shards))
-        return sum(shards) * self.grad_bytes + staged * lowp
+        held = [self.plan.shard_size(self.plan.unit(name)) for name in self.resident]
+        sent = sum(shards) - sum(held)
+        slots = max(held, default=0) * min(_Slots.count, len(held))
+        return (sent + slots) * self.grad_bytes + staged * lowp
 
     def buffers(self) -> list[torch.Tensor]:
         """The host buffers held now besides the masters and optimizer state (what :meth:`host_bytes` counts)."""
-        return [*self._storage.values(), *(self._lowp.values() if self.params else self._slots)]
+        return [*self._storage.values(), *self._grad_slots.buffers,
+                *(self._lowp.values() if self.params else self._slots)]
 
 
 def _resident_units(plan: ShardingPlan, elements: int) -> frozenset[str]:
@@ -368,6 +415,68 @@ def _resident_units(plan: ShardingPlan, elements: int) -> frozenset[str]:
             chosen.append(unit.name)
             left -= plan.shard_size(unit)
     return frozenset(chosen)
+
+
+class _Slots:
+    """Host buffers for the held gradients, reused in turn: one per unit being read, a new one when none is free.
+    They are as large as the largest resident shard in the expected gradient dtype (a larger request, which the
+    config did not let expect, gets a buffer of its own)."""
+
+    count = 2  # what the host Adam needs: the unit it updates, and the next one's copy in flight
+
+    def __init__(self, host: HostOffload) -> None:
+        self._host = host
+        self.free: list[torch.Tensor] = []
+        self._taken: dict[str, torch.Tensor] = {}
+        self.buffers: list[torch.Tensor] = []
+
+    def take(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        host = self._host
+        nbytes = numel * dtype.itemsize
+        if not self.free:
+            largest = max(host.plan.shard_size(host.plan.unit(n)) for n in host.resident)
+            self.free.append(host.empty(max(largest * host.grad_bytes, nbytes), torch.uint8))
+            self.buffers.append(self.free[-1])
+        slot = next((b for b in self.free if b.numel() >= nbytes), None)
+        if slot is None:
+            slot = host.empty(nbytes, torch.uint8)
+            self.buffers.append(slot)
+        else:
+            self.free.remove(slot)
+        self._taken[name] = slot
+        return slot[:nbytes].view(dtype)
+
+    def available(self) -> bool:
+        """True when :meth:`take` needs no buffer beyond :attr:`count`."""
+        return bool(self.free) or len(self.buffers) < self.count
+
+    def release(self, name: str) -> None:
+        slot = self._taken.pop(name, None)
+        if slot is not None:
+            self.free.append(slot)
+
+    def release_all(self) -> None:
+        for name in list(self._taken):
+            self.release(name)
+
+
+class _HostGrads(Mapping):
+    """:meth:`HostOffload.host_grads`'s gradients: host buffers, and the held units' read through a slot when
+    first asked for (:meth:`HostOffload.held_grad`)."""
+
+    def __init__(self, grads: dict[str, torch.Tensor | None], host: HostOffload) -> None:
+        self._grads, self._host = grads, host
+
+    def __getitem__(self, name: str) -> torch.Tensor | None:
+        if name in self._host._held or name in self._host._holding:
+            self._grads[name] = self._host.held_grad(name)
+        return self._grads[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._grads)
+
+    def __len__(self) -> int:
+        return len(self._grads)
 
 
 class _StagingMap(Mapping):

@@ -25,7 +25,8 @@ and the device copy is dropped; :meth:`ZeroReducer.finish` then returns the host
 accumulation at stages 2-3 the next micro-batch's reduction brings the host sum back to the device, adds
 to it and sends it out again (stream-ordered copies; DeepSpeed accumulates offloaded stage-2 gradients the
 same way), so no gradient shard waits on the device between micro-batches, but those of the ``resident``
-units (``offload_optimizer.grad_accumulation_on_device``), whose sums go to the sink after the last. A first
+units (``offload_optimizer.grad_accumulation_on_device``), whose sums never go to the sink: they wait on the
+device until the update reads them (:meth:`dsfunc.zero.offload.HostOffload.held_grad`). A first
 micro-batch's shard goes out in its exact dtype (bf16 on one rank) and comes back widened: the same sum, with
 4 of the 60 bytes a parameter that 8 micro-batches move over PCIe saved.
 """
@@ -162,7 +163,7 @@ class ZeroReducer:
         prev = self._grads.pop(unit.name, None)
         if prev is None and unit.name in self._sunk:  # an earlier micro-batch's (or backward's) sum, on the host
             prev = self.fetch(unit, self._sunk.pop(unit.name))
-        kept = self.sink is None or (not last and unit.name in self.resident)
+        kept = self.sink is None or unit.name in self.resident
         if prev is not None:
             reduced = prev.float().add_(reduced)
         else:  # its exact dtype after the last micro-batch if kept narrow, or on its way to the host (where the

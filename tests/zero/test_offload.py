@@ -388,8 +388,11 @@ def resident_sums(rank: int, world: int) -> dict:
             runtime.finish()
             trained = train(make_state(world, stage, "optimizer", micro=1, gas=3, optimizer=lamb, resident=resident),
                             rank, world)
+            offload = trained.program.offload
             out[stage, resident] = {
                 "waiting": waiting, "resident": sorted(state.program.offload.resident),
+                "host buffers": sorted(offload._storage), "bytes": sum(t.nbytes for t in offload.buffers()),
+                "host estimate": memory_estimate(trained)["host_buffers"],
                 "estimate": memory_estimate(state)["gradients"], "full": dsfunc.full_params(trained),
                 "summary": startup_summary(state),
                 "grad_norm": trained.metrics.grad_norm.item(),
@@ -405,9 +408,12 @@ def test_sums_kept_on_the_device_between_micro_batches_train_bit_for_bit(world):
         for stage in (2, 3):
             kept, sent = r[stage, r["budget"]], r[stage, 0]
             assert kept["resident"] == r["last two"] and sent["resident"] == []
-            # before the last micro-batch only the resident units' sums wait on the device; after it none does
-            assert kept["waiting"] == [r["last two"], r["last two"], []] and sent["waiting"] == [[], [], []]
+            # only the resident units' sums wait on the device, after the last micro-batch too (for the update)
+            assert kept["waiting"] == [r["last two"]] * 3 and sent["waiting"] == [[], [], []]
             assert kept["estimate"] == 4 * r["budget"] and sent["estimate"] == 0
+            # ... so they have no host gradient buffer: they are read through the slots, which the estimate counts
+            assert kept["host buffers"] == sorted(set(sent["host buffers"]) - set(r["last two"]))
+            assert kept["bytes"] == kept["host estimate"] and sent["bytes"] == sent["host estimate"]
             assert "the gradient sums of 2 unit(s) wait on the device" in kept["summary"]
             assert "wait on the device" not in sent["summary"]
             assert relative_diff(kept["full"], sent["full"]) == 0.0 and kept["grad_norm"] == sent["grad_norm"]
@@ -415,10 +421,29 @@ def test_sums_kept_on_the_device_between_micro_batches_train_bit_for_bit(world):
 
 def test_sums_on_the_device_say_when_they_cannot_apply(caplog):
     with caplog.at_level("WARNING", logger="dsfunc"):
-        assert not make_state(1, 2, "optimizer", micro=2, gas=1, resident=10**9).program.offload.resident
-        assert "has no effect without gradient accumulation" in caplog.text
+        assert not make_state(1, 1, "optimizer", resident=10**9).program.offload.resident
+        assert "has no effect at stage 1" in caplog.text
         assert not make_state(1, 2, "optimizer", resident=1).program.offload.resident
         assert "= 1 is smaller than every unit's gradient shard" in caplog.text
+
+
+@pytest.mark.parametrize("gas", [1, 2])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gradients_held_on_the_device_reach_the_host_adam_through_two_slots(stage, gas):
+    """Three of four units keep their gradients on the device until the host Adam reads them, each copied into
+    one of two host slots as the update reaches it: the same parameters bit for bit, and no host gradient
+    buffer for those units (without accumulation too: the bf16 gradient waits there)."""
+    held = 3 * 110
+    full, offloads = {}, {}
+    for resident in (0, held):
+        state = make_state(1, stage, "optimizer", micro=4 // gas, gas=gas, resident=resident, bf16={"enabled": True})
+        state = train(state, 0, 1)
+        full[resident], offloads[resident] = dsfunc.full_params(state), state.program.offload
+        assert sum(t.nbytes for t in offloads[resident].buffers()) == memory_estimate(state)["host_buffers"]
+    kept = offloads[held]
+    assert sorted(kept.resident) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert sorted(kept._storage) == ["root"] and len(kept._grad_slots.buffers) == 2  # reused, unit after unit
+    assert relative_diff(full[held], full[0]) == 0.0
 
 
 def test_the_engine_keeps_sums_on_the_device_until_its_accumulation_boundary():
