@@ -418,9 +418,8 @@ def _resident_units(plan: ShardingPlan, elements: int) -> frozenset[str]:
 
 
 class _Slots:
-    """Host buffers for the held gradients, reused in turn: one per unit being read, a new one when none is free.
-    They are as large as the largest resident shard in the expected gradient dtype (a larger request, which the
-    config did not let expect, gets a buffer of its own)."""
+    """Host buffers for the held gradients, reused in turn: one per unit being read, a new one when none is free,
+    as large as the largest resident shard in the expected gradient dtype (or the request, if larger)."""
 
     count = 2  # what the host Adam needs: the unit it updates, and the next one's copy in flight
 
@@ -431,15 +430,12 @@ class _Slots:
         self.buffers: list[torch.Tensor] = []
 
     def take(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        host = self._host
         nbytes = numel * dtype.itemsize
-        if not self.free:
-            largest = max(host.plan.shard_size(host.plan.unit(n)) for n in host.resident)
-            self.free.append(host.empty(max(largest * host.grad_bytes, nbytes), torch.uint8))
-            self.buffers.append(self.free[-1])
         slot = next((b for b in self.free if b.numel() >= nbytes), None)
         if slot is None:
-            slot = host.empty(nbytes, torch.uint8)
+            host = self._host
+            largest = max(host.plan.shard_size(host.plan.unit(n)) for n in host.resident)
+            slot = host.empty(max(largest * host.grad_bytes, nbytes), torch.uint8)
             self.buffers.append(slot)
         else:
             self.free.remove(slot)
