@@ -19,8 +19,8 @@ def memory_estimate(state: TrainState) -> dict[str, int]:
     ``master`` (fp32 weights: this rank's shard), ``optimizer`` (moments etc., measured in the state),
     ``gradients`` (the full flat at stages 0-1, the shard at 2-3, in :func:`~dsfunc.zero.reduce.grad_dtype`:
     bf16 for one micro-batch on one rank when the update reads 16-bit gradients, else fp32; none with the
-    optimizer offloaded, but at stage 1 with gradient accumulation, and the fp32 sums of the units that
-    ``grad_accumulation_on_device`` keeps there between micro-batches), ``compute`` (the compute-dtype copy
+    optimizer offloaded, but at stage 1 with gradient accumulation, and the sums of the units that
+    ``grad_accumulation_on_device`` keeps there until the host update reads them), ``compute`` (the compute-dtype copy
     forward reads: none at stage 0 in fp32, where it aliases the master; the whole model at
     stages 1-2; at stage 3 the persistent units plus the two largest gathered units, and with the optimizer
     offloaded but not the parameters each gathered unit's shard kept between gathers), ``buffers`` (buffers
