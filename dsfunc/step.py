@@ -138,7 +138,7 @@ def apply_gradients(
     update = ChainUpdate(optimizer) if optimizer is not None else program.update
     lowp = program.workspace.lowp_targets() if update.writes_compute_copy else {}
     sent: set[str] = set()  # offload: units already on their way back to the device
-    ctx = dataclasses.replace(_update_context(program, scale, grad_norm, finite, lowp, sent), lr=lr)
+    ctx = dataclasses.replace(_update_context(program, scale, grad_norm, finite, lowp, sent, grads), lr=lr)
     params, opt_state = update.apply(params, grads, state.opt_state, ctx)
     program.workspace.refresh(params, written=set(lowp) | sent)
     if program.offload is not None:
@@ -160,24 +160,24 @@ def apply_gradients(
 
 
 def _update_context(program: Program, scale: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor,
-                    lowp: Mapping[str, torch.Tensor], sent: set[str]) -> UpdateContext:
+                    lowp: Mapping[str, torch.Tensor], sent: set[str], grads: Mapping[str, Any]) -> UpdateContext:
     """The step's facts for the update, on the device the update runs on (the host when offloaded, where the
-    units the update sends back as it goes are added to ``sent``)."""
+    units the update sends back as it goes are added to ``sent``, and ``grads`` are the host gradients)."""
     offload = program.offload
     if offload is None:
         return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=lowp,
                              segment_norm=program.segment_norm, unscaled=program.scaler.unscaled)
 
     workspace, pending = program.workspace, offload.pending
-    host_lowp = offload.staging_map()  # each unit's buffer taken as the update reaches it
+    host_lowp = offload.staging_map(grads)  # each unit's buffer taken as the update reaches it
     scale, grad_norm, finite = (t.to(offload.device) for t in (scale, grad_norm, finite))
     skipped = not bool(finite)
 
     def updated(name: str, master: torch.Tensor) -> None:
-        offload.done_with_grad(name)
         # a skipped update writes nothing, its staging slot included: the unchanged master is cast into it
         if workspace.send_updated(name, master, staged=name in host_lowp and not skipped):
             sent.add(name)
+        offload.done_with_grad(name)  # after the send: the update may have written the shard over the gradient
         if name in background:
             pending.unit_done(name)
 

@@ -8,6 +8,7 @@
 // with -ffp-contract=off, the two kernels agree bit for bit. The call holds no Python lock.
 #include "adam_math.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Half.h>
@@ -58,6 +59,11 @@ inline NoLowp* advance(NoLowp* x, int64_t) { return x; }
 // nearest even, as c10::Half and torch's own casts).
 constexpr int64_t kBlock = 1024;  // elements per block: 4 KiB of floats, in L1
 
+template <typename T>
+inline void widen(const T* x, float* out, int64_t n) {  // bf16: a shift, vectorised
+  for (int64_t i = 0; i < n; ++i) out[i] = load(x, i);
+}
+
 inline void widen(const c10::Half* x, float* out, int64_t n) {
   int64_t i = 0;
 #if defined(__F16C__)
@@ -98,23 +104,31 @@ void update_elements(float* __restrict param, const Grad* __restrict grad, float
 
 template <bool kL2, bool kDecoupled, typename Grad, typename Low>
 void update_range(float* param, const Grad* grad, float* exp_avg, float* exp_avg_sq, Low* lowp, int64_t begin,
-                  int64_t end, const AdamHyper& h, const AdamScalars& s) {
+                  int64_t end, const AdamHyper& h, const AdamScalars& s, bool over_grad) {
   constexpr bool kHalfGrad = std::is_same_v<Grad, c10::Half>, kHalfLow = std::is_same_v<Low, c10::Half>;
   if constexpr (!kHalfGrad && !kHalfLow) {
-    update_elements<kL2, kDecoupled>(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin,
-                                     advance(lowp, begin), end - begin, h, s);
-  } else {
-    float widened[kBlock];
-    NoLowp* none = nullptr;
-    for (int64_t b = begin; b < end; b += kBlock) {
-      const int64_t n = std::min(kBlock, end - b);
-      const Grad* g = grad + b;
-      if constexpr (kHalfGrad) widen(g, widened, n);
-      const auto* gs = [&] { if constexpr (kHalfGrad) return static_cast<const float*>(widened); else return g; }();
-      auto* low = [&] { if constexpr (kHalfLow) return none; else return advance(lowp, b); }();
-      update_elements<kL2, kDecoupled>(param + b, gs, exp_avg + b, exp_avg_sq + b, low, n, h, s);
-      if constexpr (kHalfLow) narrow(param + b, lowp + b, n);  // the block's new parameters, still in L1
+    if (!over_grad) {
+      update_elements<kL2, kDecoupled>(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin,
+                                       advance(lowp, begin), end - begin, h, s);
+      return;
     }
+  }
+  // A block at a time: fp16 converts beside the loop; with the new parameters written over the gradient
+  // (over_grad), the block's gradient is read into L1 first, so the loop's pointers never alias.
+  float widened[kBlock];
+  NoLowp* none = nullptr;
+  for (int64_t b = begin; b < end; b += kBlock) {
+    const int64_t n = std::min(kBlock, end - b);
+    const Grad* g = grad + b;
+    auto* low = [&] { if constexpr (kHalfLow) return none; else return advance(lowp, b); }();
+    if (kHalfGrad || over_grad) {
+      widen(g, widened, n);
+      update_elements<kL2, kDecoupled>(param + b, static_cast<const float*>(widened), exp_avg + b, exp_avg_sq + b,
+                                       low, n, h, s);
+    } else if constexpr (!kHalfGrad) {
+      update_elements<kL2, kDecoupled>(param + b, g, exp_avg + b, exp_avg_sq + b, low, n, h, s);
+    }
+    if constexpr (kHalfLow) narrow(param + b, lowp + b, n);  // the block's new parameters, still in L1
   }
 }
 
@@ -125,13 +139,14 @@ void update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& e
   const Grad* g = reinterpret_cast<const Grad*>(grad.data_ptr());
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
+  const bool over_grad = static_cast<const void*>(lowp) == static_cast<const void*>(g);  // adam_step_cpu checked
   at::parallel_for(0, param.numel(), kGrain, [&](int64_t begin, int64_t end) {
     if (h.l2) {
-      update_range<true, false>(p, g, m, v, lowp, begin, end, h, s);
+      update_range<true, false>(p, g, m, v, lowp, begin, end, h, s, over_grad);
     } else if (h.decoupled) {
-      update_range<false, true>(p, g, m, v, lowp, begin, end, h, s);
+      update_range<false, true>(p, g, m, v, lowp, begin, end, h, s, over_grad);
     } else {
-      update_range<false, false>(p, g, m, v, lowp, begin, end, h, s);
+      update_range<false, false>(p, g, m, v, lowp, begin, end, h, s, over_grad);
     }
   });
 }
@@ -176,7 +191,14 @@ void adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Te
   check_flat(grad, "grad", param, {at::kFloat, at::kBFloat16, at::kHalf}, "float32, bfloat16 or float16");
   check_flat(exp_avg, "exp_avg", param, {at::kFloat}, "float32");
   check_flat(exp_avg_sq, "exp_avg_sq", param, {at::kFloat}, "float32");
-  if (lowp.has_value()) check_flat(*lowp, "lowp", param, {at::kBFloat16, at::kHalf}, "bfloat16 or float16");
+  if (lowp.has_value()) {
+    check_flat(*lowp, "lowp", param, {at::kBFloat16, at::kHalf}, "bfloat16 or float16");
+    const at::MemOverlapStatus overlap = at::get_overlap_status(grad, *lowp);
+    TORCH_CHECK(overlap == at::MemOverlapStatus::No ||
+                    (overlap == at::MemOverlapStatus::Full && grad.scalar_type() == lowp->scalar_type()),
+                "dsfunc_cpu::adam_step_: lowp must be grad itself (the new parameters written over the gradient) "
+                "or apart from it, not overlap it otherwise");
+  }
   const float scale = scalar(grad_scale, "grad_scale", at::kFloat), rate = scalar(lr, "lr", at::kFloat);
   const float count = scalar(step, "step", at::kFloat);
   if (scalar(skip, "skip", at::kBool) != 0.f || param.numel() == 0) return;

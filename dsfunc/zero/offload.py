@@ -29,7 +29,9 @@ A :class:`HostOffload` owns the host side of that traffic:
   master, unit by unit as the host update writes them (:meth:`dsfunc.zero.gather.Workspace.send_updated`),
   so a unit's cast and copy overlap the update of the next. With ``offload_param`` at stage 3
   that host copy is the only one between gathers: each gather streams it host to device, so every unit keeps
-  one. Otherwise the device keeps the shard and the host copy is only a way station: a few buffers of the
+  one. Otherwise the device keeps the shard and the host copy is only a way station. Where the gradient is
+  in the compute dtype (:attr:`HostOffload.over_grads`) the update writes the new shard over the gradient it
+  read, element by element, and the copy goes from there: no buffer at all. Else a few buffers of the
   largest shard's size (:attr:`HostOffload.staging_slots`) are reused in turn, once the copy out of each has
   landed, instead of one per unit (2 bytes a parameter less host memory in bf16).
 
@@ -107,7 +109,8 @@ class HostOffload:
     staging_slots = 3  # host buffers the new 16-bit shards pass through when the device keeps them
 
     def __init__(self, plan: ShardingPlan, *, compute_device: torch.device, compute_dtype: torch.dtype,
-                 pin_memory: bool, params: bool, grad_bytes: int = 4, resident_elements: int = 0) -> None:
+                 pin_memory: bool, params: bool, grad_dtype: torch.dtype = torch.float32,
+                 resident_elements: int = 0) -> None:
         self.plan = plan
         self.resident = _resident_units(plan, resident_elements)  # units whose sums wait on the device
         self.device = torch.device("cpu")  # where the masters and optimizer state live
@@ -115,7 +118,10 @@ class HostOffload:
         self.compute_dtype = compute_dtype
         self.pin = pin_memory and torch.cuda.is_available()
         self.params = params  # offload_param: no device copy of a stage-3 unit's shard between its gathers
-        self.grad_bytes = grad_bytes  # per element of a host gradient buffer, as the config lets expect
+        self.grad_bytes = grad_dtype.itemsize  # per element of a host gradient buffer, as the config lets expect
+        # the update writes each unit's new 16-bit shard over the gradient it read (same dtype, element by element),
+        # which then is the copy's source: no staging buffers (one micro-batch on one rank, or 16-bit reductions)
+        self.over_grads = grad_dtype == compute_dtype and compute_dtype in _LOWP and not params
         self._pinned = _Pinned(self) if self.pin else None
         self._storage: dict[str, torch.Tensor] = {}  # unit -> the bytes of its host gradient buffer
         self._held: dict[str, torch.Tensor] = {}  # resident unit -> its final gradient, on the device until read
@@ -162,7 +168,7 @@ class HostOffload:
                            "micro-batches on the device anyway")
             budget = 0
         host = cls(plan, compute_device=compute_device, compute_dtype=compute_dtype, pin_memory=section.pin_memory,
-                   params=zero.offload_param is not None, grad_bytes=torch.empty((), dtype=grad_dtype).element_size(),
+                   params=zero.offload_param is not None, grad_dtype=grad_dtype,
                    resident_elements=budget)
         if budget and not host.resident:
             logger.warning("offload_optimizer.grad_accumulation_on_device = %d is smaller than every unit's gradient "
@@ -283,9 +289,11 @@ class HostOffload:
 
     def _copy_held(self, name: str) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         grad = self._held.pop(name)
-        slot = self._grad_slots.take(name, grad.numel(), grad.dtype)
+        slot, sent = self._grad_slots.take(name, grad.numel(), grad.dtype)
         if self.copies is None:
             return slot.copy_(grad), None
+        if sent is not None:
+            self.copies.wait_event(sent)  # the shard the update wrote over the slot's last gradient has gone
         with torch.cuda.stream(self.copies):  # host_grads synchronized the stream that made it
             slot.copy_(grad, non_blocking=True)
         grad.record_stream(self.copies)  # its memory is reused only once the copy has read it
@@ -294,20 +302,28 @@ class HostOffload:
         return slot, landed
 
     def done_with_grad(self, name: str) -> None:
-        """The update has read unit ``name``'s gradient: a slot it held is free for the next held unit."""
-        self._grad_slots.release(name)
+        """The update has read unit ``name``'s gradient, and sent its new shard: a slot it held is free for the next
+        held unit, once that copy out of it (:attr:`over_grads`) has landed."""
+        self._grad_slots.release(name, after=self._sent.get(name) if self.over_grads else None)
 
     def resident_bytes(self) -> int:
         """Device bytes of the gradient sums of the :attr:`resident` units, held until the update reads them."""
         return self.grad_bytes * sum(self.plan.shard_size(self.plan.unit(name)) for name in self.resident)
 
     # -- parameters back ----------------------------------------------------------------------------
-    def staging(self, unit: Unit) -> torch.Tensor | None:
+    def staging(self, unit: Unit, grad: torch.Tensor | None = None) -> torch.Tensor | None:
         """``unit``'s host buffer for its compute-dtype shard, once no copy out of it is in flight (None when
-        the compute dtype is fp32: the master itself is sent). Without ``offload_param`` it is the next staging
-        slot, which holds the shard until :attr:`staging_slots` more units have been staged."""
+        the compute dtype is fp32: the master itself is sent). With :attr:`over_grads` it is ``grad``, the
+        gradient the update has just read for the unit, or else (the copies built outside an update, a skipped
+        update's cast) a pageable temporary, dropped once sent. Otherwise, without ``offload_param``, it is the
+        next staging slot, which holds the shard until :attr:`staging_slots` more units have been staged."""
         if self.compute_dtype not in _LOWP:
             return None
+        if self.over_grads:
+            size = self.plan.shard_size(unit)
+            fits = grad is not None and grad.dtype == self.compute_dtype and grad.numel() == size
+            buf = self._lowp[unit.name] = grad if fits else torch.empty(size, dtype=self.compute_dtype)
+            return buf
         if not self.params:
             return self._take_slot(unit)
         buf = self._lowp.get(unit.name)
@@ -354,10 +370,11 @@ class HostOffload:
         if sent is not None:
             sent.synchronize()
 
-    def staging_map(self) -> Mapping[str, torch.Tensor]:
+    def staging_map(self, grads: _HostGrads) -> Mapping[str, torch.Tensor]:
         """The units' staging buffers as a mapping whose reads stage (:meth:`staging`), each unit's when first
-        read: the update asks for a unit's just before writing it, so a few slots serve every unit."""
-        return _StagingMap(self)
+        read: the update asks for a unit's just before writing it, after reading its gradient from ``grads``
+        (what :meth:`host_grads` returned), so a few slots, or the gradients themselves, serve every unit."""
+        return _StagingMap(self, grads)
 
     @torch.no_grad()
     def stage(self, unit: Unit, src: torch.Tensor) -> torch.Tensor:
@@ -385,6 +402,8 @@ class HostOffload:
         if out.is_cuda:
             sent = self._sent[unit.name] = torch.cuda.Event()
             sent.record(torch.cuda.current_stream(self.compute_device))
+        if self.over_grads:  # a gradient buffer is the next step's again (its copy in waits for this one), a
+            self._lowp.pop(unit.name, None)  # temporary goes (a pageable copy has read it when this returns)
         with self._slot_lock:
             self._unsent.discard(unit.name)
         return out
@@ -394,7 +413,8 @@ class HostOffload:
         update that reads every gradient at once, a chain's, takes a gradient slot per resident unit instead)."""
         shards = [self.plan.shard_size(u) for u in self.plan.units]
         lowp = torch.empty((), dtype=self.compute_dtype).element_size() if self.compute_dtype in _LOWP else 0
-        staged = sum(shards) if self.params else max(shards) * min(self.staging_slots, len(shards))
+        staged = sum(shards) if self.params else 0 if self.over_grads else max(shards) * min(self.staging_slots,
+                                                                                             len(shards))
         held = [self.plan.shard_size(self.plan.unit(name)) for name in self.resident]
         sent = sum(shards) - sum(held)
         slots = max(held, default=0) * min(_Slots.count, len(held))
@@ -425,31 +445,33 @@ class _Slots:
 
     def __init__(self, host: HostOffload) -> None:
         self._host = host
-        self.free: list[torch.Tensor] = []
+        self.free: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # a slot, and the copy out to wait for
         self._taken: dict[str, torch.Tensor] = {}
         self.buffers: list[torch.Tensor] = []
 
-    def take(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def take(self, name: str, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A slot for ``numel`` elements of ``dtype``, and the copy out of it that writing it must wait for."""
         nbytes = numel * dtype.itemsize
-        slot = next((b for b in self.free if b.numel() >= nbytes), None)
-        if slot is None:
+        free = next((f for f in self.free if f[0].numel() >= nbytes), None)
+        if free is None:
             host = self._host
             largest = max(host.plan.shard_size(host.plan.unit(n)) for n in host.resident)
-            slot = host.empty(max(largest * host.grad_bytes, nbytes), torch.uint8)
+            slot, sent = host.empty(max(largest * host.grad_bytes, nbytes), torch.uint8), None
             self.buffers.append(slot)
         else:
-            self.free.remove(slot)
+            self.free.remove(free)
+            slot, sent = free
         self._taken[name] = slot
-        return slot[:nbytes].view(dtype)
+        return slot[:nbytes].view(dtype), sent
 
     def available(self) -> bool:
         """True when :meth:`take` needs no buffer beyond :attr:`count`."""
         return bool(self.free) or len(self.buffers) < self.count
 
-    def release(self, name: str) -> None:
+    def release(self, name: str, after: torch.cuda.Event | None = None) -> None:
         slot = self._taken.pop(name, None)
         if slot is not None:
-            self.free.append(slot)
+            self.free.append((slot, after))
 
     def release_all(self) -> None:
         for name in list(self._taken):
@@ -464,9 +486,16 @@ class _HostGrads(Mapping):
         self._grads, self._host = grads, host
 
     def __getitem__(self, name: str) -> torch.Tensor | None:
-        if name in self._host._held or name in self._host._holding:
+        if self._waiting(name):
             self._grads[name] = self._host.held_grad(name)
         return self._grads[name]
+
+    def read(self, name: str) -> torch.Tensor | None:
+        """The host gradient handed out for unit ``name``; None while it waits on the device (not yet read)."""
+        return None if self._waiting(name) else self._grads.get(name)
+
+    def _waiting(self, name: str) -> bool:
+        return name in self._host._held or name in self._host._holding
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._grads)
@@ -478,8 +507,8 @@ class _HostGrads(Mapping):
 class _StagingMap(Mapping):
     """:meth:`HostOffload.staging_map`: each unit's staging buffer, taken when first read."""
 
-    def __init__(self, host: HostOffload) -> None:
-        self._host = host
+    def __init__(self, host: HostOffload, grads: _HostGrads) -> None:
+        self._host, self._grads = host, grads
         self._names = [u.name for u in host.plan.units] if host.compute_dtype in _LOWP else []
         self._taken: dict[str, torch.Tensor] = {}
 
@@ -487,7 +516,7 @@ class _StagingMap(Mapping):
         if name not in self._taken:
             if name not in self._names:
                 raise KeyError(name)
-            self._taken[name] = self._host.staging(self._host.plan.unit(name))
+            self._taken[name] = self._host.staging(self._host.plan.unit(name), self._grads.read(name))
         return self._taken[name]
 
     def __iter__(self) -> Iterator[str]:

@@ -114,6 +114,28 @@ def test_16_bit_conversions_are_exact_at_the_edges(dtype):
     assert torch.equal(low[0].view(torch.int16), values.to(dtype).view(torch.int16))
 
 
+@pytest.mark.parametrize("adam_w_mode", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_new_parameters_written_over_the_gradient_are_those_written_apart(dtype, adam_w_mode):
+    """ZeRO-Offload writes a unit's new 16-bit shard over the 16-bit gradient it was computed from (lowp is grad):
+    every element is read before it is overwritten, by every thread, so nothing changes."""
+    params, grads = shards(6, dtype)
+    apart = run(params, grads, steps=1, lowp_dtype=dtype, adam_w_mode=adam_w_mode)
+    over = [p.clone() for p in params], [g.clone() for g in grads]
+    mu, nu = [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params]
+    host_adam_(over[0], over[1], mu, nu, grad_scale=torch.tensor(1 / 4.0), lr=torch.tensor(1e-2),
+               step=torch.tensor(1.0), skip=torch.tensor(False), lowp=over[1], **{**HYPER, "adam_w_mode": adam_w_mode})
+    for mine, theirs in zip((over[0], mu, nu, over[1]), apart):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+
+
+def test_new_parameters_that_overlap_the_gradient_otherwise_are_refused():
+    p, g = torch.zeros(8), torch.zeros(8)
+    with pytest.raises(RuntimeError, match="lowp must be grad itself"):
+        host_adam_([p], [g], [torch.zeros(8)], [torch.zeros(8)], grad_scale=torch.tensor(1.0), lr=torch.tensor(1.0),
+                   step=torch.tensor(1.0), skip=torch.tensor(False), lowp=[g.view(torch.bfloat16)[:8]], **HYPER)
+
+
 def test_skip_writes_nothing():
     params, grads = shards(3)
     p, mu, nu, lowp = run(params, grads, skip=True, lowp_dtype=torch.bfloat16)

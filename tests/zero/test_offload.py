@@ -443,6 +443,8 @@ def test_gradients_held_on_the_device_reach_the_host_adam_through_two_slots(stag
     kept = offloads[held]
     assert sorted(kept.resident) == ["blocks.0", "blocks.1", "blocks.2"]
     assert sorted(kept._storage) == ["root"] and len(kept._grad_slots.buffers) == 2  # reused, unit after unit
+    # without accumulation the new bf16 shards go out of the gradients' own buffers: no staging slots
+    assert all(len(o._slots) == (0 if gas == 1 else 3) and o.over_grads == (gas == 1) for o in offloads.values())
     assert relative_diff(full[held], full[0]) == 0.0
 
 
