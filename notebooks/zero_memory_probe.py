@@ -48,7 +48,9 @@ def config(stage: int, micro: int) -> dict:
 
 
 def nbytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.untyped_storage().nbytes() for t in tensors)
+    """The bytes of the storages under ``tensors``, each once (several units' gradients may be slices of one)."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 def measure(stage: int, rank: int, steps: int = 2, micro: int = 8) -> dict:

@@ -75,12 +75,12 @@ class StepInProgress:
         """The runtime of the step in progress, opened now if this is the step's first training forward."""
         if self.runtime is None:
             check_min_scale(self.state)
-            self.runtime = zero_runtime(self.state)
+            self.runtime = zero_runtime(self.state, direct_backward=True)
         return self.runtime
 
     def for_evaluation(self) -> MicroBatchRuntime:
         """A runtime to evaluate on: the open step's (its bindings stay valid), else a fresh one."""
-        return self.runtime if self.runtime is not None else zero_runtime(self.state)
+        return self.runtime if self.runtime is not None else zero_runtime(self.state, direct_backward=True)
 
     def end_micro_batch(self) -> bool:
         """Close the current micro-batch (after its backwards); True if it ended the optimizer step."""

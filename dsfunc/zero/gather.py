@@ -235,6 +235,14 @@ class Workspace:
         for p in self.slots.residents(unit.name):
             _register(p, self, unit.name)
 
+    def shows(self, unit: Unit, flat: torch.Tensor) -> bool:
+        """Whether ``unit``'s resident parameters are views of ``flat`` right now, each in its place."""
+        if self._shown.get(unit.name) is not flat:
+            return False
+        base, size = flat.data_ptr(), flat.element_size()
+        return all(p.data_ptr() == base + s.offset * size and p.shape == s.shape
+                   for p, s in zip(self.slots.residents(unit.name), unit.params))
+
     def expose(self, unit: Unit) -> None:
         """Gather a lazy unit into its residents until the matching :meth:`hide` (nested calls count)."""
         self._exposed[unit.name] = self._exposed.get(unit.name, 0) + 1

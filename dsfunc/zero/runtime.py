@@ -41,6 +41,16 @@ offloaded, bf16 or fp32) the gradients are taken from the leaves once backward r
 the script ran itself, the next time the runtime is asked about the micro-batch: a Python hook runs on the
 autograd engine's thread, about 40 us a unit on an H200's host, against a few for reading ``leaf.grad``.
 
+[Note: the module's parameters as leaves] Where the gradients are taken after backward and no script runs a
+backward itself (everything but the DeepSpeed engine), a unit whose resident parameters already view its compute
+copy (:mod:`dsfunc.zero.binding`) is not bound at all: those ``nn.Parameter`` objects are the autograd leaves, as in
+a plain PyTorch loop, and each unit's flat gradient is assembled from theirs once backward returns (one ``cat``, as
+the backward of a split would make). That spares a split, a view per parameter and their backward nodes per unit
+and micro-batch. A resident that is not such a leaf right now (a gradient or a hook of the script's own on it) sends
+its unit down the general path: views of one flat leaf, whose gradients never touch the module's parameters. The
+engine always takes that path, since between a script's own ``loss.backward()`` and the step its gradients must
+not sit on the module's parameters, where the script's own clipping or ``zero_grad()`` would reach them.
+
 [Note: lazy binding at stage 3] Units whose compute copy is gathered on demand are bound by the module
 hooks (:mod:`dsfunc.zero.hooks`) just before the unit's forward and freed after it; a hook on the
 unit's outputs re-gathers it before its backward and prefetches the unit that ran before it.
@@ -68,6 +78,9 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+# At most this many gradient elements of several units are assembled by one cat: one launch instead of one a
+# unit, while the parameters' own gradients and the assembled copy are both held (see collect)
+_ASSEMBLED_ELEMENTS = 1 << 22
 _BACKWARDS_RUNNING = [0]  # how many MicroBatchRuntime.backward calls are inside autograd right now
 
 
@@ -92,8 +105,10 @@ class Reducer(Protocol):
 class MicroBatchRuntime:
     """Binds a state's parameters into its model for each micro-batch and collects the gradients."""
 
-    def __init__(self, state: TrainState, reducer: Reducer, *, ranks: int = 1) -> None:
-        """``ranks``: how many ranks' gradients ``reducer`` sums (the seed divides by it)."""
+    def __init__(self, state: TrainState, reducer: Reducer, *, ranks: int = 1, direct_backward: bool = False) -> None:
+        """``ranks``: how many ranks' gradients ``reducer`` sums (the seed divides by it). ``direct_backward``: a
+        script may call ``backward()`` on a loss itself (the DeepSpeed engine; see [Note: the module's parameters
+        as leaves])."""
         self.state = state
         self.program: Program = state.program
         self.workspace = self.program.workspace
@@ -102,10 +117,12 @@ class MicroBatchRuntime:
         self.phase = Phase.IDLE
         self.micro: tuple[int, int] = (0, 1)
         self.leaves: list[torch.Tensor] = []  # every autograd leaf bound in this micro-batch
-        self._leaf_units: list[Unit] = []  # the unit of each leaf
+        # each bound unit's leaves: its flat leaf, or its resident parameters (a list)
+        self._unit_leaves: list[tuple[Unit, torch.Tensor | list[nn.Parameter]]] = []
         # see [Note: gradients as they come]
         self._streaming = (reducer.streams or any(self.workspace.lazy(u) for u in self.program.plan.units)
                            or not self.program.scaler.unscaled)
+        self._param_leaves = not self._streaming and not direct_backward  # [Note: the module's parameters as leaves]
         self._bound = False
         self._grad_binding = True  # False while an evaluation is bound: views without leaves
         self._views: dict[str, list[torch.Tensor]] = {}
@@ -211,7 +228,7 @@ class MicroBatchRuntime:
         _BACKWARDS_RUNNING[0] += 1
         try:
             yield
-            self._collect()
+            self.collect()
         except BaseException:
             self._unbind()
             self._end_micro()
@@ -240,31 +257,31 @@ class MicroBatchRuntime:
     def end(self) -> None:
         """Let the reducer finish this micro-batch: units no loss reached still join the collectives.
         A forward after the last backward is dropped."""
-        self._collect()
+        self.collect()
         if self._backwards == 0:
             self._expect(Phase.BACKWARD, "end")
         self._end_micro()
 
     def drop_forward(self) -> None:
         """Drop the forwards since the last backward (unbound on this rank; nothing reaches the reducer)."""
-        self._collect()  # a backward the script ran itself is not dropped with them
+        self.collect()  # a backward the script ran itself is not dropped with them
         if self._bound:
             self._unbind()
         if self.phase is Phase.FORWARD:
             self.phase = Phase.BACKWARD if self._backwards else Phase.IDLE
             if self.phase is Phase.IDLE:
-                self._forwards, self.leaves, self._leaf_units, self._order = 0, [], [], []
+                self._forwards, self.leaves, self._unit_leaves, self._order = 0, [], [], []
 
     @property
     def micro_backwards(self) -> int:
         """Backwards (the runtime's and the script's own) in the current micro-batch."""
-        self._collect()
+        self.collect()
         return self._backwards
 
     @property
     def has_gradients(self) -> bool:
         """True once a backward reached this optimizer step (its gradients would be lost by dropping it)."""
-        self._collect()
+        self.collect()
         return self._backwards > 0 or self._micros_ended > 0
 
     def finish(self) -> tuple[torch.Tensor, Grads]:
@@ -331,7 +348,7 @@ class MicroBatchRuntime:
             self._write_back = None
 
     def _end_micro(self) -> None:
-        self._collect()  # what a backward the script ran itself left in the leaves
+        self.collect()  # what a backward the script ran itself left in the leaves
         if self._bound:
             self._unbind()
         index, count = self.micro
@@ -342,44 +359,102 @@ class MicroBatchRuntime:
         self._micros_ended += 1
         self._micro_loss, self._forwards, self._backwards, self._prescaled = None, 0, 0, False
         self._micro_losses = 0
-        self.leaves, self._leaf_units, self._order = [], [], []
+        self.leaves, self._unit_leaves, self._order = [], [], []
         self.phase = Phase.IDLE
 
     def _bind_unit(self, unit: Unit) -> None:
         """Make ``unit``'s parameters visible to the skeleton: views of a fresh autograd leaf (a training
-        binding) or of the compute copy itself (an evaluation)."""
+        binding) or of the compute copy itself (an evaluation); or, where they can be the leaves, its resident
+        parameters as they are ([Note: the module's parameters as leaves])."""
         if unit.name in self._views:
             self.program.slots.bind_unit(unit.name, self._views[unit.name])
             return
         flat = self.workspace.ensure(unit, self.state.params)
         if self._grad_binding:
+            params = self._resident_leaves(unit, flat)
+            if params is not None:
+                self.leaves.extend(params)
+                self._unit_leaves.append((unit, params))
+                return
             flat = flat.detach().requires_grad_()
             if self._streaming:
                 me = weakref.ref(self)  # weak: a cycle leaf -> hook -> runtime -> leaf would keep whole states alive
                 flat.register_post_accumulate_grad_hook(lambda t, u=unit: me()._on_grad(u, t))
             self.leaves.append(flat)
-            self._leaf_units.append(unit)
+            self._unit_leaves.append((unit, flat))
         views = unit_views(unit, flat)
         self._views[unit.name] = views
         self.program.slots.bind_unit(unit.name, views)
 
-    def _collect(self) -> None:
+    def _resident_leaves(self, unit: Unit, flat: torch.Tensor) -> list[nn.Parameter] | None:
+        """The unit's resident parameters when they can be its autograd leaves: they view ``flat``, which they fill
+        (no padding to assemble), and hold no gradient or hook of the script's own."""
+        if not self._param_leaves or flat.numel() != unit.numel or not self.workspace.shows(unit, flat):
+            return None
+        params = self.program.slots.residents(unit.name)
+        for p in params:
+            if (not isinstance(p, nn.Parameter) or not p.requires_grad or not p.is_leaf or p.grad is not None
+                    or p._backward_hooks or p._post_accumulate_grad_hooks):
+                return None
+        return params
+
+    def collect(self) -> None:
         """Hand the reducer the gradients left in the leaves (when it does not take them as they come), last bound
         first: the order backward finishes a chain of units in, which hooks would have given. The reducer keeps
         that order, and the norm sums in it, so a run trains bit for bit the same either way."""
-        if not self._streaming:
-            for unit, leaf in zip(reversed(self._leaf_units), reversed(self.leaves)):
-                if leaf.grad is not None:
-                    self._on_grad(unit, leaf)
+        if self._streaming or all(leaf.grad is None for leaf in self.leaves):  # (it is called after every phase)
+            return
+        batch: list[tuple[Unit, list[torch.Tensor]]] = []  # units whose gradients are assembled by one cat
+        elements = 0  # in batch
+        for unit, leaves in reversed(self._unit_leaves):
+            if isinstance(leaves, torch.Tensor):
+                self._hand_assembled(batch)
+                if leaves.grad is not None:
+                    self._on_grad(unit, leaves)
+                continue
+            pieces = self._take_param_grads(unit, leaves)
+            if pieces is None:
+                continue
+            if batch and elements + unit.numel > _ASSEMBLED_ELEMENTS:
+                self._hand_assembled(batch)
+                elements = 0
+            batch.append((unit, pieces))
+            elements += unit.numel
+        self._hand_assembled(batch)
+
+    def _take_param_grads(self, unit: Unit, params: list[nn.Parameter]) -> list[torch.Tensor] | None:
+        """The pieces of the unit's flat gradient, taken off its parameters (zeros for one no loss reached); None
+        when no loss reached the unit."""
+        grads = [p.grad for p in params]
+        if all(g is None for g in grads):
+            return None
+        for p in params:
+            p.grad = None
+        return [g.reshape(-1) if g is not None else p.new_zeros(p.numel()) for p, g in zip(params, grads)]
+
+    def _hand_assembled(self, batch: list[tuple[Unit, list[torch.Tensor]]]) -> None:
+        """Hand over the flat gradients of the units in ``batch``, assembled by one ``cat`` for them all (each
+        unit's a slice of it; one launch, not one per unit), and empty ``batch``."""
+        if not batch:
+            return
+        pieces = [p for _, ps in batch for p in ps]
+        flat = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        for (unit, _), grad in zip(batch, flat.split([unit.numel for unit, _ in batch])):
+            self._hand(unit, grad)
+        batch.clear()
 
     def _on_grad(self, unit: Unit, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
+        self._hand(unit, grad)
+        if self.workspace.lazy(unit):
+            self.workspace.release(unit)
+
+    def _hand(self, unit: Unit, grad: torch.Tensor) -> None:
+        """Give the reducer ``unit``'s gradient of this micro-batch."""
         if not _BACKWARDS_RUNNING[0]:  # see [Note: a backward the runtime does not run]
             grad = self._direct_seed(grad)
         index, count = self.micro
         self.reducer.add(unit, grad, last=index == count - 1)
-        if self.workspace.lazy(unit):
-            self.workspace.release(unit)
 
     def _direct_seed(self, grad: torch.Tensor) -> torch.Tensor:
         """A unit's gradient from a backward the script called itself, times the seed."""
@@ -473,8 +548,9 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from tensors_in(value)
 
 
-def zero_runtime(state: TrainState) -> MicroBatchRuntime:
-    """A runtime whose gradients are reduced over the ranks as the state's ZeRO stage says."""
+def zero_runtime(state: TrainState, *, direct_backward: bool = False) -> MicroBatchRuntime:
+    """A runtime whose gradients are reduced over the ranks as the state's ZeRO stage says (``direct_backward``:
+    see :class:`MicroBatchRuntime`)."""
     program = state.program
     reducer = ZeroReducer(program.plan, comm_dtype=program.comm_dtype, device=program.workspace.device,
                           bucket_size=program.config.zero_optimization.reduce_bucket_size,
@@ -482,7 +558,7 @@ def zero_runtime(state: TrainState) -> MicroBatchRuntime:
                           fetch=None if program.offload is None else program.offload.fetch_grad,
                           resident=frozenset() if program.offload is None else program.offload.resident,
                           narrow=program.update.reads_16_bit_grads)
-    return MicroBatchRuntime(state, reducer, ranks=program.plan.world_size)
+    return MicroBatchRuntime(state, reducer, ranks=program.plan.world_size, direct_backward=direct_backward)
 
 
 def local_runtime(state: TrainState) -> MicroBatchRuntime:

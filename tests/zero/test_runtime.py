@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import pathlib
 import re
 
@@ -31,7 +32,10 @@ def test_phases_follow_forward_backward_end():
     assert runtime.phase is Phase.IDLE
     for i, micro in enumerate(micros):
         loss = runtime.forward(_loss, micro, micro=(i, 2))
-        assert runtime.phase is Phase.FORWARD and len(runtime.leaves) == len(state.program.plan.units)
+        # one rank, gradients taken after backward: the module's own parameters are the leaves
+        assert runtime.phase is Phase.FORWARD
+        params = list(state.program.skeleton.parameters())
+        assert len(runtime.leaves) == len(params) and {id(p) for p in runtime.leaves} == {id(p) for p in params}
         runtime.backward(loss)
         assert runtime.phase is Phase.BACKWARD
         assert unbound(state)  # unbound after backward
@@ -83,8 +87,8 @@ def test_several_forwards_and_backwards_in_one_micro_batch_add_up():
     torch.testing.assert_close(loss_two, loss_one)  # the micro-batch's loss is the sum of its losses
     runtime = local_runtime(state)
     first = runtime.forward(_loss, a)
-    second = runtime.forward(_loss, a)  # the binding stays: one leaf per unit
-    assert len(runtime.leaves) == len(state.program.plan.units)
+    second = runtime.forward(_loss, a)  # the binding stays: each parameter a leaf once
+    assert len(runtime.leaves) == len(list(state.program.skeleton.parameters()))
     runtime.backward(first, retain_graph=True)
     runtime.backward(second)  # a backward in BACKWARD: another loss of the micro-batch
     runtime.forward(_loss, b)  # a forward no backward follows is dropped by end()
@@ -195,3 +199,58 @@ def test_autograd_backward_is_called_in_one_place():
         if re.search(r"autograd\.(backward|grad)\(", line) and not line.lstrip().startswith(("#", "``"))
     ]
     assert calls == ["dsfunc/zero/runtime.py"], calls
+
+
+class WithUnused(MLP):
+    """An MLP whose first block holds a parameter no loss reaches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks[0].unused = torch.nn.Parameter(torch.ones(3))
+
+
+def _train(model, cfg, steps: int = 3, hooked: bool = False):
+    """The full fp32 parameters after ``steps`` steps; ``hooked``: a hook of the script's own on every parameter
+    of the module, which sends each unit down the flat-leaf binding (and must never run)."""
+    torch.manual_seed(0)
+    state = dsfunc.init_state(model, cfg)
+    calls = []
+    if hooked:
+        for p in state.program.skeleton.parameters():
+            p.register_hook(lambda g: calls.append(g))
+    for batch in mlp_batches(steps, cfg["train_batch_size"]):
+        state = dsfunc.train_step(state, batch)
+    assert not calls
+    return dsfunc.full_params(state), state
+
+
+@pytest.mark.parametrize("extra", [{}, {"gas": 2}, {"stage": 2}, {"bf16": {"enabled": True}}],
+                         ids=["fp32", "accumulation", "stage2", "bf16"])
+def test_the_module_parameters_as_leaves_train_bit_for_bit_as_the_flat_binding(extra):
+    cfg = config(micro=2, gas=extra.get("gas", 1), stage=extra.get("stage", 0), gradient_clipping=1.0,
+                 **{k: v for k, v in extra.items() if k not in ("gas", "stage")})
+    torch.manual_seed(0)
+    model = WithUnused()
+    as_leaves, state = _train(copy.deepcopy(model), cfg)
+    flat, _ = _train(copy.deepcopy(model), cfg, hooked=True)
+    for name, value in flat.items():
+        assert torch.equal(as_leaves[name], value), name
+    decayed = torch.ones(3, dtype=torch.float64) * (1 - 1e-3 * 0.01) ** 3  # a zero gradient: weight decay alone
+    torch.testing.assert_close(as_leaves["blocks.0.unused"].cpu().double(), decayed, rtol=1e-6, atol=0)
+    assert all(p.grad is None for p in state.program.skeleton.parameters())  # taken off after each backward
+
+
+def test_a_gradient_of_the_scripts_own_on_a_parameter_is_left_alone():
+    cfg = config(micro=2, gradient_clipping=1.0)
+    torch.manual_seed(0)
+    model = MLP()
+    expected, _ = _train(copy.deepcopy(model), cfg)
+    torch.manual_seed(0)
+    state = dsfunc.init_state(copy.deepcopy(model), cfg)
+    param = next(state.program.skeleton.parameters())
+    param.grad = torch.full_like(param, 7.0)  # e.g. from a backward the script ran on the module itself
+    for batch in mlp_batches(3, 2):
+        state = dsfunc.train_step(state, batch)
+    assert torch.equal(param.grad, torch.full_like(param, 7.0))  # not added to, not trained on
+    for name, value in dsfunc.full_params(state).items():
+        assert torch.equal(value, expected[name]), name
