@@ -133,17 +133,17 @@ def apply_gradients(
         sumsq, loss = global_norm_and_loss(program.plan, grads, loss, sumsq=sumsq)
     scale = state.scaler.scale
     finite = sumsq < math.inf  # a sum of squares is >= 0, inf or nan: isfinite's answer in one op, not four
+    overflow = ~finite
     grad_norm = sumsq.sqrt() if program.scaler.unscaled else sumsq.sqrt() / scale
 
     update = ChainUpdate(optimizer) if optimizer is not None else program.update
     lowp = program.workspace.lowp_targets() if update.writes_compute_copy else {}
     sent: set[str] = set()  # offload: units already on their way back to the device
-    ctx = dataclasses.replace(_update_context(program, scale, grad_norm, finite, lowp, sent, grads), lr=lr)
+    ctx = dataclasses.replace(_update_context(program, scale, grad_norm, finite, overflow, lowp, sent, grads), lr=lr)
     params, opt_state = update.apply(params, grads, state.opt_state, ctx)
     program.workspace.refresh(params, written=set(lowp) | sent)
     if program.offload is not None:
         program.offload.pending.start()  # the lazy units' host update, beside the next forward
-    overflow = ~finite
     scaler = program.scaler.update(state.scaler, overflow)
     lr = current_lr(opt_state)
     metrics = Metrics(
@@ -160,17 +160,18 @@ def apply_gradients(
 
 
 def _update_context(program: Program, scale: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor,
-                    lowp: Mapping[str, torch.Tensor], sent: set[str], grads: Mapping[str, Any]) -> UpdateContext:
+                    skip: torch.Tensor, lowp: Mapping[str, torch.Tensor], sent: set[str],
+                    grads: Mapping[str, Any]) -> UpdateContext:
     """The step's facts for the update, on the device the update runs on (the host when offloaded, where the
     units the update sends back as it goes are added to ``sent``, and ``grads`` are the host gradients)."""
     offload = program.offload
     if offload is None:
-        return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=lowp,
+        return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, skip=skip, lowp=lowp,
                              segment_norm=program.segment_norm, unscaled=program.scaler.unscaled)
 
     workspace, pending = program.workspace, offload.pending
     host_lowp = offload.staging_map(grads)  # each unit's buffer taken as the update reaches it
-    scale, grad_norm, finite = (t.to(offload.device) for t in (scale, grad_norm, finite))
+    scale, grad_norm, finite, skip = (t.to(offload.device) for t in (scale, grad_norm, finite, skip))
     skipped = not bool(finite)
 
     def updated(name: str, master: torch.Tensor) -> None:
@@ -193,7 +194,7 @@ def _update_context(program: Program, scale: torch.Tensor, grad_norm: torch.Tens
             sent.update(later)  # their copies go out as the worker writes them
             pending.add(later, work)
 
-    return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, lowp=host_lowp,
+    return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, skip=skip, lowp=host_lowp,
                          segment_norm=program.segment_norm, host=True, unscaled=program.scaler.unscaled,
                          updated=updated, schedule=schedule)
 

@@ -275,8 +275,8 @@ void check_flat(const at::Tensor& t, const char* name, const at::Tensor& param, 
 }
 
 void check_scalar(const at::Tensor& t, const char* name, at::ScalarType dtype, const at::Tensor& param) {
-  TORCH_CHECK(t.device() == param.device() && t.scalar_type() == dtype && t.numel() == 1,
-              "dsfunc_cuda::adam_step_: ", name, " must be a one-element ", dtype, " tensor on ",
+  TORCH_CHECK(t.device() == param.device() && t.scalar_type() == dtype && t.dim() == 0,
+              "dsfunc_cuda::adam_step_: ", name, " must be a 0-d ", dtype, " tensor on ",
               param.device(), ", got ", t.scalar_type(), " of shape ", t.sizes(), " on ", t.device());
 }
 
@@ -298,11 +298,10 @@ void launch_for_lowp(const at::Tensor& param, const at::Tensor& grad, const at::
 
 }  // namespace
 
-static void adam_step_one(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-                   const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& lowp,
-                   const at::Tensor& grad_scale, const at::Tensor& lr, const at::Tensor& step,
-                   const at::Tensor& skip, double beta1, double beta2, double eps, double weight_decay,
-                   bool adam_w_mode, bool bias_correction) {
+static void check_shard(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                        const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& lowp,
+                        const at::Tensor& grad_scale, const at::Tensor& lr, const at::Tensor& step,
+                        const at::Tensor& skip) {
   check_flat(param, "param", param);
   check_flat(grad, "grad", param, /*low_ok=*/true);
   check_flat(exp_avg, "exp_avg", param);
@@ -320,9 +319,14 @@ static void adam_step_one(const at::Tensor& param, const at::Tensor& grad, const
                 param.numel(), " elements on ", param.device(), ", got ", low.scalar_type(), " of shape ",
                 low.sizes(), " on ", low.device());
   }
+}
+
+static void launch_shard(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                         const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& lowp,
+                         const at::Tensor& grad_scale, const at::Tensor& lr, const at::Tensor& step,
+                         const at::Tensor& skip, const AdamHyper& h) {
   if (param.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(param.device());
-  const AdamHyper h = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction);
   if (grad.scalar_type() == at::kBFloat16) {
     launch_for_lowp<__nv_bfloat16>(param, grad, exp_avg, exp_avg_sq, lowp, grad_scale, lr, step, skip, h);
   } else if (grad.scalar_type() == at::kHalf) {
@@ -333,6 +337,7 @@ static void adam_step_one(const at::Tensor& param, const at::Tensor& grad, const
 }
 
 // One call per parameter group: the shards' kernels are launched from here, so the step's Python runs once.
+// Every shard is checked before any is launched: a bad argument leaves every shard as it was.
 void adam_steps_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                      at::TensorList exp_avg_sqs, at::TensorList lowps, const at::Tensor& grad_scale,
                      const at::Tensor& lr, const at::Tensor& step, const at::Tensor& skip, double beta1,
@@ -343,10 +348,18 @@ void adam_steps_cuda(at::TensorList params, at::TensorList grads, at::TensorList
               "dsfunc_cuda::adam_steps_: one grad, exp_avg and exp_avg_sq per param (and no lowp or one per "
               "param), got ", n, ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), " and ",
               lowps.size());
+  TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0 && beta2 >= 0.0 && beta2 < 1.0 && eps >= 0.0 && weight_decay >= 0.0,
+              "dsfunc_cuda::adam_steps_: betas must lie in [0, 1) and eps, weight_decay be >= 0, got ", beta1, ", ",
+              beta2, ", ", eps, " and ", weight_decay);
+  const auto lowp_of = [&](size_t i) {
+    return lowps.empty() ? std::nullopt : std::optional<at::Tensor>(lowps[i]);
+  };
   for (size_t i = 0; i < n; ++i) {
-    const std::optional<at::Tensor> lowp = lowps.empty() ? std::nullopt : std::optional<at::Tensor>(lowps[i]);
-    adam_step_one(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], lowp, grad_scale, lr, step, skip, beta1, beta2,
-                  eps, weight_decay, adam_w_mode, bias_correction);
+    check_shard(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], lowp_of(i), grad_scale, lr, step, skip);
+  }
+  const AdamHyper h = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction);
+  for (size_t i = 0; i < n; ++i) {
+    launch_shard(params[i], grads[i], exp_avgs[i], exp_avg_sqs[i], lowp_of(i), grad_scale, lr, step, skip, h);
   }
 }
 

@@ -183,6 +183,7 @@ def _cuda(*args: object) -> None:
     if not native_ready():
         _reference(*args)
         return
+    # checked here first: a failed check inside the extension ends the process on the device (bench/RESULTS.md)
     _check_all(*args)
     torch.ops.dsfunc_cuda.adam_steps_.default(*args)
     params, _, exp_avgs, exp_avg_sqs, lowps = args[:5]
@@ -205,9 +206,7 @@ def host_adam_step_(*args: object) -> None:
 def _written(*lists: Sequence[Tensor]) -> None:
     """Bump the version of what a kernel wrote, as the in-place torch ops it stands for would: the private ops of
     ops/ register no kernel for the dispatch key that does it for torch's own (ADInplaceOrView)."""
-    for ts in lists:
-        for t in ts:
-            torch.autograd.graph.increment_version(t)
+    torch.autograd.graph.increment_version([t for ts in lists for t in ts])
 
 
 def _fake(*args: object) -> None:

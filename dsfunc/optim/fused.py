@@ -86,13 +86,12 @@ class FusedAdam:
     def apply(self, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], opt_state: Any,
               ctx: UpdateContext) -> tuple[FrozenDict, Any]:
         """Update ``params``, the moments and ``ctx.lowp`` in place; return them with the new counters."""
-        loss_scale, grad_norm, finite = ctx.loss_scale, ctx.grad_norm, ctx.finite
+        loss_scale, grad_norm, finite, skip = ctx.loss_scale, ctx.grad_norm, ctx.finite, ctx.skip
         divisor = loss_scale  # the loss scale, times the clip coefficient when clipping
         if self.max_norm > 0:
             clip = torch.clamp((grad_norm + 1e-6) / self.max_norm, min=1.0)
             divisor = clip if ctx.unscaled else loss_scale * clip
         grad_scale = divisor.reciprocal().to(torch.float32)  # what 1 / divisor computes, less its "* 1"
-        skip = ~finite
         states = opt_state["optimizer"]
         new_states = {}
         for label, group in self.groups.items():
@@ -109,7 +108,8 @@ class FusedAdam:
                                                               device=loss_scale.device)
             else:
                 lr = group.schedule(sched.count - 1).to(torch.float32)
-            step = (adam.count + 1).to(torch.float32)
+            # count + 1 written as float32 by the add itself: one op, not an add and a cast
+            step = torch.add(adam.count, 1, out=torch.empty((), dtype=torch.float32, device=adam.count.device))
             names = [n for n in params if self.unit_groups.get(n) == label]
             if ctx.host:
                 ctx.schedule(names, functools.partial(
@@ -126,11 +126,10 @@ class FusedAdam:
                             beta2=group.beta2, eps=group.eps, weight_decay=group.weight_decay,
                             adam_w_mode=group.adam_w_mode, bias_correction=group.bias_correction,
                         )
-            applied = finite.to(adam.count.dtype)
-            new_states[label] = {
+            new_states[label] = {  # the counts advance by the bool flag itself (promoted in the add: no cast)
                 **chain,
-                "adam": adam._replace(count=adam.count + applied),
-                "lr": sched._replace(count=sched.count + applied, lr=torch.where(finite, lr, sched.lr)),
+                "adam": adam._replace(count=adam.count + finite),
+                "lr": sched._replace(count=sched.count + finite, lr=torch.where(finite, lr, sched.lr)),
             }
         optimizer = new_states.get(None, new_states)
         return FrozenDict(params), {**opt_state, "optimizer": optimizer}

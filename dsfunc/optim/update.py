@@ -27,6 +27,7 @@ class UpdateContext:
     loss_scale: torch.Tensor  # the grads are still multiplied by it
     grad_norm: torch.Tensor  # global, unscaled, before clipping
     finite: torch.Tensor  # 0-d bool: False skips the update (nothing changes)
+    skip: torch.Tensor  # 0-d bool: ~finite, made once for the step
     lowp: Mapping[str, torch.Tensor]  # where the update may write the new 16-bit compute copy
     segment_norm: Callable[[Any], Any] | None  # per-parameter norms over flat shards (Lamb)
     host: bool = False  # the update runs on the host (ZeRO-Offload): every tensor here is in host memory

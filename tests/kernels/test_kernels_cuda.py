@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dsfunc.kernels as K
+from dsfunc.errors import InputError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -289,3 +290,24 @@ def test_sum_of_squares_empty_tensors_give_zero_on_device():
         [torch.empty(0, device="cuda"), torch.empty(0, 3, device="cuda", dtype=torch.bfloat16)]
     )
     assert got.device.type == "cuda" and float(got) == 0.0
+
+
+@pytest.mark.parametrize("case", ["float64", "two devices"])
+def test_sum_of_squares_says_what_is_wrong_with_its_input(case):
+    good = torch.ones(3, device="cuda")
+    bad = good.double() if case == "float64" else torch.ones(3)
+    with pytest.raises(InputError, match="float64" if case == "float64" else "is on cpu"):
+        K.sum_of_squares([good, bad])
+
+
+def test_adam_refuses_bad_shards_before_writing_any():
+    from tests.kernels.test_kernels import _inputs
+
+    p, g, m, v, _, s = (t.cuda() if isinstance(t, torch.Tensor) else t for t in _inputs(8, 0))
+    s = {k: t.cuda() for k, t in s.items()}
+    before = [t.clone() for t in (p, m, v)]
+    with pytest.raises(ValueError, match=r"grad must be a 1-D contiguous .* \(shard 1\)"):
+        K.adam_steps_([p, p.clone()], [g, g.view(2, 4)], [m, m.clone()], [v, v.clone()], **s)
+    with pytest.raises(ValueError, match="every shard must be on one device, but shard 1 is on cpu"):
+        K.adam_steps_([p, p.cpu()], [g, g.cpu()], [m, m.cpu()], [v, v.cpu()], **s)
+    assert all(torch.equal(a, b) for a, b in zip(before, (p, m, v)))  # shard 0 was not updated
