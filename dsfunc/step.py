@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
 
+from dsfunc import kernels
 from dsfunc.batch import Batch
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.grad import GradContext, GradFn, default_grad_fn
@@ -132,14 +132,13 @@ def apply_gradients(
     else:
         sumsq, loss = global_norm_and_loss(program.plan, grads, loss, sumsq=sumsq)
     scale = state.scaler.scale
-    finite = sumsq < math.inf  # a sum of squares is >= 0, inf or nan: isfinite's answer in one op, not four
-    overflow = ~finite
-    grad_norm = sumsq.sqrt() if program.scaler.unscaled else sumsq.sqrt() / scale
-
     update = ChainUpdate(optimizer) if optimizer is not None else program.update
+    finite, overflow, grad_norm, grad_scale, skipped = kernels.step_scalars(
+        sumsq, scale, update.clip_norm, program.scaler.unscaled)
     lowp = program.workspace.lowp_targets() if update.writes_compute_copy else {}
     sent: set[str] = set()  # offload: units already on their way back to the device
-    ctx = dataclasses.replace(_update_context(program, scale, grad_norm, finite, overflow, lowp, sent, grads), lr=lr)
+    scalars = _StepScalars(scale, grad_norm, grad_scale, finite, overflow)
+    ctx = dataclasses.replace(_update_context(program, scalars, lowp, sent, grads), lr=lr)
     params, opt_state = update.apply(params, grads, state.opt_state, ctx)
     program.workspace.refresh(params, written=set(lowp) | sent)
     if program.offload is not None:
@@ -149,7 +148,7 @@ def apply_gradients(
     metrics = Metrics(
         loss=loss.detach(), grad_norm=grad_norm.detach(), loss_scale=scale.detach().clone(),
         lr=torch.zeros((), device=program.device) if lr is None else lr.detach().to(program.device).clone(),
-        skipped=overflow.to(torch.int32),
+        skipped=skipped,
     )
     new = dataclasses.replace(
         state, step=state.step + 1, params=params, opt_state=opt_state, scaler=scaler, metrics=metrics,
@@ -159,20 +158,28 @@ def apply_gradients(
     return new
 
 
-def _update_context(program: Program, scale: torch.Tensor, grad_norm: torch.Tensor, finite: torch.Tensor,
-                    skip: torch.Tensor, lowp: Mapping[str, torch.Tensor], sent: set[str],
+class _StepScalars(NamedTuple):
+    """The step's 0-d tensors that the update reads (:class:`~dsfunc.optim.update.UpdateContext`)."""
+
+    loss_scale: torch.Tensor
+    grad_norm: torch.Tensor
+    grad_scale: torch.Tensor
+    finite: torch.Tensor
+    skip: torch.Tensor
+
+
+def _update_context(program: Program, scalars: _StepScalars, lowp: Mapping[str, torch.Tensor], sent: set[str],
                     grads: Mapping[str, Any]) -> UpdateContext:
     """The step's facts for the update, on the device the update runs on (the host when offloaded, where the
     units the update sends back as it goes are added to ``sent``, and ``grads`` are the host gradients)."""
     offload = program.offload
     if offload is None:
-        return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, skip=skip, lowp=lowp,
-                             segment_norm=program.segment_norm, unscaled=program.scaler.unscaled)
+        return UpdateContext(**scalars._asdict(), lowp=lowp, segment_norm=program.segment_norm)
 
     workspace, pending = program.workspace, offload.pending
     host_lowp = offload.staging_map(grads)  # each unit's buffer taken as the update reaches it
-    scale, grad_norm, finite, skip = (t.to(offload.device) for t in (scale, grad_norm, finite, skip))
-    skipped = not bool(finite)
+    scalars = _StepScalars(*(t.to(offload.device) for t in scalars))
+    skipped = not bool(scalars.finite)
 
     def updated(name: str, master: torch.Tensor) -> None:
         # a skipped update writes nothing, its staging slot included: the unchanged master is cast into it
@@ -194,8 +201,7 @@ def _update_context(program: Program, scale: torch.Tensor, grad_norm: torch.Tens
             sent.update(later)  # their copies go out as the worker writes them
             pending.add(later, work)
 
-    return UpdateContext(loss_scale=scale, grad_norm=grad_norm, finite=finite, skip=skip, lowp=host_lowp,
-                         segment_norm=program.segment_norm, host=True, unscaled=program.scaler.unscaled,
+    return UpdateContext(**scalars._asdict(), lowp=host_lowp, segment_norm=program.segment_norm, host=True,
                          updated=updated, schedule=schedule)
 
 

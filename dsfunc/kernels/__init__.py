@@ -11,6 +11,9 @@
 ``torch.ops.dsfunc.linear_cross_entropy``
     The output projection and the mean cross-entropy in one op, a chunk of rows at a time, that never holds
     the fp32 logits; its forward also makes the gradients (:func:`linear_cross_entropy` is the public call).
+``torch.ops.dsfunc.step_scalars``
+    The step's scalars from the global sum of squares in one launch: finite and skip flags, the global norm,
+    the factor that unscales and clips the gradients.
 
 Each op has a plain-torch implementation that is the reference and runs on every device (it is
 the CPU path), a fake implementation so ``torch.compile`` traces through, and a CUDA kernel from
@@ -33,9 +36,11 @@ import torch
 from dsfunc.kernels.adam import adam_step_, adam_steps_
 from dsfunc.kernels.cross_entropy import linear_cross_entropy
 from dsfunc.kernels.native import native_ready
+from dsfunc.kernels.step_scalars import step_scalars
 from dsfunc.kernels.sum_of_squares import sum_of_squares
 
-__all__ = ["adam_step_", "adam_steps_", "fused_adam_available", "linear_cross_entropy", "sum_of_squares"]
+__all__ = ["adam_step_", "adam_steps_", "fused_adam_available", "linear_cross_entropy", "step_scalars",
+           "sum_of_squares"]
 
 
 def fused_adam_available(device: torch.device | str | int) -> bool:

@@ -36,7 +36,9 @@ class _Build:
 
 
 _BUILDS = {
-    "cuda": _Build("dsfunc_ops", ("register.cpp", "adam.cu", "sum_of_squares.cu", "cross_entropy.cu"), "CUDA kernels"),
+    "cuda": _Build("dsfunc_ops",
+                   ("register.cpp", "adam.cu", "sum_of_squares.cu", "cross_entropy.cu", "step_scalars.cu"),
+                   "CUDA kernels"),
     "cpu": _Build("dsfunc_cpu_ops", ("adam_cpu.cpp",), "CPU kernels"),
 }
 # -ffp-contract=off: no fused multiply-add beyond the ones adam_math.h writes (the CUDA kernel's rounding);

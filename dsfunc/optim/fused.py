@@ -63,7 +63,7 @@ class FusedAdam:
 
     groups: Mapping[str | None, AdamGroup]
     unit_groups: Mapping[str, str | None]
-    max_norm: float
+    clip_norm: float  # the step's ctx.grad_scale clips at it (dsfunc.kernels.step_scalars)
     chain: Transform  # unscale -> clip -> adam (per group): the same math, and the layout of the state
     # (label, device) -> a constant lr as a 0-d tensor, made once rather than filled every step
     _constant_lrs: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
@@ -78,7 +78,7 @@ class FusedAdam:
         if any(section.type not in ("adam", "adamw") for section in sections.values()):
             return None
         groups = {label: AdamGroup.from_section(section, schedules[label]) for label, section in sections.items()}
-        return cls(groups=groups, unit_groups=unit_groups, max_norm=float(max_norm), chain=chain)
+        return cls(groups=groups, unit_groups=unit_groups, clip_norm=float(max_norm), chain=chain)
 
     def init(self, params: Mapping[str, torch.Tensor]) -> Any:
         return self.chain.init(dict(params))
@@ -86,12 +86,7 @@ class FusedAdam:
     def apply(self, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], opt_state: Any,
               ctx: UpdateContext) -> tuple[FrozenDict, Any]:
         """Update ``params``, the moments and ``ctx.lowp`` in place; return them with the new counters."""
-        loss_scale, grad_norm, finite, skip = ctx.loss_scale, ctx.grad_norm, ctx.finite, ctx.skip
-        divisor = loss_scale  # the loss scale, times the clip coefficient when clipping
-        if self.max_norm > 0:
-            clip = torch.clamp((grad_norm + 1e-6) / self.max_norm, min=1.0)
-            divisor = clip if ctx.unscaled else loss_scale * clip
-        grad_scale = divisor.reciprocal().to(torch.float32)  # what 1 / divisor computes, less its "* 1"
+        finite, skip, grad_scale, device = ctx.finite, ctx.skip, ctx.grad_scale, ctx.loss_scale.device
         states = opt_state["optimizer"]
         new_states = {}
         for label, group in self.groups.items():
@@ -99,13 +94,13 @@ class FusedAdam:
             adam, sched = chain["adam"], chain["lr"]
             given = None if ctx.lr is None else ctx.lr.get(label)
             if given is not None:
-                lr = torch.full((), float(given), dtype=torch.float32, device=loss_scale.device)
+                lr = torch.full((), float(given), dtype=torch.float32, device=device)
             elif group.schedule is None:
-                key = (label, loss_scale.device)
+                key = (label, device)
                 lr = self._constant_lrs.get(key)
                 if lr is None:
                     lr = self._constant_lrs[key] = torch.full((), group.lr, dtype=torch.float32,
-                                                              device=loss_scale.device)
+                                                              device=device)
             else:
                 lr = group.schedule(sched.count - 1).to(torch.float32)
             # count + 1 written as float32 by the add itself: one op, not an add and a cast

@@ -26,12 +26,12 @@ class UpdateContext:
 
     loss_scale: torch.Tensor  # the grads are still multiplied by it
     grad_norm: torch.Tensor  # global, unscaled, before clipping
+    grad_scale: torch.Tensor  # 1 / (loss scale * the clip coefficient at the update's clip_norm): unscales and clips
     finite: torch.Tensor  # 0-d bool: False skips the update (nothing changes)
     skip: torch.Tensor  # 0-d bool: ~finite, made once for the step
     lowp: Mapping[str, torch.Tensor]  # where the update may write the new 16-bit compute copy
     segment_norm: Callable[[Any], Any] | None  # per-parameter norms over flat shards (Lamb)
     host: bool = False  # the update runs on the host (ZeRO-Offload): every tensor here is in host memory
-    unscaled: bool = False  # loss_scale is 1 for good (bf16, fp32): multiplying by it may be skipped
     # An update that writes unit by unit (the host Adam) calls this with each unit's name and new master as soon
     # as it is final, so copying it back to the device overlaps the update of the next unit.
     updated: Callable[[str, torch.Tensor], None] | None = None
@@ -49,6 +49,7 @@ class ChainUpdate:
     """An update transform over the state's shards, whose grads arrive multiplied by the loss scale."""
 
     transform: Transform
+    clip_norm = 0.0  # ctx.grad_scale only unscales: the transform clips (or not) itself
     writes_compute_copy = False  # the workspace rebuilds the compute copies from the new masters
     reads_16_bit_grads = False  # the transform reads fp32 trees: 16-bit gradients would be widened all at once
 
@@ -64,7 +65,7 @@ class ChainUpdate:
             lr = lr[None] if None in lr else ByLabel(lr)
         updates, new_opt_state = self.transform.update(
             grads, opt_state, dict(params),
-            grad_scale=1.0 / ctx.loss_scale, global_norm=ctx.grad_norm, segment_norm=ctx.segment_norm, lr=lr,
+            grad_scale=ctx.grad_scale, global_norm=ctx.grad_norm, segment_norm=ctx.segment_norm, lr=lr,
         )
         new_params = apply_updates(dict(params), updates)
 
