@@ -31,7 +31,7 @@ import torch
 
 PEAK_FLOPS = 790e12  # bf16 matmul rate measured on these H200s (BENCH.md)
 ACCUM = [1]  # --accum: micro-batches per optimizer step (set once by main)
-OPTIONS = {"device_sums": 0, "profile": False}  # --device_sums, --profile (set once by main)
+OPTIONS = {"device_sums": 0, "backward_group": 1, "profile": False}  # their flags (set once by main)
 
 
 def shape(name: str):
@@ -87,8 +87,10 @@ def run_dsfunc(cfg, setting: str, micro: int, steps: int):
     with torch.device("meta"):  # the loss through dsfunc's chunked op: no fp32 logits on the capped GPU
         model = GPT(dataclasses.replace(cfg, fused_loss=True))
     cfg_ds = {**config(micro, setting), "activation_checkpointing": {"policy": "units"}}
-    if OPTIONS["device_sums"] and "offload_optimizer" in cfg_ds["zero_optimization"]:
-        cfg_ds["zero_optimization"]["offload_optimizer"]["grad_accumulation_on_device"] = OPTIONS["device_sums"]
+    offload = cfg_ds["zero_optimization"].get("offload_optimizer")
+    if offload is not None:
+        offload.update(grad_accumulation_on_device=OPTIONS["device_sums"],
+                       micro_batches_per_backward=OPTIONS["backward_group"])
     box = [dsfunc.init_state(model, cfg_ds, param_init_fn=init_weights, device="cuda")]
 
     def step(batch) -> float:
@@ -193,7 +195,8 @@ def one(size: str, setting: str, system: str, cap_gib: float, micro: int, steps:
 def trial(size: str, setting: str, system: str, args) -> dict:
     cmd = [sys.executable, __file__, "--one", size, setting, system, "--cap_gib", str(args.cap_gib),
            "--micro", str(args.micro), "--accum", str(args.accum), "--steps", str(args.steps),
-           "--device_sums", str(args.device_sums), *(["--profile"] if args.profile else [])]
+           "--device_sums", str(args.device_sums), "--backward_group", str(args.backward_group),
+           *(["--profile"] if args.profile else [])]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.trial_timeout, check=False)
     except subprocess.TimeoutExpired:
@@ -232,17 +235,20 @@ def main() -> None:
     parser.add_argument("--trial_timeout", type=float, default=240)
     parser.add_argument("--device_sums", type=float, default=0,
                         help="dsfunc's offload_optimizer.grad_accumulation_on_device (elements)")
+    parser.add_argument("--backward_group", type=int, default=1,
+                        help="dsfunc's offload_optimizer.micro_batches_per_backward")
     parser.add_argument("--profile", action="store_true", help="print where one more step's device time goes")
     parser.add_argument("--one", nargs=3, metavar=("SIZE", "SETTING", "SYSTEM"))
     args = parser.parse_args()
     ACCUM[0] = args.accum
-    OPTIONS.update(device_sums=int(args.device_sums), profile=args.profile)
+    OPTIONS.update(device_sums=int(args.device_sums), backward_group=args.backward_group, profile=args.profile)
     if args.one:
         one(*args.one, args.cap_gib, args.micro, args.steps)
         return
     print(f"{torch.cuda.get_device_name()} capped to {args.cap_gib} GiB, torch {torch.__version__}, "
           f"micro {args.micro} x 1024 tokens x accumulation {args.accum}, {args.steps} timed steps, "
-          f"dsfunc's sums on the device: {int(args.device_sums):,} elements")
+          f"dsfunc's sums on the device: {int(args.device_sums):,} elements, micro-batches per backward: "
+          f"{args.backward_group}")
     print("| model | system | offload | tokens/s | MFU | peak GiB (GPU) | peak GiB (host RSS) | loss | host update s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for entry in args.trials.split(","):

@@ -216,7 +216,8 @@ def _prepare_skeleton(skeleton: nn.Module, workspace: Workspace, cfg: Config,
     for handle in getattr(skeleton, "_dsfunc_hooks", ()):
         handle.remove()
     _restore_forwards(skeleton)
-    skeleton._dsfunc_hooks = (install_unit_hooks(skeleton, workspace)
+    grouped = workspace.host is not None and workspace.host.backward_group > 1
+    skeleton._dsfunc_hooks = (install_unit_hooks(skeleton, workspace, every=grouped)
                               + install_input_cast(skeleton, workspace, cfg.compute_dtype))
     for unit in workspace.plan.units:
         if unit.module is not None:

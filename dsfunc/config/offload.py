@@ -4,8 +4,8 @@
 ``"nvme"`` (ZeRO-Infinity) is not built. DeepSpeed's other keys of the sections tune NVMe swapping, tiles
 or Superchip offload, none of which dsfunc has: with offload on they must keep DeepSpeed's default
 (``tests/config/test_zero.py`` checks these defaults against DeepSpeed's own classes). With offload off
-any valid value is accepted, as DeepSpeed ignores them then. ``offload_optimizer`` has one key of dsfunc's
-own, ``grad_accumulation_on_device`` (:attr:`OffloadConfig.grad_accumulation_on_device`).
+any valid value is accepted, as DeepSpeed ignores them then. ``offload_optimizer`` has two keys of dsfunc's
+own, ``grad_accumulation_on_device`` and ``micro_batches_per_backward`` (:class:`OffloadConfig`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsfunc.config import deepspeed_keys as ds
-from dsfunc.config.checks import _SIZE, _fields
+from dsfunc.config.checks import _SIZE, _STEPS, _fields
 from dsfunc.config.errors import ConfigError, _bad, _show
 from dsfunc.config.schema import Check, _as_is
 
@@ -45,6 +45,16 @@ class OffloadConfig:
     host update reads them, whole units in the order backward reaches them. The other units' sums go to host
     memory and come back for each micro-batch, 8 bytes a parameter over PCIe; these go to the host once a step,
     beside the update, and need no host gradient buffer of their own. 0 (default): none.
+    """
+    micro_batches_per_backward: int = 1
+    """dsfunc's own key of ``offload_optimizer`` (stages 2-3, ``train_step``): how many micro-batches run their
+    forwards before one backward goes through them all, unit by unit from the last to the first
+    (:mod:`dsfunc.zero.backward_by_units`). Each unit's gradient sum then stays on the device across those
+    micro-batches and crosses PCIe once for them, not once each. It costs the memory of that many
+    micro-batches' saved activations at once (with activation checkpointing, each unit's input), and needs the
+    units to form a chain: what a unit takes from the units before it passes through no other unit's input.
+    1 (default): each micro-batch's backward follows its forward. No effect under the DeepSpeed engine, whose
+    script runs each backward itself.
     """
 
 
@@ -84,7 +94,7 @@ def _offload_section(what: str, keys: Mapping[str, Any], defaults: Mapping[str, 
 
 
 offload_optimizer = _offload_section("optimizer state", ds.OFFLOAD_OPTIMIZER, OPTIMIZER_DEFAULTS,
-                                    {"grad_accumulation_on_device": _SIZE})
+                                    {"grad_accumulation_on_device": _SIZE, "micro_batches_per_backward": _STEPS})
 offload_param = _offload_section("parameters", ds.OFFLOAD_PARAM, PARAM_DEFAULTS)
 
 

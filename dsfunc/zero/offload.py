@@ -110,8 +110,9 @@ class HostOffload:
 
     def __init__(self, plan: ShardingPlan, *, compute_device: torch.device, compute_dtype: torch.dtype,
                  pin_memory: bool, params: bool, grad_dtype: torch.dtype = torch.float32,
-                 resident_elements: int = 0) -> None:
+                 resident_elements: int = 0, backward_group: int = 1) -> None:
         self.plan = plan
+        self.backward_group = backward_group  # micro-batches whose backward runs unit by unit (micro_batches_per_backward)
         self.resident = _resident_units(plan, resident_elements)  # units whose sums wait on the device
         self.device = torch.device("cpu")  # where the masters and optimizer state live
         self.compute_device = compute_device
@@ -167,9 +168,14 @@ class HostOffload:
             logger.warning("offload_optimizer.grad_accumulation_on_device has no effect at stage 1, which sums "
                            "micro-batches on the device anyway")
             budget = 0
+        group = section.micro_batches_per_backward
+        if group > 1 and zero.stage == 1:
+            logger.warning("offload_optimizer.micro_batches_per_backward has no effect at stage 1, which sums "
+                           "micro-batches on the device anyway")
+            group = 1
         host = cls(plan, compute_device=compute_device, compute_dtype=compute_dtype, pin_memory=section.pin_memory,
                    params=zero.offload_param is not None, grad_dtype=grad_dtype,
-                   resident_elements=budget)
+                   resident_elements=budget, backward_group=group)
         if budget and not host.resident:
             logger.warning("offload_optimizer.grad_accumulation_on_device = %d is smaller than every unit's gradient "
                            "shard (the smallest has %d elements): every sum goes to the host", budget,

@@ -28,12 +28,15 @@ same way), so no gradient shard waits on the device between micro-batches, but t
 units (``offload_optimizer.grad_accumulation_on_device``), whose sums never go to the sink: they wait on the
 device until the update reads them (:meth:`dsfunc.zero.offload.HostOffload.held_grad`). A first
 micro-batch's shard goes out in its exact dtype (bf16 on one rank) and comes back widened: the same sum, with
-4 of the 60 bytes a parameter that 8 micro-batches move over PCIe saved.
+4 of the 60 bytes a parameter that 8 micro-batches move over PCIe saved. A gradient added with ``hold`` (the
+next micro-batch's of the same unit comes right after it: :mod:`dsfunc.zero.backward_by_units`) keeps its sum
+on the device for that one, so the sum crosses PCIe once for the micro-batches a backward goes through together.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -67,6 +70,16 @@ def _accumulate(sums: dict[str, torch.Tensor], name: str, grad: torch.Tensor, *,
     sums[name] = (grad if keep else grad.float()) if prev is None else prev.float().add_(grad)
 
 
+class Reducer(Protocol):
+    """What the runtime hands gradients to (:mod:`dsfunc.zero.reduce`)."""
+
+    streams: bool  # it wants each unit's gradient as backward makes it (see [Note: gradients as they come])
+
+    def add(self, unit: Unit, grad: torch.Tensor, *, last: bool, hold: bool = False) -> None: ...
+    def end_micro(self, *, last: bool) -> None: ...
+    def finish(self) -> Grads: ...
+
+
 class LocalReducer:
     """This process's gradients, summed in fp32 over micro-batches (one micro-batch's kept as is if ``narrow``)."""
 
@@ -77,7 +90,8 @@ class LocalReducer:
         self.narrow = narrow
         self._sums: dict[str, torch.Tensor] = {}
 
-    def add(self, unit: Unit, grad: torch.Tensor, *, last: bool) -> None:
+    def add(self, unit: Unit, grad: torch.Tensor, *, last: bool, hold: bool = False) -> None:
+        """Add ``unit``'s gradient of a micro-batch (the sums stay here: ``hold`` changes nothing)."""
         _accumulate(self._sums, unit.name, grad, keep=last and self.narrow)
 
     def end_micro(self, *, last: bool) -> None:
@@ -115,7 +129,9 @@ class ZeroReducer:
         self._grads: dict[str, torch.Tensor] = {}
         self._sunk: dict[str, torch.Tensor] = {}  # unit -> what the sink returned for its sum so far
 
-    def add(self, unit: Unit, grad: torch.Tensor, *, last: bool) -> None:
+    def add(self, unit: Unit, grad: torch.Tensor, *, last: bool, hold: bool = False) -> None:
+        """Reduce ``unit``'s gradient of a micro-batch into its sum (``last``: of the step's last micro-batch;
+        ``hold``: the unit's next gradient comes next, so its sum stays on the device for it)."""
         self._reduced.add(unit.name)
         stage = self.plan.stage
         if stage <= 1 and not last:
@@ -129,17 +145,17 @@ class ZeroReducer:
         if local is not None:
             full = full + local.to(self.comm_dtype)
         if self.plan.world_size == 1:  # no collective to issue or wait for: stored as it comes
-            self._store(unit, full, last, exact)
+            self._store(unit, full, last, exact, hold)
         elif stage == 0:
             chunks = full.split(self.bucket_size)
             for chunk in chunks[:-1]:
                 self._pending.append((comm.all_reduce_sum(chunk, async_op=True), lambda: None))
             work = comm.all_reduce_sum(chunks[-1], async_op=True)
-            self._pending.append((work, lambda u=unit, t=full: self._store(u, t, last, exact)))
+            self._pending.append((work, lambda u=unit, t=full: self._store(u, t, last, exact, hold)))
         else:
             out = torch.empty(self.plan.shard_size(unit), dtype=full.dtype, device=full.device)
             work = comm.reduce_scatter_sum(out, full, async_op=True)
-            self._pending.append((work, lambda u=unit, t=out, keep=full: self._store(u, t, last, exact)))
+            self._pending.append((work, lambda u=unit, t=out, keep=full: self._store(u, t, last, exact, hold)))
         self._drain(keep=self.max_inflight)
 
     def end_micro(self, *, last: bool) -> None:
@@ -151,6 +167,10 @@ class ZeroReducer:
         self._reduced = set()
         if self.plan.stage >= 2:
             self._drain()
+        if self.sink is not None:  # a sum held for a next gradient that did not come goes where it would have
+            for name in [n for n in self._grads if n not in self.resident]:
+                total = self._grads.pop(name)
+                self._sunk[name] = self.sink(self.plan.unit(name), total, total.dtype, last)
 
     def finish(self) -> Grads:
         """This rank's reduced gradients by unit (each in its :func:`grad_dtype`), after the last micro-batch."""
@@ -159,11 +179,11 @@ class ZeroReducer:
         self._grads, self._sunk = {}, {}
         return grads
 
-    def _store(self, unit: Unit, reduced: torch.Tensor, last: bool, exact: torch.dtype) -> None:
+    def _store(self, unit: Unit, reduced: torch.Tensor, last: bool, exact: torch.dtype, hold: bool) -> None:
         prev = self._grads.pop(unit.name, None)
         if prev is None and unit.name in self._sunk:  # an earlier micro-batch's (or backward's) sum, on the host
             prev = self.fetch(unit, self._sunk.pop(unit.name))
-        kept = self.sink is None or unit.name in self.resident
+        kept = self.sink is None or unit.name in self.resident or hold
         if prev is not None:
             reduced = prev.float().add_(reduced)
         else:  # its exact dtype after the last micro-batch if kept narrow, or on its way to the host (where the

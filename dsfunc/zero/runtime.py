@@ -54,6 +54,11 @@ not sit on the module's parameters, where the script's own clipping or ``zero_gr
 [Note: lazy binding at stage 3] Units whose compute copy is gathered on demand are bound by the module
 hooks (:mod:`dsfunc.zero.hooks`) just before the unit's forward and freed after it; a hook on the
 unit's outputs re-gathers it before its backward and prefetches the unit that ran before it.
+
+With ``backward_group`` > 1 a micro-batch's backward waits until that many micro-batches have run their forwards,
+and then goes through them all unit by unit ([Note: backward by units] in :mod:`dsfunc.zero.backward_by_units`):
+the unit hooks cut each unit's inputs from the graph in forward, and in backward the hook on a unit's outputs
+binds the micro-batch's own views of the unit again, which the unit's recomputed forward (checkpointing) reads.
 """
 
 from __future__ import annotations
@@ -61,16 +66,19 @@ from __future__ import annotations
 import contextlib
 import enum
 import weakref
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import optree
 import torch
 from torch import nn
 
 from dsfunc.errors import InputError, UsageError
+from dsfunc.zero.backward_by_units import DeferredMicro, UnitGroups
+from dsfunc.zero.hooks import tensors_in
 from dsfunc.zero.layout import Unit, unit_views
-from dsfunc.zero.reduce import Grads, LocalReducer, ZeroReducer
+from dsfunc.zero.reduce import Grads, LocalReducer, Reducer, ZeroReducer
+from dsfunc.zero.rng import micro_batch_rng
 
 if TYPE_CHECKING:
     from dsfunc.program import Program
@@ -92,23 +100,15 @@ class Phase(enum.Enum):
     BACKWARD = enum.auto()  # a backward ran and parameters are unbound: end() next (or another pair)
 
 
-class Reducer(Protocol):
-    """What the runtime hands gradients to (:mod:`dsfunc.zero.reduce`)."""
-
-    streams: bool  # it wants each unit's gradient as backward makes it (see [Note: gradients as they come])
-
-    def add(self, unit: Unit, grad: torch.Tensor, *, last: bool) -> None: ...
-    def end_micro(self, *, last: bool) -> None: ...
-    def finish(self) -> Grads: ...
-
-
 class MicroBatchRuntime:
     """Binds a state's parameters into its model for each micro-batch and collects the gradients."""
 
-    def __init__(self, state: TrainState, reducer: Reducer, *, ranks: int = 1, direct_backward: bool = False) -> None:
+    def __init__(self, state: TrainState, reducer: Reducer, *, ranks: int = 1, direct_backward: bool = False,
+                 backward_group: int = 1) -> None:
         """``ranks``: how many ranks' gradients ``reducer`` sums (the seed divides by it). ``direct_backward``: a
         script may call ``backward()`` on a loss itself (the DeepSpeed engine; see [Note: the module's parameters
-        as leaves])."""
+        as leaves]). ``backward_group``: micro-batches whose backward runs together, unit by unit (see [Note:
+        backward by units])."""
         self.state = state
         self.program: Program = state.program
         self.workspace = self.program.workspace
@@ -137,6 +137,7 @@ class MicroBatchRuntime:
         self._loss_sum: torch.Tensor | None = None
         self._losses = 0
         self._micros_ended = 0
+        self.groups = UnitGroups(backward_group)  # see [Note: backward by units]
 
     # -- a micro-batch ------------------------------------------------------------------------------
     def forward(self, fn: Callable[[nn.Module, Any], T], inputs: Any, *, micro: tuple[int, int] = (0, 1)) -> T:
@@ -150,7 +151,7 @@ class MicroBatchRuntime:
         index = self._forwards
         self.begin_forward(micro)
         try:
-            with self._rng_scope(micro[0], index):
+            with micro_batch_rng(self.state, micro[0], index):
                 out = fn(self.program.skeleton, inputs)
         except BaseException:
             self.drop_forward()
@@ -213,8 +214,12 @@ class MicroBatchRuntime:
             seed = seed.to(device=loss.device, dtype=loss.dtype).reshape(())
         else:
             seed = torch.full_like(loss, seed)
-        with self._backward_scope():
-            torch.autograd.backward(loss, grad_tensors=seed, inputs=self.leaves, retain_graph=retain_graph)
+        if self.groups.on(self.micro):  # it runs with the group's (see [Note: backward by units])
+            self.groups.losses.append((loss, seed))
+            self._unbind()
+        else:
+            with self._backward_scope():
+                torch.autograd.backward(loss, grad_tensors=seed, inputs=self.leaves, retain_graph=retain_graph)
         value = loss.detach().float()
         self._micro_loss = value if self._micro_loss is None else self._micro_loss + value
         self._micro_losses += 1
@@ -248,7 +253,7 @@ class MicroBatchRuntime:
         unit's gradient reaches the reducer as in :meth:`backward` and the parameters are unbound after it;
         ``run`` returns the (unseeded, detached) loss to record. ``end()`` comes next."""
         self.begin_forward(micro)
-        with self._backward_scope(), self._rng_scope(micro[0], 0):
+        with self._backward_scope(), micro_batch_rng(self.state, micro[0], 0):
             loss = run()
         self._micro_loss = loss.detach().float()
         self._backwards += 1
@@ -271,6 +276,7 @@ class MicroBatchRuntime:
             self.phase = Phase.BACKWARD if self._backwards else Phase.IDLE
             if self.phase is Phase.IDLE:
                 self._forwards, self.leaves, self._unit_leaves, self._order = 0, [], [], []
+                self.groups.calls = []
 
     @property
     def micro_backwards(self) -> int:
@@ -289,6 +295,8 @@ class MicroBatchRuntime:
         self._expect(Phase.IDLE, "finish")
         if not self.has_gradients:
             raise UsageError("no micro-batch has run backward() in this runtime yet")
+        if self.groups.waiting:  # fewer micro-batches ran than the step has
+            self._backward_group()
         return self.mean_loss(), self.reducer.finish()
 
     def mean_loss(self) -> torch.Tensor:
@@ -307,7 +315,7 @@ class MicroBatchRuntime:
         with torch.no_grad():
             opened = self.begin_evaluation()
             try:
-                with self._rng_scope(0, 0):
+                with micro_batch_rng(self.state, 0, 0):
                     return fn(self.program.skeleton, inputs)
             finally:
                 if opened:
@@ -352,7 +360,12 @@ class MicroBatchRuntime:
         if self._bound:
             self._unbind()
         index, count = self.micro
-        self.reducer.end_micro(last=index == count - 1)
+        if self.groups.losses:  # its backward runs with its group's
+            self.groups.defer(self.micro, self.leaves, self._unit_leaves, self._order)
+        else:
+            self.reducer.end_micro(last=index == count - 1)
+        if self.groups.due(self.micro):
+            self._backward_group()
         if self._micro_loss is not None:
             self._loss_sum = self._micro_loss if self._loss_sum is None else self._loss_sum + self._micro_loss
             self._losses += self._micro_losses if self._declared else 1
@@ -446,7 +459,7 @@ class MicroBatchRuntime:
     def _on_grad(self, unit: Unit, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
         self._hand(unit, grad)
-        if self.workspace.lazy(unit):
+        if self.workspace.lazy(unit) and not self.groups.hold:  # held: the next micro-batch's backward reads it too
             self.workspace.release(unit)
 
     def _hand(self, unit: Unit, grad: torch.Tensor) -> None:
@@ -454,7 +467,7 @@ class MicroBatchRuntime:
         if not _BACKWARDS_RUNNING[0]:  # see [Note: a backward the runtime does not run]
             grad = self._direct_seed(grad)
         index, count = self.micro
-        self.reducer.add(unit, grad, last=index == count - 1)
+        self.reducer.add(unit, grad, last=index == count - 1, hold=self.groups.hold)
 
     def _direct_seed(self, grad: torch.Tensor) -> torch.Tensor:
         """A unit's gradient from a backward the script called itself, times the seed."""
@@ -466,27 +479,62 @@ class MicroBatchRuntime:
         self._backwards += 1
         return grad / (self.ranks * self.micro[1])
 
-    # -- stage-3 module hooks (see [Note: lazy binding at stage 3]) -------------------------------------
-    def unit_forward_begins(self, unit: Unit) -> None:
-        if self._grad_binding and unit.name not in self._order:
-            self._order.append(unit.name)
-        self.workspace.ensure(unit, self.state.params)  # a unit run twice in one forward is re-gathered
-        self._bind_unit(unit)
-        self.workspace.prefetch(self.workspace.next_units(unit), self.state.params)
+    # -- unit module hooks (see [Note: lazy binding at stage 3]) ---------------------------------------
+    def unit_forward_begins(self, unit: Unit, args: Any = (), kwargs: Any = None) -> tuple[Any, Any] | None:
+        """Before a unit module's forward: a lazy unit gathered and bound; grouped, the call's inputs cut from the
+        graph (the new ``(args, kwargs)`` are returned)."""
+        if self.workspace.lazy(unit):
+            if self._grad_binding and unit.name not in self._order:
+                self._order.append(unit.name)
+            self.workspace.ensure(unit, self.state.params)  # a unit run twice in one forward is re-gathered
+            self._bind_unit(unit)
+            self.workspace.prefetch(self.workspace.next_units(unit), self.state.params)
+        if not (self._grad_binding and self.groups.on(self.micro)):
+            return None
+        return self.groups.cut(args, kwargs or {})
 
     def unit_forward_ends(self, unit: Unit, output: Any) -> None:
-        self.workspace.release(unit)
+        """After a unit module's forward: a lazy unit freed, and a hook on its outputs for its backward."""
+        lazy, grouped = self.workspace.lazy(unit), self._grad_binding and self.groups.on(self.micro)
+        if lazy:
+            self.workspace.release(unit)
+        if not (lazy or grouped):
+            return
+        views = self._views.get(unit.name) if grouped else None
         me = weakref.ref(self)
         for t in tensors_in(output):
             if t.requires_grad:
-                t.register_hook(lambda g, u=unit: me()._unit_backward_begins(u, g))
+                t.register_hook(lambda g, u=unit, v=views: me()._unit_backward_begins(u, g, v))
 
-    def _unit_backward_begins(self, unit: Unit, grad: torch.Tensor) -> torch.Tensor:
+    def _unit_backward_begins(self, unit: Unit, grad: torch.Tensor,
+                              views: list[torch.Tensor] | None = None) -> torch.Tensor:
+        if views is not None:  # grouped: the unit's recomputed forward reads this micro-batch's own views
+            self.program.slots.bind_unit(unit.name, views)
+        if not self.workspace.lazy(unit):
+            return grad
         self.workspace.ensure(unit, self.state.params)
         i = self._order.index(unit.name) if unit.name in self._order else 0
         if i > 0:
             self.workspace.prefetch([self.program.plan.unit(self._order[i - 1])], self.state.params)
         return grad
+
+    # -- backward by units (see [Note: backward by units]) ---------------------------------------------
+    def _backward_group(self) -> None:
+        """The waiting micro-batches' backward, unit by unit; then the reducer ends them."""
+        _BACKWARDS_RUNNING[0] += 1
+        try:
+            index, count = self.groups.run(self._segment).micro
+        finally:
+            _BACKWARDS_RUNNING[0] -= 1
+            self.program.slots.restore(self.state.buffers)  # the views the segments bound
+            self.workspace.release_all()
+        self.reducer.end_micro(last=index == count - 1)
+
+    def _segment(self, d: DeferredMicro, roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """Micro-batch ``d``'s backward from ``roots`` to its leaves and to the unit inputs cut in its forward."""
+        self.micro, self.leaves, self._unit_leaves, self._order = d.micro, d.leaves, d.unit_leaves, d.order
+        torch.autograd.backward(roots, grad_tensors=grads, inputs=d.leaves + d.cut_leaves())
+        self.collect()
 
     # -- helpers -------------------------------------------------------------------------------------
     def _expect(self, phase: Phase, call: str) -> None:
@@ -505,26 +553,6 @@ class MicroBatchRuntime:
             lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, inputs
         )
 
-    @contextlib.contextmanager
-    def _rng_scope(self, micro: int, forward: int) -> Iterator[None]:
-        """Seed dropout from (seed, step, micro-batch, rank, and the forward's index in the micro-batch
-        after the first) so a resumed run draws the same masks and two forwards draw different ones."""
-        device = self.program.device
-        cuda = device.type == "cuda"
-        if cuda and torch.cuda.is_current_stream_capturing():  # a graphed step seeds per step (dsfunc.graphs)
-            yield
-            return
-        key = (int(self.state.rng[0]), int(self.state.step), micro, self.program.plan.rank)
-        seed = hash(key if forward == 0 else (*key, forward)) & 0x7FFF_FFFF_FFFF
-        with torch.random.fork_rng(devices=[device] if cuda else []):
-            # Seed the generators this step draws from, not torch.manual_seed: that one also seeds every
-            # other accelerator type lazily, recording a Python stack each time (half the step on a small
-            # model), and would change the other GPUs' streams.
-            torch.default_generator.manual_seed(seed)
-            if cuda:
-                torch.cuda.default_generators[device.index if device.index is not None else 0].manual_seed(seed)
-            yield
-
 
 def _divided(value: torch.Tensor | float, *divisors: int) -> torch.Tensor | float:
     """``value`` divided by each divisor in turn, skipping those that are 1 (the result is the same, without a
@@ -533,19 +561,6 @@ def _divided(value: torch.Tensor | float, *divisors: int) -> torch.Tensor | floa
         if d != 1:
             value = value / d
     return value
-
-
-def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
-    """The tensors in a module's output: inside tuples, lists and mappings of any class (a Hugging Face
-    ``ModelOutput`` is an ``OrderedDict`` subclass that optree would take for a leaf)."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, Mapping):
-        for value in obj.values():
-            yield from tensors_in(value)
-    elif isinstance(obj, (tuple, list)):
-        for value in obj:
-            yield from tensors_in(value)
 
 
 def zero_runtime(state: TrainState, *, direct_backward: bool = False) -> MicroBatchRuntime:
@@ -558,7 +573,9 @@ def zero_runtime(state: TrainState, *, direct_backward: bool = False) -> MicroBa
                           fetch=None if program.offload is None else program.offload.fetch_grad,
                           resident=frozenset() if program.offload is None else program.offload.resident,
                           narrow=program.update.reads_16_bit_grads)
-    return MicroBatchRuntime(state, reducer, ranks=program.plan.world_size, direct_backward=direct_backward)
+    group = 1 if program.offload is None or direct_backward else program.offload.backward_group
+    return MicroBatchRuntime(state, reducer, ranks=program.plan.world_size, direct_backward=direct_backward,
+                             backward_group=group)
 
 
 def local_runtime(state: TrainState) -> MicroBatchRuntime:

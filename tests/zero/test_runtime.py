@@ -198,7 +198,7 @@ def test_autograd_backward_is_called_in_one_place():
         for line in path.read_text().splitlines()
         if re.search(r"autograd\.(backward|grad)\(", line) and not line.lstrip().startswith(("#", "``"))
     ]
-    assert calls == ["dsfunc/zero/runtime.py"], calls
+    assert set(calls) == {"dsfunc/zero/runtime.py"}, calls
 
 
 class WithUnused(MLP):
