@@ -171,6 +171,10 @@ def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, groups:
         raw.pop("scheduler", None)
         if cfg.scheduler is not None:
             logger.warning("the client lr_scheduler passed to initialize replaces the config's scheduler section")
+    offload = cfg.zero_optimization.offload_optimizer
+    if offload is not None and offload.micro_batches_per_backward > 1:
+        logger.warning("offload_optimizer.micro_batches_per_backward has no effect under the engine, whose script "
+                       "runs each micro-batch's backward itself; dsfunc.train_step honours it")
     return Config.load(raw, world_size=cfg.world_size), groups, client_lr, client_opt
 
 

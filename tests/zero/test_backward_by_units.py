@@ -164,3 +164,16 @@ def test_on_two_ranks_bit_for_bit_and_a_stage_3_unit_gathered_once_for_the_group
             assert relative_diff(params, reference) == 0.0 and (loss, norm) == (ref_loss, ref_norm), stage
         # 3 blocks over 2 steps, each gathered for 4 forwards and 4 backwards, or 4 forwards and one backward
         assert (result[3, 1][1], result[3, 4][1]) == (3 * 2 * (4 + 4), 3 * 2 * (4 + 1))
+
+
+def test_the_engine_says_the_key_has_no_effect_there(caplog):
+    """Under the DeepSpeed engine the script runs each micro-batch's backward itself: nothing to group."""
+    cfg = config(micro=2, gas=2, stage=2)
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "micro_batches_per_backward": 2}
+    with caplog.at_level(logging.WARNING, logger="dsfunc"):
+        engine, *_ = dsfunc.initialize(model=MLP(), config=cfg)
+    assert "micro_batches_per_backward has no effect under the engine" in caplog.text
+    for x, y in mlp_batches(2, 2):
+        engine.backward(engine(x, y))
+        engine.step()
+    assert engine.global_steps == 1
