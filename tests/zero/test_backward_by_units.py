@@ -30,13 +30,13 @@ def gpt(*, tied: bool = False, dropout: float = 0.0, fused: bool = False) -> GPT
 
 
 def make_state(model: torch.nn.Module, group: int, *, stage: int = 3, gas: int = 4, world: int = 1,
-               policy: str = "units", bf16: bool = False, resident: int = 0) -> dsfunc.TrainState:
+               policy: str = "units", bf16: bool = False, resident: int = 0, device: str = "cpu") -> dsfunc.TrainState:
     offload = {"device": "cpu", "micro_batches_per_backward": group, "grad_accumulation_on_device": resident}
     cfg = config(micro=2, gas=gas, world=world, stage=stage, gradient_clipping=1.0,
                  activation_checkpointing={"policy": policy}, bf16={"enabled": bf16})
     cfg["optimizer"]["params"]["lr"] = 1e-2
     cfg["zero_optimization"].update(offload_optimizer=offload, stage3_param_persistence_threshold=0)
-    return dsfunc.init_state(model, cfg)
+    return dsfunc.init_state(model, cfg, device=device)
 
 
 def tokens(steps: int, rows: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -92,6 +92,19 @@ def test_a_unit_sum_crosses_to_the_host_once_a_group(monkeypatch):
     units = 4  # the root and three blocks
     assert seen[1] == {"put_grad": 4 * units, "fetch_grad": 3 * units}
     assert seen[4] == {"put_grad": units + 1, "fetch_grad": 1}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("resident", [0, 5000])
+def test_on_the_gpu_bit_for_bit_with_the_sums_on_copy_streams(resident):
+    """On a GPU each sum goes out and comes back on copy streams of its own, beside backward: a held sum must not be
+    read or freed before its copies finish. Attention through the math kernel, whose backward is deterministic."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        reference = outcome(train(make_state(gpt(), 1, bf16=True, resident=resident, device="cuda:0")))
+        params, loss, norm = outcome(train(make_state(gpt(), 4, bf16=True, resident=resident, device="cuda:0")))
+    assert relative_diff(params, reference[0]) == 0.0 and (loss, norm) == reference[1:]
 
 
 def test_a_tied_embedding_adds_its_two_parts_in_fp32():
