@@ -12,7 +12,6 @@ DeepSpeed's modules answer under dsfunc (``deepspeed.accelerator`` is ``dsfunc.a
 """
 
 import importlib as _importlib
-import importlib.metadata as _metadata
 
 from dsfunc.config import (
     BF16Config,
@@ -81,8 +80,9 @@ from dsfunc.scaling import LossScaleError, LossScaler, LossScaleState
 from dsfunc.schedules import lr_range_test, one_cycle, warmup_cosine_lr, warmup_decay_lr, warmup_lr
 from dsfunc.state import DonatedStateError, FrozenDict, Metrics, TrainState
 from dsfunc.step import apply_gradients, make_train_step, train_step
+from dsfunc.version import package_version as _package_version
 
-__version__ = _metadata.version("dsfunc")  # pyproject.toml's, the one source
+__version__ = _package_version()
 
 _namespace.install()
 

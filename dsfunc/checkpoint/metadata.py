@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
-import importlib.metadata
 import json
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from dsfunc.checkpoint.tags import available_tags
 from dsfunc.distributed import comm
 from dsfunc.frozen import thaw
 from dsfunc.state import TrainState
+from dsfunc.version import package_version
 
 FORMAT = "dsfunc.checkpoint"
 FORMAT_VERSION = 1
@@ -58,7 +58,7 @@ def _describe(state: TrainState, tag: str) -> dict[str, Any]:
         "precision": precision(state),
         "optimizer": cfg.optimizer.type if cfg.optimizer is not None else None,
         "scaler": dataclasses.asdict(program.scaler),
-        "dsfunc_version": importlib.metadata.version("dsfunc"),
+        "dsfunc_version": package_version(),
         "torch_version": torch.__version__,
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "units": [
