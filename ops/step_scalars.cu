@@ -1,7 +1,8 @@
 // The step's scalars from the global sum of squares, in one launch: dsfunc_cuda::step_scalars.
 //
-// One thread computes what the reference (dsfunc/kernels/step_scalars.py) computes with nine torch ops, in
-// the same order and with the same IEEE rounding (no fused multiply-add, true division): whether the step is
+// One thread computes what the reference (dsfunc/kernels/step_scalars.py) computes with nine torch CUDA ops, in
+// the same order and with the same IEEE rounding (no fused multiply-add, true division; a division by the
+// Python float max_norm is torch's multiplication by its float reciprocal): whether the step is
 // finite, the skip flag, the unscaled global norm, the factor that unscales and clips the gradients, and the
 // skip flag as int32 for the metrics. On a small model each launch is a visible share of the step.
 #include "common.cuh"
@@ -26,7 +27,7 @@ __global__ void step_scalars_kernel(const float* __restrict__ sumsq, const float
   const float norm = unscaled ? root : __fdiv_rn(root, scale);
   float divisor = scale;
   if (max_norm > 0.f) {
-    const float ratio = __fdiv_rn(__fadd_rn(norm, 1e-6f), max_norm);
+    const float ratio = __fmul_rn(__fadd_rn(norm, 1e-6f), __fdiv_rn(1.f, max_norm));
     const float clip = isnan(ratio) ? ratio : fmaxf(ratio, 1.f);  // clamp(min=1) keeps a NaN
     divisor = unscaled ? clip : __fmul_rn(scale, clip);
   }
