@@ -8,6 +8,8 @@
 #     single124  bench_single at 124m
 #     ce         bench_cross_entropy: the output projection and loss alone, eager / compiled / dsfunc's op
 #     offload    the capped 24 GiB GPU: the largest GPT without and with offload, and DeepSpeed ZeRO-Offload
+#     offload6   issue 28's shape on the capped GPU: 6.3B, micro-batch 4 x accumulation 8, 4 micro-batches a backward,
+#                dsfunc then DeepSpeed ZeRO-Offload, with a profiled step
 #     zero13     bench_zero at 1.3b on every GPU: dsfunc ZeRO-2/3 against FSDP2 and DeepSpeed
 #     why124     dsfunc+compile at 124m again, with dynamo's recompile and graph-break logs
 #     profile124 the top ops (host and device) of plain+compile, dsfunc and dsfunc+compile at 124m
@@ -40,7 +42,8 @@ if want tests; then
     for t in tests/kernels/test_cross_entropy_cuda.py tests/kernels/test_cross_entropy.py \
              tests/kernels/test_kernels_cuda.py tests/kernels/test_kernels.py "tests/optim tests/test_scaling.py" \
              tests/test_step.py tests/zero/test_zero_cuda.py tests/test_graphs_cuda.py tests/test_remat_cuda.py \
-             tests/zero/test_offload_cuda.py; do  # one process each: CUDA settings a test changes stay with it
+             tests/zero/test_offload_cuda.py tests/zero/test_backward_by_units.py "tests/kernels/test_step_scalars_cuda.py \
+             tests/kernels/test_step_scalars.py tests/test_step_ops.py"; do  # one process each: CUDA settings a test changes stay with it
         [ -e "${t%% *}" ] || continue
         echo "== $t"
         timeout 200 python3 -m pytest -q -p no:cacheprovider -rs $t 2>&1 | tail -25
@@ -100,6 +103,11 @@ if want offload; then  # the GPU offload tests first, then the capped GPU
     TORCH_CUDA_ARCH_LIST=$DS_ARCH_LIST timeout "${OFFLOAD_S:-400}" python3 bench/bench_offload.py --cap_gib 24 \
         --trials "${OFFLOAD_TRIALS:-$OFFLOAD_DEFAULT}" --micro "${OFFLOAD_MICRO:-4}" \
         --trial_timeout "${OFFLOAD_TRIAL_S:-150}" 2>&1 | grep -vE "^\s*$|UserWarning|warnings.warn" | tee "$out/offload.txt"
+fi
+if want offload6; then
+    TORCH_CUDA_ARCH_LIST=$DS_ARCH_LIST timeout "${OFFLOAD_S:-560}" python3 bench/bench_offload.py --cap_gib 24 --micro 4 \
+        --accum 8 --steps 2 --trials deepspeed:40x3584 --backward_group "${OFFLOAD_GROUP:-4}" --profile \
+        --trial_timeout "${OFFLOAD_TRIAL_S:-290}" 2>&1 | grep -vE "^\s*$|UserWarning|warnings.warn" | tee "$out/offload6.txt"
 fi
 if want zero13; then
     TORCH_CUDA_ARCH_LIST=$DS_ARCH_LIST timeout 300 python3 -m torch.distributed.run --nproc_per_node "$ngpu" \
