@@ -30,7 +30,8 @@ def gpt(*, tied: bool = False, dropout: float = 0.0, fused: bool = False) -> GPT
 
 
 def make_state(model: torch.nn.Module, group: int, *, stage: int = 3, gas: int = 4, world: int = 1,
-               policy: str = "units", bf16: bool = False, resident: int = 0, device: str = "cpu") -> dsfunc.TrainState:
+               policy: str = "units", bf16: bool = False, resident: int = 0,
+               device: str = "cpu") -> dsfunc.TrainState:
     offload = {"device": "cpu", "micro_batches_per_backward": group, "grad_accumulation_on_device": resident}
     cfg = config(micro=2, gas=gas, world=world, stage=stage, gradient_clipping=1.0,
                  activation_checkpointing={"policy": policy}, bf16={"enabled": bf16})
