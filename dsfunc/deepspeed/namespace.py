@@ -56,6 +56,7 @@ ALIASES = {
     "runtime.pipe.topology": "dsfunc.deepspeed.pipe",
     "runtime.pipe.engine": "dsfunc.deepspeed.pipe_engine",
     "runtime.lr_schedules": "dsfunc.deepspeed.lr_schedules",
+    "runtime.sequence_parallel.ulysses_sp": "dsfunc.deepspeed.ulysses_sp",
     # DeepSpeed's modules inside packages whose names are dsfunc's own (dsfunc.checkpoint, dsfunc.launcher)
     "checkpoint.utils": "dsfunc.deepspeed.checkpoint_utils",
     "launcher.runner": "dsfunc.deepspeed.runner",

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsfunc.kernels.cross_entropy import linear_cross_entropy
+from dsfunc.tiled import tiled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,9 @@ class GPTConfig:
     # the loss through dsfunc.kernels.linear_cross_entropy (output projection and cross-entropy in chunks, no
     # fp32 logits) instead of F.cross_entropy over the logits (nanoGPT's way, the benchmark's baseline)
     fused_loss: bool = False
+    # the MLP a slice of the sequence at a time (dsfunc.tiled: ALST's TiledMLP), so its 4d-wide activations are
+    # one slice's; 0 computes it whole
+    mlp_shards: int = 0
 
     @classmethod
     def preset(cls, name: str, **changes) -> GPTConfig:
@@ -42,6 +46,7 @@ class Block(nn.Module):
         super().__init__()
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
+        self.mlp_shards = cfg.mlp_shards
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
@@ -57,7 +62,15 @@ class Block(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
         x = x + self.drop(self.proj(y.transpose(1, 2).reshape(b, t, d)))
-        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh")))
+        weights = (self.fc.weight, self.fc.bias, self.out.weight, self.out.bias)
+        if self.mlp_shards:
+            return x + self.drop(tiled(_mlp, self.ln2(x), shards=self.mlp_shards, weights=weights))
+        return x + self.drop(_mlp(self.ln2(x), *weights))
+
+
+def _mlp(x: torch.Tensor, fc_w: torch.Tensor, fc_b: torch.Tensor, out_w: torch.Tensor,
+         out_b: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.gelu(F.linear(x, fc_w, fc_b), approximate="tanh"), out_w, out_b)
 
 
 class GPT(nn.Module):
