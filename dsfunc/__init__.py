@@ -80,6 +80,7 @@ from dsfunc.scaling import LossScaleError, LossScaler, LossScaleState
 from dsfunc.schedules import lr_range_test, one_cycle, warmup_cosine_lr, warmup_decay_lr, warmup_lr
 from dsfunc.state import DonatedStateError, FrozenDict, Metrics, TrainState
 from dsfunc.step import apply_gradients, make_train_step, train_step
+from dsfunc.tiling import tiled, tiled_loss, tiled_mlp
 from dsfunc.version import package_version as _package_version
 
 __version__ = _package_version()
@@ -148,6 +149,9 @@ __all__ = [  # noqa: RUF022 - grouped by layer, as the imports above
     "schedule_from_config",
     "sgd",
     "shard",
+    "tiled",
+    "tiled_loss",
+    "tiled_mlp",
     "train_step",
     "value_and_grad",
     "warmup_cosine_lr",

@@ -1,4 +1,4 @@
-"""Sequence tiling (dsfunc.tiled) against the same computation done whole: values and gradients, then a tiled
+"""Sequence tiling (dsfunc.tiling) against the same computation done whole: values and gradients, then a tiled
 GPT trained by train_step at every ZeRO stage on two gloo ranks against the untiled model on one process."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import dsfunc
 from dsfunc.errors import InputError
 from dsfunc.models import GPT, GPTConfig, init_weights
-from dsfunc.tiled import tiled, tiled_loss, tiled_mlp, tiled_module
+from dsfunc.tiling import tiled, tiled_loss, tiled_mlp, tiled_module
 from tests.models import relative_diff
 from tests.multiprocess import run_world
 

@@ -1,9 +1,9 @@
 """``deepspeed.runtime.sequence_parallel.ulysses_sp``: ALST's tiled compute (``TiledMLP``,
-``TiledFusedLogitsLoss``, ``sequence_tiled_compute``) with DeepSpeed's signatures, on :mod:`dsfunc.tiled`.
+``TiledFusedLogitsLoss``, ``sequence_tiled_compute``) with DeepSpeed's signatures, on :mod:`dsfunc.tiling`.
 
 DeepSpeed's versions accumulate the weights' gradients into ``.grad`` inside their backward and need ZeRO
 told when the last slice is done (``compute_params``, ``ds_grad_is_ready``); dsfunc's return them through the
-graph (see [Note: gradients as outputs] in :mod:`dsfunc.tiled`), so ``compute_params`` only names the weights
+graph (see [Note: gradients as outputs] in :mod:`dsfunc.tiling`), so ``compute_params`` only names the weights
 a closure reads. The sequence-parallel pieces of the module (Ulysses attention, its data-loader adapter) are
 not in dsfunc yet and raise :class:`~dsfunc.errors.NotSupportedError` when used.
 """
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from dsfunc.errors import InputError, unsupported
-from dsfunc.tiled import bind, tiled, tiled_closure, tiled_loss
+from dsfunc.tiling import bind, tiled, tiled_closure, tiled_loss
 
 
 class TiledMLP:

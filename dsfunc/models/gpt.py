@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsfunc.kernels.cross_entropy import linear_cross_entropy
-from dsfunc.tiled import tiled
+from dsfunc.tiling import tiled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,7 @@ class GPTConfig:
     # the loss through dsfunc.kernels.linear_cross_entropy (output projection and cross-entropy in chunks, no
     # fp32 logits) instead of F.cross_entropy over the logits (nanoGPT's way, the benchmark's baseline)
     fused_loss: bool = False
-    # the MLP a slice of the sequence at a time (dsfunc.tiled: ALST's TiledMLP), so its 4d-wide activations are
+    # the MLP a slice of the sequence at a time (dsfunc.tiling: ALST's TiledMLP), so its 4d-wide activations are
     # one slice's; 0 computes it whole
     mlp_shards: int = 0
 
