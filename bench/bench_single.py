@@ -14,6 +14,9 @@ A system is a name and options joined by ``+``:
   (``compile.cuda_graph``), ``+units`` / ``+selective`` checkpoint every block (``activation_checkpointing``).
 * ``+fused`` (either kind): the loss through ``dsfunc.kernels.linear_cross_entropy`` (``GPTConfig.fused_loss``:
   output projection and cross-entropy a chunk of rows at a time, no fp32 logits).
+* ``dsfunc`` only: ``+tiled`` computes each MLP a slice of the sequence at a time (``GPTConfig.mlp_shards``,
+  slices about as long as the model is wide), ``+cpu`` keeps checkpointed activations in pinned host memory
+  (``cpu_checkpointing``).
 
 Systems run in the order given, each for ``--warmup`` then ``--steps`` timed steps; ``--rounds 2`` repeats the
 list (interleaved, so drifting clocks affect all alike). One Markdown row per system and round: tokens/s,
@@ -34,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 import dsfunc
 from dsfunc.models.gpt import GPT, GPTConfig, init_weights
+from dsfunc.tiling import default_shards
 
 PEAK_FLOPS = 790e12  # bf16 matmul rate measured on these H200s (BENCH.md)
 
@@ -85,8 +89,9 @@ def run_plain(cfg: GPTConfig, options: set[str], micro: int, warmup: int, steps:
 
 
 def run_dsfunc(cfg: GPTConfig, options: set[str], micro: int, warmup: int, steps: int, device: torch.device):
+    shards = default_shards(cfg.seq_len, cfg.d_model) if "tiled" in options else 0
     with torch.device("meta"):
-        model = GPT(dataclasses.replace(cfg, fused_loss="fused" in options))
+        model = GPT(dataclasses.replace(cfg, fused_loss="fused" in options, mlp_shards=shards))
     config = {
         "train_micro_batch_size_per_gpu": micro,
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
@@ -97,7 +102,7 @@ def run_dsfunc(cfg: GPTConfig, options: set[str], micro: int, warmup: int, steps
                     "cuda_graph": "graph" in options},
     }
     policy = "units" if "units" in options else "selective" if "selective" in options else "none"
-    config["activation_checkpointing"] = {"policy": policy}
+    config["activation_checkpointing"] = {"policy": policy, "cpu_checkpointing": "cpu" in options}
     state = dsfunc.init_state(model, config, param_init_fn=init_weights, device=device)
     losses, start = [], None
     for i, batch in enumerate(batches(cfg, micro, warmup + steps, device)):

@@ -33,7 +33,7 @@ def test_bench_zero_runs_every_system_on_gloo_ranks():
 
 def test_bench_single_runs_every_kind_of_system():
     systems = ["plain", "plain+compile", "plain+ckpt", "plain+fused", "dsfunc", "dsfunc+compile", "dsfunc+units",
-               "dsfunc+selective", "dsfunc+graph", "dsfunc+fused", "dsfunc+zero3+compile+units"]
+               "dsfunc+selective", "dsfunc+graph", "dsfunc+fused", "dsfunc+zero3+compile+units", "dsfunc+zero3+units+tiled"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-W", "ignore", str(ROOT / "bench" / "bench_single.py"), "--device", "cpu",
            "--model", "tiny", "--systems", ",".join(systems), "--warmup", "1", "--steps", "2"]
@@ -42,7 +42,7 @@ def test_bench_single_runs_every_kind_of_system():
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
     assert [r[1].strip() for r in rows] == systems
     first_losses = {r[1].strip(): float(r[6].split("->")[0]) for r in rows}
-    # every dsfunc variant computes the same first step (checkpointing, compiling, graphs, the fused loss change no
+    # every dsfunc variant computes the same first step (checkpointing, compiling, graphs, the fused loss, tiling change no
     # math), and so does every plain one (the compiled model with its loss inside, the fused loss)
     assert len({round(v, 4) for k, v in first_losses.items() if k.startswith("dsfunc")}) == 1, first_losses
     assert len({round(v, 4) for k, v in first_losses.items() if k.startswith("plain")}) == 1, first_losses
