@@ -152,6 +152,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--systems", default="plain,plain+compile,dsfunc,dsfunc+compile")
     parser.add_argument("--micro", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=0, help="the sequence length (default: the preset's)")
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=1)
@@ -161,6 +162,7 @@ def main() -> None:
     device = torch.device(args.device)
     tiny = GPTConfig(vocab_size=512, seq_len=64, n_layer=2, n_head=2, d_model=64)
     cfg = tiny if args.model == "tiny" else GPTConfig.preset(args.model)
+    cfg = dataclasses.replace(cfg, seq_len=args.seq) if args.seq else cfg
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     print(f"{args.model} on {name}, torch {torch.__version__}, micro {args.micro}, seq {cfg.seq_len}")
     print("| size | system | round | tokens/s | MFU | peak GiB | loss first->last |")
