@@ -39,8 +39,10 @@ def assert_close(got: list[float], want: list[float]) -> None:
 def test_trainer_on_one_rank(as_deepspeed, tmp_path):
     real = None
     if importlib.util.find_spec("deepspeed") is not None:  # the real DeepSpeed, on the host
-        real = run([sys.executable, RUNS, "real", str(tmp_path / "real")], {**base_env(), "DS_ACCELERATOR": "cpu"},
-                   str(tmp_path))
+        lone = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(free_port())}  # else it takes 29500, which another run may hold
+        real = run([sys.executable, RUNS, "real", str(tmp_path / "real")],
+                   {**base_env(), **lone, "DS_ACCELERATOR": "cpu"}, str(tmp_path))
     checkpoint = [str(tmp_path / "real" / "z2o" / "checkpoint-2")] if real else []
     res = run([sys.executable, RUNS, "trainer", str(tmp_path / "ds"), *checkpoint], as_deepspeed, str(tmp_path))
     ref = res["reference"]
