@@ -63,6 +63,9 @@ def test_zero_init_keeps_values_behind_empty_placeholders_on_the_device():
     engine, *_ = deepspeed.initialize(model=custom, config=config(micro=2, stage=3))
     full = dsfunc.full_params(engine.state)
     assert all(torch.equal(full[k], v) for k, v in want_custom.state_dict().items())
+    _, custom = built(True)
+    full = dsfunc.full_params(dsfunc.init_state(custom, config(micro=2, stage=2)))  # the functional API, a copy
+    assert all(torch.equal(full[k], v) for k, v in want_custom.state_dict().items())
 
 
 def test_zero_init_partitions_a_module_once_it_is_built():
