@@ -51,9 +51,11 @@ from dsfunc.zero.binding import Slots
 from dsfunc.zero.gather import Workspace
 from dsfunc.zero.hooks import install_input_cast, install_unit_hooks
 from dsfunc.zero.layout import ShardingPlan, make_plan, unit_views
+from dsfunc.zero.leaf import mark_leaf_parameters
 from dsfunc.zero.materialize import materialize
 from dsfunc.zero.norms import segment_norm_fn
 from dsfunc.zero.offload import HostOffload
+from dsfunc.zero.placeholders import full_shape
 from dsfunc.zero.reduce import grad_dtype
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, None: torch.float32}
@@ -148,6 +150,8 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     device = torch.device(device) if device is not None else _default_device()
     zero = cfg.zero_optimization
     plan, groups = _plan(model, zero.stage, unit_modules, param_groups)
+    if zero.stage == 3:
+        mark_leaf_parameters(model)
     skeleton = model if in_place else make_skeleton(model)
     comm_dtype = _COMM_DTYPES[cfg.communication_data_type]
     host = HostOffload.from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype, grad_dtype=(
@@ -288,7 +292,8 @@ def make_skeleton(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are on ``meta`` and with no user hooks."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(torch.empty(full_shape(p), dtype=p.dtype, device="meta"),
+                                   requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     skeleton = copy.deepcopy(model, memo)

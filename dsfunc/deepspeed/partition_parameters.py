@@ -4,8 +4,8 @@
 DeepSpeed's ``zero.Init`` wraps torch's tensor constructors (``torch.empty``, ``torch.arange``, ...) with
 :func:`zero_wrapper_for_fp_tensor_constructor` to place them and cast them to the ZeRO dtype;
 Hugging Face swaps that function (keeping ``torch.arange`` uncast for RoPE buffers). dsfunc's ``Init``
-builds on ``meta`` and wraps no constructor, so the function here is the identity and swapping it
-changes nothing, which is what the swap wants.
+wraps no constructor (it partitions each parameter once its module is built), so the function here is the
+identity and swapping it changes nothing, which is what the swap wants.
 """
 
 from collections.abc import Callable
@@ -17,6 +17,7 @@ from dsfunc.deepspeed.accelerator import get_accelerator
 from dsfunc.zero import GatheredParameters, Init, ZeroParamStatus, register_external_parameter
 
 _orig_torch_arange = torch.arange  # DeepSpeed's name for the unwrapped constructor
+partitioned_param_data_shape = [0]  # the shape of a ZeRO-3 parameter that is not gathered (DeepSpeed's name)
 
 
 def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., Any], target_fp_dtype: torch.dtype,
@@ -25,5 +26,5 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., Any], target_fp_dty
     return fn
 
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "get_accelerator", "register_external_parameter",
-           "zero_wrapper_for_fp_tensor_constructor"]
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "get_accelerator", "partitioned_param_data_shape",
+           "register_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]

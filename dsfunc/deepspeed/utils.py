@@ -1,7 +1,8 @@
 """``deepspeed.utils`` (and ``deepspeed.runtime.utils``): the helpers DeepSpeed scripts import.
 
 Logging (``logger``, ``log_dist``), ``RepeatingLoader``, ``OnDevice``, ``set_random_seed``,
-``see_memory_usage``, the module helpers ``recursive_getattr``/``recursive_setattr``, and the
+``see_memory_usage``, the module helpers ``recursive_getattr``/``recursive_setattr``, the ZeRO-3 leaf
+modules (``set_z3_leaf_modules`` and its family, :mod:`dsfunc.zero.leaf`), and the
 ``safe_get_full_fp32_param`` family, which reads and writes one parameter's fp32 master weights and
 Adam moments in an engine's state (a collective at ZeRO stages 1-3: every rank calls it). Gradients
 are reduced inside ``engine.step()`` and never sit on a parameter, so ``safe_get_full_grad`` and its
@@ -27,6 +28,16 @@ from dsfunc.errors import InputError, NotSupportedError, unsupported
 from dsfunc.optim.transforms import ScaleByAdamState
 from dsfunc.zero.gather import Workspace, owner
 from dsfunc.zero.layout import ParamSlot, Unit
+from dsfunc.zero.leaf import (  # noqa: F401 - DeepSpeed's names, answered here
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
 
 logger = logging.getLogger("dsfunc")
 _ONCE: set[str] = set()

@@ -13,20 +13,22 @@ Modules: :mod:`~dsfunc.zero.layout` (units, flat buffers, the ``torch.chunk`` sp
 (gradients over ranks), ``hooks`` (module hooks), ``runtime`` (one micro-batch's forward/backward),
 ``materialize`` (from ``meta``), ``norms`` (norms over shards), ``memory`` (bytes per rank), ``offload``
 (ZeRO-Offload: the host buffers masters, gradients and parameters travel through), and
-``context``: DeepSpeed's ``zero.Init`` and ``zero.GatheredParameters``, which scripts call as
-``deepspeed.zero.Init`` (so they are here, in dsfunc's ZeRO package, too).
+``context``: DeepSpeed's ``zero.Init``, ``zero.GatheredParameters`` and ``unwrap_model_for_generation``, which
+scripts call as ``deepspeed.zero.Init`` (so they are here, in dsfunc's ZeRO package, too), ``placeholders``
+(the parameters ``zero.Init`` makes) and ``leaf`` (ZeRO-3 leaf modules).
 """
 
 from dsfunc.errors import unsupported
-from dsfunc.zero.binding import ZeroParamStatus
 from dsfunc.zero.context import (
                                     GatheredParameters,
                                     Init,
                                     register_external_parameter,
                                     unregister_external_parameter,
+                                    unwrap_model_for_generation,
 )
 from dsfunc.zero.layout import ROOT, ParamSlot, ShardingPlan, Unit, chunk_range, make_plan
 from dsfunc.zero.memory import memory_estimate
+from dsfunc.zero.placeholders import ZeroParamStatus
 from dsfunc.zero.runtime import MicroBatchRuntime, Phase
 
 MiCS_Init = unsupported("deepspeed.zero.MiCS_Init", "MiCS sharding", "use deepspeed.zero.Init")
@@ -52,4 +54,5 @@ __all__ = [
     "memory_estimate",
     "register_external_parameter",
     "unregister_external_parameter",
+    "unwrap_model_for_generation",
 ]

@@ -10,14 +10,14 @@ the workspace's persistent compute copies (:meth:`Slots.show`; at fp32 stage 0 t
 in bf16/fp16 16-bit like DeepSpeed's module), empty tensors for a ZeRO-3 unit that is not gathered, and
 the state's own buffers. So a module trained in place (``init_state(..., in_place=True)``, what the
 DeepSpeed engine does) holds the live values after every update without a copy, and a module whose
-parameters were real keeps its parameter objects (only their ``.data`` changes). A resident replaces
-an object only where that is impossible: a parameter on ``meta`` (or the skeleton's placeholders).
+parameters were real (or ``zero.Init``'s empty placeholders) keeps its parameter objects (only their
+``.data`` changes). A resident replaces an object only where that is impossible: a parameter on ``meta``
+(as the skeleton's copies of the module's parameters are).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -25,16 +25,9 @@ import torch
 from torch import nn
 
 from dsfunc.zero.layout import ShardingPlan
+from dsfunc.zero.placeholders import ZeroParamStatus, next_ds_id
 
 _Place = tuple[dict[str, Any], str]  # (module._parameters or ._buffers, attribute)
-
-
-class ZeroParamStatus(enum.Enum):
-    """DeepSpeed's ``ds_status`` of a ZeRO-3 parameter: whether its data is the full tensor right now."""
-
-    AVAILABLE = 1
-    NOT_AVAILABLE = 2
-    INFLIGHT = 3
 
 
 @dataclasses.dataclass
@@ -67,7 +60,6 @@ class Slots:
         }
         self.buffers: dict[str, _Slot] = {name: slot([name]) for name in buffer_names}
         self.bound = False
-        self._ds_ids = iter(range(1 << 62))
 
     def residents(self, unit: str) -> list[nn.Parameter]:
         """The parameter objects the module holds for ``unit`` between micro-batches (layout order)."""
@@ -118,7 +110,8 @@ class Slots:
             if status is not None:
                 resident = s.resident
                 if not hasattr(resident, "ds_id"):
-                    resident.ds_id, resident.ds_shape, resident.ds_numel = next(self._ds_ids), torch.Size(p.shape), p.numel
+                    resident.ds_id = next_ds_id()
+                    resident.ds_shape, resident.ds_numel = torch.Size(p.shape), p.numel
                 resident.ds_status = status
 
     def _hold(self, s: _Slot, value: torch.Tensor, *, requires_grad: bool) -> None:

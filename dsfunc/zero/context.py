@@ -1,12 +1,12 @@
 """The ZeRO context managers DeepSpeed scripts use: ``zero.Init`` and ``zero.GatheredParameters``.
 
-``Init`` builds a model without memory: under it each parameter goes to the ``meta`` device as it is
-registered (buffers are built as usual, as DeepSpeed leaves them whole), and
-:func:`dsfunc.init_state` (so ``deepspeed.initialize``) materialises only this rank's shard, one
-module at a time, with each module's ``reset_parameters()`` (or ``param_init_fn``). The values
-initialisation code gave parameters at construction are dropped; values written through
-``GatheredParameters(params, modifier_rank=r)`` before ``initialize`` (how Hugging Face initialises
-and loads a ZeRO-3 model) are kept, sharded, and used instead (:mod:`dsfunc.zero.pending`).
+``Init`` builds a model without memory, as DeepSpeed's does: each parameter made under it keeps the value
+its construction gave it, but once its module is built (attached to a parent, or when the block ends) it
+is partitioned: rank 0's value kept in pieces over the ranks, the parameter itself an empty tensor on the
+device with DeepSpeed's ``ds_*`` attributes (:mod:`dsfunc.zero.placeholders`). Buffers are built as usual,
+as DeepSpeed leaves them whole. Values written through ``GatheredParameters(params, modifier_rank=r)``
+before ``initialize`` (how Hugging Face initialises and loads a ZeRO-3 model) replace the pieces;
+:func:`dsfunc.init_state` (so ``deepspeed.initialize``) builds each rank's shard from them.
 
 ``GatheredParameters(params, modifier_rank=None)`` makes the full values of a module's ZeRO-3
 parameters visible inside the ``with`` block (outside, they are empty, as DeepSpeed's). Every rank must
@@ -19,29 +19,36 @@ place are left alone, as DeepSpeed leaves parameters without ``ds_id``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
+from torch.utils.hooks import RemovableHandle
 
 from dsfunc.distributed import comm
 from dsfunc.distributed.init import join_world
 from dsfunc.errors import NotSupportedError
 from dsfunc.zero.gather import Workspace, owner
 from dsfunc.zero.layout import Unit
-from dsfunc.zero.pending import Exposed
+from dsfunc.zero.placeholders import Exposed, is_placeholder, partition
 
 
 class Init:
-    """DeepSpeed's ``zero.Init``: the parameters of modules built inside it land on ``meta`` (see the module
-    docstring); buffers are built as usual.
+    """DeepSpeed's ``zero.Init``: the parameters of modules built inside it are partitioned as each module is
+    built (see the module docstring); buffers are built as usual.
 
-    The arguments are DeepSpeed's; ``enabled=False`` makes it a no-op, ``module=`` (converting a built
-    model) needs nothing since ``initialize`` shards any model, and the rest configure DeepSpeed's own
-    partitioning, which ``initialize`` does here, so they are accepted and unused. ``remote_device="cpu"``
-    is accepted too: where the state lives is the config's ``offload_optimizer`` / ``offload_param``
-    (host memory), the model is still built on ``meta``; ``"nvme"`` is refused.
+    The arguments are DeepSpeed's; ``enabled=False`` makes it a no-op and ``module=`` partitions the
+    parameters of a built model at once. The rest configure DeepSpeed's own partitioning, which
+    ``initialize`` does here, so they are accepted and unused: the pieces keep each parameter's dtype
+    (``initialize`` makes the fp32 masters from them) and live where the collectives run.
+    ``remote_device="cpu"`` is accepted too: where the state lives is the config's ``offload_optimizer`` /
+    ``offload_param`` (host memory); ``"nvme"`` is refused.
     """
 
     def __init__(self, module: nn.Module | None = None, data_parallel_group: Any = None,
@@ -53,34 +60,43 @@ class Init:
                                     'built in dsfunc; use remote_device="cpu" with "offload_param": {"device": '
                                     '"cpu"} in the config, or leave remote_device out')
         self.enabled = enabled and module is None
-        self._register: Any = None  # nn.Module.register_parameter while inside
-        if self.enabled:
-            join_world()  # as DeepSpeed's: loading under it (GatheredParameters) is collective
+        self._made: dict[int, tuple[nn.Module, str, nn.Parameter]] = {}  # id(param) -> where it was registered
+        self._handles: list[RemovableHandle] = []
+        if enabled:
+            join_world()  # as DeepSpeed's: partitioning (and loading under it: GatheredParameters) is collective
+        if enabled and module is not None:
+            for p in module.parameters():
+                partition(p)
 
     def __enter__(self) -> Init:  # noqa: PYI034 - DeepSpeed's class, not meant to be subclassed
         if self.enabled:
-            self._register = nn.Module.register_parameter
-            nn.Module.register_parameter = _on_meta(self._register)
+            self._handles = [register_module_parameter_registration_hook(self._registered),
+                             register_module_module_registration_hook(self._attached)]
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self._register is not None:
-            nn.Module.register_parameter = self._register
-            self._register = None
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        made, self._made = self._made, {}
+        if exc_type is None:  # what no built module took: the root's own parameters, a module never attached
+            for module, name, param in made.values():
+                if module._parameters.get(name) is param:
+                    partition(param)
 
+    def _registered(self, module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        """A parameter made inside: partitioned once its module is built (its ``__init__`` may still
+        initialise it: ``nn.Linear`` calls ``reset_parameters()`` after registering its weight)."""
+        if param is not None:
+            self._made[id(param)] = (module, name, param)
 
-def _on_meta(register: Any) -> Any:
-    """``nn.Module.register_parameter`` that puts each parameter on ``meta`` as it is registered (its values
-    are dropped; one parameter exists at a time); buffers are left as built (a rotary embedding's)."""
-
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            meta = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
-            meta.__dict__.update(param.__dict__)
-            param = meta
-        register(module, name, param)
-
-    return register_on_meta
+    def _attached(self, parent: nn.Module, name: str, child: nn.Module | None) -> None:
+        """A module attached to its parent is built: partition the parameters made inside, in its order."""
+        if child is None:
+            return
+        for param in child.parameters():
+            if id(param) in self._made and not is_placeholder(param):
+                partition(param)
 
 
 class GatheredParameters:
@@ -91,7 +107,7 @@ class GatheredParameters:
         tensors = [] if params is None else [params] if isinstance(params, torch.Tensor) else list(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
-        self._meta = Exposed([t for t in tensors if t.is_meta])  # built under zero.Init, before initialize
+        self._made = Exposed([t for t in tensors if is_placeholder(t)])  # built under zero.Init, before initialize
         self._units: dict[int, tuple[Workspace, list[Unit]]] = {}
         for t in tensors:
             found = owner(t)
@@ -104,7 +120,7 @@ class GatheredParameters:
     def __enter__(self) -> GatheredParameters:  # noqa: PYI034 - DeepSpeed's class, not subclassed
         if not self.enabled:
             return self
-        self._meta.expose()
+        self._made.expose()
         for workspace, units in self._ordered():
             for unit in units:
                 if self.modifier_rank is None:
@@ -116,7 +132,7 @@ class GatheredParameters:
     def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
-        self._meta.hide(self.modifier_rank)
+        self._made.hide(self.modifier_rank)
         for workspace, units in self._ordered():
             if self.modifier_rank is None:
                 for unit in units:
@@ -128,6 +144,15 @@ class GatheredParameters:
         """The units in plan order (every rank issues the same collectives in the same order)."""
         for workspace, units in self._units.values():
             yield workspace, [u for u in workspace.plan.units if u in units]
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(model: Any) -> Iterator[Any]:
+    """DeepSpeed's ``deepspeed.runtime.zero.unwrap_model_for_generation(engine)``: every ZeRO-3 parameter of
+    the engine's module gathered for the block, so the many forwards of a ``generate`` gather nothing more
+    (its units' hooks find them gathered); yields the engine. Every rank must enter it."""
+    with GatheredParameters(getattr(model, "module", model).parameters()):
+        yield model
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:

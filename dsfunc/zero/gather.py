@@ -33,9 +33,10 @@ from typing import Any
 import torch
 
 from dsfunc.distributed import comm
-from dsfunc.zero.binding import Slots, ZeroParamStatus
+from dsfunc.zero.binding import Slots
 from dsfunc.zero.layout import ShardingPlan, Unit, unit_views
 from dsfunc.zero.offload import HostOffload
+from dsfunc.zero.placeholders import ZeroParamStatus
 
 # id(resident parameter) -> (the parameter, its workspace, its unit's name), all weak: how
 # GatheredParameters finds what to gather (keyed by id: tensors compare elementwise, so no WeakKeyDictionary)

@@ -22,6 +22,8 @@ import torch
 from torch import nn
 
 from dsfunc.errors import InputError
+from dsfunc.zero.leaf import leaf_units
+from dsfunc.zero.placeholders import full_shape
 
 ROOT = "root"
 
@@ -111,7 +113,7 @@ def find_unit_modules(model: nn.Module) -> list[str]:
     best, best_size = None, 0
     for path, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) > 1:
-            size = sum(p.numel() for p in module.parameters())
+            size = sum(math.prod(full_shape(p)) for p in module.parameters())
             if size > best_size:
                 best, best_size = path, size
     if best is None:
@@ -128,11 +130,12 @@ def make_plan(
     unit_modules: Sequence[str] | None = None,
     labels: Callable[[str], str] | None = None,
 ) -> ShardingPlan:
-    """Group ``model``'s trainable parameters into units (``unit_modules`` overrides the default).
+    """Group ``model``'s trainable parameters into units (``unit_modules`` overrides the default; ZeRO-3 leaf
+    modules merge the units inside them, at every stage, :mod:`dsfunc.zero.leaf`).
 
     ``labels`` maps a parameter's (first) name to its group: units are then split by group.
     """
-    modules = list(find_unit_modules(model) if unit_modules is None else unit_modules)
+    modules = leaf_units(model, find_unit_modules(model) if unit_modules is None else unit_modules)
     for path in modules:
         model.get_submodule(path)  # raises AttributeError naming the bad path
     names_of: dict[int, list[str]] = {}
@@ -158,7 +161,7 @@ def make_plan(
             continue
         owners = {owner(n) for n in names}
         key = (owners.pop() if len(owners) == 1 else ROOT, None if labels is None else labels(names[0]))
-        members.setdefault(key, []).append((names[0], tuple(names), p.shape))
+        members.setdefault(key, []).append((names[0], tuple(names), full_shape(p)))
     units = []
     for path in [ROOT, *modules]:
         for (where, label), params in members.items():

@@ -1,12 +1,14 @@
-"""Materialising the fp32 masters: from the user's module, or from ``meta`` one module at a time.
+"""Materialising the fp32 masters: from the user's module, from ``zero.Init``'s pieces, or from ``meta`` one
+module at a time.
 
 A materialised model starts from rank 0's values, as DeepSpeed's engine does: each unit's flat buffer,
 and every buffer and frozen parameter, is broadcast from rank 0 before each rank keeps its shard, so a
-script that does not seed its ranks alike still trains one model. A model built on the ``meta`` device
-never exists in full on any rank: each rank materialises one owning module at a time
-(``reset_parameters()`` or the user's ``param_init_fn``, seeded per module so every rank draws the
-same values, which is why nothing needs broadcasting; or the values written before ``initialize``,
-:mod:`dsfunc.zero.pending`), flattens each unit and keeps only its own shard.
+script that does not seed its ranks alike still trains one model. A model built under ``zero.Init`` or on
+the ``meta`` device never exists in full on any rank: each rank all-gathers one parameter at a time from
+the pieces ``zero.Init`` kept of rank 0's values (:mod:`dsfunc.zero.placeholders`), or materialises one
+owning module at a time (``reset_parameters()`` or the user's ``param_init_fn``, seeded per module so
+every rank draws the same values), flattens each unit and keeps only its own shard; those values are
+alike on every rank already, so nothing needs broadcasting.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 
 from dsfunc.distributed import comm
 from dsfunc.errors import InputError
-from dsfunc.zero import pending
+from dsfunc.zero import placeholders
 from dsfunc.zero.layout import ShardingPlan, flatten_unit, local_shard
 from dsfunc.zero.offload import HostOffload
 
@@ -51,13 +53,10 @@ def materialize(
     tensors = dict(model.named_parameters(remove_duplicate=False))
     params = {}
     for unit in plan.units:
-        if source is not None:
-            values = source.unit_tensors([slot.name for slot in unit.params])
-        else:
-            values = {slot.name: tensors[slot.name].detach() for slot in unit.params}
+        values, alike = _values(tensors, [slot.name for slot in unit.params], source)
         values = {k: v.to(device=device, dtype=torch.float32) for k, v in values.items()}
         flat = flatten_unit(unit, values, plan.padded_size(unit))
-        if source is None:
+        if not alike:
             comm.broadcast(flat, src=0)
         INIT_STATS.max_elements = max(INIT_STATS.max_elements, flat.numel())
         shard = flat if plan.ways == 1 else local_shard(plan, unit, flat)
@@ -65,15 +64,34 @@ def materialize(
         del flat, values, shard
     extra = dict(model.named_buffers())
     extra.update({name: tensors[name] for name in plan.frozen})
-    if source is not None:
-        extra = source.unit_tensors(list(extra))
-    buffers = {k: v.detach().to(device).clone() for k, v in extra.items()}
+    values, alike = _values(extra, list(extra), source)
+    buffers = {k: v.detach().to(device).clone() for k, v in values.items()}
     for p in model.parameters():  # a module may be materialised for several units: forget only now
-        pending.forget(p)
-    if source is None:
+        placeholders.forget(p)
+    if not alike:
         for t in buffers.values():
             comm.broadcast(t, src=0)
     return params, buffers
+
+
+def _values(tensors: dict[str, torch.Tensor], names: list[str],
+            source: _MetaSource | None) -> tuple[dict[str, torch.Tensor], bool]:
+    """The values of ``names``, and whether they are alike on every rank already (made from ``zero.Init``'s
+    pieces or from ``meta``): a placeholder's from its pieces, a ``meta`` tensor's by ``source``, any other's
+    its own."""
+    out, on_meta = {}, []
+    for name in names:
+        t = tensors[name]
+        if placeholders.is_placeholder(t):
+            out[name] = placeholders.full_value(t)
+        elif t.is_meta:
+            on_meta.append(name)
+        else:
+            out[name] = t.detach()
+    if on_meta:
+        out.update(source.unit_tensors(on_meta))
+    alike = len(out) == len(on_meta) + sum(placeholders.is_placeholder(tensors[n]) for n in names)
+    return {n: out[n] for n in names}, alike
 
 
 class _MetaSource:
@@ -104,14 +122,11 @@ class _MetaSource:
                              for k, v in module._parameters.items() if v is not None}
         alone._buffers = {k: torch.empty_like(v, device=self.device)
                           for k, v in module._buffers.items() if v is not None}
-        given = {k: v for k, v in module._parameters.items() if v is not None and pending.has_value(v)}
-        built = {k: v for k, v in module._buffers.items() if v is not None and not v.is_meta}  # under zero.Init
+        built = {k: v for k, v in module._buffers.items() if v is not None and not v.is_meta}
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(self.seed * 1_000_003 + self.order[path])
             with torch.no_grad():
-                if len(given) == len(alone._parameters) and len(built) == len(alone._buffers):
-                    pass  # every value exists already (below)
-                elif self.init_fn is not None:
+                if self.init_fn is not None:
                     self.init_fn(alone)
                 elif hasattr(alone, "reset_parameters"):
                     alone.reset_parameters()
@@ -121,8 +136,6 @@ class _MetaSource:
                         f"({type(module).__name__}) owns parameters or buffers but has no reset_parameters(); "
                         "pass param_init_fn=fn to dsfunc.init_state, where fn(module) fills them in place"
                     )
-        for k, param in given.items():  # values written under GatheredParameters before initialize
-            alone._parameters[k].data.copy_(pending.full_value(param))
         for k, buffer in built.items():  # a buffer keeps its value (a meta model's parameters have none)
             alone._buffers[k].copy_(buffer)
         return {**alone._parameters, **alone._buffers}

@@ -23,6 +23,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Trainer,
     TrainingArguments,
 )
@@ -31,6 +33,10 @@ CONFIG = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=1
                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
 LLAMA = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                     num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)  # RoPE buffers
+MIXTRAL = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+                        bos_token_id=0, eos_token_id=0)  # a mixture of experts: its blocks become ZeRO-3 leaves
+MOE_BLOCK = "MixtralSparseMoeBlock"
 MICRO, STEPS = 4, 4
 DS_OPTIMIZER = {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto",
                                             "torch_adam": True}}
@@ -88,6 +94,13 @@ def trainer_runs(out: str, deepspeed_checkpoint: str | None) -> dict:
         llama = lambda: LlamaForCausalLM.from_pretrained(f"{out}/llama")
         res["llama_reference"] = train(f"{out}/l0", None, llama)
         res["z3_llama_from_pretrained"] = train(f"{out}/l3", ds_config(3), llama)
+        torch.manual_seed(0)
+        MixtralForCausalLM(MIXTRAL).save_pretrained(f"{out}/mixtral")
+        mixtral = lambda: MixtralForCausalLM.from_pretrained(f"{out}/mixtral")
+        res["mixtral_reference"] = train(f"{out}/m0", None, mixtral)
+        os.environ["ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"] = MOE_BLOCK  # accelerate marks them as leaves
+        res["z3_mixtral_from_pretrained"] = train(f"{out}/m3", ds_config(3), mixtral)
+        del os.environ["ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"]
     if deepspeed_checkpoint is not None:  # written by the real DeepSpeed: its Trainer's AdamW has 2 groups
         res["resumed_from_deepspeed"] = train(f"{out}/dsr", ds_config(2, optimizer=True), resume=deepspeed_checkpoint)
     return res
@@ -99,19 +112,24 @@ def real_runs(out: str) -> dict:
             "z2_config_optimizer": train(f"{out}/z2o", ds_config(2, optimizer=True), save=True)}
 
 
-def accelerate_loop(plugin: DeepSpeedPlugin | None, launched: bool = False, state_dir: str | None = None) -> list[float]:
+def accelerate_loop(plugin: DeepSpeedPlugin | None, launched: bool = False, state_dir: str | None = None,
+                    make=lambda: GPT2LMHeadModel(CONFIG)) -> list[float]:
     """accelerate's loop: torch AdamW and LambdaLR, 2 accumulated micro-batches, clipping; each micro-batch's
     loss averaged over the ranks. With ``state_dir``: ``save_state`` halfway, and at the end ``load_state`` and
-    the second half once more (its losses appended)."""
+    the second half once more (its losses appended). A mixture of experts' blocks must be leaves."""
     handlers = [InitProcessGroupKwargs(backend="gloo")] if launched else []
     acc = Accelerator(deepspeed_plugin=plugin, gradient_accumulation_steps=2, kwargs_handlers=handlers)
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(CONFIG)
+    model = make()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     loader = torch.utils.data.DataLoader(samples(), batch_size=MICRO)
     model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
     assert (type(model).__name__ == "Engine") == (plugin is not None or launched), type(model)
+    if plugin is not None and plugin.transformer_moe_cls_names:
+        from deepspeed.utils import get_z3_leaf_modules
+
+        assert len(get_z3_leaf_modules(model.module)) == MIXTRAL.num_hidden_layers
     losses = []
 
     def run(batches: list) -> None:
@@ -169,10 +187,14 @@ def main() -> None:
     elif kind == "real":
         res = real_runs(sys.argv[2])
     elif kind == "accelerate":
-        res = {"reference": accelerate_loop(None), "launch_reference": launch_reference()}
+        mixtral = lambda: MixtralForCausalLM(MIXTRAL)
+        res = {"reference": accelerate_loop(None), "launch_reference": launch_reference(),
+               "mixtral_reference": accelerate_loop(None, make=mixtral)}  # before any plugin sets accelerate's env
         for stage in (2, 3):
             res[f"z{stage}"] = accelerate_loop(DeepSpeedPlugin(zero_stage=stage, gradient_accumulation_steps=2,
                                                                 gradient_clipping=1.0), state_dir=f"{sys.argv[2]}/z{stage}")
+        res["z3_mixtral"] = accelerate_loop(DeepSpeedPlugin(zero_stage=3, gradient_accumulation_steps=2, gradient_clipping=1.0,
+                                                            transformer_moe_cls_names=MOE_BLOCK), make=mixtral)
     else:
         res = {"launched": accelerate_loop(None, launched=True)}
     if int(os.environ.get("RANK", "0")) == 0:

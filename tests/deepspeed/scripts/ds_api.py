@@ -49,6 +49,7 @@ ds_config = {
     "zero_optimization": {"stage": args.stage, "stage3_param_persistence_threshold": 0,
                           "stage3_gather_16bit_weights_on_model_save": True},
 }
+torch.manual_seed(0)  # zero.Init keeps what construction drew (rank 0's)
 with deepspeed.zero.Init(config_dict_or_path=ds_config, enabled=args.stage == 3):
     model = Net()
 engine, optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
