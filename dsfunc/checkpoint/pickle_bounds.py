@@ -351,18 +351,20 @@ class _Scan:
         callable allocates against the allocation budget."""
         self._work(sum(a.weight for a in args), "constructor arguments")
         name = func.value if func.kind == "global" else ""
+        result = _Obj("object")
         if name in _BYTEARRAY or name in _ENCODE:
-            self._alloc(name, args)
+            result = _Obj("bytes", size=self._alloc(name, args))
         elif _SIZED.match(name) and any(a.kind != "tuple" or a.value != () for a in args):
             raise _Refused(f"constructs {name} from arguments (a size would allocate that many elements; "
                            "torch.save never writes one)")
         elif name in _COPYING_REBUILDS:
             raise _Refused(f"rebuilds a tensor with {name}, which can allocate beyond the file (dsfunc reads "
                            "dense tensors stored in the file)")
-        self.stack.append(self._holding(_Obj("object"), [func, *args]))
+        self.stack.append(self._holding(result, [func, *args]))
 
-    def _alloc(self, name: str, args: list[_Obj]) -> None:
-        """Charge what ``bytearray``/``bytes``/``_codecs.encode`` produce from literal arguments."""
+    def _alloc(self, name: str, args: list[_Obj]) -> int:
+        """Charge what ``bytearray``/``bytes``/``_codecs.encode`` produce from their arguments (literals, or
+        bytes they made before); return its size."""
         given = args[0].value if len(args) == 1 and args[0].kind == "tuple" else None
         if given is None:
             raise _Refused(f"calls {name} with arguments dsfunc cannot size")
@@ -384,3 +386,4 @@ class _Scan:
         if self.alloc_left < 0:
             raise _Refused(f"asks bytearray/_codecs.encode for more bytes than {ALLOC_PER_BYTE} per byte of "
                            "the pickle")
+        return produced
