@@ -57,7 +57,6 @@ _SIZED = re.compile(r"torch\.(?:cuda\.|storage\.)?\w*(?:Tensor|Storage)$")
 _COPYING_REBUILDS = {f"torch._utils.{name}" for name in (
     "_rebuild_device_tensor_from_cpu_tensor", "_rebuild_device_tensor_from_numpy", "_rebuild_qtensor",
     "_rebuild_sparse_tensor", "_rebuild_nested_tensor", "_rebuild_wrapper_subclass")}
-_UNNEEDED = {"EXT1", "EXT2", "EXT4", "NEXT_BUFFER", "READONLY_BUFFER"}
 _REFUSAL = ("dsfunc bounds the memory, time and nesting of every pickle it reads and checked this one before "
             "unpickling any of it. The file was crafted or damaged: load another checkpoint, or pass "
             "trust_pickle=True (dsfunc export: --trust-pickle), which lifts these bounds, only if you trust its "
@@ -109,10 +108,10 @@ def check_torch_file(stream: IO[bytes], path: Path | str) -> None:
             check_pickle(io.BytesIO(data), f"{path} (data.pkl)", len(data))
         else:
             _check_legacy(stream, path, size)
-    except RuntimeError as e:
+    except (RuntimeError, ValueError, EOFError, OSError, zipfile.BadZipFile) as e:  # what a damaged zip raises
         if isinstance(e, CheckpointCorruptError):
             raise
-        raise CheckpointCorruptError(f"{path} is not a readable torch.save file: {e}") from None
+        raise CheckpointCorruptError(f"{path} is not a readable torch.save file: {type(e).__name__}: {e}") from None
     finally:
         stream.seek(start)
 
@@ -191,15 +190,8 @@ def _check_legacy(stream: IO[bytes], path: Path | str, size: int) -> None:
             "--trust-pickle) if you trust its origin.")
 
 
-_LEAVES = {"NONE", "NEWTRUE", "NEWFALSE", "FLOAT", "BINFLOAT", "PERSID"}
-_INTS = {"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4"}
-_TEXTS = {"STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"}
-_BYTES = {"BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8"}
-_IGNORED = {"PROTO", "FRAME", "STOP"}
-
-
 class _Scan:
-    """The abstract stack machine of :func:`check_pickle`."""
+    """The abstract stack machine of :func:`check_pickle`: one handler per opcode (:data:`_HANDLERS`)."""
 
     def __init__(self, size: int) -> None:
         self.stack: list[_Obj] = []
@@ -211,89 +203,125 @@ class _Scan:
         self.pos = 0
 
     def step(self, name: str, arg: Any) -> None:
-        stack = self.stack
-        if name in _INTS:
-            stack.append(_Obj("int", int(arg)))
-        elif name in _TEXTS:
-            stack.append(_Obj("str", arg if len(arg) <= 256 else None, len(arg)))
-        elif name in _BYTES:
-            stack.append(_Obj("bytes", None, len(arg)))
-        elif name in _LEAVES:
-            stack.append(_Obj("leaf"))
-        elif name in ("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"):
-            stack.append(_Obj("mutable", depth=1))
-        elif name == "EMPTY_TUPLE":
-            stack.append(_Obj("tuple", (), depth=1))
-        elif name == "MARK":
-            self.marks.append(len(stack))
-            self._deep(len(self.marks))
-        elif name in ("TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "FROZENSET"):
-            items = self._pop_mark() if name in ("TUPLE", "FROZENSET") else self._pop(int(name[-1]))
-            if name == "FROZENSET":
-                self._hash(items)
-            stack.append(self._holding(_Obj("tuple", tuple(items) if len(items) <= 3 else None), items))
-        elif name in ("LIST", "DICT"):
-            items = self._pop_mark()
-            if name == "DICT":
-                self._hash(items[::2])
-            stack.append(self._holding(_Obj("mutable"), items))
-        elif name in ("APPEND", "SETITEM", "BUILD"):
-            items = self._pop(2 if name == "SETITEM" else 1)
-            if name == "SETITEM":
-                self._hash(items[:1])
-            self._change(items)
-        elif name in ("APPENDS", "SETITEMS", "ADDITEMS"):
-            items = self._pop_mark()
-            self._hash(items[::2] if name == "SETITEMS" else items if name == "ADDITEMS" else [])
-            self._change(items)
-        elif name == "POP":
-            if self.marks and len(stack) == self.marks[-1]:
-                self.marks.pop()
-            else:
-                self._pop(1)
-        elif name == "POP_MARK":
-            self._pop_mark()
-        elif name == "DUP":
-            stack.append(self._top())
-        elif name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
-            index = len(self.memo) if name == "MEMOIZE" else arg
-            if not 0 <= index <= len(self.memo):
-                raise _Refused(f"stores an object under memo index {index} when only {len(self.memo)} are stored "
-                               "(the unpickler would allocate a memo of that length)")
-            self.memo[index] = self._top()
-        elif name in ("GET", "BINGET", "LONG_BINGET"):
-            if arg not in self.memo:
-                raise _Refused(f"reads memo index {arg}, which it never stored")
-            stack.append(self.memo[arg])
-        elif name in ("GLOBAL", "INST"):
-            module, _, qualname = arg.partition(" ")
-            found = _Obj("global", f"{module}.{qualname}")
-            if name == "GLOBAL":
-                stack.append(found)
-            else:
-                self._call(found, self._pop_mark())
-        elif name == "STACK_GLOBAL":
-            module, qualname = self._pop(2)
-            if module.kind != "str" or qualname.kind != "str" or None in (module.value, qualname.value):
-                raise _Refused("names a global by something other than two short strings")
-            stack.append(_Obj("global", f"{module.value}.{qualname.value}"))
-        elif name in ("REDUCE", "NEWOBJ"):
-            func, args = self._pop(2)
-            self._call(func, [args])
-        elif name == "NEWOBJ_EX":
-            func, args, kwargs = self._pop(3)
-            self._call(func, [args, kwargs])
-        elif name == "OBJ":
-            items = self._pop_mark()
-            if not items:
-                raise _Refused("builds an object from nothing")
-            self._call(items[0], items[1:])
-        elif name == "BINPERSID":
-            stack.append(self._holding(_Obj("leaf"), self._pop(1)))
-        elif name in _UNNEEDED:
+        handler = _HANDLERS.get(name)
+        if handler is None:
             raise _Refused(f"uses the opcode {name}, which no checkpoint needs")
-        elif name not in _IGNORED:
-            raise _Refused(f"uses the unknown opcode {name}")
+        handler(self, arg)
+
+    def _int(self, arg: Any) -> None:
+        self.stack.append(_Obj("int", int(arg)))
+
+    def _text(self, arg: str) -> None:
+        self.stack.append(_Obj("str", arg if len(arg) <= 256 else None, len(arg)))
+
+    def _bytes(self, arg: bytes) -> None:
+        self.stack.append(_Obj("bytes", None, len(arg)))
+
+    def _leaf(self, arg: Any) -> None:
+        self.stack.append(_Obj("leaf"))
+
+    def _empty(self, arg: Any) -> None:
+        self.stack.append(_Obj("mutable", depth=1))
+
+    def _empty_tuple(self, arg: Any) -> None:
+        self.stack.append(_Obj("tuple", (), depth=1))
+
+    def _mark(self, arg: Any) -> None:
+        self.marks.append(len(self.stack))
+        self._deep(len(self.marks))
+
+    def _tuple(self, items: list[_Obj]) -> None:
+        self.stack.append(self._holding(_Obj("tuple", tuple(items) if len(items) <= 3 else None), items))
+
+    def _frozenset(self, arg: Any) -> None:
+        items = self._pop_mark()
+        self._hash(items)
+        self._tuple(items)
+
+    def _list(self, arg: Any) -> None:
+        self.stack.append(self._holding(_Obj("mutable"), self._pop_mark()))
+
+    def _dict(self, arg: Any) -> None:
+        items = self._pop_mark()
+        self._hash(items[::2])
+        self.stack.append(self._holding(_Obj("mutable"), items))
+
+    def _append(self, arg: Any) -> None:  # APPEND, BUILD
+        self._change(self._pop(1))
+
+    def _setitem(self, arg: Any) -> None:
+        items = self._pop(2)
+        self._hash(items[:1])
+        self._change(items)
+
+    def _appends(self, arg: Any) -> None:
+        self._change(self._pop_mark())
+
+    def _setitems(self, arg: Any) -> None:
+        items = self._pop_mark()
+        self._hash(items[::2])
+        self._change(items)
+
+    def _additems(self, arg: Any) -> None:
+        items = self._pop_mark()
+        self._hash(items)
+        self._change(items)
+
+    def _pop_one(self, arg: Any) -> None:
+        if self.marks and len(self.stack) == self.marks[-1]:
+            self.marks.pop()
+        else:
+            self._pop(1)
+
+    def _dup(self, arg: Any) -> None:
+        self.stack.append(self._top())
+
+    def _put(self, index: int | None) -> None:  # PUT, BINPUT, LONG_BINPUT, MEMOIZE (index None)
+        index = len(self.memo) if index is None else index
+        if not 0 <= index <= len(self.memo):
+            raise _Refused(f"stores an object under memo index {index} when only {len(self.memo)} are stored "
+                           "(the unpickler would allocate a memo of that length)")
+        self.memo[index] = self._top()
+
+    def _get(self, index: int) -> None:
+        found = self.memo.get(index)
+        if found is None:
+            raise _Refused(f"reads memo index {index}, which it never stored")
+        self.stack.append(found)
+
+    def _global(self, arg: str) -> None:
+        module, _, qualname = arg.partition(" ")
+        self.stack.append(_Obj("global", f"{module}.{qualname}"))
+
+    def _inst(self, arg: str) -> None:
+        self._global(arg)
+        self._call(self.stack.pop(), self._pop_mark())
+
+    def _stack_global(self, arg: Any) -> None:
+        module, qualname = self._pop(2)
+        if module.kind != "str" or qualname.kind != "str" or None in (module.value, qualname.value):
+            raise _Refused("names a global by something other than two short strings")
+        self.stack.append(_Obj("global", f"{module.value}.{qualname.value}"))
+
+    def _reduce(self, arg: Any) -> None:  # REDUCE, NEWOBJ
+        func, args = self._pop(2)
+        self._call(func, [args])
+
+    def _newobj_ex(self, arg: Any) -> None:
+        func, args, kwargs = self._pop(3)
+        self._call(func, [args, kwargs])
+
+    def _obj(self, arg: Any) -> None:
+        items = self._pop_mark()
+        if not items:
+            raise _Refused("builds an object from nothing")
+        self._call(items[0], items[1:])
+
+    def _persid(self, arg: Any) -> None:
+        self.stack.append(self._holding(_Obj("leaf"), self._pop(1)))
+
+    def _nothing(self, arg: Any) -> None:  # PROTO, FRAME, STOP
+        pass
 
     def _top(self) -> _Obj:
         if len(self.stack) <= (self.marks[-1] if self.marks else 0):
@@ -320,11 +348,15 @@ class _Scan:
 
     def _holding(self, obj: _Obj, items: list[_Obj]) -> _Obj:
         """``obj`` with ``items`` placed inside it: its size and depth grow by theirs."""
+        weight, depth = obj.weight, obj.depth
         for item in items:
             item.placed = True
-            obj.weight = min(self.cap, obj.weight + item.weight)
-            obj.depth = max(obj.depth, item.depth + 1)
-        self._deep(obj.depth)
+            weight += item.weight
+            if item.depth >= depth:
+                depth = item.depth + 1
+        obj.weight, obj.depth = min(self.cap, weight), depth
+        if depth > MAX_DEPTH:
+            self._deep(depth)
         return obj
 
     def _change(self, items: list[_Obj]) -> None:
@@ -387,3 +419,26 @@ class _Scan:
             raise _Refused(f"asks bytearray/_codecs.encode for more bytes than {ALLOC_PER_BYTE} per byte of "
                            "the pickle")
         return produced
+
+
+_HANDLERS = {
+    **dict.fromkeys(("INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4"), _Scan._int),
+    **dict.fromkeys(("STRING", "BINSTRING", "SHORT_BINSTRING", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE",
+                     "BINUNICODE8"), _Scan._text),
+    **dict.fromkeys(("BINBYTES", "SHORT_BINBYTES", "BINBYTES8", "BYTEARRAY8"), _Scan._bytes),
+    **dict.fromkeys(("NONE", "NEWTRUE", "NEWFALSE", "FLOAT", "BINFLOAT", "PERSID"), _Scan._leaf),
+    **dict.fromkeys(("EMPTY_LIST", "EMPTY_DICT", "EMPTY_SET"), _Scan._empty),
+    "EMPTY_TUPLE": _Scan._empty_tuple, "MARK": _Scan._mark,
+    "TUPLE": lambda scan, arg: scan._tuple(scan._pop_mark()),
+    "TUPLE1": lambda scan, arg: scan._tuple(scan._pop(1)), "TUPLE2": lambda scan, arg: scan._tuple(scan._pop(2)),
+    "TUPLE3": lambda scan, arg: scan._tuple(scan._pop(3)),
+    "FROZENSET": _Scan._frozenset, "LIST": _Scan._list, "DICT": _Scan._dict,
+    "APPEND": _Scan._append, "BUILD": _Scan._append, "SETITEM": _Scan._setitem, "APPENDS": _Scan._appends,
+    "SETITEMS": _Scan._setitems, "ADDITEMS": _Scan._additems,
+    "POP": _Scan._pop_one, "POP_MARK": lambda scan, arg: scan._pop_mark(), "DUP": _Scan._dup,
+    **dict.fromkeys(("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"), _Scan._put),
+    **dict.fromkeys(("GET", "BINGET", "LONG_BINGET"), _Scan._get),
+    "GLOBAL": _Scan._global, "INST": _Scan._inst, "STACK_GLOBAL": _Scan._stack_global,
+    "REDUCE": _Scan._reduce, "NEWOBJ": _Scan._reduce, "NEWOBJ_EX": _Scan._newobj_ex, "OBJ": _Scan._obj,
+    "BINPERSID": _Scan._persid, **dict.fromkeys(("PROTO", "FRAME", "STOP"), _Scan._nothing),
+}  # no EXT1/2/4 (the copyreg extension registry) nor NEXT_BUFFER/READONLY_BUFFER (out-of-band buffers)
