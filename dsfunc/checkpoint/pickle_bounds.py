@@ -22,8 +22,8 @@ memo counted twice), and refuses, before any unpickler runs:
   sizes above stale), and opcodes no checkpoint needs (extensions, out-of-band buffers).
 
 What it accepts then unpickles in memory and time linear in the file. Values may still share parts, so a
-walk over a loaded structure keeps an id memo (:func:`dsfunc.checkpoint.deepspeed.contents.detached`), and a
-tensor is copied only if its elements lie in its storage (:func:`check_tensor`). ``torch.save`` files are
+walk over a loaded structure keeps an id memo (``_detached`` in :mod:`.deepspeed.contents`), and a tensor
+is copied only if its elements lie in its storage (:func:`check_tensor`). ``torch.save`` files are
 checked whole: their zip members must be stored uncompressed within the file, and their ``data.pkl`` is
 read with torch's own zip reader, as ``torch.load`` reads it.
 """

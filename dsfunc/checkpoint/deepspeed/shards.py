@@ -83,8 +83,8 @@ class ShardIndex:
     names: tuple[str, ...]  # every name of the module's state dict, in its order
     pieces: dict[str, tuple[Piece, ...]]
     trust_pickle: bool
-    main: Path  # the model-states file, unpickled once: its contents are kept in ``opened``
-    opened: Any = dataclasses.field(repr=False, compare=False, default=None)
+    main: Path  # the model-states file, unpickled once when the checkpoint was opened: ``main_contents``
+    main_contents: Mapping[str, Any] = dataclasses.field(repr=False, compare=False)
 
     def tensor(self, contents: Any, quantity: str, key: tuple[Hashable, ...]) -> torch.Tensor | None:
         """The flat tensor ``key`` names, read as ``quantity``, in an opened file (None: no such state)."""
@@ -118,8 +118,8 @@ class ShardIndex:
         The requests are grouped by the file their pieces lie in; each file is opened (memory-mapped), the
         pieces copied out of it, and the file released before the next is opened, so no more than one
         shard is mapped at once (besides the model states, unpickled once when the checkpoint was opened)
-        and only the pages of the pieces asked for are touched. A quantity a file
-        has no state for (a parameter the optimizer never stepped) is read as zeros.
+        and only the pages of the pieces asked for are touched. A quantity a file has no state for (a
+        parameter the optimizer never stepped) is read as zeros.
         """
         jobs: dict[Path, list[tuple[Request, Piece]]] = {}
         for req in requests:
@@ -127,7 +127,7 @@ class ShardIndex:
                 if piece.offset < req.hi and req.lo < piece.offset + piece.numel:
                     jobs.setdefault(piece.path, []).append((req, piece))
         for path, work in jobs.items():
-            contents = self.opened if path == self.main else load_file(path, trust_pickle=self.trust_pickle)
+            contents = self.main_contents if path == self.main else load_file(path, trust_pickle=self.trust_pickle)
             for req, piece in work:
                 a, b = max(req.lo, piece.offset), min(req.hi, piece.offset + piece.numel)
                 for quantity, view in req.views.items():
