@@ -173,3 +173,14 @@ def test_an_expanded_tensor_is_not_copied():
         check_tensor(torch.zeros(1).expand(1 << 40), "f.pt")
     view = torch.arange(10.0)[2:5]
     assert check_tensor(view, "f.pt") is view
+
+
+def test_an_index_naming_a_transform_is_refused(tmp_path):
+    """A transform (a decompression DCP applies while reading) could inflate a record without bound."""
+    run = _saved(tmp_path)
+    index = read_index(run / "t")
+    key = next(k for k in index.storage_data if k.fqn == KEY)
+    index.storage_data[key].transform_descriptors = ["zstd"]
+    write_index(run / "t", index)
+    with pytest.raises(dsfunc.CheckpointError, match=rf"{KEY} is stored through the transforms \['zstd'\]"):
+        dsfunc.checkpoint.export_fp32(run, tmp_path / "w.safetensors")
