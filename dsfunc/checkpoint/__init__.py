@@ -15,6 +15,8 @@ One module per concept:
 * :mod:`.metadata`: the metadata file, and the sizes and sha256 the files are checked against;
 * :mod:`.trust`: what loading trusts a checkpoint with (:data:`TRUST_MODEL`): the restricted unpickling
   every reader uses, and the client state's pickling;
+* :mod:`.pickle_bounds`: the memory, time and nesting any checkpoint pickle may cost, checked before it
+  is unpickled;
 * :mod:`.compat`: whether a checkpoint fits a template state;
 * :mod:`.coordination`: how the ranks meet, agree and fail together;
 * :mod:`.dcp_io`: the calls into ``torch.distributed.checkpoint``;

@@ -7,7 +7,8 @@ index is read here, once, through the allow-list of what DCP's ``Metadata`` hold
 [Note: one trust rule, two unpicklers] in :mod:`.trust`), checked to list tensors only (dsfunc writes
 nothing else) stored in files of the checkpoint folder, and handed to DCP by a reader that returns it
 instead of reading the file again. DCP reads the tensor records themselves with
-``torch.load(weights_only=True)``.
+``torch.load(weights_only=True)``, each checked first by the same reader ([Note: bounded unpickling] in
+:mod:`.pickle_bounds`); the index must name no transform (a decompression, which dsfunc never writes).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dsfunc.checkpoint.coordination import collective, side_group
 from dsfunc.checkpoint.disk import disk_text
 from dsfunc.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from dsfunc.checkpoint.layout import META_DATA, tensor_file
+from dsfunc.checkpoint.pickle_bounds import check_torch_record
 from dsfunc.checkpoint.trust import load_plain_pickle, refused_global
 from dsfunc.distributed import comm
 
@@ -90,6 +92,8 @@ def read_index(folder: Path, *, trust_pickle: bool = False) -> Metadata:
     problems += [f"{getattr(key, 'fqn', key)} is stored outside the folder"
                  for key, info in index.storage_data.items()
                  if not (isinstance(info, filesystem._StorageInfo) and _in_folder(info.relative_path))]
+    problems += [f"{getattr(key, 'fqn', key)} is stored through the transforms {info.transform_descriptors}"
+                 for key, info in index.storage_data.items() if getattr(info, "transform_descriptors", None)]
     if problems:
         raise CheckpointCorruptError(
             f"{path} does not index tensors stored in {folder}, as dsfunc writes it: "
@@ -104,7 +108,8 @@ def _in_folder(name: Any) -> bool:
 
 
 class _IndexedReader(dcp.FileSystemReader):
-    """DCP's file reader, handed the index that :func:`read_index` read instead of unpickling it again."""
+    """DCP's file reader, handed the index that :func:`read_index` read instead of unpickling it again, and
+    checking each tensor record's bounds before DCP unpickles it."""
 
     def __init__(self, folder: Path, index: Metadata) -> None:
         super().__init__(str(folder))
@@ -115,6 +120,10 @@ class _IndexedReader(dcp.FileSystemReader):
             self._index.storage_meta = StorageMeta()
         self._index.storage_meta.load_id = self.load_id
         return self._index
+
+    def _slice_file(self, file: Any, sinfo: filesystem._StorageInfo) -> Any:
+        check_torch_record(file, sinfo.offset, sinfo.length, Path(self.path) / sinfo.relative_path)
+        return super()._slice_file(file, sinfo)
 
 
 def read_tensors(targets: dict[str, Any], folder: Path, index: Metadata, *, offline: bool = False) -> None:

@@ -14,12 +14,15 @@ unpickler (:func:`load_pickle`), which knows how tensors are rebuilt. DCP's ``.m
 ``pickle.dump`` in protocol 4, whose framing torch's weights-only unpickler does not read ("Unsupported
 operand 149", torch 2.13), so it goes through the standard library's unpickler restricted to named globals
 (:func:`load_plain_pickle`, as the ``pickle`` documentation's "Restricting Globals" does). A refusal from
-either is the same error, naming the file, the class and the opt-in.
+either is the same error, naming the file, the class and the opt-in. Both first check the pickle's
+bounds ([Note: bounded unpickling] in :mod:`.pickle_bounds`): an allow-list bounds what code runs, not
+what memory, time and nesting the data costs.
 """
 
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import re
 from collections.abc import Mapping, Sequence
@@ -30,6 +33,7 @@ import torch
 
 from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.layout import CLIENT_FILE
+from dsfunc.checkpoint.pickle_bounds import check_pickle, check_torch_file
 
 #: The trust model of :func:`~dsfunc.load_checkpoint` and ``dsfunc export``, in one sentence (the README's
 #: security note, the docstring and the command's help repeat it word for word).
@@ -66,11 +70,13 @@ def read_client_state(folder: Path, meta: dict[str, Any], trust_pickle: bool) ->
 
 def load_pickle(path: Path, *, trust_pickle: bool, safe_globals: Sequence[tuple[Any, str]] = (),
                 **torch_load: Any) -> Any:
-    """``torch.load(path)`` under the trust rule: weights-only (plus ``safe_globals``, stand-ins registered
-    under a class's name) unless ``trust_pickle``; a refused object is an error naming its class and the
-    opt-in. ``torch_load`` goes to ``torch.load`` (``map_location``, ``mmap``, ``pickle_module``, ...)."""
+    """``torch.load(path)`` under the trust rule: bounded and weights-only (plus ``safe_globals``, stand-ins
+    registered under a class's name) unless ``trust_pickle``; a refused object is an error naming its class
+    and the opt-in. ``torch_load`` goes to ``torch.load`` (``map_location``, ``mmap``, ``pickle_module``, ...)."""
     if trust_pickle:
         return torch.load(path, weights_only=False, **torch_load)
+    with open(path, "rb") as f:
+        check_torch_file(f, path)
     try:
         with torch.serialization.safe_globals(list(safe_globals)):
             return torch.load(path, weights_only=True, **torch_load)
@@ -81,10 +87,14 @@ def load_pickle(path: Path, *, trust_pickle: bool, safe_globals: Sequence[tuple[
 
 def load_plain_pickle(file: IO[bytes], path: Path, *, trust_pickle: bool, allowed: Mapping[str, Any],
                       plain: str) -> Any:
-    """``pickle.load(file)`` (read from ``path``) under the trust rule: only the globals of ``allowed`` (by
-    the ``module.name`` pickle records) unless ``trust_pickle``; ``plain`` says what they are (the error)."""
+    """``pickle.load(file)`` (read from ``path``) under the trust rule: bounded and only the globals of
+    ``allowed`` (by the ``module.name`` pickle records) unless ``trust_pickle``; ``plain`` says what they
+    are (the error)."""
     if trust_pickle:
         return pickle.load(file)
+    start = file.tell()
+    check_pickle(file, path, os.fstat(file.fileno()).st_size - start)
+    file.seek(start)
     try:
         return _AllowList(file, allowed).load()
     except _Refused as e:

@@ -188,5 +188,5 @@ def test_every_rank_refuses_a_tampered_index(tmp_path):
 def test_an_index_that_is_no_pickle_is_named_corrupt(tmp_path):
     run, _ = _saved(tmp_path)
     rewrite(run / "t" / ".metadata", b"\x80\x04not a pickle")
-    with pytest.raises(ckpt.CheckpointCorruptError, match=r"\.metadata is not DCP's index of the tensors: "):
+    with pytest.raises(ckpt.CheckpointCorruptError, match=r"\.metadata is not a readable pickle: "):
         ckpt.export_fp32(run, tmp_path / "w.safetensors")

@@ -19,6 +19,7 @@ from dsfunc.checkpoint.deepspeed.layout import DeepSpeedFiles, find_files
 from dsfunc.checkpoint.deepspeed.shards import MOMENTS, ShardIndex, build_index
 from dsfunc.checkpoint.deepspeed.unpickle import DeepSpeedObject, load_file
 from dsfunc.checkpoint.errors import CheckpointCorruptError
+from dsfunc.checkpoint.pickle_bounds import check_tensor
 
 # what DeepSpeed's engine itself writes into the model-states file (engine.py _common_checkpoint_state and
 # the MoE/universal-checkpoint extras); every other key is the client state the user passed
@@ -74,9 +75,7 @@ def open_checkpoint(folder: Path, *, trust_pickle: bool = False,
     main = load_file(files.main, trust_pickle=trust_pickle)
     if not isinstance(main, Mapping) or "module" not in main:
         raise CheckpointCorruptError(f"{files.main} is not a DeepSpeed model-states file (it has no 'module')")
-    index = build_index(files, main, frozen_hint=frozen_hint, trust_pickle=trust_pickle)
-    first = load_file(files.optim_states[0], trust_pickle=trust_pickle)["optimizer_state_dict"] \
-        if files.optim_states else None
+    index, first = build_index(files, main, frozen_hint=frozen_hint, trust_pickle=trust_pickle)
     states = _optimizer_states(main, first)
     keys = {k for s in states for k in s}
     config = main.get("ds_config")
@@ -88,7 +87,7 @@ def open_checkpoint(folder: Path, *, trust_pickle: bool = False,
         optimizer=opt_type or (f"an optimizer with state {sorted(keys)}" if keys else "no optimizer state"),
         moments=all(m in keys for m in MOMENTS) if keys else None, adam_step=max(steps, default=0),
         schedule=main.get("lr_scheduler"), scaler=_scaler(main, first),
-        client=_detached({k: v for k, v in main.items() if k not in DEEPSPEED_KEYS}),
+        client=_detached({k: v for k, v in main.items() if k not in DEEPSPEED_KEYS}, files.main),
     )
 
 
@@ -125,15 +124,31 @@ def _scaler(main: Mapping[str, Any], first: Mapping[str, Any] | None) -> Scaler 
                   cur_iter=opt.get("cur_iter"), last_overflow_iter=opt.get("last_overflow_iter"))
 
 
-def _detached(obj: Any) -> Any:
-    """``obj`` with its tensors copied out of the memory-mapped file (dicts, lists and tuples walked)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        out = copy.copy(obj)
-        for k, v in obj.items():
-            out[k] = _detached(v)
-        return out
-    if type(obj) in (list, tuple):
-        return type(obj)(_detached(v) for v in obj)
-    return obj
+def _detached(root: Any, path: Path) -> Any:
+    """``root`` (read from ``path``) with its tensors copied out of the memory-mapped file: dicts, lists and
+    tuples walked without recursion, each object once (an id memo: a part shared in the file stays shared,
+    and a structure shared to a great depth costs its objects, not its paths)."""
+    copies: dict[int, Any] = {}
+    todo: list[tuple[Any, bool]] = [(root, False)]
+    while todo:
+        obj, children_done = todo.pop()
+        if id(obj) in copies and not children_done:
+            continue
+        if isinstance(obj, torch.Tensor):  # the method from the class: a tensor's own state cannot shadow it
+            copies[id(obj)] = torch.Tensor.clone(check_tensor(obj, path))
+        elif not isinstance(obj, dict) and type(obj) not in (list, tuple):
+            continue
+        elif not children_done:
+            if type(obj) is not tuple:  # made now, filled below: a reference back to it finds it
+                copies[id(obj)] = copy.copy(obj)
+            todo.append((obj, True))
+            todo.extend((v, False) for v in (obj.values() if isinstance(obj, dict) else obj))
+        elif isinstance(obj, dict):
+            out = copies[id(obj)]
+            for k, v in obj.items():
+                out[k] = copies.get(id(v), v)
+        elif type(obj) is list:
+            copies[id(obj)][:] = [copies.get(id(v), v) for v in obj]
+        else:
+            copies[id(obj)] = tuple(copies.get(id(v), v) for v in obj)
+    return copies.get(id(root), root)

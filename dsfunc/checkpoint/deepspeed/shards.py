@@ -42,6 +42,7 @@ from dsfunc.checkpoint.errors import (
     CheckpointMismatchError,
     CheckpointUnsupportedError,
 )
+from dsfunc.checkpoint.pickle_bounds import check_tensor
 from dsfunc.zero.layout import chunk_range
 
 MASTER, EXP_AVG, EXP_AVG_SQ = "fp32", "exp_avg", "exp_avg_sq"  # the quantities a piece can be read as
@@ -82,6 +83,8 @@ class ShardIndex:
     names: tuple[str, ...]  # every name of the module's state dict, in its order
     pieces: dict[str, tuple[Piece, ...]]
     trust_pickle: bool
+    main: Path  # the model-states file, unpickled once when the checkpoint was opened: ``main_contents``
+    main_contents: Mapping[str, Any] = dataclasses.field(repr=False, compare=False)
 
     def tensor(self, contents: Any, quantity: str, key: tuple[Hashable, ...]) -> torch.Tensor | None:
         """The flat tensor ``key`` names, read as ``quantity``, in an opened file (None: no such state)."""
@@ -114,8 +117,9 @@ class ShardIndex:
         [Note: one shard at a time]
         The requests are grouped by the file their pieces lie in; each file is opened (memory-mapped), the
         pieces copied out of it, and the file released before the next is opened, so no more than one
-        shard is mapped at once and only the pages of the pieces asked for are touched. A quantity a file
-        has no state for (a parameter the optimizer never stepped) is read as zeros.
+        shard is mapped at once (besides the model states, unpickled once when the checkpoint was opened)
+        and only the pages of the pieces asked for are touched. A quantity a file has no state for (a
+        parameter the optimizer never stepped) is read as zeros.
         """
         jobs: dict[Path, list[tuple[Request, Piece]]] = {}
         for req in requests:
@@ -123,7 +127,7 @@ class ShardIndex:
                 if piece.offset < req.hi and req.lo < piece.offset + piece.numel:
                     jobs.setdefault(piece.path, []).append((req, piece))
         for path, work in jobs.items():
-            contents = load_file(path, trust_pickle=self.trust_pickle)
+            contents = self.main_contents if path == self.main else load_file(path, trust_pickle=self.trust_pickle)
             for req, piece in work:
                 a, b = max(req.lo, piece.offset), min(req.hi, piece.offset + piece.numel)
                 for quantity, view in req.views.items():
@@ -133,13 +137,14 @@ class ShardIndex:
                         target.zero_()
                     else:
                         begin = piece.start + a - piece.offset
-                        target.copy_(source.reshape(-1)[begin : begin + (b - a)])
+                        target.copy_(check_tensor(source, path).reshape(-1)[begin : begin + (b - a)])
             del contents
 
 
 def build_index(files: DeepSpeedFiles, main: Mapping[str, Any], *, frozen_hint: Iterable[str] | None,
-                trust_pickle: bool) -> ShardIndex:
-    """The index of the checkpoint whose rank-0 model states are ``main`` (already opened).
+                trust_pickle: bool) -> tuple[ShardIndex, Mapping[str, Any] | None]:
+    """The index of the checkpoint whose rank-0 model states are ``main`` (already opened), and rank 0's
+    optimizer state dict (None without optimizer-states files), each file unpickled once.
 
     ``frozen_hint`` names the parameters that did not train, where the layout does not record it (stage 0
     with fp16/bf16); without it such a checkpoint must have no frozen parameters.
@@ -150,8 +155,9 @@ def build_index(files: DeepSpeedFiles, main: Mapping[str, Any], *, frozen_hint: 
     buffers = {n: (module[n].shape, module[n].dtype) for n in buffer_names if n in module}
     params = [n for n in aliases if n not in buffers]
     hint = set(frozen_hint or ())
+    first = None
     if files.optim_states:
-        kind, trainable, pieces = _sharded(files, main, trust_pickle)
+        kind, trainable, pieces, first = _sharded(files, main, trust_pickle)
     elif isinstance(main.get("optimizer"), Mapping) and "fp32_groups" in main["optimizer"]:
         kind = "stage0-wrapped"
         trainable, pieces = _wrapped(files.main, main, params, hint)
@@ -170,9 +176,9 @@ def build_index(files: DeepSpeedFiles, main: Mapping[str, Any], *, frozen_hint: 
     for name in [*buffers, *([] if kind == "zero3" else frozen)]:
         pieces[name] = (Piece(files.main, ("module", name), 0, module[name].numel(), 0),)
     index = ShardIndex(kind, trainable, frozen, buffers, aliases, tuple(module),
-                       {n: tuple(p) for n, p in pieces.items()}, trust_pickle)
+                       {n: tuple(p) for n, p in pieces.items()}, trust_pickle, files.main, main)
     _check_coverage(files.folder, index)
-    return index
+    return index, first
 
 
 def _aliases(module: Mapping[str, torch.Tensor], buffer_names: Sequence[str]) -> dict[str, tuple[str, ...]]:
@@ -237,13 +243,15 @@ def _optimizer_order(path: Path, count: int, params: list[str], frozen_hint: set
         "apart), or pass load_optimizer_states=False to take the weights only.")
 
 
-def _sharded(files: DeepSpeedFiles, main: Mapping[str, Any], trust_pickle: bool) -> tuple[str, dict, dict]:
-    """ZeRO 1-3 and the bf16 optimizer: the pieces of every trainable parameter in the optimizer files."""
+def _sharded(files: DeepSpeedFiles, main: Mapping[str, Any], trust_pickle: bool) -> tuple[str, dict, dict, Any]:
+    """ZeRO 1-3 and the bf16 optimizer: the pieces of every trainable parameter in the optimizer files, and
+    the first file's optimizer state dict."""
     world = len(files.optim_states)
     shapes = {n: torch.Size(s) for group in main.get("param_shapes") or [] for n, s in group.items()}
-    kind, pieces, filled = None, {}, {}
+    kind, pieces, filled, first = None, {}, {}, None
     for path in files.optim_states:  # [Note: one shard at a time]
         osd = load_file(path, trust_pickle=trust_pickle)["optimizer_state_dict"]
+        first = osd if first is None else first
         count = osd.get("partition_count")
         count = max(count) if isinstance(count, list) else count
         if count != world:
@@ -270,7 +278,7 @@ def _sharded(files: DeepSpeedFiles, main: Mapping[str, Any], trust_pickle: bool)
         pieces = _chunked(files.optim_states, layout)
     if not shapes:  # the bf16 optimizer without ZeRO records no param_shapes: the module has them
         shapes = {n: main["module"][n].shape for n in pieces}
-    return kind, shapes, pieces
+    return kind, shapes, pieces, first
 
 
 def _check_zero3_sizes(path: Path, osd: Mapping[str, Any], groups: Sequence[Mapping[str, Any]],

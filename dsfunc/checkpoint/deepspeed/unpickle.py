@@ -24,7 +24,7 @@ import types
 from pathlib import Path
 from typing import Any, ClassVar
 
-from dsfunc.checkpoint.errors import CheckpointCorruptError
+from dsfunc.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from dsfunc.checkpoint.trust import load_pickle
 
 
@@ -78,6 +78,8 @@ def load_file(path: Path, *, trust_pickle: bool = False) -> Any:
     extra = {"pickle_module": _TRUSTED} if trust_pickle else {}
     try:
         return _load(path, trust_pickle=trust_pickle, safe_globals=_SAFE_GLOBALS, **extra)
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as e:  # a trusted load that still fails: the file is broken
         raise CheckpointCorruptError(f"cannot read the DeepSpeed file {path}: {e}") from e
     except FileNotFoundError as e:
