@@ -31,6 +31,7 @@ from dsfunc.config import (
     parse_compile,
 )
 from dsfunc.distributed import comm
+from dsfunc.distributed.init import join_launched_world
 from dsfunc.errors import InputError, NotSupportedError
 from dsfunc.frozen import FrozenDict
 from dsfunc.graphs import GraphedStep
@@ -118,9 +119,12 @@ def init_state(
         last stage, and a step's batch is ``(inputs, labels)``.
 
     Returns:
-      A :class:`TrainState`; every rank of the process group must call this. Unless ``in_place``,
-      ``model`` itself is only read: the state trains a skeleton copy of it.
+      A :class:`TrainState`; every rank of the process group must call this. A process that a launcher
+      started (the dsfunc launcher, torchrun, mpirun: ``WORLD_SIZE`` or MPI's variables are set) joins the
+      world they describe first, unless a process group exists; a group of another size is refused.
+      Unless ``in_place``, ``model`` itself is only read: the state trains a skeleton copy of it.
     """
+    join_launched_world()  # the ranks a launcher started train one model, as deepspeed.initialize's do
     placement = place(model, config, pipeline, loss_fn)
     if placement is not None:
         with placement.pipeline.scope():  # ZeRO over the stage's data-parallel ranks
