@@ -131,7 +131,7 @@ def init_state(
       Unless ``in_place``, ``model`` itself is only read: the state trains a skeleton copy of it.
     """
     join_launched_world()  # the ranks a launcher started train one model, as deepspeed.initialize's do
-    fit_threads_to_host()
+    _fit_threads_to_host()
     placement = place(model, config, pipeline, loss_fn)
     if placement is not None:
         with placement.pipeline.scope():  # ZeRO over the stage's data-parallel ranks
@@ -373,7 +373,7 @@ def _step_fn(options: CompileConfig, pipeline: Pipeline | None) -> Callable[...,
     return GraphedStep(step, before_step=check_min_scale, after_step=note_min_scale) if options.cuda_graph else step
 
 
-def fit_threads_to_host() -> None:
+def _fit_threads_to_host() -> None:
     """Unless OMP_NUM_THREADS says otherwise, torch's CPU threads on the cores other processes leave free: on a
     busy host one thread per core (torch's default) waits behind the other work, 5-15x slower than fewer."""
     if THREADS_VARIABLE in os.environ:

@@ -201,7 +201,7 @@ def join_launched_world(distributed_port: int = 29500) -> None:
     exists, and check that the group is that world (:func:`check_one_world`). A process no launcher started
     keeps no group (world size 1)."""
     if not comm.is_distributed() and ("WORLD_SIZE" in os.environ or launched_by_mpi()):
-        init_distributed(distributed_port=distributed_port, verbose=False)
+        init_distributed(distributed_port=distributed_port)
     check_one_world(dist.get_world_size() if comm.is_distributed() else 1, "the training state")
 
 
