@@ -18,7 +18,7 @@ def test_busy_cores_are_not_shared_out():
     assert threads_per_rank(1, False, None, busy=CORES + 5.0) == 1  # at least one
     assert threads_per_rank(1, False, None, busy=CORES - 1.0) == 1
     assert threads_per_rank(2, False, None, busy=0.0) == max(1, CORES // 2)
-    assert 0.0 <= busy_cores() <= os.getloadavg()[0]
+    assert busy_cores() >= 0.0
 
 
 def _threads_after_init_state(**env: str) -> subprocess.CompletedProcess:
