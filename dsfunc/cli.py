@@ -64,6 +64,10 @@ def export(argv: Sequence[str] | None = None) -> int:
                              "it can run code, so only for a checkpoint whose origin you trust")
     parser.add_argument("--no-verify", action="store_true", help="skip checking the files' sha256")
     args = parser.parse_args(argv)
+    if _holds_checkpoint(Path(args.out)):  # writing there could mix the export into a checkpoint
+        print(f"dsfunc export: error: OUT {args.out} is a checkpoint directory; the arguments are CKPT_DIR then "
+              f"OUT (did you mean `dsfunc export {args.out} {args.ckpt_dir}`?)", file=sys.stderr)
+        return 1
     try:
         if args.hf_config is not None:
             out = export_hf(args.ckpt_dir, args.out, args.hf_config, tag=args.tag,
@@ -81,5 +85,15 @@ def export(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _holds_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a checkpoint folder or a ``save_dir`` holding one (or a ``latest`` file)."""
+    from dsfunc.checkpoint.layout import LATEST_FILE
+    from dsfunc.checkpoint.tags import available_tags, is_checkpoint_folder
+
+    return path.is_dir() and (is_checkpoint_folder(path) or (path / LATEST_FILE).is_file()
+                              or bool(available_tags(path)))
+
+
 if __name__ == "__main__":
     main()
+

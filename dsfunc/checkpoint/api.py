@@ -29,6 +29,7 @@ from dsfunc.checkpoint.publish import write_checkpoint
 from dsfunc.checkpoint.tags import PathLike, check_tag, find_checkpoint
 from dsfunc.checkpoint.trust import pickle_client_state, read_client_state
 from dsfunc.distributed import comm
+from dsfunc.distributed.init import check_one_world
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.state import TrainState
 
@@ -67,6 +68,9 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
     if not save_dir:
         raise InputError("save_dir is empty: pass the directory to write checkpoints into")
     tag = check_tag(str(tag) if tag is not None else f"global_step{int(state.step)}")
+    pipeline = state.program.pipeline  # ranks of several runs would overwrite each other's files in save_dir
+    check_one_world(state.program.plan.world_size * (1 if pipeline is None else pipeline.topology.stages),
+                    "save_checkpoint's state")
     wait_for_checkpoint()  # [Note: one save in flight]
     arrive("save_checkpoint", tag, timeout)  # [Note: meeting before the first collective]
     meta = describe(state, tag)

@@ -86,20 +86,20 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
         )
 
 
-def differences(saved: Mapping[str, Any], mine: Mapping[str, Any], what: str, limit: int = 20) -> list[str]:
-    """Lines naming what only the checkpoint has, what only ``what`` has, and what differs (by key)."""
-    def listed(names: list[str]) -> str:
-        more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
-        return ", ".join(names[:limit]) + more
+def differences(saved: Mapping[str, Any], mine: Mapping[str, Any], what: str, limit: int = 10) -> list[str]:
+    """Lines naming what only the checkpoint has, what only ``what`` has, and what differs (by key): each kind
+    with its count, then one entry a line, the first ``limit`` of them."""
+    def listed(title: str, names: list[str]) -> list[str]:
+        more = [f"    ... and {len(names) - limit} more"] if len(names) > limit else []
+        return [f"  {title} ({len(names)}):", *(f"    {n}" for n in names[:limit]), *more]
 
     lines = []
     if only_saved := sorted(saved.keys() - mine.keys()):
-        lines.append(f"  in the checkpoint but not in {what}: {listed(only_saved)}")
+        lines += listed(f"in the checkpoint but not in {what}", only_saved)
     if only_mine := sorted(mine.keys() - saved.keys()):
-        lines.append(f"  in {what} but not in the checkpoint: {listed(only_mine)}")
+        lines += listed(f"in {what} but not in the checkpoint", only_mine)
     if changed := sorted(k for k in saved.keys() & mine.keys() if saved[k] != mine[k]):
-        lines.append("  different: " + listed([f"{k} (checkpoint {saved[k]}, {what} {mine[k]})"
-                                                for k in changed]))
+        lines += listed("different", [f"{k} (checkpoint {saved[k]}, {what} {mine[k]})" for k in changed])
     return lines
 
 

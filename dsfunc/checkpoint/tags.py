@@ -49,6 +49,13 @@ def find_checkpoint(load_dir: PathLike, tag: str | None = None) -> Path:
     load_dir = Path(load_dir)
     if tag is None and is_checkpoint_folder(load_dir):
         return load_dir  # a checkpoint folder itself
+    if load_dir.is_file():
+        raise CheckpointNotFoundError(
+            f"{load_dir} is a file, not a checkpoint directory: checkpoints are the directories "
+            "dsfunc.save_checkpoint (or DeepSpeed's engine.save_checkpoint) writes. A state_dict file loads into "
+            f"the module itself: model.load_state_dict(torch.load({str(load_dir)!r})) (a .safetensors file: "
+            "safetensors.torch.load_file), then dsfunc.init_state(model, config)"
+        )
     if not load_dir.is_dir():
         raise CheckpointNotFoundError(f"checkpoint directory {load_dir} does not exist")
     tags = available_tags(load_dir)

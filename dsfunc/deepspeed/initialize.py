@@ -73,7 +73,8 @@ def initialize(
         it replaces the config's ``scheduler`` section.
       distributed_port: MASTER_PORT when the environment does not set one.
       mpu, mesh_param: model/sequence parallelism; not supported (must be None).
-      dist_init_required: False skips joining the process group.
+      dist_init_required: False forms no one-process group for a process no launcher started (a launcher's
+        world is joined all the same, as by :func:`dsfunc.init_state`).
       collate_fn: builds micro-batches from samples of ``training_data``.
       config, config_params: the DeepSpeed config (dict, JSON path, base64 JSON, or ``dsfunc.Config``).
       seed: dropout seed (kept in the state across checkpoints).

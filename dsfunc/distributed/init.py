@@ -175,16 +175,43 @@ def init_distributed(
         logger.info("init_distributed: rank %d of %d, backend %s", comm.rank(), comm.world_size(), backend)
 
 
-def join_world(distributed_port: int = 29500) -> None:
-    """Join the process group the environment describes (started by dsfunc, torchrun or mpirun), or form a
-    one-process group for a process no launcher started (``python train.py``), as DeepSpeed's
-    ``initialize`` and ``zero.Init`` do (through MPI discovery): libraries that call ``torch.distributed``
-    next to the engine (accelerate gathering metrics) find a group. A lone group's store lives in memory,
-    so it takes no port. Nothing to do when a group exists."""
-    if comm.is_distributed():
-        return
-    if "WORLD_SIZE" in os.environ or launched_by_mpi():
+def described_world() -> int | None:
+    """The number of processes the launcher's variables describe (``WORLD_SIZE``, else Open MPI's); None when
+    no launcher set them."""
+    if "WORLD_SIZE" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ:
+        return rank_variable("WORLD_SIZE", 1)
+    return None
+
+
+def check_one_world(world: int, what: str) -> None:
+    """Refuse ``what`` in a world of ``world`` processes when the environment describes another: the ranks a
+    launcher started would each train (and save) a model of their own."""
+    described = described_world()
+    if described is not None and described != world:
+        raise UsageError(
+            f"{what} runs in a world of {world} process(es), but the launcher's environment describes "
+            f"{described} (WORLD_SIZE={described}): its ranks would train {described} unrelated models. Let "
+            "dsfunc join the world (do not create a process group of your own of another size), or run the "
+            "script without a launcher (unset WORLD_SIZE) to train on one process"
+        )
+
+
+def join_launched_world(distributed_port: int = 29500) -> None:
+    """Join the process group the environment describes (started by dsfunc, torchrun or mpirun), unless one
+    exists, and check that the group is that world (:func:`check_one_world`). A process no launcher started
+    keeps no group (world size 1)."""
+    if not comm.is_distributed() and ("WORLD_SIZE" in os.environ or launched_by_mpi()):
         init_distributed(distributed_port=distributed_port)
+    check_one_world(dist.get_world_size() if comm.is_distributed() else 1, "the training state")
+
+
+def join_world(distributed_port: int = 29500) -> None:
+    """:func:`join_launched_world`, or form a one-process group for a process no launcher started
+    (``python train.py``), as DeepSpeed's ``initialize`` and ``zero.Init`` do (through MPI discovery):
+    libraries that call ``torch.distributed`` next to the engine (accelerate gathering metrics) find a
+    group. A lone group's store lives in memory, so it takes no port."""
+    join_launched_world(distributed_port)
+    if comm.is_distributed():
         return
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
                             world_size=1)

@@ -9,7 +9,9 @@ the user's program starts; unlike DeepSpeed's ``numactl -C ... -m ...`` memory i
 placed where first touched, which is the rank's own NUMA node once it is bound).
 
 Threads: without OMP_NUM_THREADS set by the user, each rank gets ``cores // local ranks`` (its bound cores
-when binding), at least 1, instead of torch elastic's fixed 1 and its 4-line warning.
+when binding), at least 1, instead of torch elastic's fixed 1 and its 4-line warning. A process no launcher
+started gets the cores other processes leave free (:func:`dsfunc.init_state`): on a busy host, one thread per
+core makes torch's threads wait on each other behind the other work, several times slower than fewer.
 """
 
 from __future__ import annotations
@@ -69,11 +71,27 @@ def rank_cores(core_list: str | None, local_rank: int, local_size: int) -> list[
     return cores[local_rank * per_rank : (local_rank + 1) * per_rank]
 
 
-def threads_per_rank(local_size: int, bind: bool, core_list: str | None) -> int:
-    """OMP_NUM_THREADS for each of ``local_size`` ranks: its bound cores, or this node's cores shared out."""
+def threads_per_rank(local_size: int, bind: bool, core_list: str | None, busy: float = 0.0) -> int:
+    """OMP_NUM_THREADS for each of ``local_size`` ranks: its bound cores, or this node's cores shared out, less
+    the ``busy`` ones other processes keep working (:func:`busy_cores`); at least 1."""
     if bind:
         return len(rank_cores(core_list, 0, local_size))
-    return max(1, len(os.sched_getaffinity(0)) // local_size)
+    return max(1, int((len(os.sched_getaffinity(0)) - busy) // local_size))
+
+
+def busy_cores() -> float:
+    """How many cores other processes kept busy lately: the 1-minute load average less this process's own
+    average use since it started (0 where the system does not tell)."""
+    try:
+        load = os.getloadavg()[0]
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")  # field 22
+        with open("/proc/uptime") as f:
+            age = max(float(f.read().split()[0]) - started, 1.0)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    times = os.times()
+    return max(0.0, load - (times.user + times.system) / age)
 
 
 def _ranges(cores: list[int]) -> str:

@@ -36,9 +36,12 @@ class Placement:
 
 def place(model: Any, config: Any, given: int | Mapping[str, Any] | PipelineConfig | None,
           loss_fn: Callable[..., torch.Tensor] | None) -> Placement | None:
-    """This rank's stage of ``model`` (None: no pipeline). Every rank must call it (it creates groups)."""
+    """This rank's stage of ``model`` (None: no pipeline). Every rank must call it (it creates groups).
+
+    A ``PipelineModule`` is pipelined even with one stage, as in DeepSpeed (its engine's ``train_batch``)."""
     section = parse_pipeline(given) if given is not None else pipeline_section(config)
-    if isinstance(model, StageModule) and model.num_stages > 1:
+    if isinstance(model, StageModule) and (model.num_stages > 1 or model.pipe_topology is not None):
+        # a PipelineModule made its grid: with one stage, data parallel over the stage's replicas
         if section.stages is not None and section.stages != model.num_stages:
             raise InputError(f"the pipeline config asks for {section.stages} stages but the PipelineModule was "
                              f"built with num_stages={model.num_stages}; make them agree (or drop the key)")

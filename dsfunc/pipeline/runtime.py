@@ -160,7 +160,7 @@ class Pipeline:
         device = loss.device
         sumsq = kernels.sum_of_squares(counted).to(device) if counted else torch.zeros((), device=device)
         sumsq, loss = global_norm_and_loss(plan, grads, loss, sumsq=sumsq)
-        if self.topology.pipe_group is None:
+        if self.topology.stages == 1:
             return sumsq, loss
         packed = torch.stack([sumsq.float(), loss.float() if self.topology.is_last_stage else torch.zeros_like(
             loss, dtype=torch.float32)])
@@ -170,7 +170,7 @@ class Pipeline:
 
     def gather_stages(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every stage's ``tensors`` merged (on every rank), in stage order: the whole model's."""
-        if self.topology.pipe_group is None:
+        if self.topology.stages == 1:
             return tensors
         parts: list[Any] = [None] * self.topology.stages
         dist.all_gather_object(parts, {k: v.cpu() for k, v in tensors.items()}, group=self.topology.pipe_group)
@@ -184,7 +184,7 @@ class Pipeline:
         """A checkpoint description of this stage joined with every other stage's (on every rank): units, state
         dict entries, buffers and tensors, each once (a tied module is in several stages), units and entries in
         the one-stage module's order (tied modules, then layers by index)."""
-        if self.topology.pipe_group is None:
+        if self.topology.stages == 1:
             return meta
         parts: list[Any] = [None] * self.topology.stages
         dist.all_gather_object(parts, meta, group=self.topology.pipe_group)

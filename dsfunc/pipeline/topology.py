@@ -24,7 +24,8 @@ class Topology:
     data_parallel: int
     stage: int  # this rank's place in its replica's pipeline
     replica: int
-    pipe_group: dist.ProcessGroup | None  # this replica's ranks, one per stage (None on one rank)
+    pipe_group: dist.ProcessGroup | None  # this replica's ranks, one per stage (None on one rank; one rank when
+    # there is one stage: torch's PipelineStage needs a group as large as the stages)
     data_group: dist.ProcessGroup | None  # this stage's replicas (None only on one rank: the world)
     tied_groups: dict[str, dist.ProcessGroup | None]  # tie key -> this replica's stages holding it
     tied_holders: dict[str, list[int]]  # tie key -> the stages holding it (the keys this stage holds)
@@ -81,4 +82,4 @@ def make_topology(stages: int, tied_stages: dict[str, list[int]]) -> Topology:
             g = group([s * dp + r for s in holders]) if len(holders) > 1 else None
             if r == replica and stage in holders:
                 tied[key], holders_of[key] = g, holders
-    return Topology(stages, dp, stage, replica, pipe if stages > 1 else None, data, tied, holders_of)
+    return Topology(stages, dp, stage, replica, pipe, data, tied, holders_of)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import pydoc_data.topics
 import time
 from pathlib import Path
@@ -96,8 +95,6 @@ def main() -> None:
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher; unused")
     args = parser.parse_args()
 
-    if "WORLD_SIZE" in os.environ:  # started by dsfunc, torchrun or mpirun
-        dsfunc.init_distributed()
     data, chars = load_text()
     split = int(len(data) * 0.9)
     train, val = data[:split], data[split:]

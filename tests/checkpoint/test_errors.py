@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import dsfunc
 from dsfunc import checkpoint as ckpt
+from dsfunc.checkpoint.compat import differences
 from dsfunc.errors import Error, InputError, InputTypeError
 from tests.models import MLP, config
 
@@ -32,3 +34,22 @@ def test_bad_arguments_are_input_errors(tmp_path):
     with pytest.raises(InputError, match="name it \\*.safetensors or \\*.pt"):
         ckpt.export_fp32(tmp_path, tmp_path / "w.npz")
     assert not any(tmp_path.iterdir())
+
+
+
+def test_a_state_dict_file_is_named_as_a_file_with_what_to_do(tmp_path):
+    state = dsfunc.init_state(MLP(), config())
+    path = tmp_path / "model.pt"
+    torch.save(dsfunc.full_params(state), path)
+    with pytest.raises(ckpt.CheckpointNotFoundError, match=r"model\.pt is a file, not a checkpoint directory: "
+                                                           r"(.|\n)*model\.load_state_dict\(torch\.load\("):
+        ckpt.load_checkpoint(path, state)
+    assert not state.donated
+
+
+def test_a_mismatch_is_counted_one_entry_a_line_and_bounded():
+    lines = differences({f"layer{i}.weight": (4,) for i in range(25)} | {"head": (3,)}, {"head": (2,)}, "the model")
+    assert lines[0] == "  in the checkpoint but not in the model (25):"
+    assert lines[1:11] == [f"    layer{i}.weight" for i in sorted(range(25), key=str)][:10]
+    assert lines[11] == "    ... and 15 more"
+    assert lines[12:] == ["  different (1):", "    head (checkpoint (3,), the model (2,))"]

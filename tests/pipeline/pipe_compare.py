@@ -22,13 +22,14 @@ parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--out", required=True)
 parser.add_argument("--clip", type=float, default=0.0)
 parser.add_argument("--training-data", action="store_true")
+parser.add_argument("--stages", type=int, default=2)
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
 deepspeed = importlib.import_module(args.backend)
 pipe = importlib.import_module(f"{args.backend}.pipe")
 deepspeed.init_distributed(dist_backend="gloo")
 rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
-VOCAB, DIM, SEQ, MICRO, GAS, STAGES = 16, 8, 5, 2, 4, 2
+VOCAB, DIM, SEQ, MICRO, GAS, STAGES = 16, 8, 5, 2, 4, args.stages
 
 
 class Block(nn.Module):

@@ -31,19 +31,23 @@ def launch(backend: str, ranks: int, out: str, *flags: str) -> None:
     assert proc.returncode == 0, f"{backend} exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
-@pytest.mark.parametrize("ranks, flags", [(2, ()), (4, ()), (2, ("--training-data",))],
-                         ids=["2 stages", "2 stages x 2 replicas", "DeepSpeedExamples' pattern"])
+@pytest.mark.parametrize("ranks, flags", [(2, ()), (4, ()), (2, ("--training-data",)),
+                                          (2, ("--training-data", "--stages", "1"))],
+                         ids=["2 stages", "2 stages x 2 replicas", "DeepSpeedExamples' pattern", "1 stage x 2 replicas"])
 def test_pipeline_engine_trains_like_deepspeeds(tmp_path, ranks, flags):
     """The third case is DeepSpeedExamples' training/pipeline_parallelism shape: built layers with a lambda
-    between them, a criterion module, ``training_data=`` and ``engine.train_batch()`` with no iterator."""
+    between them, a criterion module, ``training_data=`` and ``engine.train_batch()`` with no iterator; the
+    fourth the same with ``-p 1``: one stage, data parallel over its two replicas through the pipeline API."""
     pytest.importorskip("deepspeed", reason="real DeepSpeed is the reference (.ci/setup_test_tools.sh)")
     out = str(tmp_path / "run")
     launch("deepspeed", ranks, out, *flags)
     launch("dsfunc", ranks, out, *flags)
+    stages = int(flags[-1]) if "--stages" in flags else 2
     for rank in range(ranks):
         ds, ours = (torch.load(f"{out}.{b}.rank{rank}.pt") for b in ("deepspeed", "dsfunc"))
-        assert ours["stage"] == ds["stage"] == rank // (ranks // 2)
-        assert (ours["first"], ours["last"]) == (ds["first"], ds["last"]) == (ours["stage"] == 0, ours["stage"] == 1)
+        assert ours["stage"] == ds["stage"] == rank // (ranks // stages)
+        assert (ours["first"], ours["last"]) == (ds["first"], ds["last"]) == (ours["stage"] == 0,
+                                                                              ours["stage"] == stages - 1)
         assert len(ours["losses"]) == 7
         assert max(abs(a - b) for a, b in zip(ours["losses"], ds["losses"])) < 1e-5, rank
         assert abs(ours["eval"] - ds["eval"]) < 1e-5, rank
