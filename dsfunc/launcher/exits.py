@@ -115,8 +115,8 @@ class RankState:
     pid: int
     ended: float | None = None  # when it ended or said it was ending (time.monotonic())
     code: int | None = None  # the exit code its program said it ended with
-    waiting: tuple[float, str] | None = None  # (since, where) while blocked in a collective
-    stack: str | None = None  # its main thread's stack, when last asked
+    waiting: tuple[float, str] | None = None  # (since, where) while blocked in a collective, or when it ended
+    stack: tuple[float, str] | None = None  # (when, its main thread's stack) when last asked
     hung: str | None = None  # why dsfunc stopped it as hung (dsfunc.launcher.hangs)
     asked: threading.Event = field(default_factory=threading.Event)  # set when a stack arrives
 
@@ -210,21 +210,19 @@ class ExitClock:
             code, at = rest.split()[:2]
             state.code = int(code)
             state.ended = _earlier(state.ended, float(at))
-            state.waiting = None
         elif kind == "wait":
             since, _, where = rest.partition(" ")
             state.waiting = (float(since), where)
         elif kind == "run":
             state.waiting = None
         elif kind == "stack":
-            state.stack = json.loads(rest)
+            state.stack = (time.monotonic(), json.loads(rest))
             state.asked.set()
 
     def _died(self, pidfd: int, rank: int, now: float) -> None:
         """``rank``'s process is gone; its end counts :data:`ABRUPT_LEAD_S` earlier (see there)."""
         state = self._ranks[rank]
         state.ended = _earlier(state.ended, now - ABRUPT_LEAD_S)
-        state.waiting = None
         state.asked.set()
         self._forget(pidfd)
 

@@ -73,8 +73,8 @@ class _Version(argparse.Action):
 
         from dsfunc.version import package_version
 
-        parser.exit(message=f"dsfunc {package_version()} (torch {torch.__version__}, "
-                            f"Python {platform.python_version()})\n")
+        print(f"dsfunc {package_version()} (torch {torch.__version__}, Python {platform.python_version()})")
+        parser.exit()
 
 
 def _all_or_count(text: str) -> int:

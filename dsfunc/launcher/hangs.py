@@ -41,7 +41,12 @@ DEFAULT_TIMEOUT_S = 600.0
 #: How often a rank's sampler looks at its main thread.
 SAMPLE_S = 0.5
 _STACK_FRAMES = 8  # the innermost ones, of a hung rank's stack
-_STACK_WAIT_S = 3.0  # how long the watch waits for a hung rank's stack before stopping it anyway
+_STACK_WAIT_S = 3.0
+# A rank that has waited this long in a collective has the ranks it waits for asked for their stacks (again
+# every _ASK_AGAIN_S while it waits): if the process group's own timeout ends the wait, the report says
+# where they were.
+_ASK_AFTER_S = 2.0
+_ASK_AGAIN_S = 30.0  # how long the watch waits for a hung rank's stack before stopping it anyway
 _KILL_AFTER_S = 10.0  # a hung rank still there this long after SIGTERM gets SIGKILL
 _COLLECTIVES = os.path.join("torch", "distributed", "distributed_c10d.py")
 
@@ -132,20 +137,28 @@ class HangWatch:
     def __init__(self, clock: ExitClock, timeout_s: float, host: str) -> None:
         self._clock, self._timeout_s, self._host = clock, timeout_s, host
         self._acted_at = 0.0  # waits that began before the watch last acted are that hang's, not a new one
+        self._asked_at = 0.0
         self._stopped = threading.Event()
-        if timeout_s > 0:
-            threading.Thread(target=self._watch, daemon=True, name="dsfunc-hang-watch").start()
+        threading.Thread(target=self._watch, daemon=True, name="dsfunc-hang-watch").start()
 
     def close(self) -> None:
         self._stopped.set()
 
     def _watch(self) -> None:
-        while not self._stopped.wait(min(1.0, self._timeout_s / 4)):
+        while not self._stopped.wait(min(1.0, self._timeout_s / 4 or 1.0)):
             live = {r: s for r, s in self._clock.ranks().items() if s.ended is None}
             waits = {r: s.waiting for r, s in live.items() if s.waiting is not None and s.waiting[0] > self._acted_at}
-            if waits and time.monotonic() - min(since for since, _ in waits.values()) > self._timeout_s:
+            if not waits:
+                continue
+            now, oldest = time.monotonic(), min(since for since, _ in waits.values())
+            if 0 < self._timeout_s < now - oldest:
                 self._stop_hung(live, waits)
                 self._acted_at = time.monotonic()
+            elif now - oldest > _ASK_AFTER_S and now - self._asked_at > _ASK_AGAIN_S:
+                for rank in live:
+                    if rank not in waits:
+                        self._clock.ask_stack(rank)
+                self._asked_at = now
 
     def _stop_hung(self, live: dict[int, RankState], waits: dict[int, tuple[float, str]]) -> None:
         now = time.monotonic()

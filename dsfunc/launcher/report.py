@@ -71,6 +71,25 @@ def _error(failure) -> str | None:
     return message.get("message") if isinstance(message, dict) else None
 
 
+def _not_there(failed: int, states: dict[int, RankState], first_rank: int, host: str) -> list[str]:
+    """When ``failed`` ended waiting in a collective (its process group's timeout, most often), the ranks of
+    this node that were not in one, neither when asked for their stack during that wait nor at its end, and
+    where they were ([Note: naming a hung rank] in :mod:`dsfunc.launcher.hangs`)."""
+    state = states.get(failed)
+    if state is None or state.waiting is None or state.hung is not None or state.ended is None:
+        return []
+    since, where = state.waiting
+    lines = []
+    for rank, other in sorted(states.items()):
+        if other.waiting is not None or other.stack is None or not since < other.stack[0] < state.ended:
+            continue
+        lines.append(f"dsfunc: rank {rank} (local rank {rank - first_rank} on {host}) had not reached the "
+                     f"collective rank {failed} waited in for {state.ended - since:.0f} s ({where}); "
+                     f"{state.ended - other.stack[0]:.0f} s before that wait ended, it was at")
+        lines += ["  " + line for line in other.stack[1].rstrip().splitlines()]
+    return lines
+
+
 def _ranks(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, sorted(ranks)))}"
 
@@ -101,13 +120,14 @@ def failure_report(failures: dict, host: str, states: dict[int, RankState], firs
                      f"error (rank {order[0]} first)")
     state = states.get(order[0])
     trace = _trace(first)
-    if state is not None and state.hung is not None and state.stack:
+    if state is not None and state.hung is not None and state.stack is not None:
         lines[-1] += "; it was at"
-        trace = state.stack
+        trace = state.stack[1]
     if trace is not None:
         lines += ["  " + line for line in trace.rstrip().splitlines()]
     else:
         lines.append("  (no Python traceback was recorded; see the rank's output above)")
+    lines += _not_there(order[0], states, first_rank, host)
     for rank in order[1:]:
         if rank in same:
             continue
