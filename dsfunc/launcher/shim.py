@@ -176,7 +176,8 @@ def main(args: list[str] | None = None) -> None:
     if missing is not None:
         raise SystemExit(f"dsfunc: {missing}")
     local_rank = [f"--local_rank={os.environ['LOCAL_RANK']}"] if rank.local_rank_flag else []
-    agent_reports = connection is not None and not os.environ.get("DSFUNC_RANK_LOG_DIR")
+    agent_reports = (connection is not None and bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
+                     and not os.environ.get("DSFUNC_RANK_LOG_DIR"))
     _run(rank.mode, rank.target, [rank.target, *local_rank, *rank.user_args], agent_reports)
 
 

@@ -94,3 +94,11 @@ def test_version_names_dsfunc_and_torch(job):
     res = run_dsfunc(["--version"], cwd, env, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith(f"dsfunc {package_version()} (torch {torch.__version__}, Python "), res.stdout
+
+
+def test_a_collective_timeout_variable_that_is_not_seconds_is_a_clear_error(job):
+    cwd, out, env = job
+    res = run_dsfunc(["--num_gpus", "2", REPORT, str(out)], cwd, {**env, "DSFUNC_COLLECTIVE_TIMEOUT": "soon"})
+    assert res.returncode == 2, res.stderr
+    assert ("dsfunc: error: DSFUNC_COLLECTIVE_TIMEOUT: 'soon' is not a number of seconds >= 0; set it to one, or "
+            "unset it for the default") in res.stderr
