@@ -22,7 +22,9 @@ Launch a (multi-node) training job the way the `deepspeed` command does:
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and
 CUDA_VISIBLE_DEVICES set to its node's selected GPUs). Without a hostfile the job runs on this machine: on its
 GPUs, or, without GPUs, as --num_gpus N CPU processes (gloo). Each node runs PyTorch's elastic agent
-(torch.distributed.run); one rank failing stops every rank and `dsfunc` exits with its code.
+(torch.distributed.run); one rank failing stops every rank and `dsfunc` exits with its code, naming the rank
+that failed, left or hung first. A rank that waits in a collective for --collective_timeout seconds (600)
+has the ranks it waits for named, with where they are, and stopped.
 Variables named NCCL*, PYTHON*, UCX*, MLFLOW*, MV2* and the KEY=VALUE lines of .deepspeed_env and .dsfunc_env
 (from the home and working directories) reach every rank."""
 

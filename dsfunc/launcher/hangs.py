@@ -35,18 +35,18 @@ from dsfunc.launcher.exits import ExitClock, RankState, tell
 from dsfunc.launcher.supervise import say
 
 #: Seconds a rank may wait in a collective for the others before the node agent stops the ranks it waits
-#: for (the launcher's ``--collective_timeout``; 0 turns the watch off).
+#: for (the launcher's ``--collective_timeout``; 0: never).
 TIMEOUT_VARIABLE = "DSFUNC_COLLECTIVE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
 #: How often a rank's sampler looks at its main thread.
 SAMPLE_S = 0.5
 _STACK_FRAMES = 8  # the innermost ones, of a hung rank's stack
-_STACK_WAIT_S = 3.0
+_STACK_WAIT_S = 3.0  # how long the watch waits for a hung rank's stack before stopping it anyway
 # A rank that has waited this long in a collective has the ranks it waits for asked for their stacks (again
 # every _ASK_AGAIN_S while it waits): if the process group's own timeout ends the wait, the report says
 # where they were.
 _ASK_AFTER_S = 2.0
-_ASK_AGAIN_S = 30.0  # how long the watch waits for a hung rank's stack before stopping it anyway
+_ASK_AGAIN_S = 30.0
 _KILL_AFTER_S = 10.0  # a hung rank still there this long after SIGTERM gets SIGKILL
 _COLLECTIVES = os.path.join("torch", "distributed", "distributed_c10d.py")
 

@@ -5,7 +5,10 @@
 [ARGS ...]``
 
 The multi-node runners start one of these per node (over ssh or pdsh); a single-node launch calls
-:func:`run_node` in-process. Each rank runs :mod:`dsfunc.launcher.shim`, which adds ``--local_rank``.
+:func:`run_node` in-process. Each rank runs :mod:`dsfunc.launcher.shim`, which adds ``--local_rank``. The
+agent's exit clock (:mod:`dsfunc.launcher.exits`) orders the node's failures for the report
+(:mod:`dsfunc.launcher.report`), and its hang watch (:mod:`dsfunc.launcher.hangs`) stops the ranks that
+the others have waited for in a collective longer than ``DSFUNC_COLLECTIVE_TIMEOUT``.
 """
 
 from __future__ import annotations
