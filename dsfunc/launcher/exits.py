@@ -178,7 +178,7 @@ class ExitClock:
                 if key.fileobj is self._server:
                     self._accept()
                 elif key.data[0] == "pidfd":
-                    self._died(key.fileobj, key.data[1], time.monotonic())
+                    self._died(key.data[1], time.monotonic())
             for key, _ in events:
                 if key.fileobj is not self._server and key.data[0] == "connection":
                     self._receive(key.data[1])
@@ -192,7 +192,10 @@ class ExitClock:
             return
         *lines, peer.buffer = (peer.buffer + (data or b"")).split(b"\n")
         for line in lines:
-            self._line(peer, line.decode(errors="replace"))
+            try:
+                self._line(peer, line.decode(errors="replace"))
+            except ValueError:  # not a line a shim sends: nothing to learn from it
+                continue
 
     def _line(self, peer: _Peer, line: str) -> None:
         if peer.rank is None:
@@ -202,8 +205,10 @@ class ExitClock:
             peer.rank = int(line)
             self._ranks[peer.rank] = RankState(peer.pid)  # a restarted rank: its earlier process no longer counts
             self._peer_of[peer.rank] = peer
-            self._selector.register(peer.pidfd, selectors.EVENT_READ, ("pidfd", peer.rank))
+            self._selector.register(peer.pidfd, selectors.EVENT_READ, ("pidfd", peer))
             return
+        if self._peer_of.get(peer.rank) is not peer:
+            return  # an earlier process of a rank that has started again
         state = self._ranks[peer.rank]
         kind, _, rest = line.partition(" ")
         if kind == "exit":
@@ -219,12 +224,14 @@ class ExitClock:
             state.stack = (time.monotonic(), json.loads(rest))
             state.asked.set()
 
-    def _died(self, pidfd: int, rank: int, now: float) -> None:
-        """``rank``'s process is gone; its end counts :data:`ABRUPT_LEAD_S` earlier (see there)."""
-        state = self._ranks[rank]
-        state.ended = _earlier(state.ended, now - ABRUPT_LEAD_S)
-        state.asked.set()
-        self._forget(pidfd)
+    def _died(self, peer: _Peer, now: float) -> None:
+        """``peer``'s process is gone; its end counts :data:`ABRUPT_LEAD_S` earlier (see there), unless its rank
+        has started again since."""
+        if self._peer_of.get(peer.rank) is peer:
+            state = self._ranks[peer.rank]
+            state.ended = _earlier(state.ended, now - ABRUPT_LEAD_S)
+            state.asked.set()
+        self._forget(peer.pidfd)
 
     def _accept(self) -> None:
         """Watch a starting rank's connection (its first line is its number) and, once it is known, its process."""

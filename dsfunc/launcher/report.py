@@ -10,6 +10,8 @@ it, then one line for each other rank.
 
 from __future__ import annotations
 
+import signal
+
 from dsfunc.launcher.exits import RankState
 
 _MESSAGE_CHARS = 300  # of another rank's error, on its one line
@@ -21,13 +23,15 @@ def first_failed(failures: dict, states: dict[int, RankState]) -> list[int]:
     By when their processes ended when the clock saw every one of them (``states``, its
     :meth:`~dsfunc.launcher.exits.ExitClock.ranks`); else as torch elastic's agent orders
     them: by its timestamps, then in the order it noticed them (a rank it stopped itself comes after the ones
-    that had failed). Ranks whose program had ended with code 0 come last either way.
+    that had failed). Ranks whose program had ended with code 0 come last either way, those the agent's
+    SIGTERM stopped after those that died otherwise in their shutdown (a crash at exit).
     """
     ended = {r: states[r].ended if r in states else None for r in failures}
     noticed = list(failures)
 
-    def finished(rank: int) -> bool:
-        return rank in states and states[rank].code == 0
+    def finished(rank: int) -> tuple[bool, bool]:
+        done = rank in states and states[rank].code == 0
+        return done, done and failures[rank].exitcode == -signal.SIGTERM
 
     if all(t is not None for t in ended.values()):
         return sorted(failures, key=lambda r: (finished(r), ended[r], r))
