@@ -8,22 +8,14 @@ version :data:`VERSION`, so availability and version checks pass. Without it not
 real DeepSpeed installed beside dsfunc imports as usual.
 
 ``dsfunc_as_deepspeed.pth``, installed with dsfunc (regular or editable install), runs :func:`from_environment`
-at every interpreter start; the ``dsfunc`` launcher sets the variable for every rank. This module uses
-the standard library only and imports nothing of dsfunc until ``deepspeed`` is imported, so an
-interpreter that never imports it pays nothing.
+at every interpreter start; the ``dsfunc`` launcher sets the variable for every rank, and every process they
+start inherits it. So this module costs an interpreter start one small import and nothing more: it imports
+only ``os`` and ``sys`` (loaded by then already), and the import machinery it needs only when ``deepspeed``
+is imported or ``importlib.metadata`` searches for distributions (which has imported that machinery itself).
 """
 
-from __future__ import annotations
-
-import importlib
-import importlib.abc
-import importlib.machinery
-import importlib.metadata
 import os
-import re
 import sys
-import types
-from typing import Any
 
 VARIABLE = "DSFUNC_AS_DEEPSPEED"
 
@@ -37,7 +29,7 @@ Summary: dsfunc, answering as DeepSpeed ({VARIABLE}=1)
 """
 
 
-def enabled(environ: Any = None) -> bool:
+def enabled(environ: "os._Environ[str] | dict[str, str] | None" = None) -> bool:
     """Whether the variable asks for the switch: ``1`` on, unset, empty or ``0`` off."""
     value = (os.environ if environ is None else environ).get(VARIABLE, "")
     if value not in ("", "0", "1"):
@@ -46,53 +38,70 @@ def enabled(environ: Any = None) -> bool:
     return value == "1"
 
 
-class _AsDsfunc(importlib.abc.Loader):
-    """Loads ``deepspeed.X`` as the module ``dsfunc.X`` itself (not a copy)."""
+class _AsDsfunc:
+    """Loads ``deepspeed.X`` as the module ``dsfunc.X`` itself (not a copy); a loader as the import system
+    asks for one (``create_module``, ``exec_module``)."""
 
     def __init__(self, target: str) -> None:
         self.target = target
-        self.spec: importlib.machinery.ModuleSpec | None = None
+        self.spec: object = None
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+    def create_module(self, spec: object) -> object:
+        import importlib
+
         module = importlib.import_module(self.target)
         self.spec = module.__spec__
         return module
 
-    def exec_module(self, module: types.ModuleType) -> None:
+    def exec_module(self, module: object) -> None:
         """Nothing to run; the import machinery set the alias's spec on the module: give it its own back."""
         module.__spec__ = self.spec
 
 
-class _Distribution(importlib.metadata.Distribution):
-    """``deepspeed``'s metadata, answered by dsfunc."""
+def _distribution_class() -> type:
+    """``deepspeed``'s metadata, answered by dsfunc (a class made when first asked for: it derives from
+    ``importlib.metadata.Distribution``, which is imported only by whoever searches distributions)."""
+    import importlib.metadata
+    import pathlib
 
-    def read_text(self, filename: str) -> str | None:
-        return _METADATA if filename == "METADATA" else None
+    class Distribution(importlib.metadata.Distribution):
+        def read_text(self, filename: str) -> str | None:
+            return _METADATA if filename == "METADATA" else None
 
-    def locate_file(self, path: Any) -> Any:
-        import pathlib
+        def locate_file(self, path: object) -> pathlib.Path:
+            return pathlib.Path(__file__).parent / str(path)
 
-        return pathlib.Path(__file__).parent / path
+    return Distribution
 
 
-class Finder(importlib.abc.MetaPathFinder):
-    """Answers ``deepspeed`` and ``deepspeed.*`` imports and metadata ahead of any installed DeepSpeed."""
+class Finder:
+    """Answers ``deepspeed`` and ``deepspeed.*`` imports and metadata ahead of any installed DeepSpeed (a
+    meta path finder as the import system and ``importlib.metadata`` ask for one)."""
 
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    def __init__(self) -> None:
+        self._distribution: type | None = None
+
+    def find_spec(self, fullname: str, path: object, target: object = None) -> object:
         if fullname != "deepspeed" and not fullname.startswith("deepspeed."):
             return None
-        return importlib.machinery.ModuleSpec(fullname, _AsDsfunc("dsfunc" + fullname[len("deepspeed"):]),
-                                              is_package=True)
+        from importlib.machinery import ModuleSpec
 
-    def find_distributions(self, context: Any = None) -> list[importlib.metadata.Distribution]:
+        return ModuleSpec(fullname, _AsDsfunc("dsfunc" + fullname[len("deepspeed"):]), is_package=True)
+
+    def invalidate_caches(self) -> None:
+        """Nothing cached (``importlib.invalidate_caches`` calls this on every meta path finder)."""
+
+    def find_distributions(self, context: object = None) -> list:
         """``deepspeed`` for a search of this interpreter's path (not for tools that scan a given folder, as
         pip does: they must see what is installed there)."""
         name = getattr(context, "name", None)
         if getattr(context, "path", sys.path) is not sys.path:
             return []
-        if name is None or re.sub(r"[-_.]+", "-", name).lower() == "deepspeed":
-            return [_Distribution()]
-        return []
+        if name is not None and name.lower() != "deepspeed":
+            return []
+        if self._distribution is None:
+            self._distribution = _distribution_class()
+        return [self._distribution()]
 
 
 def install() -> None:

@@ -16,12 +16,19 @@ for the whole machine). The clock also watches the process through a pidfd, whic
 the process is gone however it ended (``os._exit``, a signal, ``exec``'d programs; not delayed by
 children it forked, such as data-loader workers); such a death counts :data:`ABRUPT_LEAD_S` earlier than
 seen. A rank's end is the earlier of the two; the earliest end among the failed ranks is the failure to
-report, with the code its program said it exited with (the agent's SIGTERM may end its shutdown).
+report, with the code its program said it exited with (the agent's SIGTERM may end its shutdown). A rank
+whose program ended with code 0 has not failed, even when the agent then stopped its shutdown: a rank that
+failed after it is the cause, and a rank that ended with code 0 while the others still ran is reported as
+having left early (their collectives break when it goes).
+
+The same connection carries where each rank waits (:mod:`dsfunc.launcher.hangs`): ``wait TIME WHERE`` when
+its main thread is found blocked in a collective, ``run`` when it is out again, and, asked ``where``, its
+main thread's stack as ``stack JSON``.
 """
 
 from __future__ import annotations
 
-import math
+import json
 import os
 import selectors
 import shutil
@@ -30,6 +37,7 @@ import struct
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 
 #: The variable through which the node agent tells its ranks' shims where the clock listens.
 CLOCK_VARIABLE = "DSFUNC_EXIT_CLOCK"
@@ -43,31 +51,41 @@ ABRUPT_LEAD_S = 0.05
 
 
 _CONNECTION: socket.socket | None = None  # (in a rank) open until the process ends
+_SENDING = threading.Lock()  # (in a rank) the program's thread and the hang sampler's both send
 
 
-def report_start(rank: str) -> None:
-    """(In a rank's shim) connect to the node agent's clock, if it has one, and say which rank this is."""
+def report_start(rank: str) -> socket.socket | None:
+    """(In a rank's shim) connect to the node agent's clock, if it has one, and say which rank this is;
+    returns the connection (None without a clock)."""
     global _CONNECTION
     path = os.environ.pop(CLOCK_VARIABLE, None)
     if not path:
-        return
+        return None
     try:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connection.connect(path)
         connection.sendall(f"{rank}\n".encode())
-        _CONNECTION = connection
     except OSError:
-        pass  # the clock only orders failure reports: a rank never fails for want of it
+        return None  # the clock only orders failure reports: a rank never fails for want of it
+    _CONNECTION = connection
+    return connection
+
+
+def tell(line: str) -> None:
+    """(In a rank) send one line to the clock, if connected (from any thread)."""
+    if _CONNECTION is None:
+        return
+    with _SENDING:
+        try:
+            _CONNECTION.sendall(f"{line}\n".encode())
+        except OSError:
+            pass
 
 
 def report_exit(code: int) -> None:
     """(In a rank's shim) the user's program has ended with exit code ``code``: tell the clock before the
     interpreter shuts down (the agent may stop this process with SIGTERM while it does)."""
-    if _CONNECTION is not None:
-        try:
-            _CONNECTION.sendall(f"exit {code} {time.monotonic()!r}\n".encode())
-        except OSError:
-            pass
+    tell(f"exit {code} {time.monotonic()!r}")
 
 
 def exit_code(error: BaseException | None) -> int:
@@ -79,8 +97,33 @@ def exit_code(error: BaseException | None) -> int:
     return 130 if isinstance(error, KeyboardInterrupt) else 1
 
 
+@dataclass
+class _Peer:
+    """One rank's connection, as the clock reads it."""
+
+    conn: socket.socket
+    pid: int
+    pidfd: int
+    rank: int | None = None  # its first line
+    buffer: bytes = b""
+
+
+@dataclass
+class RankState:
+    """What the clock knows of a rank's latest process."""
+
+    pid: int
+    ended: float | None = None  # when it ended or said it was ending (time.monotonic())
+    code: int | None = None  # the exit code its program said it ended with
+    waiting: tuple[float, str] | None = None  # (since, where) while blocked in a collective, or when it ended
+    stack: tuple[float, str] | None = None  # (when, its main thread's stack) when last asked
+    hung: str | None = None  # why dsfunc stopped it as hung (dsfunc.launcher.hangs)
+    asked: threading.Event = field(default_factory=threading.Event)  # set when a stack arrives
+
+
 class ExitClock:
-    """Notes when each reporting rank ends (``time.monotonic()``, [Note: which rank failed first])."""
+    """Notes when each reporting rank ends (``time.monotonic()``, [Note: which rank failed first]) and
+    where it waits."""
 
     def __init__(self) -> None:
         self._dir = tempfile.mkdtemp(prefix="dsfunc-exits-")
@@ -88,8 +131,8 @@ class ExitClock:
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(self.path)
         self._server.listen(1024)
-        self._ended: dict[int, float] = {}
-        self._codes: dict[int, int] = {}
+        self._ranks: dict[int, RankState] = {}
+        self._peer_of: dict[int, _Peer] = {}
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._server, selectors.EVENT_READ, None)
         self._closed = False
@@ -97,11 +140,28 @@ class ExitClock:
 
     def ended(self, rank: int) -> float | None:
         """When ``rank``'s latest process ended (or said it was ending), or None."""
-        return self._ended.get(rank)
+        state = self._ranks.get(rank)
+        return None if state is None else state.ended
 
     def code(self, rank: int) -> int | None:
         """The exit code ``rank``'s program said it ended with, or None (it did not say: killed, or exec'd)."""
-        return self._codes.get(rank)
+        state = self._ranks.get(rank)
+        return None if state is None else state.code
+
+    def ranks(self) -> dict[int, RankState]:
+        """Every rank that reported, by global rank (a snapshot)."""
+        return dict(self._ranks)
+
+    def ask_stack(self, rank: int) -> None:
+        """Ask ``rank`` for its main thread's stack; :attr:`RankState.asked` is set when it arrives."""
+        state, peer = self._ranks.get(rank), self._peer_of.get(rank)
+        if state is None or peer is None:
+            return
+        state.asked.clear()
+        try:
+            peer.conn.sendall(b"where\n")
+        except OSError:
+            state.asked.set()
 
     def close(self) -> None:
         self._closed = True
@@ -118,57 +178,95 @@ class ExitClock:
                 if key.fileobj is self._server:
                     self._accept()
                 elif key.data[0] == "pidfd":
-                    self._died(key.fileobj, key.data[1], time.monotonic())
+                    self._died(key.data[1], time.monotonic())
             for key, _ in events:
                 if key.fileobj is not self._server and key.data[0] == "connection":
-                    self._message(key.fileobj, key.data[1])
+                    self._receive(key.data[1])
 
-    def _message(self, conn: socket.socket, rank: int) -> None:
-        """``exit CODE TIME`` from a rank whose program just ended (TIME: its ``time.monotonic()``, the same
-        clock as ours on one machine), or the end of its connection."""
-        data = _read(conn)
+    def _receive(self, peer: _Peer) -> None:
+        """Lines from a rank: its number, then ``exit CODE TIME`` (TIME: its ``time.monotonic()``, the same
+        clock as ours on one machine), ``wait TIME WHERE``, ``run``, ``stack JSON``; or its connection's end."""
+        data = _read(peer.conn)
         if data == b"":
-            self._forget(conn)
+            self._forget(peer.conn)
             return
-        if data is None or not data.startswith(b"exit "):
-            return
-        _, code, at = data.split()[:3]
-        self._codes[rank] = int(code)
-        self._ended[rank] = min(self._ended.get(rank, math.inf), float(at))
+        *lines, peer.buffer = (peer.buffer + (data or b"")).split(b"\n")
+        for line in lines:
+            try:
+                self._line(peer, line.decode(errors="replace"))
+            except ValueError:  # not a line a shim sends: nothing to learn from it
+                continue
 
-    def _died(self, pidfd: int, rank: int, now: float) -> None:
-        """``rank``'s process is gone; its end counts :data:`ABRUPT_LEAD_S` earlier (see there)."""
-        self._ended[rank] = min(self._ended.get(rank, math.inf), now - ABRUPT_LEAD_S)
-        self._forget(pidfd)
+    def _line(self, peer: _Peer, line: str) -> None:
+        if peer.rank is None:
+            if not line.strip().isdigit():
+                self._forget(peer.conn)
+                return
+            peer.rank = int(line)
+            self._ranks[peer.rank] = RankState(peer.pid)  # a restarted rank: its earlier process no longer counts
+            self._peer_of[peer.rank] = peer
+            self._selector.register(peer.pidfd, selectors.EVENT_READ, ("pidfd", peer))
+            return
+        if self._peer_of.get(peer.rank) is not peer:
+            return  # an earlier process of a rank that has started again
+        state = self._ranks[peer.rank]
+        kind, _, rest = line.partition(" ")
+        if kind == "exit":
+            code, at = rest.split()[:2]
+            state.code = int(code)
+            state.ended = _earlier(state.ended, float(at))
+        elif kind == "wait":
+            since, _, where = rest.partition(" ")
+            state.waiting = (float(since), where)
+        elif kind == "run":
+            state.waiting = None
+        elif kind == "stack":
+            state.stack = (time.monotonic(), json.loads(rest))
+            state.asked.set()
+
+    def _died(self, peer: _Peer, now: float) -> None:
+        """``peer``'s process is gone; its end counts :data:`ABRUPT_LEAD_S` earlier (see there), unless its rank
+        has started again since."""
+        if self._peer_of.get(peer.rank) is peer:
+            state = self._ranks[peer.rank]
+            state.ended = _earlier(state.ended, now - ABRUPT_LEAD_S)
+            state.asked.set()
+        self._forget(peer.pidfd)
 
     def _accept(self) -> None:
-        """Read a starting rank's number; watch its connection and its process."""
+        """Watch a starting rank's connection (its first line is its number) and, once it is known, its process."""
         try:
             conn, _ = self._server.accept()
-            conn.settimeout(5)
-            rank = int(conn.recv(64).split(b"\n")[0])
             pid, _, _ = _UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
             pidfd = os.pidfd_open(pid)
-        except (OSError, ValueError):
+        except OSError:
             return
         conn.setblocking(False)
-        self._ended.pop(rank, None)  # a restarted rank: its earlier process's end no longer counts
-        self._codes.pop(rank, None)
-        self._selector.register(conn, selectors.EVENT_READ, ("connection", rank))
-        self._selector.register(pidfd, selectors.EVENT_READ, ("pidfd", rank))
+        peer = _Peer(conn, pid, pidfd)
+        self._selector.register(conn, selectors.EVENT_READ, ("connection", peer))
 
     def _forget(self, fileobj: socket.socket | int) -> None:
-        self._selector.unregister(fileobj)
+        try:
+            key = self._selector.unregister(fileobj)
+        except (KeyError, ValueError):
+            return
         if isinstance(fileobj, int):
             os.close(fileobj)
-        else:
-            fileobj.close()
+            return
+        fileobj.close()
+        peer = key.data[1]
+        if peer.rank is None:
+            os.close(peer.pidfd)
+
+
+def _earlier(ended: float | None, at: float) -> float:
+    return at if ended is None else min(ended, at)
 
 
 def _read(conn: socket.socket) -> bytes | None:
     """What the rank sent (``b""`` once its connection closed), or None when nothing is there after all."""
     try:
-        return conn.recv(64)
+        return conn.recv(65536)
     except BlockingIOError:
         return None
     except OSError:

@@ -6,7 +6,10 @@ import argparse
 import ipaddress
 import re
 
+from dsfunc.launcher.hangs import seconds
+
 DEFAULT_HOSTFILE = "/job/hostfile"
+DEFAULT_MASTER_PORT = 29500  # DeepSpeed's (and torchrun's)
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_]([A-Za-z0-9_-]{0,62})(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,62}))*\.?$")
 
 _DESCRIPTION = """\
@@ -19,7 +22,9 @@ Launch a (multi-node) training job the way the `deepspeed` command does:
 Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and
 CUDA_VISIBLE_DEVICES set to its node's selected GPUs). Without a hostfile the job runs on this machine: on its
 GPUs, or, without GPUs, as --num_gpus N CPU processes (gloo). Each node runs PyTorch's elastic agent
-(torch.distributed.run); one rank failing stops every rank and `dsfunc` exits with its code.
+(torch.distributed.run); one rank failing stops every rank and `dsfunc` exits with its code, naming the rank
+that failed, left or hung first. A rank that waits in a collective for --collective_timeout seconds (600)
+has the ranks it waits for named, with where they are, and stopped.
 Variables named NCCL*, PYTHON*, UCX*, MLFLOW*, MV2* and the KEY=VALUE lines of .deepspeed_env and .dsfunc_env
 (from the home and working directories) reach every rank."""
 
@@ -48,6 +53,30 @@ def _port(text: str) -> int:
     if not 1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"{port} is not a TCP port; give one in 1-65535")
     return port
+
+
+def _seconds(text: str) -> float:
+    try:
+        return seconds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+class _Version(argparse.Action):
+    """``--version``: dsfunc's version and the torch and Python it runs on, then exit."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, help="print dsfunc's version (and torch's) and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        import platform
+
+        import torch
+
+        from dsfunc.version import package_version
+
+        print(f"dsfunc {package_version()} (torch {torch.__version__}, Python {platform.python_version()})")
+        parser.exit()
 
 
 def _all_or_count(text: str) -> int:
@@ -106,7 +135,13 @@ def _add_runner_flags(p: argparse.ArgumentParser) -> None:
         help="rendezvous address (default: 127.0.0.1 on one node, else the first node's "
         "`hostname -I` address)",
     )
-    p.add_argument("--master_port", type=_port, default=29500, help="rendezvous port (default 29500)")
+    p.add_argument(
+        "--master_port",
+        type=_port,
+        default=None,
+        help=f"rendezvous port (default {DEFAULT_MASTER_PORT}; for a job on this machine alone, a free port when "
+        f"{DEFAULT_MASTER_PORT} is in use)",
+    )
     p.add_argument(
         "--launcher",
         type=str.lower,
@@ -188,6 +223,16 @@ def _add_program_flags(p: argparse.ArgumentParser) -> None:
         default=0,
         help="restart the ranks up to N times after a failure (PyTorch elastic; single node)",
     )
+    p.add_argument(
+        "--collective_timeout",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="when a rank has waited this long in a collective, stop the ranks it waits for (named, with "
+        "where they are) and so the job; 0: never (default: DSFUNC_COLLECTIVE_TIMEOUT, else 600; "
+        "torch.distributed's own timeout is 30 minutes)",
+    )
+    p.add_argument("--version", action=_Version)
     p.add_argument("user_script", help="the script (or module/program) every rank runs")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="its arguments")
 

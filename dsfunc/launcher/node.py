@@ -5,7 +5,10 @@
 [ARGS ...]``
 
 The multi-node runners start one of these per node (over ssh or pdsh); a single-node launch calls
-:func:`run_node` in-process. Each rank runs :mod:`dsfunc.launcher.shim`, which adds ``--local_rank``.
+:func:`run_node` in-process. Each rank runs :mod:`dsfunc.launcher.shim`, which adds ``--local_rank``. The
+agent's exit clock (:mod:`dsfunc.launcher.exits`) orders the node's failures for the report
+(:mod:`dsfunc.launcher.report`), and its hang watch (:mod:`dsfunc.launcher.hangs`) stops the ranks that
+the others have waited for in a collective longer than ``DSFUNC_COLLECTIVE_TIMEOUT``.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ import time
 
 from dsfunc.launcher.cores import THREADS_VARIABLE, threads_per_rank
 from dsfunc.launcher.exits import CLOCK_VARIABLE, ExitClock
+from dsfunc.launcher.hangs import HangWatch, collective_timeout
+from dsfunc.launcher.report import exit_code_of, failure_report, first_failed
 from dsfunc.launcher.resources import Resources, gpu_count
 from dsfunc.launcher.shim import RANK_ARGS_VARIABLE, RankArgs, parse_rank_args
 from dsfunc.launcher.supervise import say
-
-_TAIL_LINES = 15
 
 
 def encode_world_info(resources: Resources) -> str:
@@ -38,60 +41,6 @@ def encode_world_info(resources: Resources) -> str:
 def decode_world_info(text: str) -> Resources:
     """Inverse of :func:`encode_world_info`."""
     return {h: [int(s) for s in slots] for h, slots in json.loads(base64.urlsafe_b64decode(text)).items()}
-
-
-def first_failed(failures: dict, clock: ExitClock | None) -> list[int]:
-    """The failed ranks (``{global_rank: ProcessFailure}``), the one that failed first first.
-
-    By when their processes ended ([Note: which rank failed first]) when the clock saw every one of them;
-    else as torch elastic's agent orders them: by its timestamps, then in the order it noticed them (a rank
-    it stopped itself comes after the ones that had failed).
-    """
-    ended = {r: clock.ended(r) for r in failures} if clock is not None else {}
-    if ended and all(t is not None for t in ended.values()):
-        return sorted(failures, key=lambda r: (ended[r], r))
-    noticed = list(failures)
-    return sorted(failures, key=lambda r: (failures[r].timestamp, noticed.index(r)))
-
-
-def exit_code_of(failures: dict, rank: int, clock: ExitClock | None) -> int:
-    """The code ``rank`` failed with: the one its program exited with even when the agent's SIGTERM ended the
-    process during the interpreter's shutdown, else its process's (128 + signal for a signal)."""
-    code = failures[rank].exitcode
-    said = clock.code(rank) if clock is not None else None
-    if code < 0 and said:
-        return said
-    return code if code > 0 else 128 + (-code or 1)
-
-
-def _how(failures: dict, rank: int, clock: ExitClock | None) -> str:
-    failure = failures[rank]
-    if failure.exitcode >= 0:
-        return f"exit code {failure.exitcode}"
-    said = clock.code(rank) if clock is not None else None
-    if said:
-        return f"exit code {said} (its shutdown then stopped by signal {failure.signal_name()})"
-    return f"signal {failure.signal_name()}"
-
-
-def failure_report(failures: dict, host: str, clock: ExitClock | None = None) -> str:
-    """Human-readable report of failed ranks (``{global_rank: ProcessFailure}``): the first failure with the
-    end of its traceback, then the other failed ranks."""
-    order = first_failed(failures, clock)
-    first = failures[order[0]]
-    lines = [(f"dsfunc: rank {order[0]} (local rank {first.local_rank} on {host}) failed with "
-             f"{_how(failures, order[0], clock)}")]
-    message = first.message
-    if isinstance(message, dict):
-        trace = message.get("extraInfo", {}).get("py_callstack") or message.get("message", "")
-        lines += ["  " + line for line in trace.rstrip().splitlines()[-_TAIL_LINES:]]
-    else:
-        lines.append("  (no Python traceback was recorded; see the rank's output above)")
-    for rank in order[1:]:
-        f = failures[rank]
-        lines.append(f"dsfunc: rank {rank} (local rank {f.local_rank} on {host}) also stopped with "
-                     f"{_how(failures, rank, clock)}")
-    return "\n".join(lines)
 
 
 def _stop_self_when(condition, poll: float | None) -> None:
@@ -167,6 +116,7 @@ def run_node(
 
     ``rank_args`` is what :mod:`dsfunc.launcher.shim` gets: ``[shim flags] TARGET [ARGS ...]``.
     """
+    from torch.distributed import DistNetworkError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -198,36 +148,53 @@ def run_node(
     # The rank's own arguments travel in the environment: torchrun's parser would reject script flags that
     # abbreviate one of its options (e.g. `--log`, `--max`).
     os.environ[RANK_ARGS_VARIABLE] = json.dumps(list(rank_args))
-    keeper = _StoreKeeper(master_addr, master_port, node_rank, len(hosts)) if len(hosts) > 1 else None
     clock = ExitClock()
     os.environ[CLOCK_VARIABLE] = clock.path
-    _AGENT_LOG.addFilter(_drop_agent_guess)
+    watch = HangWatch(clock, collective_timeout(os.environ), hosts[node_rank])
+    for log in _AGENT_LOGS:
+        log.addFilter(_drop_agent_news)
     try:
+        keeper = _StoreKeeper(master_addr, master_port, node_rank, len(hosts)) if len(hosts) > 1 else None
         torchrun.run(torchrun.parse_args(argv))
         if keeper is not None:
             keeper.finish()
     except ChildFailedError as e:
-        failures = e.failures
-        print(failure_report(failures, hosts[node_rank], clock), file=sys.stderr, flush=True)
-        return exit_code_of(failures, first_failed(failures, clock)[0], clock)
+        failures, states = e.failures, clock.ranks()
+        first_rank = sum(len(world[h]) for h in hosts[:node_rank])
+        print(failure_report(failures, hosts[node_rank], states, first_rank), file=sys.stderr, flush=True)
+        return exit_code_of(failures, first_failed(failures, states)[0], states)
+    except DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        print(f"dsfunc: error: the rendezvous port {master_port} is in use on {hosts[node_rank]} (another job, or "
+              "one still stopping); pass another --master_port, or, for a job on this machine alone, leave "
+              "--master_port out to use a free one", file=sys.stderr, flush=True)
+        return 2
     except SignalException as e:
+        say(f"interrupted by {signal.Signals(e.sigval).name}: every rank of {hosts[node_rank]} stopped", "warning")
         return 128 + int(e.sigval)
     except KeyboardInterrupt:
+        say(f"interrupted: every rank of {hosts[node_rank]} stopped", "warning")
         return 128 + int(signal.SIGINT)
     finally:
-        _AGENT_LOG.removeFilter(_drop_agent_guess)
+        for log in _AGENT_LOGS:
+            log.removeFilter(_drop_agent_news)
         os.environ.pop(CLOCK_VARIABLE, None)
+        watch.close()
         clock.close()
     return 0
 
 
 # torch elastic's agent logs which rank it believes failed first ("failed (exitcode: 1) local_rank: 0"),
-# by its whole-second timestamps; failure_report says which one did ([Note: which rank failed first]).
-_AGENT_LOG = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+# by its whole-second timestamps (failure_report says which one did: [Note: which rank failed first]), and
+# each signal it sends or gets while stopping the ranks (the report, or the line on an interrupt, says so).
+_AGENT_LOGS = [logging.getLogger("torch.distributed.elastic.multiprocessing.api"),
+               logging.getLogger("torch.distributed.elastic.agent.server.api")]
+_AGENT_NEWS = ("failed (exitcode:", "Sending process %s closing signal", "Received %s death signal")
 
 
-def _drop_agent_guess(record: logging.LogRecord) -> bool:
-    return not str(record.msg).startswith("failed (exitcode:")
+def _drop_agent_news(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(_AGENT_NEWS)
 
 
 def _default_threads(local_size: int, rank: RankArgs) -> None:

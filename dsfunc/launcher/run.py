@@ -12,6 +12,7 @@ import argparse
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -22,6 +23,8 @@ from dsfunc.launcher import commands
 from dsfunc.launcher.commands import Launch, LauncherError
 from dsfunc.launcher.cores import check_cores_here, parse_core_list, rank_cores
 from dsfunc.launcher.environment import exported_env
+from dsfunc.launcher.flags import DEFAULT_MASTER_PORT
+from dsfunc.launcher.hangs import TIMEOUT_VARIABLE, collective_timeout
 from dsfunc.launcher.node import run_node
 from dsfunc.launcher.resources import Resources, gpu_count, resolve
 from dsfunc.launcher.supervise import (
@@ -145,6 +148,16 @@ def _run_single(runner: str, proc_env: dict[str, str], cmd: list[str]) -> int:
     return supervise_nodes([proc], [cmd[0]], terminate)
 
 
+def _collective_timeout(args: argparse.Namespace) -> float:
+    """--collective_timeout, else the variable's value, else the default ([Note: naming a hung rank])."""
+    if args.collective_timeout is not None:
+        return args.collective_timeout
+    try:
+        return collective_timeout(os.environ)
+    except ValueError as e:
+        raise LauncherError(f"{TIMEOUT_VARIABLE}: {e}; set it to one, or unset it for the default") from None
+
+
 def _choose_runner(args: argparse.Namespace, n_hosts: int) -> str:
     if args.no_ssh:
         return "local"
@@ -174,6 +187,29 @@ def _default_master_addr(runner: str, resources: Resources, from_hostfile: bool,
     return infer_master_addr(ssh_args, next(iter(resources)))
 
 
+def _default_master_port(runner: str, resources: Resources, no_ssh: bool) -> int:
+    """DeepSpeed's port; for a job on this machine alone, a free one when that is in use (the other nodes of a
+    multi-node job could not know which)."""
+    if runner != "local" or len(resources) > 1 or no_ssh or _port_free(DEFAULT_MASTER_PORT):
+        return DEFAULT_MASTER_PORT
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    say(f"port {DEFAULT_MASTER_PORT} is in use; the rendezvous takes the free port {port}")
+    return port
+
+
+def _port_free(port: int) -> bool:
+    """Whether a listening socket could bind ``port`` on every address, as the rendezvous store does."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
 def launch(args: argparse.Namespace) -> int:
     """Run the job described by the parsed launcher arguments; return its exit code."""
     if args.module and args.no_python:
@@ -198,6 +234,7 @@ def launch(args: argparse.Namespace) -> int:
     os.environ[LOG_LEVEL_VARIABLE] = args.log_level
     exports = exported_env(os.environ, cwd, os.path.expanduser("~"))
     exports[LOG_LEVEL_VARIABLE] = args.log_level
+    exports[TIMEOUT_VARIABLE] = f"{_collective_timeout(args):g}"
     if args.enable_each_rank_log != "None":
         exports["DSFUNC_RANK_LOG_DIR"] = os.path.abspath(args.enable_each_rank_log)
         exports["DSFUNC_LAUNCH_STAMP"] = time.strftime("%Y%m%d%H%M%S")
@@ -208,11 +245,12 @@ def launch(args: argparse.Namespace) -> int:
     if runner in ("ssh", "pdsh") and not args.no_ssh_check:
         _ssh_reachable(ssh_args, list(resources))
     master_addr = args.master_addr or _default_master_addr(runner, resources, from_hostfile, ssh_args)
+    master_port = args.master_port or _default_master_port(runner, resources, args.no_ssh)
     job = Launch(
         resources=resources,
         rank_args=_rank_args(args),
         master_addr=master_addr,
-        master_port=args.master_port,
+        master_port=master_port,
         exports=exports,
         launcher_args=ssh_args if runner == "ssh" else shlex.split(args.launcher_args),
         max_restarts=args.max_restarts,
@@ -223,7 +261,7 @@ def launch(args: argparse.Namespace) -> int:
     layout = "; ".join(f"{h}: slots {','.join(map(str, s))}" for h, s in resources.items())
     say(
         f"{job.world_size} rank(s) on {len(hosts)} node(s) ({layout}) via {runner}, "
-        f"master {master_addr}:{args.master_port}"
+        f"master {master_addr}:{master_port}"
     )
     pid_file = f"/tmp/{os.getpid()}.dsfunc" if args.save_pid else None
     if pid_file:

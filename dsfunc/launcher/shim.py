@@ -24,8 +24,10 @@ import traceback
 
 import dsfunc_as_deepspeed
 from dsfunc.distributed.env import rank_env_from_launcher
+from dsfunc.errors import Error
 from dsfunc.launcher.cores import check_cores_here, rank_cores
 from dsfunc.launcher.exits import exit_code, report_exit, report_start
+from dsfunc.launcher.hangs import sample_waits
 
 
 def _redirect_output(log_dir: str, stamp: str, rank: str) -> None:
@@ -40,20 +42,35 @@ def _redirect_output(log_dir: str, stamp: str, rank: str) -> None:
     os.close(fd)
 
 
-def _user_traceback(tb):
-    """``tb`` without the leading frames of this shim and of runpy, so the traceback starts in user code."""
-    launcher_files = (__file__, runpy.__file__, "<frozen runpy>")
-    while tb.tb_next is not None and tb.tb_frame.f_code.co_filename in launcher_files:
+_LAUNCHER_FILES = (__file__, runpy.__file__, "<frozen runpy>")  # the frames a traceback or stack leaves out
+_DSFUNC_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _user_traceback(error: BaseException) -> str:
+    """``error``'s traceback without the leading frames of this shim and of runpy, so that it starts in user
+    code; for one of dsfunc's own errors (which say what is wrong and what to do), without dsfunc's frames
+    below the user's call either."""
+    tb = error.__traceback__
+    while tb.tb_next is not None and tb.tb_frame.f_code.co_filename in _LAUNCHER_FILES:
         tb = tb.tb_next
-    return tb
+    chained = error.__cause__ is not None or (error.__context__ is not None and not error.__suppress_context__)
+    if not isinstance(error, Error) or chained:
+        return "".join(traceback.format_exception(type(error), error, tb))
+    entries = traceback.extract_tb(tb)
+    while len(entries) > 1 and entries[-1].filename.startswith(_DSFUNC_DIR):
+        entries.pop()
+    return "".join(["Traceback (most recent call last):\n", *traceback.format_list(entries),
+                    *traceback.format_exception_only(type(error), error)])
 
 
-def _record_and_exit(error: Exception) -> None:
-    """Print the user's traceback and exit 1, as Python would; when PyTorch's elastic agent started this rank,
-    also write the error file (``TORCHELASTIC_ERROR_FILE``) from which the agent reports the failing rank."""
-    text = "".join(traceback.format_exception(type(error), error, _user_traceback(error.__traceback__)))
-    sys.stderr.write(text)
-    sys.stderr.flush()
+def _record_and_exit(error: Exception, show: bool) -> None:
+    """Print the user's traceback (``show``) and exit 1, as Python would; when PyTorch's elastic agent started
+    this rank, also write the error file (``TORCHELASTIC_ERROR_FILE``) from which the agent reports the
+    failing rank."""
+    text = _user_traceback(error)
+    if show:
+        sys.stderr.write(text)
+        sys.stderr.flush()
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         data = {
@@ -67,7 +84,10 @@ def _record_and_exit(error: Exception) -> None:
     sys.exit(1)
 
 
-def _run(mode: str, target: str, argv: list[str]) -> None:
+def _run(mode: str, target: str, argv: list[str], agent_reports: bool) -> None:
+    """Run the program; with ``agent_reports`` (dsfunc's node agent prints the failure report), an uncaught
+    error's traceback is left to that report, which prints it once for all ranks, and Ctrl-C ends the rank
+    with code 130 and no traceback."""
     if mode == "no_python":
         os.execvp(target, argv)
     sys.argv = argv
@@ -79,9 +99,11 @@ def _run(mode: str, target: str, argv: list[str]) -> None:
             runpy.run_path(target, run_name="__main__")
     except Exception as error:  # noqa: BLE001 - reported like an uncaught exception
         report_exit(exit_code(error))
-        _record_and_exit(error)
+        _record_and_exit(error, show=not agent_reports)
     except BaseException as error:  # sys.exit, KeyboardInterrupt: the program ends here, before the interpreter
         report_exit(exit_code(error))
+        if agent_reports and isinstance(error, KeyboardInterrupt):
+            sys.exit(exit_code(error))
         raise
     report_exit(0)
 
@@ -137,7 +159,9 @@ def main(args: list[str] | None = None) -> None:
     os.environ.update(rank_env_from_launcher(dict(os.environ)))
     os.environ[dsfunc_as_deepspeed.VARIABLE] = "1"  # every rank, and what it starts, imports dsfunc as deepspeed
     dsfunc_as_deepspeed.install()
-    report_start(os.environ["RANK"])  # [Note: which rank failed first] (dsfunc.launcher.exits)
+    # [Note: which rank failed first] (dsfunc.launcher.exits), [Note: naming a hung rank] (dsfunc.launcher.hangs)
+    connection = report_start(os.environ["RANK"])
+    sample_waits(connection, _LAUNCHER_FILES)
     if rank.bind_cores:
         check_cores_here(rank.core_list)
         os.sched_setaffinity(0, rank_cores(rank.core_list, int(os.environ["LOCAL_RANK"]),
@@ -152,7 +176,9 @@ def main(args: list[str] | None = None) -> None:
     if missing is not None:
         raise SystemExit(f"dsfunc: {missing}")
     local_rank = [f"--local_rank={os.environ['LOCAL_RANK']}"] if rank.local_rank_flag else []
-    _run(rank.mode, rank.target, [rank.target, *local_rank, *rank.user_args])
+    agent_reports = (connection is not None and bool(os.environ.get("TORCHELASTIC_ERROR_FILE"))
+                     and not os.environ.get("DSFUNC_RANK_LOG_DIR"))
+    _run(rank.mode, rank.target, [rank.target, *local_rank, *rank.user_args], agent_reports)
 
 
 if __name__ == "__main__":

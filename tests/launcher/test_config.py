@@ -19,9 +19,10 @@ from dsfunc.launcher.commands import (
 )
 from dsfunc.launcher.cores import parse_core_list, rank_cores
 from dsfunc.launcher.environment import EnvFileError, env_file_paths, exported_env, parse_env_file
-from dsfunc.launcher.exits import exit_code
+from dsfunc.launcher.exits import RankState, exit_code
 from dsfunc.launcher.flags import build_parser, parse_launcher_args
-from dsfunc.launcher.node import decode_world_info, encode_world_info, exit_code_of, first_failed
+from dsfunc.launcher.node import decode_world_info, encode_world_info
+from dsfunc.launcher.report import exit_code_of, first_failed
 from dsfunc.launcher.resources import ResourceError, local_pool, parse_hostfile, select
 from dsfunc.launcher.run import _rank_args
 from dsfunc.launcher.shim import RankArgs, parse_rank_args
@@ -275,7 +276,8 @@ def test_cli_defaults_and_help():
         "train.py",
         ["--epochs", "3", "--num_gpus", "9"],
     )
-    assert (args.master_port, args.max_restarts, args.enable_each_rank_log) == (29500, 0, "None")
+    # no --master_port: DeepSpeed's 29500, or a free port for a job on this machine alone (the launch picks)
+    assert (args.master_port, args.max_restarts, args.enable_each_rank_log) == (None, 0, "None")
     text = " ".join(build_parser().format_help().split())
     assert "default: ssh when the job spans several nodes" in text
     for flag in (
@@ -292,6 +294,8 @@ def test_cli_defaults_and_help():
         "--save_pid",
         "--enable_each_rank_log",
         "--max_restarts",
+        "--collective_timeout",
+        "--version",
         "--module",
         "--no_python",
     ):
@@ -340,23 +344,22 @@ class _Failure:
     local_rank: int = 0
 
 
-class _Clock:
-    def __init__(self, ended: dict, codes: dict | None = None) -> None:
-        self._ended, self._codes = ended, codes or {}
-
-    def ended(self, rank):
-        return self._ended.get(rank)
-
-    def code(self, rank):
-        return self._codes.get(rank)
+def _states(ended: dict, codes: dict | None = None) -> dict[int, RankState]:
+    """What an exit clock knows: when each rank ended, the codes some said."""
+    return {r: RankState(pid=100 + r, ended=t, code=(codes or {}).get(r)) for r, t in ended.items()}
 
 
 def test_the_first_failure_is_the_earliest_end_the_clock_saw():
     failures = {0: _Failure(1), 1: _Failure(-15)}  # torch's order: rank 0 first, same second
-    assert first_failed(failures, None) == [0, 1]
-    assert first_failed(failures, _Clock({0: 5.2, 1: 5.1})) == [1, 0]
-    assert first_failed(failures, _Clock({0: 5.2})) == [0, 1]  # the clock missed one: torch's order
-    assert exit_code_of(failures, 1, _Clock({}, {1: 3})) == 3  # it said 3, then SIGTERM ended its shutdown
-    assert exit_code_of(failures, 1, _Clock({})) == 128 + 15
+    assert first_failed(failures, {}) == [0, 1]
+    assert first_failed(failures, _states({0: 5.2, 1: 5.1})) == [1, 0]
+    assert first_failed(failures, _states({0: 5.2})) == [0, 1]  # the clock missed one: torch's order
+    # rank 1's program had ended with code 0 when the agent stopped it: not a failure, whatever its end
+    assert first_failed(failures, _states({0: 5.2, 1: 5.1}, {1: 0})) == [0, 1]
+    # both programs ended with code 0: the agent's SIGTERM is no cause, a crash in a shutdown is
+    crashed = {0: _Failure(-15), 1: _Failure(-11)}
+    assert first_failed(crashed, _states({0: 5.1, 1: 5.2}, {0: 0, 1: 0})) == [1, 0]
+    assert exit_code_of(failures, 1, _states({1: 5.1}, {1: 3})) == 3  # it said 3, then SIGTERM ended its shutdown
+    assert exit_code_of(failures, 1, {}) == 128 + 15
     assert [exit_code(e) for e in (None, SystemExit(4), SystemExit(None), SystemExit("bye"), ValueError())] == [
         0, 4, 0, 1, 1]

@@ -25,6 +25,8 @@ _UNAVAILABLE = max(os.sched_getaffinity(0)) + 1  # a core this machine does not 
         (["--num_gpus", "2", "--master_port", "0"], "--master_port: 0 is not a TCP port"),
         (["--num_gpus", "2", "--ssh_port", "70000"], "--ssh_port: 70000 is not a TCP port"),
         (["--num_gpus", "2", "--master_addr", "no such host"], "'no such host' is neither a host name nor an IP"),
+        (["--num_gpus", "2", "--collective_timeout", "-1"], "--collective_timeout: '-1' is not a number of seconds >= 0"),
+        (["--num_gpus", "2", "--collective_timeout", "nan"], "--collective_timeout: 'nan' is not a number of seconds"),
         (["--num_gpus", "2", "--bind_cores_to_rank", "--bind_core_list", f"0,{_UNAVAILABLE}"],
          f"core(s) {_UNAVAILABLE} are not available here"),
     ],

@@ -64,6 +64,18 @@ def test_without_it_nothing_changes(as_deepspeed, tmp_path):
     assert with_bad_value.strip() == "False"
 
 
+def test_the_switch_costs_a_start_one_small_module(as_deepspeed, tmp_path):
+    """The launcher sets the variable for every rank and everything it starts: an interpreter that never
+    imports deepspeed loads nothing more than the switch's own module (no dsfunc, torch or importlib.metadata)."""
+    env = {k: v for k, v in as_deepspeed.items() if k != "DSFUNC_AS_DEEPSPEED"}
+    code = "import sys; print(' '.join(sorted(sys.modules)))"
+    without = set(_python(code, env, str(tmp_path)).split())
+    with_it = set(_python(code, as_deepspeed, str(tmp_path)).split())
+    assert with_it - without == {"dsfunc_as_deepspeed"}, with_it - without
+    late = "import sys; n = len(sys.modules); import deepspeed, dsfunc; print(deepspeed is dsfunc, len(sys.modules) > n)"
+    assert _python(late, as_deepspeed, str(tmp_path)).split() == ["True", "True"]
+
+
 def _copy_source(dest: str) -> str:
     """What a fresh clone holds of the package (its tracked files, plus the working tree's changes)."""
     names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
