@@ -127,21 +127,16 @@ def count_flops(
     with FlopCounterMode(display=False) as backward:
         if roots:
             torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
-    return FlopCount(forward.get_total_flops(), backward.get_total_flops(), samples,
-                     _by_path(forward, type(twin).__name__), _params(twin),
-                     {path: type(m).__name__ for path, m in twin.named_modules()})
+    return flop_count(twin, forward, backward.get_total_flops(), samples)
 
 
-def _by_path(counter: FlopCounterMode, root: str) -> dict[str, int]:
-    """The counter's per-module totals keyed by ``named_modules()`` paths (it names them ``<root class>.<path>``)."""
-    out = {}
-    for name, ops in counter.get_flop_counts().items():
-        if name == "Global":
-            continue
-        path = "" if name == root else name.removeprefix(root + ".")
-        out[path] = sum(ops.values())
-    return out
-
-
-def _params(model: nn.Module) -> dict[str, int]:
-    return {path: sum(p.numel() for p in m.parameters()) for path, m in model.named_modules()}
+def flop_count(model: nn.Module, forward: FlopCounterMode, backward: int, samples: int) -> FlopCount:
+    """A :class:`FlopCount` from a counter of ``model``'s forward (it names modules ``<root class>.<path>``)."""
+    root = type(model).__name__
+    modules = {}
+    for name, ops in forward.get_flop_counts().items():
+        if name != "Global":
+            modules["" if name == root else name.removeprefix(root + ".")] = sum(ops.values())
+    return FlopCount(forward.get_total_flops(), backward, samples, modules,
+                     {path: sum(p.numel() for p in m.parameters()) for path, m in model.named_modules()},
+                     {path: type(m).__name__ for path, m in model.named_modules()})

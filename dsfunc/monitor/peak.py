@@ -45,9 +45,11 @@ def device_name(device: torch.device) -> str:
 
 def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
     """The table's dense peak TFLOP/s of ``device`` computing in ``dtype``; None when unknown (the CPU)."""
-    if device.type != "cuda":
-        return None
-    name = device_name(device)
+    return peak_of(device_name(device), dtype) if device.type == "cuda" else None
+
+
+def peak_of(name: str, dtype: torch.dtype) -> float | None:
+    """The table's dense peak TFLOP/s of the GPU called ``name`` computing in ``dtype``; None when unknown."""
     for fragment, (half, single) in PEAK_TFLOPS.items():
         if re.search(rf"\b{fragment}\b", name):
             if dtype != torch.float32:

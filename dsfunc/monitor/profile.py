@@ -60,6 +60,7 @@ def profile_text(
     micro_batches: int = 1,
     recompute_fwd_factor: float = 0.0,
     latency: Mapping[str, float] | None = None,
+    counted: str = "once on a meta copy of the model, for one micro-batch",
 ) -> str:
     """The profile as printable text.
 
@@ -70,6 +71,7 @@ def profile_text(
       world_size: data-parallel ranks.
       micro_batches: micro-batches per rank in one optimizer step.
       recompute_fwd_factor: forwards recomputed in the backward, added to the FLOPs the FLOP/s count.
+      counted: how the FLOPs were counted (for the heading).
       latency: seconds of one optimizer step, by ``"forward"``, ``"backward"``, ``"step"`` (the update) and
         ``"iter"`` (the whole step).
     """
@@ -79,15 +81,19 @@ def profile_text(
     lines = [
         "", "-------------------------- dsfunc FLOPs profiler (torch.utils.flop_counter) --------------------------",
         f"Profile Summary at step {step}:",
-        "FLOPs are counted once on a meta copy of the model, for one micro-batch; MACs are half the FLOPs.",
+        f"FLOPs counted {counted} (torch.utils.flop_counter); MACs are half the FLOPs.",
         _LINE.format("world size (data parallel): ", world_size),
-        _LINE.format("batch size per rank (one micro-batch): ", count.samples),
         _LINE.format("params of model: ", params_to_string(params)),
         _LINE.format("fwd MACs per rank: ", macs_to_string(macs)),
         _LINE.format("fwd flops per rank: ", number_to_string(count.forward)),
-        _LINE.format("bwd flops per rank (counted): ", number_to_string(count.backward)),
-        _LINE.format(f"fwd+bwd flops per rank (+ {recompute_fwd_factor:g} x fwd recomputed): ", number_to_string(work)),
     ]
+    if count.backward:
+        lines += [
+            _LINE.format("batch size per rank (one micro-batch): ", count.samples),
+            _LINE.format("bwd flops per rank (counted): ", number_to_string(count.backward)),
+            _LINE.format(f"fwd+bwd flops per rank (+ {recompute_fwd_factor:g} x fwd recomputed): ",
+                         number_to_string(work)),
+        ]
     for key, name in (("forward", "fwd latency"), ("backward", "bwd latency"), ("step", "step latency")):
         if key in latency:
             lines.append(_LINE.format(f"{name}: ", duration_to_string(latency[key])))
