@@ -27,9 +27,31 @@ from typing import Any
 import optree
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from dsfunc.zero.hooks import tensors_in
+
+
+def _cpu_attention(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_attention_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None,
+                            **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+# torch's counter knows the CUDA attention kernels but not the CPU one (it would count 0): torch's own formulas
+_CPU_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+}
+
+
+def flop_counter() -> FlopCounterMode:
+    """A ``FlopCounterMode`` that does not print, and counts attention on the CPU too."""
+    return FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
+
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
                "_forward_hooks_always_called", "_backward_hooks", "_backward_pre_hooks")
@@ -121,10 +143,10 @@ def count_flops(
     twin.register_forward_pre_hook(cast, with_kwargs=True)
     to_meta = lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
     meta_batch = optree.tree_map(to_meta, batch)
-    with FlopCounterMode(display=False) as forward:
+    with flop_counter() as forward:
         out = run(twin, meta_batch)
     roots = [t for t in tensors_in(out) if t.requires_grad]
-    with FlopCounterMode(display=False) as backward:
+    with flop_counter() as backward:
         if roots:
             torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
     return flop_count(twin, forward, backward.get_total_flops(), samples)

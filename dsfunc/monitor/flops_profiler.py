@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from dsfunc.errors import InputError, UsageError
-from dsfunc.monitor.flops import FlopCount, flop_count
+from dsfunc.monitor.flops import FlopCount, flop_count, flop_counter
 from dsfunc.monitor.profile import (
     duration_to_string,
     flops_to_string,
@@ -64,7 +64,7 @@ class FlopsProfiler:
         if ignore_list:
             raise InputError("FlopsProfiler.start_profile(ignore_list=...): dsfunc counts every module; pass None")
         self.reset_profile()
-        self._counter = FlopCounterMode(display=False)
+        self._counter = flop_counter()
         self._counter.__enter__()
         self._counting = True
         self._handles = [self.model.register_forward_pre_hook(lambda *_: self._begin()),
