@@ -21,8 +21,8 @@ class CometMonitor:
             import comet_ml
         except ImportError:
             raise MissingDependencyError(
-                'the config enables "comet", but the comet_ml package is not installed: `pip install comet_ml`, '
-                "or set comet.enabled to false"
+                'the config enables "comet", but the comet_ml package is not installed: `pip install comet_ml` '
+                "(or dsfunc[comet]), or set comet.enabled to false"
             ) from None
         self.interval = config.samples_log_interval
         self.experiment: Any = comet_ml.start(api_key=config.api_key, project=config.project,

@@ -19,8 +19,8 @@ class WandbMonitor:
             import wandb
         except ImportError:
             raise MissingDependencyError(
-                'the config enables "wandb", but the wandb package is not installed: `pip install wandb`, '
-                "or set wandb.enabled to false"
+                'the config enables "wandb", but the wandb package is not installed: `pip install wandb` '
+                "(or dsfunc[wandb]), or set wandb.enabled to false"
             ) from None
         self.run: Any = wandb.init(project=config.project, group=config.group, entity=config.team)
 
