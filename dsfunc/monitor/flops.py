@@ -13,7 +13,9 @@ dtype: a ZeRO-3 placeholder's full shape comes from the sharding plan, and a bou
 read. dsfunc's own hooks (ZeRO-3 gathers, the input cast, the engine's direct-call hooks) and forward wrappers
 (activation checkpointing, ``torch.compile``) are dropped from the copy, so it runs the module's own code once
 and counts model FLOPs (a checkpointed forward computed again in the backward is not model work); floating
-inputs take the compute dtype, as the input cast does for the real run.
+inputs take the compute dtype, as the input cast does for the real run. A value the model's code reads from a
+tensor (``.item()``, ``if mask.all():``) reads as 1 during the count; shapes that depend on values (``nonzero``,
+``masked_select``) cannot be counted and the count fails.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import optree
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from dsfunc.zero.hooks import tensors_in
@@ -51,6 +54,16 @@ _CPU_ATTENTION = {
 def flop_counter() -> FlopCounterMode:
     """A ``FlopCounterMode`` that does not print, and counts attention on the CPU too."""
     return FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
+
+
+class _ScalarsReadAsOne(TorchDispatchMode):
+    """A meta tensor's ``.item()`` (``bool(t)``, ``int(t)``) reads 1: the FLOPs depend on shapes, and models test
+    values on the way (Hugging Face's ``attention_mask.all()`` before choosing its attention mask)."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return True if args[0].dtype == torch.bool else 1
+        return func(*args, **(kwargs or {}))
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
@@ -132,7 +145,7 @@ def count_flops(
       dtype: the compute dtype (the copy's floating parameters and inputs).
       shapes: full shapes by parameter name, for tensors the module holds sharded or as placeholders.
 
-    Raises whatever the module's forward raises on meta tensors (data-dependent Python control flow, ``.item()``).
+    Raises whatever the module's forward raises on meta tensors (shapes that depend on values).
     """
     twin = meta_copy(model, dtype, shapes)
 
@@ -143,10 +156,10 @@ def count_flops(
     twin.register_forward_pre_hook(cast, with_kwargs=True)
     to_meta = lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor) else t
     meta_batch = optree.tree_map(to_meta, batch)
-    with flop_counter() as forward:
+    with flop_counter() as forward, _ScalarsReadAsOne():
         out = run(twin, meta_batch)
     roots = [t for t in tensors_in(out) if t.requires_grad]
-    with flop_counter() as backward:
+    with flop_counter() as backward, _ScalarsReadAsOne():
         if roots:
             torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
     return flop_count(twin, forward, backward.get_total_flops(), samples)

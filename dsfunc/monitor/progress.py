@@ -342,9 +342,10 @@ class Monitor:
             return
         count = self._counted()
         if count is None:
-            self.write("[dsfunc] flops_profiler: no profile, the model's FLOPs were not counted"
-                       + ("" if self.utilisation is not None and self.utilisation.seen else
-                          " (pass the batch to Monitor.log)"))
+            u = self.utilisation
+            why = ("each pipeline stage holds a part of the model" if u is None else
+                   "the model's FLOPs could not be counted" if u.seen else "Monitor.log was given no batch")
+            self.write(f"[dsfunc] flops_profiler: no profile ({why})")
             return
         latency = {"iter": now - self._profile_start} | {k: ms / 1000 for k, ms in (timings or {}).items()}
         text = profile_text(count, step=step, module_depth=self.profiler.module_depth,

@@ -139,9 +139,8 @@ def test_on_the_cpu_without_a_peak_there_is_tflops_but_no_mfu():
 def test_a_model_that_cannot_run_on_meta_says_so_once_and_trains_on():
     class Picky(MLP):
         def forward(self, x, y):
-            if x.sum().item() > 1e9:  # data-dependent: impossible on meta tensors
-                return x.sum()
-            return super().forward(x, y)
+            kept = x[x.abs() < 1e9]  # a shape that depends on the values: impossible on meta tensors
+            return super().forward(x, y) + 0 * kept.sum()
 
     state = dsfunc.init_state(Picky(), config(micro=2, steps_per_print=1))
     lines: list[str] = []
@@ -152,6 +151,20 @@ def test_a_model_that_cannot_run_on_meta_says_so_once_and_trains_on():
     failed = [line for line in lines if "model FLOPs not counted" in line]
     assert len(failed) == 1 and "failed on a meta copy" in failed[0]
     assert len(progress(lines)) == 3 and not any("tflops" in line for line in progress(lines))
+
+
+def test_a_hugging_face_model_with_an_attention_mask_counts_exactly():
+    """transformers reads attention_mask.all() before choosing its mask: values read as 1 during the count."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=32)
+    state = dsfunc.init_state(transformers.GPT2LMHeadModel(cfg), config(micro=2, stage=3, bf16={"enabled": True}))
+    ids = torch.randint(0, 100, (2, 16))
+    batch = {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    shapes = {a: p.shape for u in state.program.plan.units for p in u.params for a in p.aliases}
+    count = count_flops(state.program.skeleton, loss_of, batch, samples=2, dtype=torch.bfloat16, shapes=shapes)
+    matmul = 2 * (32 * 96 + 32 * 32 + 2 * 32 * 128) + 100 * 32  # two blocks' weights and the tied head
+    attention = 2 * 2 * (2 * 16 * 16 * 32)  # QK^T and AV of two layers, per sample
+    assert count.forward == 2 * (2 * matmul * 16 + attention)
 
 
 def test_the_engine_line_has_tflops_from_its_first_forward(capsys):
