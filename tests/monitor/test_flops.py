@@ -49,6 +49,15 @@ def test_the_copy_is_on_meta_without_hooks_and_the_model_is_untouched():
     assert after == before
 
 
+def test_checkpointed_units_count_model_flops_without_the_recomputation():
+    counts = []
+    for policy in ("none", "units"):
+        state = dsfunc.init_state(GPT(GPT_SMALL), config(micro=2, activation_checkpointing={"policy": policy}))
+        idx = torch.randint(0, 64, (2, 16))
+        counts.append(count_flops(state.program.skeleton, loss_of, (idx, idx), samples=2))
+    assert counts[0] == counts[1]
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_gpt_counts_the_same_at_every_stage_and_near_6_n_t(stage):
     state = dsfunc.init_state(GPT(GPT_SMALL), config(micro=4, stage=stage, bf16={"enabled": True}))
