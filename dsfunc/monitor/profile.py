@@ -61,6 +61,7 @@ def profile_text(
     recompute_fwd_factor: float = 0.0,
     latency: Mapping[str, float] | None = None,
     counted: str = "once on a meta copy of the model, for one micro-batch",
+    module_latency: Mapping[str, float] | None = None,
 ) -> str:
     """The profile as printable text.
 
@@ -72,10 +73,14 @@ def profile_text(
       micro_batches: micro-batches per rank in one optimizer step.
       recompute_fwd_factor: forwards recomputed in the backward, added to the FLOPs the FLOP/s count.
       counted: how the FLOPs were counted (for the heading).
+      module_latency: seconds of each module's forward (mean over the step's forwards), by module path.
       latency: seconds of one optimizer step, by ``"forward"``, ``"backward"``, ``"step"`` (the update) and
         ``"iter"`` (the whole step).
     """
-    latency = latency or {}
+    latency = dict(latency or {})
+    module_latency = module_latency or {}
+    if "forward" not in latency and "" in module_latency:
+        latency["forward"] = module_latency[""] * micro_batches
     params, macs = count.params.get("", 0), count.forward / 2
     work = count.forward * (1 + recompute_fwd_factor) + count.backward
     lines = [
@@ -106,41 +111,54 @@ def profile_text(
             _LINE.format("samples/second: ",
                          f"{count.samples * micro_batches * world_size / latency['iter']:.2f}"),
         ]
-    lines += ["", *_ranking(count, module_depth, top_modules)]
+    lines += ["", *_ranking(count, module_depth, top_modules, module_latency)]
     if detailed:
-        lines += ["", *_table(count, module_depth)]
+        lines += ["", *_table(count, module_depth, module_latency)]
     lines.append("-" * 104)
     return "\n".join(lines)
 
 
-def _ranking(count: FlopCount, module_depth: int, top_modules: int) -> list[str]:
-    """The top modules by parameters and by MACs at each depth, summed over the modules of one class."""
+def _ranking(count: FlopCount, module_depth: int, top_modules: int, module_latency: Mapping[str, float]) -> list[str]:
+    """The top modules by parameters, by MACs (and by fwd latency) at each depth, summed over the modules of one
+    class."""
     by_depth: dict[int, dict[str, list[float]]] = {}
     for path, kind in count.kinds.items():
-        totals = by_depth.setdefault(_depth(path), {}).setdefault(kind, [0, 0])
+        totals = by_depth.setdefault(_depth(path), {}).setdefault(kind, [0, 0, 0])
         totals[0] += count.params.get(path, 0)
         totals[1] += count.modules.get(path, 0) / 2
+        totals[2] += module_latency.get(path, 0)
     depths = sorted(by_depth) if module_depth < 0 else [d for d in sorted(by_depth) if d <= module_depth]
-    lines = [f"Top {top_modules} modules in terms of params and MACs at each model depth:"]
+    timed = " or fwd latency" if module_latency else ""
+    lines = [f"Top {top_modules} modules in terms of params, MACs{timed} at each model depth:"]
     for d in depths:
         ranked = [sorted(by_depth[d].items(), key=lambda kv, i=i: kv[1][i], reverse=True)[:top_modules]
-                  for i in (0, 1)]
+                  for i in (0, 1, 2)]
         lines += [f"depth {d}:",
                   f"    params      - { {k: params_to_string(v[0]) for k, v in ranked[0]} }",
                   f"    MACs        - { {k: macs_to_string(v[1]) for k, v in ranked[1]} }"]
+        if module_latency:
+            lines.append(f"    fwd latency - { {k: duration_to_string(v[2]) for k, v in ranked[2]} }")
     return lines
 
 
-def _table(count: FlopCount, module_depth: int) -> list[str]:
-    """Each module to ``module_depth``: params, share of params, fwd MACs, share of MACs, fwd FLOPs."""
+def _table(count: FlopCount, module_depth: int, module_latency: Mapping[str, float]) -> list[str]:
+    """Each module to ``module_depth``: params, share of params, fwd MACs, share of MACs, fwd FLOPs (and fwd
+    latency, its share and the FLOP/s)."""
     total_params, total_macs = count.params.get("", 0) or 1, count.forward / 2 or 1
-    lines = ["Per module: params, % of params, fwd MACs, % of fwd MACs, fwd flops (one micro-batch per rank)"]
+    total_time = module_latency.get("", 0.0)
+    timed = ", fwd latency, % of fwd latency, fwd FLOPS" if module_latency else ""
+    lines = [f"Per module: params, % of params, fwd MACs, % of fwd MACs, fwd flops{timed} (one micro-batch per rank)"]
     for path, kind in count.kinds.items():
         depth = _depth(path)
         if 0 <= module_depth < depth:
             continue
         params, macs = count.params.get(path, 0), count.modules.get(path, 0) / 2
         name = "  " * depth + (f"{path.rsplit('.', 1)[-1]} ({kind})" if path else kind)
-        lines.append(f"{name:<48} {params_to_string(params):>10} {100 * params / total_params:6.2f}% "
-                     f"{macs_to_string(macs):>14} {100 * macs / total_macs:6.2f}% {number_to_string(2 * macs).strip():>10}")
+        row = (f"{name:<48} {params_to_string(params):>10} {100 * params / total_params:6.2f}% "
+               f"{macs_to_string(macs):>14} {100 * macs / total_macs:6.2f}% {number_to_string(2 * macs).strip():>10}")
+        if path in module_latency:
+            t = module_latency[path]
+            row += (f" {duration_to_string(t):>10} {100 * t / total_time if total_time else 0:6.2f}% "
+                    f"{flops_to_string(2 * macs / t if t else 0):>14}")
+        lines.append(row)
     return lines

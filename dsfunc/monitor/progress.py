@@ -64,6 +64,7 @@ from dsfunc.errors import InputError, MissingDependencyError
 from dsfunc.grad import compute_loss
 from dsfunc.monitor.comet import CometMonitor
 from dsfunc.monitor.profile import profile_text
+from dsfunc.monitor.timing import ModuleTimer
 from dsfunc.monitor.utilisation import Utilisation
 from dsfunc.monitor.wandb import WandbMonitor
 from dsfunc.monitor.writers import CsvMonitor, TensorBoardMonitor
@@ -204,6 +205,11 @@ class Monitor:
         self._last_print = (self._last_step, time.perf_counter(), 0)  # (step, time, tokens)
         self._start: tuple[int, float] | None = None
         self._profile_start = time.perf_counter()  # when the profiled step started (profile_step 0: now)
+        self._timer: ModuleTimer | None = None  # each module's forward time in the profiled step
+        self._timed = self.profiler.enabled and self.utilisation is not None and not config.compile.enabled
+        if self._timed and self.profiler.profile_step == int(state.step):
+            self._timer = ModuleTimer(program.skeleton, self.device)
+        self.skeleton = program.skeleton
         self._closed = False
         if self.is_writer and self.steps_per_print is not None:
             self.write(startup_summary(state))
@@ -339,7 +345,11 @@ class Monitor:
         now = time.perf_counter()
         if step == self.profiler.profile_step:
             self._profile_start = now
+            if self._timed:
+                self._timer = ModuleTimer(self.skeleton, self.device)
             return
+        module_latency = self._timer.remove() if self._timer is not None else None
+        self._timer = None
         count = self._counted()
         if count is None:
             u = self.utilisation
@@ -351,7 +361,8 @@ class Monitor:
         text = profile_text(count, step=step, module_depth=self.profiler.module_depth,
                             top_modules=self.profiler.top_modules, detailed=self.profiler.detailed,
                             world_size=self.world_size, micro_batches=self.gradient_accumulation_steps,
-                            recompute_fwd_factor=self.profiler.recompute_fwd_factor, latency=latency)
+                            recompute_fwd_factor=self.profiler.recompute_fwd_factor, latency=latency,
+                            module_latency=module_latency)
         if self.profiler.output_file:
             path = os.path.abspath(self.profiler.output_file)
             os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,6 +54,10 @@ def test_the_profile_follows_the_step_that_starts_at_profile_step(tmp_path):
     assert "    MACs        - {'Linear': '160 MACs', 'ModuleList': '0 MACs'}" in text
     rows = [line for line in text.splitlines() if "(Linear)" in line or line.startswith("MLP ")]
     assert len(rows) == 1 + 2 + 3 and rows[0].split()[1:3] == ["308", "100.00%"]
+    # each module's forward timed in the profiled step: latency, its share of the model's, FLOP/s
+    assert all(re.search(r"s +[\d.]+% +[\d.]+ [KMGT]?FLOPS$", row) for row in rows), rows
+    assert re.search(r"MLP .* 100\.00% +[\d.]+ [KMGT]?FLOPS$", rows[0])
+    assert "    fwd latency - {'MLP': " in text
 
 
 def test_module_depth_and_detailed_limit_what_is_printed():
@@ -156,3 +161,29 @@ def test_deepspeed_scripts_import_the_profiler_by_its_path():
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "DSFUNC_AS_DEEPSPEED": "1", "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_module_timer_times_forwards_of_the_model_only_and_leaves_no_hook():
+    from torch.utils.checkpoint import checkpoint
+
+    from dsfunc.monitor.timing import ModuleTimer
+
+    class Checkpointed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False)
+
+    model = Checkpointed()
+    timer = ModuleTimer(model, torch.device("cpu"))
+    calls = []
+    model.inner[0].register_forward_hook(lambda *_: calls.append(1))
+    for _ in range(2):
+        model(torch.ones(2, 4, requires_grad=True)).sum().backward()  # the backward runs inner's forward again
+    assert len(calls) == 4 and timer.forwards == 2
+    seconds = timer.remove()
+    assert set(seconds) == {"", "inner", "inner.0", "inner.1"} and all(s > 0 for s in seconds.values())
+    assert seconds[""] >= seconds["inner"] >= seconds["inner.0"]
+    assert all(len(m._forward_pre_hooks) == 0 for m in model.modules())
