@@ -16,6 +16,7 @@ from dsfunc.monitor import Monitor
 from dsfunc.monitor.flops import count_flops, meta_copy
 from dsfunc.monitor.peak import peak_of, peak_tflops
 from tests.models import MLP, config, mlp_batches
+from tests.multiprocess import run_world
 
 GPT_SMALL = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 
@@ -187,3 +188,22 @@ def test_the_engine_line_has_tflops_from_its_first_forward(capsys):
     out = capsys.readouterr().out
     assert "[dsfunc] model FLOPs per sample: 1536 " in out
     assert len(re.findall(r"tflops=[\d.e+-]+, mfu=[\d.]+%", out)) == 2
+
+
+def _zero3_rank(rank: int, world_size: int) -> list[str]:
+    torch.manual_seed(0)
+    state = dsfunc.init_state(MLP(), config(micro=2, world=world_size, stage=3, steps_per_print=2))
+    lines: list[str] = []
+    monitor = Monitor(state, write=lines.append)
+    for batch in mlp_batches(4, 2, seed=rank):
+        state = dsfunc.train_step(state, batch)
+        monitor.log(state, batch)
+    monitor.close()
+    return lines
+
+
+def test_rank_0_alone_counts_at_zero_3_on_two_ranks():
+    lines = run_world(_zero3_rank, 2)
+    assert lines[1] == []
+    assert sum("model FLOPs per sample: 1536 " in line for line in lines[0]) == 1
+    assert len([line for line in progress(lines[0]) if "tflops=" in line]) == 2
