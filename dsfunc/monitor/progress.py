@@ -301,6 +301,7 @@ class Monitor:
             torch.cuda.synchronize(self.device)
 
     def _print(self, state: Any, step: int) -> None:
+        self._count_flops()
         m = state.metrics.to_dict()
         skipped = self.skipped_steps
         now = time.perf_counter()
@@ -318,7 +319,7 @@ class Monitor:
             parts.append(f"CurrSamplesPerSec={rate:.2f}")
             if self._tokens > last_tokens:
                 parts.append(f"TokensPerSec={(self._tokens - last_tokens) / interval:.2f}")
-            if self._counted() is not None:
+            if self.utilisation is not None:
                 parts.extend(self.utilisation.line_parts(rate / self.world_size))
         parts.append(memory_text(self.device))
         self.write("[dsfunc] " + ", ".join(parts))
@@ -329,18 +330,26 @@ class Monitor:
         self._timed_steps = 0
         self._last_print = (step, now, self._tokens)
 
-    def _counted(self) -> Any:
-        """The FLOPs count (made on first use, said once in a line), or None."""
+    def _count_flops(self) -> None:
+        """Count the model's FLOPs (once: at the first line or profile that shows them) and say so in a line; the
+        time that takes is left out of the samples/s and latencies."""
         u = self.utilisation
-        if u is None or not u.seen:
-            return None
-        if u.count is None and u.failure is None:
-            u.counted()
-            self.write(u.summary())
-        return u.count
+        if u is None or not u.seen or u.count is not None or u.failure is not None:
+            return
+        began = time.perf_counter()
+        u.counted()
+        self.write(u.summary())
+        spent = time.perf_counter() - began
+        step, t, tokens = self._last_print
+        self._last_print = (step, t + spent, tokens)
+        if self._start is not None:
+            self._start = (self._start[0], self._start[1] + spent)
+        self._profile_start += spent
 
     def _profile(self, step: int, timings: Mapping[str, float] | None) -> None:
         """Time the step after ``profile_step`` steps; after it, print its FLOPs profile (rank 0)."""
+        if step == self.profiler.profile_step + 1:
+            self._count_flops()
         self._sync()
         now = time.perf_counter()
         if step == self.profiler.profile_step:
@@ -350,7 +359,7 @@ class Monitor:
             return
         module_latency = self._timer.remove() if self._timer is not None else None
         self._timer = None
-        count = self._counted()
+        count = self.utilisation.count if self.utilisation is not None else None
         if count is None:
             u = self.utilisation
             why = ("each pipeline stage holds a part of the model" if u is None else
