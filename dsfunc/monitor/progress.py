@@ -182,6 +182,7 @@ class Monitor:
                 self.writers.append(WandbMonitor(config.wandb))
             if config.comet.enabled:
                 self.writers.append(CometMonitor(config.comet))
+        self.enabled = any(c.enabled for c in (config.tensorboard, config.csv_monitor, config.wandb, config.comet))
         self.profiler = config.flops_profiler
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.loss_fn = program.loss_fn
@@ -232,6 +233,13 @@ class Monitor:
         one is kept (its shapes)."""
         if self.utilisation is not None and not self.utilisation.seen:
             self.utilisation.see(run, micro_batch)
+
+    def write_events(self, events: list[tuple[str, Any, int]]) -> None:
+        """Write ``(name, value, x)`` events of the script's own to every event writer now, from rank 0 (DeepSpeed's
+        ``engine.monitor.write_events``; ``enabled`` says whether any writer is configured)."""
+        rows = [(name, float(value), int(x)) for name, value, x in events]
+        for writer in self.writers:
+            writer.write_events(rows)
 
     def restart(self, state: Any, skipped_steps: int = 0) -> None:
         """Continue from ``state`` (after loading a checkpoint): flush, then count from its step."""

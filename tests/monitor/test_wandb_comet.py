@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -44,17 +45,26 @@ def wandb_records(path: str) -> list[bytes]:
 
 
 def wandb_history(run_dir: str) -> dict[int, dict[str, float]]:
-    """wandb's own protobuf records of an offline run: the logged values by step."""
+    """wandb's own protobuf records of an offline run: the logged values by step (wandb's _runtime etc. left out).
+    wandb's service process writes the file after ``run.finish()`` returns: read it once its exit record is in."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = glob.glob(os.path.join(run_dir, "*.wandb"))
+    for _ in range(600):
+        records = []
+        for raw in wandb_records(path):
+            record = pb.Record()
+            record.ParseFromString(raw)
+            records.append(record)
+        if any(r.WhichOneof("record_type") == "exit" for r in records):
+            break
+        time.sleep(0.1)
     out: dict[int, dict[str, float]] = {}
-    for raw in wandb_records(path):
-        record = pb.Record()
-        record.ParseFromString(raw)
+    for record in records:
         if record.WhichOneof("record_type") == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
-            out.setdefault(items.pop("_step"), {}).update(items)
+            step = items.pop("_step")
+            out.setdefault(step, {}).update({k: v for k, v in items.items() if not k.startswith("_")})  # not wandb's
     return out
 
 
@@ -71,13 +81,28 @@ def train(cfg: dict, steps: int) -> list[dict[str, float]]:
     return seen
 
 
+def test_a_scripts_own_events_go_to_every_writer_as_deepspeeds_monitor_write_events(offline_wandb, tmp_path):
+    cfg = config(micro=2, csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "j"},
+                 wandb={"enabled": True, "project": "p"})
+    monitor = Monitor(dsfunc.init_state(MLP(), cfg), write=lambda line: None)
+    assert monitor.enabled
+    monitor.write_events([("Eval/accuracy", torch.tensor(0.5), 8), ("Eval/accuracy", 0.75, 16)])
+    monitor.close()
+    assert (tmp_path / "j" / "Eval_accuracy.csv").read_text().split() == ["step,accuracy", "8,0.5", "16,0.75"]
+    (run_dir,) = glob.glob(str(offline_wandb / "wandb" / "offline-run-*"))
+    assert wandb_history(run_dir) == {8: {"Eval/accuracy": 0.5}, 16: {"Eval/accuracy": 0.75}}
+    assert not Monitor(dsfunc.init_state(MLP(), config(micro=2)), write=lambda line: None).enabled
+
+
 @pytest.fixture
 def offline_wandb(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    """wandb offline in tmp_path; wandb keeps its settings (WANDB_DIR) for the process: torn down after."""
+    wandb = pytest.importorskip("wandb")
     for key, value in {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_SILENT": "true",
                        "WANDB_CONSOLE": "off", "WANDB_DISABLE_GIT": "true"}.items():
         monkeypatch.setenv(key, value)
-    return tmp_path
+    yield tmp_path
+    wandb.teardown()
 
 
 def test_wandb_offline_run_holds_loss_and_lr_by_global_samples(offline_wandb):
