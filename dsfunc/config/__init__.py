@@ -9,7 +9,7 @@ spellings. Every problem raises ``ConfigError`` naming the key path.
 
 One module per concept: ``schema`` (the table language), ``checks`` (value checks and rules), ``errors``
 (``ConfigError`` and its wording), one module per section (``optimizer``, ``scheduler``, ``precision``,
-``zero``, ``monitor``, ``unsupported``), ``batch`` (the batch triple), ``sources`` (dict, file, base64,
+``zero``, ``monitor``, ``flops_profiler``, ``unsupported``), ``batch`` (the batch triple), ``sources`` (dict, file, base64,
 argparse), ``config`` (``Config`` itself) and ``announce`` (the start-up line about keys without effect).
 Each field's docstring says what the key means in dsfunc and where it differs from DeepSpeed.
 
@@ -19,7 +19,7 @@ Where dsfunc deliberately differs from DeepSpeed:
   top-level keys and keys in its older sections, and only fails on optimizer/scheduler params when the class
   is constructed).
 * Known DeepSpeed features that dsfunc does not have (offload to NVMe, ZeRO++, MiCS, Apex AMP,
-  the FLOPs profiler, wandb, ...) are accepted only while disabled or at their default value; asking for them
+  autotuning, ...) are accepted only while disabled or at their default value; asking for them
   is an error saying dsfunc does not support them, never a silent no-op.
 * ``"auto"`` values are errors: they are placeholders the Hugging Face Trainer fills in (DeepSpeed drops them
   inside its pydantic sections, i.e. silently uses the default).
@@ -58,7 +58,8 @@ from dsfunc.config.announce import announce_without_effect
 from dsfunc.config.compile import CompileConfig, parse_compile
 from dsfunc.config.config import Config
 from dsfunc.config.errors import ConfigError
-from dsfunc.config.monitor import MonitorConfig
+from dsfunc.config.flops_profiler import FlopsProfilerConfig
+from dsfunc.config.monitor import CometConfig, MonitorConfig, WandbConfig
 from dsfunc.config.optimizer import OptimizerConfig, parse_optimizer
 from dsfunc.config.pipeline import PipelineConfig, parse_pipeline
 from dsfunc.config.precision import BF16Config, FP16Config
@@ -69,15 +70,18 @@ from dsfunc.frozen import FrozenDict
 __all__ = [
     "ActivationCheckpointingConfig",
     "BF16Config",
+    "CometConfig",
     "CompileConfig",
     "Config",
     "ConfigError",
     "FP16Config",
+    "FlopsProfilerConfig",
     "FrozenDict",
     "MonitorConfig",
     "OptimizerConfig",
     "PipelineConfig",
     "SchedulerConfig",
+    "WandbConfig",
     "ZeroConfig",
     "announce_without_effect",
     "parse_activation_checkpointing",

@@ -14,7 +14,8 @@ from dsfunc.config.batch import _batch_size, _check_triple, _resolve_batch, _wor
 from dsfunc.config.checks import _DTYPE_NAME, _NON_NEGATIVE, _bool, _number, _optional, _print_steps
 from dsfunc.config.compile import CompileConfig, _compile
 from dsfunc.config.errors import ConfigError
-from dsfunc.config.monitor import MonitorConfig
+from dsfunc.config.flops_profiler import FlopsProfilerConfig
+from dsfunc.config.monitor import CometConfig, MonitorConfig, WandbConfig
 from dsfunc.config.optimizer import OptimizerConfig, _optimizer
 from dsfunc.config.pipeline import PipelineConfig, _pipeline, parse_pipeline
 from dsfunc.config.precision import _BF16_FIXED, _FP16_FIXED, BF16Config, FP16Config, _grad_accum_dtype
@@ -89,6 +90,12 @@ class Config:
     """TensorBoard events of the step's scalars (needs the tensorboard package)."""
     csv_monitor: MonitorConfig = MonitorConfig()  # noqa: RUF009
     """The same scalars as CSV files, one per event, as DeepSpeed writes them."""
+    wandb: WandbConfig = WandbConfig()  # noqa: RUF009
+    """The same scalars in a Weights & Biases run (needs the wandb package)."""
+    comet: CometConfig = CometConfig()  # noqa: RUF009
+    """The same scalars in a Comet experiment (needs the comet_ml package)."""
+    flops_profiler: FlopsProfilerConfig = FlopsProfilerConfig()  # noqa: RUF009
+    """DeepSpeed's FLOPs profile of one step, and the device peak the progress line's MFU divides by."""
     compile: CompileConfig = CompileConfig()  # noqa: RUF009
     """torch.compile of each unit's forward, and dsfunc's whole-step CUDA graph."""
     activation_checkpointing: ActivationCheckpointingConfig = ActivationCheckpointingConfig()  # noqa: RUF009
@@ -199,8 +206,8 @@ class Config:
         for name in ("optimizer", "scheduler"):
             section = getattr(self, name)
             out[name] = None if section is None else {"type": section.type, "params": thaw(section.params)}
-        for name in ("fp16", "bf16", "zero_optimization", "tensorboard", "csv_monitor", "compile",
-                     "activation_checkpointing", "pipeline"):
+        for name in ("fp16", "bf16", "zero_optimization", "tensorboard", "csv_monitor", "wandb", "comet",
+                     "flops_profiler", "compile", "activation_checkpointing", "pipeline"):
             out[name] = thaw(dataclasses.asdict(getattr(self, name)))
         for f in dataclasses.fields(self):
             if "check" in f.metadata:
@@ -222,6 +229,9 @@ _TOP = _Schema(
         "data_types": _Spec(None, _grad_accum_dtype),
         "tensorboard": _Spec(MonitorConfig(), _section(MonitorConfig)),
         "csv_monitor": _Spec(MonitorConfig(), _section(MonitorConfig)),
+        "wandb": _Spec(WandbConfig(), _section(WandbConfig)),
+        "comet": _Spec(CometConfig(), _section(CometConfig)),
+        "flops_profiler": _Spec(FlopsProfilerConfig(), _section(FlopsProfilerConfig)),
         "compile": _Spec(CompileConfig(), _compile),
         "activation_checkpointing": _Spec(ActivationCheckpointingConfig(), _activation_checkpointing),
         "pipeline": _Spec(PipelineConfig(), _pipeline),

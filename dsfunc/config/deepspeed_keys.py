@@ -1,7 +1,7 @@
 """DeepSpeed 0.19.8's own tables of the sections dsfunc accepts only switched off, and what it removed.
 
-Read from DeepSpeed's config classes (``deepspeed/monitor/config.py``, ``comm/config.py``,
-``profiling/constants.py``, ``runtime/swap_tensor/constants.py``, ``runtime/config.py``,
+Read from DeepSpeed's config classes (``comm/config.py``,
+``runtime/swap_tensor/constants.py``, ``runtime/config.py``,
 ``compile/config.py``, ``autotuning/constants.py``, ``runtime/data_pipeline/constants.py``,
 ``runtime/zero/offload_config.py``), so that a typo or a wrong type inside them is an error naming the key,
 as everywhere else in the config. ``tests/config/test_unsupported.py`` checks that real DeepSpeed accepts
@@ -16,16 +16,6 @@ _ENABLED = {"enabled": _optional(_bool)}
 _INT = _integer()
 _COUNT = _integer(ge=0)
 _STR = _optional(_string)
-_NUMBER = _number()
-
-FLOPS_PROFILER = {
-    "recompute_fwd_factor": _NUMBER,
-    "profile_step": _INT,
-    "module_depth": _INT,
-    "top_modules": _INT,
-    "detailed": _bool,
-    "output_file": _STR,
-}
 
 AIO = {  # tunes NVMe I/O, which only offload to NVMe (refused) uses: any valid value is accepted
     "block_size": _COUNT,
@@ -34,19 +24,6 @@ AIO = {  # tunes NVMe I/O, which only offload to NVMe (refused) uses: any valid 
     "single_submit": _bool,
     "overlap_events": _bool,
     "use_gds": _bool,
-}
-
-WANDB = {"group": _STR, "team": _STR, "project": _string}
-
-COMET = {
-    "samples_log_interval": _INT,
-    "project": _STR,
-    "workspace": _STR,
-    "api_key": _STR,
-    "experiment_name": _STR,
-    "experiment_key": _STR,
-    "online": _optional(_bool),
-    "mode": _STR,
 }
 
 COMMS_LOGGER = {"prof_all": _bool, "prof_ops": _list_of(_string), "verbose": _bool, "debug": _bool}

@@ -21,11 +21,8 @@ from dsfunc.config.checks import (
 from dsfunc.config.schema import Rule
 
 _UNSUPPORTED_TOP: dict[str, Rule] = {
-    "flops_profiler": _off("the FLOPs profiler", ds.FLOPS_PROFILER),
     "autotuning": _off("autotuning", ds.AUTOTUNING),
     "data_efficiency": _off("data efficiency (curriculum learning, random-LTD)", ds.DATA_EFFICIENCY),
-    "wandb": _off("the Weights & Biases monitor", ds.WANDB, 'dsfunc has "tensorboard" and "csv_monitor".'),
-    "comet": _off("the Comet monitor", ds.COMET, 'dsfunc has "tensorboard" and "csv_monitor".'),
     "comms_logger": _off("the communication logger", ds.COMMS_LOGGER),
     "aio": _accepted(_fields(ds.AIO)),  # tunes NVMe I/O, which only offload to NVMe (refused) uses
     "checkpoint": _only(

@@ -237,6 +237,7 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         self.tput_timer.start()
         runtime = self.steps.begin()
         self._tokens += tokens_in((inputs, kwargs))
+        self.monitor.see(_call, (inputs, kwargs))  # the FLOPs count's micro-batch (the first one only)
         try:
             out = runtime.forward(_call, (inputs, kwargs), micro=self.steps.micro())
         except BaseException:

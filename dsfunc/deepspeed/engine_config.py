@@ -3,7 +3,7 @@
 
 Scripts and libraries read the config through these methods rather than the JSON, so every accessor of
 DeepSpeed 0.19's ``DeepSpeedEngine`` answers with what DeepSpeed would return for the same config.
-Sections dsfunc accepts only switched off (the FLOPs profiler, autotuning, data efficiency, ...; see
+Sections dsfunc accepts only switched off (autotuning, data efficiency, ...; see
 :mod:`dsfunc.config.unsupported`) answer with DeepSpeed's values for "off", which are the only ones
 such a config can hold. ``tests/deepspeed/test_engine_surface.py`` compares every accessor with a real
 DeepSpeed engine built from the same config.
@@ -49,13 +49,6 @@ _OFF = {
     "dump_state": False,
     "memory_breakdown": False,
     "log_level": None,
-    "flops_profiler_enabled": False,
-    "flops_profiler_profile_step": 1,
-    "flops_profiler_module_depth": -1,
-    "flops_profiler_top_modules": 1,
-    "flops_profiler_detailed": True,
-    "flops_profiler_output_file": None,
-    "flops_profiler_recompute_fwd_factor": 0.0,
     "torch_autocast_enabled": False,
     "torch_autocast_dtype": None,
     "zenflow_config": None,
@@ -102,6 +95,13 @@ _FROM_CONFIG = {
     "gradient_clipping": lambda cfg: cfg.gradient_clipping,
     "steps_per_print": lambda cfg: cfg.steps_per_print,
     "wall_clock_breakdown": lambda cfg: cfg.wall_clock_breakdown,
+    "flops_profiler_enabled": lambda cfg: cfg.flops_profiler.enabled,
+    "flops_profiler_profile_step": lambda cfg: cfg.flops_profiler.profile_step,
+    "flops_profiler_module_depth": lambda cfg: cfg.flops_profiler.module_depth,
+    "flops_profiler_top_modules": lambda cfg: cfg.flops_profiler.top_modules,
+    "flops_profiler_detailed": lambda cfg: cfg.flops_profiler.detailed,
+    "flops_profiler_output_file": lambda cfg: cfg.flops_profiler.output_file,
+    "flops_profiler_recompute_fwd_factor": lambda cfg: cfg.flops_profiler.recompute_fwd_factor,
     "dataloader_drop_last": lambda cfg: cfg.dataloader_drop_last,
     "postscale_gradients": lambda cfg: not cfg.prescale_gradients,
     "gradient_predivide_factor": lambda cfg: cfg.gradient_predivide_factor,

@@ -60,6 +60,8 @@ ALIASES = {
     # DeepSpeed's modules inside packages whose names are dsfunc's own (dsfunc.checkpoint, dsfunc.launcher)
     "checkpoint.utils": "dsfunc.deepspeed.checkpoint_utils",
     "launcher.runner": "dsfunc.deepspeed.runner",
+    "profiling.flops_profiler": "dsfunc.monitor.flops_profiler",
+    "profiling.flops_profiler.profiler": "dsfunc.monitor.flops_profiler",
 }
 
 # DeepSpeed's top-level packages dsfunc answers for (implemented in part, per ALIASES, or not at all)
@@ -76,7 +78,7 @@ PACKAGES = {
     "inference": "DeepSpeed inference",
     "module_inject": "kernel injection for inference",
     "model_implementations": "DeepSpeed's inference models",
-    "profiling": "the FLOPs profiler",
+    "profiling": "DeepSpeed's profilers",
     "elasticity": "elastic training",
     "autotuning": "autotuning",
     "sequence": "sequence parallelism",

@@ -6,13 +6,17 @@
   one progress line on rank 0 (DeepSpeed's ``step=.., skipped=..`` and ``SamplesPerSec`` lines in one)::
 
       [dsfunc] step=20, skipped=0, loss=1.2345, lr=[0.001], loss_scale=1, grad_norm=0.4321,
-      RunningAvgSamplesPerSec=812.3, CurrSamplesPerSec=830.1, MemAllocated=0.01GB, MaxMemAllocated=0.02GB
+      RunningAvgSamplesPerSec=812.3, CurrSamplesPerSec=830.1, tflops=412.5, mfu=41.70%,
+      MemAllocated=0.01GB, MaxMemAllocated=0.02GB
 
   ``loss``/``lr``/``loss_scale``/``grad_norm`` are the printed step's own values (``lr`` is the lr
   that step used), ``skipped`` counts overflowed steps so far, samples/s are global (all ranks), the
   running average leaves out the first two steps (as DeepSpeed's throughput timer), ``TokensPerSec``
   is added when the batch carries token ids (an integer tensor with a sequence dimension), and memory
-  is the CUDA allocator's (the process's resident set on a CPU run: ``RSS``/``MaxRSS``). At start-up
+  is the CUDA allocator's (the process's resident set on a CPU run: ``RSS``/``MaxRSS``). ``tflops`` (model
+  TFLOP/s per rank, over the interval of ``CurrSamplesPerSec``) and ``mfu`` (over the device's peak) come from
+  FLOPs counted once on a meta copy of the model (:mod:`~dsfunc.monitor.utilisation`); ``mfu`` is left out
+  where no peak is known (the CPU: set ``flops_profiler.peak_tflops``). At start-up
   it also prints the ZeRO stage and the per-rank memory estimate (:func:`memory_estimate`), and logs the
   effective config (every key, resolved) to the ``dsfunc`` logger at INFO.
 * ``wall_clock_breakdown: true`` — a ``time (ms) | forward: .. | backward: .. | step: ..`` line with
@@ -22,7 +26,11 @@
   ``os.path.join(output_path, job_name)`` with x = global samples: ``Train/Samples/train_loss``,
   ``Train/Samples/lr`` and, with fp16, ``Train/Samples/loss_scale``. CSV writes one file per event as
   DeepSpeed does (``Train_Samples_lr.csv``, header ``step,lr``); TensorBoard needs the optional
-  ``tensorboard`` package.
+  ``tensorboard`` package. ``wandb`` (``project``, ``group``, ``team``) and ``comet`` log the same events
+  to a wandb run or a Comet experiment (packages ``wandb``, ``comet_ml``).
+* ``flops_profiler`` (``enabled``, ``profile_step``, ``module_depth``, ``top_modules``, ``detailed``,
+  ``output_file``) — after the step that starts at ``profile_step``, DeepSpeed's FLOPs profile of the model
+  (:mod:`~dsfunc.monitor.profile`) on stdout or in ``output_file``.
 
 Reading a metric waits for the step, so the monitor keeps each step's values on the device and reads
 them in one go when it prints or flushes (every ``steps_per_print`` steps, else every 100 steps, and at
@@ -50,8 +58,15 @@ from typing import Any
 import optree
 import torch
 
+from dsfunc.batch import split_batch
 from dsfunc.distributed import comm
 from dsfunc.errors import InputError, MissingDependencyError
+from dsfunc.grad import compute_loss
+from dsfunc.monitor.comet import CometMonitor
+from dsfunc.monitor.profile import profile_text
+from dsfunc.monitor.timing import ModuleTimer
+from dsfunc.monitor.utilisation import Utilisation
+from dsfunc.monitor.wandb import WandbMonitor
 from dsfunc.monitor.writers import CsvMonitor, TensorBoardMonitor
 from dsfunc.zero.memory import memory_estimate
 
@@ -130,6 +145,8 @@ class Monitor:
       skipped_steps: overflowed steps before this monitor started (when resuming).
       write: where progress lines go (default: print to stdout).
       flush_every: steps between reads of the buffered metrics (default: steps_per_print, else 100).
+      peak_tflops: the device's peak TFLOP/s for ``mfu`` (default: the config's ``flops_profiler.peak_tflops``,
+        else dsfunc's table of GPUs).
     """
 
     def __init__(
@@ -141,6 +158,7 @@ class Monitor:
         skipped_steps: int = 0,
         write: Callable[[str], None] | None = None,
         flush_every: int | None = None,
+        peak_tflops: float | None = None,
     ) -> None:
         program = state.program
         config = program.config
@@ -160,6 +178,18 @@ class Monitor:
                 self.writers.append(CsvMonitor(config.csv_monitor.output_path, config.csv_monitor.job_name))
             if config.tensorboard.enabled:
                 self.writers.append(TensorBoardMonitor(config.tensorboard.output_path, config.tensorboard.job_name))
+            if config.wandb.enabled:
+                self.writers.append(WandbMonitor(config.wandb))
+            if config.comet.enabled:
+                self.writers.append(CometMonitor(config.comet))
+        self.enabled = any(c.enabled for c in (config.tensorboard, config.csv_monitor, config.wandb, config.comet))
+        self.profiler = config.flops_profiler
+        self.gradient_accumulation_steps = config.gradient_accumulation_steps
+        self.loss_fn = program.loss_fn
+        # FLOPs are counted on rank 0, for its lines; a pipeline stage's skeleton is not the whole model
+        counts = self.steps_per_print is not None or self.profiler.enabled
+        self.utilisation = (Utilisation(state, peak_tflops) if self.is_writer and counts and program.pipeline is None
+                            else None)
         self.bar = None
         if progress_bar and self.is_writer:
             try:
@@ -175,6 +205,12 @@ class Monitor:
         self._last_step = int(state.step)
         self._last_print = (self._last_step, time.perf_counter(), 0)  # (step, time, tokens)
         self._start: tuple[int, float] | None = None
+        self._profile_start = time.perf_counter()  # when the profiled step started (profile_step 0: now)
+        self._timer: ModuleTimer | None = None  # each module's forward time in the profiled step
+        self._timed = self.profiler.enabled and self.utilisation is not None and not config.compile.enabled
+        if self._timed and self.profiler.profile_step == int(state.step):
+            self._timer = ModuleTimer(program.skeleton, self.device)
+        self.skeleton = program.skeleton
         self._closed = False
         if self.is_writer and self.steps_per_print is not None:
             self.write(startup_summary(state))
@@ -190,6 +226,20 @@ class Monitor:
     @skipped_steps.setter
     def skipped_steps(self, value: int) -> None:
         self._skipped.fill_(value)
+
+    def see(self, run: Callable[[Any, Any], Any], micro_batch: Any) -> None:
+        """Show the monitor how the model runs on a micro-batch (``run(model, micro_batch)``), for the FLOPs
+        count; :meth:`log` does it from its ``batch``, the engine from its first training forward. Only the first
+        one is kept (its shapes)."""
+        if self.utilisation is not None and not self.utilisation.seen:
+            self.utilisation.see(run, micro_batch)
+
+    def write_events(self, events: list[tuple[str, Any, int]]) -> None:
+        """Write ``(name, value, x)`` events of the script's own to every event writer now, from rank 0 (DeepSpeed's
+        ``engine.monitor.write_events``; ``enabled`` says whether any writer is configured)."""
+        rows = [(name, float(value), int(x)) for name, value, x in events]
+        for writer in self.writers:
+            writer.write_events(rows)
 
     def restart(self, state: Any, skipped_steps: int = 0) -> None:
         """Continue from ``state`` (after loading a checkpoint): flush, then count from its step."""
@@ -235,6 +285,11 @@ class Monitor:
         self._timed_steps += 1 if timings else 0
         if not self.is_writer:
             return
+        if batch is not None and self.utilisation is not None and not self.utilisation.seen:
+            micro = split_batch(batch, self.gradient_accumulation_steps, None)[0]
+            self.see(lambda model, b, loss_fn=self.loss_fn: compute_loss(loss_fn, model, b), micro)
+        if self.profiler.enabled and step in (self.profiler.profile_step, self.profiler.profile_step + 1):
+            self._profile(step, timings)
         if self._start is None and step >= THROUGHPUT_START_STEP:
             self._sync()
             self._start = (step, time.perf_counter())
@@ -254,6 +309,7 @@ class Monitor:
             torch.cuda.synchronize(self.device)
 
     def _print(self, state: Any, step: int) -> None:
+        self._count_flops()
         m = state.metrics.to_dict()
         skipped = self.skipped_steps
         now = time.perf_counter()
@@ -267,9 +323,12 @@ class Monitor:
             parts.append(f"RunningAvgSamplesPerSec={running:.2f}")
         interval = now - last_time
         if step > last_step and interval > 0:
-            parts.append(f"CurrSamplesPerSec={(step - last_step) * self.train_batch_size / interval:.2f}")
+            rate = (step - last_step) * self.train_batch_size / interval
+            parts.append(f"CurrSamplesPerSec={rate:.2f}")
             if self._tokens > last_tokens:
                 parts.append(f"TokensPerSec={(self._tokens - last_tokens) / interval:.2f}")
+            if self.utilisation is not None:
+                parts.extend(self.utilisation.line_parts(rate / self.world_size))
         parts.append(memory_text(self.device))
         self.write("[dsfunc] " + ", ".join(parts))
         if self.wall_clock_breakdown and self._timed_steps:
@@ -278,6 +337,56 @@ class Monitor:
         self._timings = dict.fromkeys(TIMERS, 0.0)
         self._timed_steps = 0
         self._last_print = (step, now, self._tokens)
+
+    def _count_flops(self) -> None:
+        """Count the model's FLOPs (once: at the first line or profile that shows them) and say so in a line; the
+        time that takes is left out of the samples/s and latencies."""
+        u = self.utilisation
+        if u is None or not u.seen or u.count is not None or u.failure is not None:
+            return
+        began = time.perf_counter()
+        u.counted()
+        self.write(u.summary())
+        spent = time.perf_counter() - began
+        step, t, tokens = self._last_print
+        self._last_print = (step, t + spent, tokens)
+        if self._start is not None:
+            self._start = (self._start[0], self._start[1] + spent)
+        self._profile_start += spent
+
+    def _profile(self, step: int, timings: Mapping[str, float] | None) -> None:
+        """Time the step after ``profile_step`` steps; after it, print its FLOPs profile (rank 0)."""
+        if step == self.profiler.profile_step + 1:
+            self._count_flops()
+        self._sync()
+        now = time.perf_counter()
+        if step == self.profiler.profile_step:
+            self._profile_start = now
+            if self._timed:
+                self._timer = ModuleTimer(self.skeleton, self.device)
+            return
+        module_latency = self._timer.remove() if self._timer is not None else None
+        self._timer = None
+        count = self.utilisation.count if self.utilisation is not None else None
+        if count is None:
+            u = self.utilisation
+            why = ("each pipeline stage holds a part of the model" if u is None else
+                   "the model's FLOPs could not be counted" if u.seen else "Monitor.log was given no batch")
+            self.write(f"[dsfunc] flops_profiler: no profile ({why})")
+            return
+        latency = {"iter": now - self._profile_start} | {k: ms / 1000 for k, ms in (timings or {}).items()}
+        text = profile_text(count, step=step, module_depth=self.profiler.module_depth,
+                            top_modules=self.profiler.top_modules, detailed=self.profiler.detailed,
+                            world_size=self.world_size, micro_batches=self.gradient_accumulation_steps,
+                            recompute_fwd_factor=self.profiler.recompute_fwd_factor, latency=latency,
+                            module_latency=module_latency)
+        if self.profiler.output_file:
+            path = os.path.abspath(self.profiler.output_file)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        else:
+            self.write(text)
 
     def flush(self) -> None:
         """Read the buffered metrics (one wait for the device) and write them to the event files and bar."""

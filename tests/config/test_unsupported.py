@@ -15,17 +15,6 @@ from tests.config.helpers import error, load
 
 ACCEPTED_WHEN_OFF = [
     {
-        "flops_profiler": {
-            "enabled": False,
-            "profile_step": 1,
-            "module_depth": -1,
-            "top_modules": 1,
-            "detailed": True,
-            "output_file": None,
-            "recompute_fwd_factor": 0.0,
-        }
-    },
-    {
         "activation_checkpointing": {
             "partition_activations": False,
             "cpu_checkpointing": False,
@@ -37,8 +26,6 @@ ACCEPTED_WHEN_OFF = [
     },
     {"autotuning": {"enabled": False, "fast": True, "arg_mappings": {"lr": "--lr"}, "tuner_type": "random"}},
     {"pipeline": {"stages": "auto", "partition": "best", "pipe_partitioned": True}},
-    {"wandb": {"enabled": False, "project": "x", "team": None, "group": "g"}},
-    {"comet": {"enabled": False, "samples_log_interval": 10, "online": None, "mode": "offline"}},
     {"comms_logger": {"enabled": False, "verbose": True, "prof_ops": ["all_reduce"]}},
     {"aio": {"block_size": 1048576, "queue_depth": 16, "intra_op_parallelism": 2, "use_gds": False}},
     {"aio": None},
@@ -97,10 +84,6 @@ def test_unimplemented_sections_accepted_when_off(section):
             ),
         ),
         (
-            {"flops_profiler": {"enabled": True}},
-            "flops_profiler.enabled = true: dsfunc does not support the FLOPs profiler",
-        ),
-        (
             {"activation_checkpointing": {"partition_activations": True}},
             (
                 "activation_checkpointing.partition_activations = true: dsfunc does not support partitioned "
@@ -111,16 +94,8 @@ def test_unimplemented_sections_accepted_when_off(section):
         ({"elasticity": {"enabled": False}}, "elasticity: elastic training has been removed"),
         ({"sparse_attention": {}}, "sparse_attention: DeepSpeed Sparse Attention has been removed"),
         ({"compression_training": {}}, "compression_training: the DeepSpeed compression library has been removed"),
-        (
-            {"wandb": {"enabled": True, "project": "x"}},
-            (
-                "wandb.enabled = true: dsfunc does not support the Weights & Biases monitor yet. "
-                'Set it to false or remove "wandb". dsfunc has "tensorboard" and "csv_monitor".'
-            ),
-        ),
         ({"wandb": {"enabled": "yes"}}, 'wandb.enabled = "yes" is invalid: expected true or false.'),
         ({"wandb": True}, "wandb = true is invalid: expected a JSON object."),
-        ({"comet": {"enabled": True}}, "the Comet monitor"),
         ({"comms_logger": {"enabled": True}}, "the communication logger"),
         (
             {"checkpoint": {"load_universal": True}},

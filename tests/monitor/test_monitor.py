@@ -202,7 +202,8 @@ def test_memory_estimate_follows_the_zero_stage():
 
 
 def test_progress_every_10_steps_by_default_as_deepspeed_and_none_when_off():
-    """steps_per_print defaults to DeepSpeed's 10: two start-up lines, then one line per 10 steps."""
+    """steps_per_print defaults to DeepSpeed's 10: two start-up lines, then one line per 10 steps (the first one
+    after the model FLOPs line)."""
     for cfg, expected in ((config(micro=2), [10, 20]), (config(micro=2, steps_per_print=None), [])):
         state = dsfunc.init_state(MLP(), cfg)
         assert state.program.config.steps_per_print == (10 if expected else None)
@@ -214,4 +215,5 @@ def test_progress_every_10_steps_by_default_as_deepspeed_and_none_when_off():
         monitor.close()
         lines = "\n".join(written).splitlines()
         assert [int(re.search(r" step=(\d+),", line).group(1)) for line in lines if " step=" in line] == expected
-        assert len(lines) == (2 + len(expected) if expected else 0)
+        assert len(lines) == (3 + len(expected) if expected else 0)
+        assert not expected or lines[2].startswith("[dsfunc] model FLOPs per sample: ")
