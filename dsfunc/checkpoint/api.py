@@ -20,11 +20,11 @@ import torch
 
 from dsfunc.checkpoint.compat import Selection, check_compatible, wanted
 from dsfunc.checkpoint.coordination import arrive, collective
-from dsfunc.checkpoint.dcp_io import failure_text, read_index, read_tensors
+from dsfunc.checkpoint.dcp_io import failure_text, read_tensors
 from dsfunc.checkpoint.deepspeed.load import deepspeed_folder, load_deepspeed
 from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.keys import load_dict, save_dict
-from dsfunc.checkpoint.metadata import describe, read_meta, verify_files
+from dsfunc.checkpoint.metadata import describe, read_listed_index, read_meta, verify_files
 from dsfunc.checkpoint.publish import write_checkpoint
 from dsfunc.checkpoint.tags import PathLike, check_tag, find_checkpoint
 from dsfunc.checkpoint.trust import pickle_client_state, read_client_state
@@ -134,8 +134,8 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
         return load_deepspeed(deepspeed, state, selection, trust_pickle=trust_pickle)
     # [Note: verify, agree, then unpickle] (dsfunc.checkpoint.trust): the verdicts of all ranks first
     folder, meta = collective(lambda: _open(Path(load_dir), tag, state, selection, verify))
-    client = collective(lambda: read_client_state(folder, meta, trust_pickle))
-    index = collective(lambda: read_index(folder, trust_pickle=trust_pickle))
+    client = collective(lambda: read_client_state(folder, trust_pickle))
+    index = collective(lambda: read_listed_index(folder, meta, trust_pickle=trust_pickle))
     with _scope(state):
         targets, copy_back = load_dict(state, wanted(meta, state, selection))
     try:
