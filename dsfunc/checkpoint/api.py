@@ -58,7 +58,8 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
       async_save: copy the state to host memory, return, and write in a background thread while
         training continues. One save is in flight at most: the next save or load (or
         :func:`wait_for_checkpoint`) waits for it and raises if it failed.
-      timeout: seconds to wait for every rank to arrive before raising :class:`CheckpointTimeoutError`.
+      timeout: seconds to wait for every rank to arrive, and for another job saving into ``save_dir`` to
+        finish publishing, before raising :class:`CheckpointTimeoutError`.
 
     Returns:
       The checkpoint folder ``save_dir/<tag>`` (for an async save: where it will be once written).
@@ -73,7 +74,7 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
     client = collective(lambda: pickle_client_state(client_state) if comm.rank() == 0 else None)
     with _scope(state):  # a pipeline stage's units are sharded over its data-parallel ranks
         tensors = save_dict(state, staged=async_save)
-    job = functools.partial(write_checkpoint, Path(save_dir), tag, tensors, meta, client, save_latest)
+    job = functools.partial(write_checkpoint, Path(save_dir), tag, tensors, meta, client, save_latest, timeout)
     if not async_save:
         return job()
     global _PENDING

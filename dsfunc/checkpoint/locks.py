@@ -20,15 +20,18 @@ import contextlib
 import errno
 import fcntl
 import os
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from dsfunc.checkpoint.errors import CheckpointTimeoutError
 from dsfunc.checkpoint.layout import LOCK_FILE, OWNER_FILE
 
 
 @contextlib.contextmanager
-def hold(save_dir: Path) -> Iterator[None]:
-    """Hold the lock of ``save_dir`` (waiting for the job that holds it)."""
+def hold(save_dir: Path, timeout: float) -> Iterator[None]:
+    """Hold the lock of ``save_dir``, waiting up to ``timeout`` seconds for the job that holds it."""
     path = save_dir / LOCK_FILE
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
@@ -37,7 +40,23 @@ def hold(save_dir: Path) -> Iterator[None]:
             raise
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        deadline, pause = time.monotonic() + timeout, 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    holder = os.pread(fd, 200, 0).decode(errors="replace") or "a process"
+                    raise CheckpointTimeoutError(
+                        f"{holder} has held {path} for over {timeout:g} s: another job is saving into the "
+                        "same save_dir and is stopped or very slow. Let it finish, save elsewhere, or pass a "
+                        "larger timeout=") from None
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+        with contextlib.suppress(OSError):  # who holds it, for the message above (not on a read-only disk)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}".encode(), 0)
         yield
     finally:
         _release(fd)

@@ -39,12 +39,13 @@ from dsfunc.distributed import comm
 
 
 def write_checkpoint(save_dir: Path, tag: str, tensors: dict[str, Any], meta: dict[str, Any],
-                     client: bytes | None, save_latest: bool) -> str:
-    """Write, verify and publish one checkpoint (runs on every rank, maybe in the save thread)."""
+                     client: bytes | None, save_latest: bool, timeout: float) -> str:
+    """Write, verify and publish one checkpoint (runs on every rank, maybe in the save thread); ``timeout``
+    bounds the wait for another job's save into ``save_dir`` ([Note: jobs sharing a save_dir])."""
     rank = comm.rank()
     with contextlib.ExitStack() as claimed:  # rank 0's claim on the temporary folder, and its removal
         try:
-            tmp = Path(collective(lambda: str(claimed.enter_context(_temporary(save_dir, tag))) if rank == 0
+            tmp = Path(collective(lambda: str(claimed.enter_context(_temporary(save_dir, tag, timeout))) if rank == 0
                                   else None, src=0))
             collective(lambda: check_space(tmp, tmp / tensor_file(rank), local_bytes(tensors)))
             try:
@@ -54,13 +55,13 @@ def write_checkpoint(save_dir: Path, tag: str, tensors: dict[str, Any], meta: di
             digests: dict[str, Any] = {}
             for part in collective(lambda: hash_share(tmp), gather=True):
                 digests.update(part)
-            collective(lambda: _publish(save_dir, tmp, tag, {**meta, "files": digests}, client)
+            collective(lambda: _publish(save_dir, tmp, tag, {**meta, "files": digests}, client, timeout)
                        if rank == 0 else None)
         except Exception as e:
             raise _error(e)(f"saving checkpoint {tag!r} to {save_dir} failed: {_cause(e)}. Nothing was "
                             f"replaced: {_latest_now(save_dir)}, and earlier checkpoints are intact.") from e
     try:
-        collective(lambda: _settle(save_dir, tag, save_latest) if rank == 0 else None)
+        collective(lambda: _settle(save_dir, tag, save_latest, timeout) if rank == 0 else None)
     except Exception as e:
         raise _error(e)(f"checkpoint {tag!r} was saved to {save_dir / tag} and is complete, but "
                         f"{'`latest` was not updated' if save_latest else 'tidying up after it failed'}: "
@@ -87,14 +88,14 @@ def _latest_now(save_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def _temporary(save_dir: Path, tag: str) -> Iterator[Path]:
+def _temporary(save_dir: Path, tag: str, timeout: float) -> Iterator[Path]:
     """(rank 0) The folder the ranks write into, claimed by this process while the block runs and removed
     after it unless it was published; made after tidying what dead saves left behind."""
     tmp = layout.temporary(save_dir, tag)
     with contextlib.ExitStack() as stack:
         try:
             save_dir.mkdir(parents=True, exist_ok=True)
-            with locks.hold(save_dir):
+            with locks.hold(save_dir, timeout):
                 _tidy(save_dir)
                 _check_replaceable(save_dir / tag)
                 tmp.mkdir()
@@ -147,7 +148,8 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _publish(save_dir: Path, tmp: Path, tag: str, meta: dict[str, Any], client: bytes | None) -> None:
+def _publish(save_dir: Path, tmp: Path, tag: str, meta: dict[str, Any], client: bytes | None,
+             timeout: float) -> None:
     """(rank 0) Complete the folder and move it into place, in the order of [Note: publishing a checkpoint]."""
     if client is not None:
         _write_durably(tmp / CLIENT_FILE, client)
@@ -155,7 +157,7 @@ def _publish(save_dir: Path, tmp: Path, tag: str, meta: dict[str, Any], client: 
     _write_durably(tmp / META_FILE, json.dumps(meta, indent=1).encode())  # last: marks the folder complete
     _fsync_dir(tmp)
     final = save_dir / tag
-    with locks.hold(save_dir):
+    with locks.hold(save_dir, timeout):
         _check_replaceable(final)
         (tmp / OWNER_FILE).unlink()  # the lock protects the folder until it has its final name
         if os.path.lexists(final):
@@ -165,9 +167,9 @@ def _publish(save_dir: Path, tmp: Path, tag: str, meta: dict[str, Any], client: 
         os.rename(tmp, final)
 
 
-def _settle(save_dir: Path, tag: str, save_latest: bool) -> None:
+def _settle(save_dir: Path, tag: str, save_latest: bool, timeout: float) -> None:
     """(rank 0) After ``tag`` is in place: remove what it replaced, and point ``latest`` at it."""
-    with locks.hold(save_dir):
+    with locks.hold(save_dir, timeout):
         _fsync_dir(save_dir)
         _remove(layout.replaced(save_dir, tag))
         if not save_latest:
