@@ -128,7 +128,7 @@ def _scaler(main: Mapping[str, Any], first: Mapping[str, Any] | None) -> Scaler 
 def _detached(obj: Any) -> Any:
     """``obj`` with its tensors copied out of the memory-mapped file (dicts, lists and tuples walked)."""
     if isinstance(obj, torch.Tensor):
-        return obj.clone()
+        return torch.Tensor.clone(obj)  # not obj.clone: the pickle may set an attribute of that name
     if isinstance(obj, dict):
         out = copy.copy(obj)
         for k, v in obj.items():
