@@ -3,8 +3,8 @@ against the sizes and sha256 it holds.
 
 [Note: the manifest lists every file a load reads]
 The metadata's ``files`` (the manifest) holds the size and sha256 of each file of the checkpoint. A load
-reads no file the manifest does not list: DCP's ``.metadata`` and ``client_state.pt`` must be listed before
-anything is unpickled (:func:`verify_files`), and so must every data file the index names before any tensor
+reads no file the manifest does not list: DCP's ``.metadata`` and ``client_state.pt`` must be listed
+(:func:`read_meta`), and so must every data file the index names before any tensor
 is read (:func:`read_listed_index`). Every listed file is opened as a regular file of the folder
 (:mod:`.files`), and its size is checked even with ``verify=False``.
 """
@@ -27,7 +27,7 @@ from dsfunc.checkpoint.dcp_io import data_files, read_index
 from dsfunc.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from dsfunc.checkpoint.files import NotRegularFileError, open_regular
 from dsfunc.checkpoint.keys import entries
-from dsfunc.checkpoint.layout import CLIENT_FILE, META_DATA, META_FILE, OWNER_FILE
+from dsfunc.checkpoint.layout import META_DATA, META_FILE, OWNER_FILE
 from dsfunc.checkpoint.tags import available_tags
 from dsfunc.distributed import comm
 from dsfunc.frozen import thaw
@@ -121,13 +121,9 @@ def read_meta(folder: Path) -> dict[str, Any]:
 
 
 def verify_files(folder: Path, meta: dict[str, Any], share: tuple[int, int] | None) -> None:
-    """Sizes of all files, and sha256 of this rank's share of them (``share=(rank, world)``); the files every
-    load reads must be listed ([Note: the manifest lists every file a load reads])."""
+    """Sizes of all files, and sha256 of this rank's share of them (``share=(rank, world)``), each opened as a
+    regular file of ``folder`` ([Note: the manifest lists every file a load reads])."""
     files = meta["files"]
-    unlisted = [name for name in (META_DATA, CLIENT_FILE) if name not in files]
-    if unlisted:
-        _damaged(folder, [(f"its manifest (`files` in {META_FILE}) does not list {' or '.join(unlisted)}, "
-                          "which a load reads (nothing was read)")])
     problems = []
     for name, info in sorted(files.items()):
         try:

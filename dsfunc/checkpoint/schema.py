@@ -4,7 +4,7 @@ folder or a size that no file of the checkpoint holds.
 
 A file altered by hand or by another program can still be valid JSON; what it must hold is what
 :func:`dsfunc.checkpoint.metadata.describe` writes, plus the manifest (``files``: every file's size and
-sha256, under plain file names). Sizes are bounded by the bytes the manifest lists, which a load checks
+sha256, under plain file names, listing DCP's index and the client state, which every load reads). Sizes are bounded by the bytes the manifest lists, which a load checks
 against the files before reading anything, so no reader allocates more than the checkpoint holds.
 """
 
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from dsfunc.checkpoint.errors import CheckpointCorruptError
+from dsfunc.checkpoint.layout import CLIENT_FILE, META_DATA
 
 #: The dtypes a checkpoint may name, by the name the metadata records (``"float32"``).
 DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in vars(torch).values()
@@ -61,6 +62,9 @@ def _check(meta: Any) -> None:
         raise _Bad("precision", f"is {meta['precision']!r}, not one of {', '.join(PRECISIONS)}")
     _field(_field(meta, "scaler", dict, "", "an object"), "dynamic", bool, "scaler.", "true or false")
     files = _field(meta, "files", dict, "", "an object")
+    unlisted = [name for name in (META_DATA, CLIENT_FILE) if name not in files]
+    if unlisted:
+        raise _Bad("files", f"does not list {' or '.join(unlisted)}, which a load reads (nothing was read)")
     stored = 0
     for name, info in files.items():
         where = f"files[{name!r}]"

@@ -96,8 +96,9 @@ def find_checkpoint(load_dir: PathLike, tag: str | None = None) -> Path:
 
 
 def is_checkpoint_folder(folder: Path) -> bool:
-    """Whether ``folder`` is a complete dsfunc checkpoint or a DeepSpeed checkpoint."""
-    return (folder / META_FILE).is_file() or is_deepspeed_folder(folder)
+    """Whether ``folder`` is a complete dsfunc checkpoint or a DeepSpeed checkpoint (its metadata file is there:
+    whether it is a regular file is :func:`~dsfunc.checkpoint.metadata.read_meta`'s to say)."""
+    return os.path.lexists(folder / META_FILE) or is_deepspeed_folder(folder)
 
 
 def _complete(folder: Path) -> bool:
