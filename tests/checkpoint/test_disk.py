@@ -129,6 +129,27 @@ def test_a_read_only_file_system_is_named_on_every_rank(tmp_path):
     assert result["ranks"][0]["left"] == [".lock", "latest", "small"] and result["loads"]
 
 
+
+@pytest.mark.skipif(_mount_namespace_reason() is not None, reason=str(_mount_namespace_reason()))
+def test_a_disk_full_exactly_at_latest_says_the_tag_was_saved_and_leaves_no_temporary(tmp_path):
+    """A real tmpfs filled until the checkpoint's files fit and ``latest`` does not: the error says what was
+    done (the tag is published, ``latest`` not updated), the half-written ``latest`` is removed, and the
+    next save works."""
+    run = subprocess.run(["unshare", "--mount", "--map-root-user", sys.executable, "-m",
+                          "tests.checkpoint.disk_latest", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    full = tmp_path / "full"
+    assert result["error"].startswith(
+        f"CheckpointError: checkpoint 'second' was saved to {full}/second and is complete, but `latest` was not "
+        f"updated: no space left on device while writing {full}/.latest.tmp-")
+    assert result["error"].endswith("(free some space or save to another directory); `latest` still names "
+                                    "'first'. Load the new checkpoint with tag='second'.")
+    assert "Nothing was replaced" not in result["error"]
+    assert result["left"] == [".lock", "filler", "first", "latest", "second"] and result["latest"] == "first"
+    assert result["loads"] and result["after"] == [".lock", "first", "latest", "second", "third"]
+
 SAVE_TO_PATH = """
 import resource, signal, sys
 from pathlib import Path
