@@ -111,8 +111,8 @@ def read_meta(folder: Path) -> dict[str, Any]:
         raise CheckpointCorruptError(f"cannot read {path}: {type(e).__name__}: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointCorruptError(f"{path} is not dsfunc checkpoint metadata")
-    version = meta.get("format_version", 0)
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    version = meta.get("format_version")
+    if isinstance(version, int) and version > FORMAT_VERSION:
         raise CheckpointError(
             f"{folder} was written in checkpoint format {version!r} by dsfunc {meta.get('dsfunc_version')}; "
             f"this dsfunc reads format {FORMAT_VERSION}: upgrade dsfunc"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ def plain_name(name: Any) -> bool:
 
 def _check(meta: Any) -> None:
     _kind(meta, dict, "the file", "a JSON object")
+    _count(_field(meta, "format_version", int, "", "an integer"), "format_version", 1)
     for key in ("tag", "optimizer"):
         _field(meta, key, (str, type(None)) if key == "optimizer" else str, "", "a string")
     for key, least in (("step", 0), ("world_size", 1), ("zero_stage", 0)):
@@ -152,5 +154,5 @@ def _dtype(obj: dict[str, Any], where: str) -> torch.dtype:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else f"{text[:37]}..."
+    """``repr(value)``, a few levels and items deep (a value nested 900 deep is no error of its own)."""
+    return reprlib.repr(value)
