@@ -77,8 +77,8 @@ def abandoned(folder: Path) -> bool:
     """Whether no live process claims ``folder`` (ask under :func:`hold`, where no claim is being made)."""
     try:
         fd = os.open(folder / OWNER_FILE, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return True  # no claim (it died before claiming, or an older dsfunc made it), or not a lock
+    except OSError as e:  # no claim (it died before claiming, or an older dsfunc made it), or a link: no lock
+        return e.errno in (errno.ENOENT, errno.ELOOP)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -45,8 +45,8 @@ def write_checkpoint(save_dir: Path, tag: str, tensors: dict[str, Any], meta: di
     rank = comm.rank()
     with contextlib.ExitStack() as claimed:  # rank 0's claim on the temporary folder, and its removal
         try:
-            tmp = Path(collective(lambda: str(claimed.enter_context(_temporary(save_dir, tag, timeout))) if rank == 0
-                                  else None, src=0))
+            tmp = Path(collective(lambda: str(claimed.enter_context(_temporary(save_dir, tag, timeout)))
+                                  if rank == 0 else None, src=0))
             collective(lambda: check_space(tmp, tmp / tensor_file(rank), local_bytes(tensors)))
             try:
                 write_tensors(tensors, tmp)

@@ -28,7 +28,7 @@ PRECISIONS = ("fp16", "bf16", "fp32")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
-class _Bad(Exception):
+class _Bad(CheckpointCorruptError):
     """What is wrong (``field``, ``problem``); reworded by :func:`check`."""
 
     def __init__(self, field: str, problem: str) -> None:
@@ -117,7 +117,7 @@ def _check(meta: Any) -> None:
         if not (isinstance(entry, list) and len(entry) == 3 and all(isinstance(x, str) for x in entry)):
             raise _Bad(where, "is not [name, kind, source] (three strings)")
         name, kind, source = entry
-        if kind not in ("param", "buffer") or source not in (params if kind == "param" else buffers):
+        if not (kind == "param" and source in params or kind == "buffer" and name == source and name in buffers):
             raise _Bad(where, f"names the {kind} {source!r}, which the checkpoint does not hold")
 
 
