@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -55,6 +57,30 @@ def test_three_jobs_saving_into_one_save_dir_at_once(tmp_path):
     left = {p.name for p in tmp_path.iterdir()} - set(ckpt.available_tags(tmp_path))
     assert left == {".lock", "latest"}, "no temporary or replaced folder is left"
 
+
+
+def test_a_job_killed_at_a_random_moment_leaves_the_others_saves_whole(tmp_path):
+    """Kill-safety with jobs sharing the folder: one job is SIGKILLed somewhere in its saves (maybe holding
+    the lock of save_dir, maybe mid-publish); the others go on, every save that returned loads, and the next
+    save tidies what the killed one left."""
+    jobs = [_job(tmp_path, job, SAVES // 2) for job in range(JOBS)]
+    victim = jobs[-1]
+    while not any(tmp_path.glob("job2_*")):  # it has published at least once
+        assert victim.poll() is None, victim.stderr.read()
+    time.sleep(random.uniform(0, 1))
+    victim.kill()
+    saved = []
+    for proc in jobs:
+        out, err = proc.communicate(timeout=600)
+        assert proc is victim or proc.returncode == 0, err
+        lines = out.split("\n")[:-1]  # a killed job's last line may be cut short
+        saved += [tag for tag, outcome in map(json.loads, lines) if outcome == "saved"]
+    for tag in saved:
+        _loads_whole(tmp_path, tag)
+    _loads_whole(tmp_path, None)
+    ckpt.save_checkpoint(dsfunc.init_state(MLP(), config()), tmp_path, tag="after")
+    left = {p.name for p in tmp_path.iterdir()} - set(ckpt.available_tags(tmp_path))
+    assert left == {".lock", "latest"}, left
 
 # a save stopped after claiming its temporary folder, before publishing it (as while its ranks write)
 IN_PROGRESS = """
