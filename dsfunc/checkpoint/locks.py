@@ -11,7 +11,8 @@ temporary folder, the renames that publish a tag, replacing ``latest``) runs und
 can be taken (:func:`abandoned`): its owner died, and the OS released the lock with it. So no save removes
 another job's save in progress, and two jobs publishing the same tag one after the other leave the later
 one's checkpoint, complete. Locks are ``flock`` locks, which local file systems and NFS (as locks on the
-server) both keep.
+server) both keep; on a file system that keeps none (Lustre mounted without ``flock``) saves go on unlocked,
+as one job per ``save_dir``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def hold(save_dir: Path, timeout: float) -> Iterator[None]:
         deadline, pause = time.monotonic() + timeout, 0.001
         while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                _lock(fd)
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
@@ -67,7 +68,7 @@ def claim(folder: Path) -> Iterator[None]:
     """Mark the new folder ``folder`` as this process's while the block runs (create it under :func:`hold`)."""
     fd = os.open(folder / OWNER_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _lock(fd)
         yield
     finally:
         _release(fd)
@@ -80,7 +81,7 @@ def abandoned(folder: Path) -> bool:
     except OSError as e:  # no claim (it died before claiming, or an older dsfunc made it), or a link: no lock
         return e.errno in (errno.ENOENT, errno.ELOOP)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _lock(fd)
     except BlockingIOError:
         os.close(fd)
         return False
@@ -88,10 +89,23 @@ def abandoned(folder: Path) -> bool:
     return True
 
 
+def _lock(fd: int) -> None:
+    """Lock ``fd`` now, or raise ``BlockingIOError`` where another holds the lock; where the file system
+    keeps no locks, go on without."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+
+
 def _release(fd: int) -> None:
     """Unlock explicitly, then close: a process forked meanwhile shares the open file, and would keep the
     lock held after a plain close."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        with contextlib.suppress(OSError):  # nothing to unlock where the file system keeps no locks
+            fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
