@@ -28,6 +28,12 @@ def split_batch(batch: Batch, count: int, micro_size: int | None) -> list[Batch]
             f"the batch holds no tensors (got {_describe(batch)}); pass a tensor, a tuple or dict of "
             "tensors with samples along dim 0, or a list of gradient_accumulation_steps micro-batches"
         )
+    if any(t.is_meta for t in leaves):
+        raise InputError(
+            f"the batch holds tensors on the meta device, which have shapes but no data (shapes "
+            f"{[tuple(t.shape) for t in leaves if t.is_meta]}); pass tensors with data, on the CPU or the "
+            "state's device"
+        )
     if isinstance(batch, list) and not any(isinstance(b, torch.Tensor) for b in batch):
         if len(batch) != count:
             raise InputError(

@@ -121,6 +121,9 @@ def test_batch_of_the_wrong_size_says_what_to_pass():
         dsfunc.train_step(state, list(range(64)))
     with pytest.raises(TypeError, match=r"holds no tensors \(got str\)"):  # one micro-batch of two without any
         dsfunc.train_step(state, [(x[:2], y[:2]), "oops"])
+    with pytest.raises(ValueError, match=r"tensors on the meta device, which have shapes but no data \(shapes "
+                                         r"\[\(4, 6\), \(4,\)\]\); pass tensors with data"):
+        dsfunc.train_step(state, (x[:4].to("meta"), y[:4].to("meta")))
     assert not state.donated  # a rejected batch consumes nothing
 
 

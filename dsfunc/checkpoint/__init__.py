@@ -11,8 +11,11 @@ One module per concept:
   stage and precision loads any checkpoint (**resharding**);
 * :mod:`.publish`: the write, rename and ``latest`` protocol that makes a save appear whole or not at all
   (**atomicity**);
-* :mod:`.tags`: which folder a directory and tag name (:func:`find_checkpoint`);
+* :mod:`.locks`: several jobs saving into one ``save_dir`` (a lock per ``save_dir``, a claim per save);
+* :mod:`.tags`: which folder a directory and tag name (:func:`find_checkpoint`), by one tag rule;
 * :mod:`.metadata`: the metadata file, and the sizes and sha256 the files are checked against;
+* :mod:`.schema`: the shape the metadata file must have, checked once where it is read;
+* :mod:`.files`: a checkpoint's files read only as regular files inside their folder;
 * :mod:`.trust`: what loading trusts a checkpoint with (:data:`TRUST_MODEL`): the restricted unpickling
   every reader uses, and the client state's pickling;
 * :mod:`.pickle_bounds`: the memory, time and nesting any checkpoint pickle may cost, checked before it

@@ -20,11 +20,11 @@ import torch
 
 from dsfunc.checkpoint.compat import Selection, check_compatible, wanted
 from dsfunc.checkpoint.coordination import arrive, collective
-from dsfunc.checkpoint.dcp_io import failure_text, read_index, read_tensors
+from dsfunc.checkpoint.dcp_io import failure_text, read_tensors
 from dsfunc.checkpoint.deepspeed.load import deepspeed_folder, load_deepspeed
 from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.keys import load_dict, save_dict
-from dsfunc.checkpoint.metadata import describe, read_meta, verify_files
+from dsfunc.checkpoint.metadata import describe, read_listed_index, read_meta, verify_files
 from dsfunc.checkpoint.publish import write_checkpoint
 from dsfunc.checkpoint.tags import PathLike, check_tag, find_checkpoint
 from dsfunc.checkpoint.trust import pickle_client_state, read_client_state
@@ -59,7 +59,8 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
       async_save: copy the state to host memory, return, and write in a background thread while
         training continues. One save is in flight at most: the next save or load (or
         :func:`wait_for_checkpoint`) waits for it and raises if it failed.
-      timeout: seconds to wait for every rank to arrive before raising :class:`CheckpointTimeoutError`.
+      timeout: seconds to wait for every rank to arrive, and for another job saving into ``save_dir`` to
+        finish publishing, before raising :class:`CheckpointTimeoutError`.
 
     Returns:
       The checkpoint folder ``save_dir/<tag>`` (for an async save: where it will be once written).
@@ -77,7 +78,7 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
     client = collective(lambda: pickle_client_state(client_state) if comm.rank() == 0 else None)
     with _scope(state):  # a pipeline stage's units are sharded over its data-parallel ranks
         tensors = save_dict(state, staged=async_save)
-    job = functools.partial(write_checkpoint, Path(save_dir), tag, tensors, meta, client, save_latest)
+    job = functools.partial(write_checkpoint, Path(save_dir), tag, tensors, meta, client, save_latest, timeout)
     if not async_save:
         return job()
     global _PENDING
@@ -138,8 +139,8 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
         return load_deepspeed(deepspeed, state, selection, trust_pickle=trust_pickle)
     # [Note: verify, agree, then unpickle] (dsfunc.checkpoint.trust): the verdicts of all ranks first
     folder, meta = collective(lambda: _open(Path(load_dir), tag, state, selection, verify))
-    client = collective(lambda: read_client_state(folder, meta, trust_pickle))
-    index = collective(lambda: read_index(folder, trust_pickle=trust_pickle))
+    client = collective(lambda: read_client_state(folder, trust_pickle))
+    index = collective(lambda: read_listed_index(folder, meta, trust_pickle=trust_pickle))
     with _scope(state):
         targets, copy_back = load_dict(state, wanted(meta, state, selection))
     try:

@@ -136,7 +136,8 @@ def _timeout_text(store: dist.Store, keys: list[str], gave_up: dict[str, Any], o
 
 
 def collective(fn: Callable[[], T], *, src: int | None = None, gather: bool = False) -> Any:
-    """Run ``fn`` on every rank; if it raised anywhere, raise on every rank (the failing rank's error class).
+    """Run ``fn`` on every rank; if it raised anywhere, raise on every rank (the failing rank's error class,
+    or the public class it derives from).
 
     Returns this rank's result, rank ``src``'s (``src=``), or every rank's in a list (``gather=True``).
     """
@@ -145,8 +146,8 @@ def collective(fn: Callable[[], T], *, src: int | None = None, gather: bool = Fa
         result, failure = fn(), None
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank learns of it below and raises
         error, result = e, None
-        failure = (type(e).__name__, str(e)) if isinstance(e, CheckpointError) else \
-            ("CheckpointError", f"{type(e).__name__}: {e}")
+        failure = (next(c.__name__ for c in type(e).__mro__ if c.__name__ in BY_NAME), str(e)) \
+            if isinstance(e, CheckpointError) else ("CheckpointError", f"{type(e).__name__}: {e}")
     if comm.is_distributed():
         replies: list[Any] = [None] * comm.world_size()
         shared = result if src is not None or gather else None

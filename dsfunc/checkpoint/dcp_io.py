@@ -185,3 +185,8 @@ def write_failure_text(e: BaseException, folder: Path) -> str:
         mine = disk_text(exc, folder / file) or f"{type(exc).__name__}: {exc}"
     texts = collective(lambda: mine, gather=True)
     return "; ".join(f"rank {r}: {t}" for r, t in enumerate(texts) if t is not None) or failure_text(e)
+
+
+def data_files(index: Metadata) -> set[str]:
+    """The names of the files of the folder that ``index`` (a :func:`read_index`) says hold the tensors."""
+    return {info.relative_path for info in index.storage_data.values()}

@@ -31,11 +31,12 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from dsfunc.checkpoint.dcp_io import read_index, read_tensors
+from dsfunc.checkpoint.dcp_io import read_tensors
 from dsfunc.checkpoint.deepspeed.layout import is_deepspeed_folder
 from dsfunc.checkpoint.deepspeed.weights import deepspeed_weights
-from dsfunc.checkpoint.metadata import read_meta, verify_files
+from dsfunc.checkpoint.metadata import read_listed_index, read_meta, verify_files
 from dsfunc.checkpoint.publish import atomic_file
+from dsfunc.checkpoint.schema import DTYPES
 from dsfunc.checkpoint.tags import PathLike, find_checkpoint
 from dsfunc.errors import InputError
 
@@ -99,7 +100,7 @@ def weights(ckpt_dir: PathLike, tag: str | None = None, *, with_aliases: bool, v
         return deepspeed_weights(folder, with_aliases=with_aliases, trust_pickle=trust_pickle)
     meta = read_meta(folder)
     verify_files(folder, meta, share=(0, 1) if verify else None)
-    index = read_index(folder, trust_pickle=trust_pickle)
+    index = read_listed_index(folder, meta, trust_pickle=trust_pickle)
     layout = _export_layout(meta, with_aliases=with_aliases)
     keys = [(name, source) for name, _, source in meta["state_dict"]]
     order = [name for name, _ in keys] if with_aliases else [name for name, kind, source in meta["state_dict"]
@@ -117,7 +118,7 @@ def _export_layout(meta: dict[str, Any], *, with_aliases: bool) -> Layout:
     for name, kind, _ in meta["state_dict"]:
         if kind == "buffer":
             b = meta["buffers"][name]
-            layout.append((name, tuple(b["shape"]), getattr(torch, b["dtype"])))
+            layout.append((name, tuple(b["shape"]), DTYPES[b["dtype"]]))
     return layout
 
 
@@ -135,7 +136,7 @@ def _export_tensors(folder: Path, meta: dict[str, Any], index: Metadata, *,
     for name, kind, _ in meta["state_dict"]:
         if kind == "buffer":
             b = meta["buffers"][name]
-            t = torch.empty(b["shape"], dtype=getattr(torch, b["dtype"]))
+            t = torch.empty(b["shape"], dtype=DTYPES[b["dtype"]])
             read_tensors({f"buffers/{name}": t}, folder, index, offline=True)
             yield name, t
 

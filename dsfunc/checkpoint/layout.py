@@ -1,4 +1,4 @@
-"""The names of everything a save puts in ``save_dir``; one job per ``save_dir``, every rank writing its file::
+"""The names of everything a save puts in ``save_dir``, every rank writing its file::
 
     save_dir/latest                          the newest tag (text, no newline), replaced atomically
     save_dir/<tag>/.metadata                 torch.distributed.checkpoint's index of the tensors
@@ -6,9 +6,13 @@
     save_dir/<tag>/client_state.pt           rank 0's ``client_state`` (torch.save pickle)
     save_dir/<tag>/dsfunc_checkpoint.json    what was saved, with every file's size and sha256
     save_dir/.<tag>.tmp-<id>/                a save in progress, or one that died: never loaded
+    save_dir/.<tag>.tmp-<id>/.owner          locked by the save's rank 0 while it runs (:mod:`.locks`)
     save_dir/.<tag>.replaced/                the previous ``<tag>`` while a save over it moves the new one in
+    save_dir/.latest.tmp-<id>                the next ``latest`` while it is written
+    save_dir/.lock                           locked while a save changes the names in save_dir
 
 A folder is a complete checkpoint exactly when it holds ``dsfunc_checkpoint.json``, which is written last.
+Several jobs may save into one ``save_dir`` ([Note: jobs sharing a save_dir] in :mod:`.locks`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ META_FILE = "dsfunc_checkpoint.json"
 CLIENT_FILE = "client_state.pt"
 LATEST_FILE = "latest"
 META_DATA = ".metadata"  # DCP's index, written by rank 0 (a pickle)
+LOCK_FILE = ".lock"
+OWNER_FILE = ".owner"
 _REPLACED = ".replaced"
 
 
@@ -34,7 +40,7 @@ def temporary(save_dir: Path, name: str) -> Path:
 
 
 def temporaries(save_dir: Path) -> list[Path]:
-    """What :func:`temporary` names are left in ``save_dir``: saves that died, or one in progress."""
+    """What :func:`temporary` names are in ``save_dir``: saves in progress, or left by saves that died."""
     return list(save_dir.glob(".*.tmp-*"))
 
 

@@ -1,5 +1,13 @@
 """The metadata file (``dsfunc_checkpoint.json``): what it records, reading it, and checking the files
-against the sizes and sha256 it holds."""
+against the sizes and sha256 it holds.
+
+[Note: the manifest lists every file a load reads]
+The metadata's ``files`` (the manifest) holds the size and sha256 of each file of the checkpoint. A load
+reads no file the manifest does not list: DCP's ``.metadata`` and ``client_state.pt`` must be listed
+(:func:`read_meta`), and so must every data file the index names before any tensor
+is read (:func:`read_listed_index`). Every listed file is opened as a regular file of the folder
+(:mod:`.files`), and its size is checked even with ``verify=False``.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +15,19 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
+from dsfunc.checkpoint import schema
+from dsfunc.checkpoint.dcp_io import data_files, read_index
 from dsfunc.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from dsfunc.checkpoint.files import NotRegularFileError, open_regular
 from dsfunc.checkpoint.keys import entries
-from dsfunc.checkpoint.layout import META_FILE
+from dsfunc.checkpoint.layout import META_DATA, META_FILE, OWNER_FILE
 from dsfunc.checkpoint.tags import available_tags
 from dsfunc.distributed import comm
 from dsfunc.frozen import thaw
@@ -86,54 +99,84 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
-    """The metadata of the checkpoint in ``folder``, if this dsfunc can read its format."""
+    """The metadata of the checkpoint in ``folder``, if this dsfunc can read its format, checked to have the
+    shape it writes (:func:`dsfunc.checkpoint.schema.check`)."""
+    path = folder / META_FILE
     try:
-        meta = json.loads((folder / META_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointCorruptError(f"cannot read {folder / META_FILE}: {e}") from e
-    if meta.get("format") != FORMAT:
-        raise CheckpointCorruptError(f"{folder / META_FILE} is not dsfunc checkpoint metadata")
-    if meta.get("format_version", 0) > FORMAT_VERSION:
+        with open_regular(path) as f:
+            meta = json.loads(f.read())
+    except NotRegularFileError:
+        raise
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointCorruptError(f"cannot read {path}: {type(e).__name__}: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointCorruptError(f"{path} is not dsfunc checkpoint metadata")
+    version = meta.get("format_version")
+    if isinstance(version, int) and version > FORMAT_VERSION:
         raise CheckpointError(
-            f"{folder} was written in checkpoint format {meta['format_version']} by dsfunc "
-            f"{meta.get('dsfunc_version')}; this dsfunc reads format {FORMAT_VERSION}: upgrade dsfunc"
+            f"{folder} was written in checkpoint format {version!r} by dsfunc {meta.get('dsfunc_version')}; "
+            f"this dsfunc reads format {FORMAT_VERSION}: upgrade dsfunc"
         )
-    return meta
+    return schema.check(meta, path)
 
 
 def verify_files(folder: Path, meta: dict[str, Any], share: tuple[int, int] | None) -> None:
-    """Sizes of all files, and sha256 of this rank's share of them (``share=(rank, world)``)."""
-    problems = []
+    """Sizes of all files, and sha256 of this rank's share of them (``share=(rank, world)``), each opened as a
+    regular file of ``folder`` ([Note: the manifest lists every file a load reads])."""
     files = meta["files"]
+    problems = []
     for name, info in sorted(files.items()):
-        path = folder / name
-        if not path.is_file():
+        try:
+            with open_regular(folder / name) as f:
+                size = os.fstat(f.fileno()).st_size
+        except FileNotFoundError:
             problems.append(f"{name} is missing")
-        elif (size := path.stat().st_size) != info["bytes"]:
-            problems.append(f"{name} is {size} bytes but {info['bytes']} were written"
-                            + (" (truncated)" if size < info["bytes"] else ""))
+        except NotRegularFileError as e:
+            problems.append(f"{name} is {e.what}, not a regular file")
+        except OSError as e:
+            problems.append(f"{name} cannot be read ({e.strerror})")
+        else:
+            if size != info["bytes"]:
+                problems.append(f"{name} is {size} bytes but {info['bytes']} were written"
+                                + (" (truncated)" if size < info["bytes"] else ""))
     if not problems and share is not None:
         rank, world = share
         for name in sorted(files)[rank::world]:
             if digest(folder / name)["sha256"] != files[name]["sha256"]:
                 problems.append(f"{name} does not match the sha256 recorded when it was written (corrupted)")
     if problems:
-        others = [t for t in available_tags(folder.parent) if t != folder.name]
-        fallback = (f"load an earlier checkpoint with tag=... ({', '.join(map(repr, others))})" if others
-                    else "there is no other checkpoint next to it")
-        raise CheckpointCorruptError(f"checkpoint {folder} is damaged: {'; '.join(problems)}. {fallback}")
+        _damaged(folder, problems)
+
+
+def read_listed_index(folder: Path, meta: dict[str, Any], *, trust_pickle: bool) -> Metadata:
+    """DCP's index of the (verified) checkpoint in ``folder``, once the manifest is known to list every data
+    file it names ([Note: the manifest lists every file a load reads])."""
+    index = read_index(folder, trust_pickle=trust_pickle)
+    unlisted = sorted(data_files(index) - meta["files"].keys())
+    if unlisted:
+        _damaged(folder, [(f"its manifest (`files` in {META_FILE}) does not list {', '.join(unlisted[:3])}, "
+                           f"which {META_DATA} names as holding tensors (no tensor was read)")])
+    return index
+
+
+def _damaged(folder: Path, problems: list[str]) -> None:
+    others = [t for t in available_tags(folder.parent) if t != folder.name]
+    fallback = (f"load an earlier checkpoint with tag=... ({', '.join(map(repr, others))})" if others
+                else "there is no other checkpoint next to it")
+    raise CheckpointCorruptError(f"checkpoint {folder} is damaged: {'; '.join(problems)}. {fallback}")
 
 
 def hash_share(folder: Path) -> dict[str, dict[str, Any]]:
-    """Size and sha256 of this rank's share of the files in ``folder``."""
-    names = sorted(p.name for p in folder.iterdir() if p.is_file())
+    """Size and sha256 of this rank's share of the files in ``folder`` (a save's, whose claim is not one)."""
+    names = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != OWNER_FILE)
     return {name: digest(folder / name) for name in names[comm.rank()::comm.world_size()]}
 
 
 def digest(path: Path) -> dict[str, Any]:
-    """The ``files`` entry of ``path``: its size and sha256."""
+    """The ``files`` entry of the regular file ``path``: its size and sha256."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
-    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+        size = os.fstat(f.fileno()).st_size
+    return {"bytes": size, "sha256": h.hexdigest()}

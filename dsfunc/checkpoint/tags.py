@@ -3,6 +3,11 @@
 A folder is a checkpoint when it is a complete dsfunc checkpoint (it holds ``dsfunc_checkpoint.json``) or a
 DeepSpeed checkpoint (it holds a ``*model_states.pt`` file; :mod:`dsfunc.checkpoint.deepspeed.layout`).
 DeepSpeed writes ``latest`` the same way, so a DeepSpeed ``save_dir`` and its tags resolve here too.
+
+A tag is checked by one rule on save and on load (:func:`check_tag`), the tag ``latest`` names too; and a
+tag never leads out of its ``save_dir``: ``latest`` is read only as a small regular file (a link, a FIFO or
+a device is refused), and a tag that is a symbolic link (``best -> global_step1``) is followed only to a
+folder of the same ``save_dir``.
 """
 
 from __future__ import annotations
@@ -11,11 +16,15 @@ import os
 from pathlib import Path
 
 from dsfunc.checkpoint.deepspeed.layout import is_deepspeed_folder
-from dsfunc.checkpoint.errors import CheckpointNotFoundError
+from dsfunc.checkpoint.errors import CheckpointCorruptError, CheckpointNotFoundError
+from dsfunc.checkpoint.files import is_folder, read_small
 from dsfunc.checkpoint.layout import LATEST_FILE, META_FILE, replaced
 from dsfunc.errors import InputError
 
 PathLike = str | os.PathLike
+MAX_TAG_BYTES = 200  # with the ".tmp-<id>" a save adds, the name stays within the 255 bytes of a file name
+_TAG_RULE = (f"a tag is the name of a folder in save_dir: at most {MAX_TAG_BYTES} bytes of printable "
+             f"characters, without whitespace, '/' or '\\', not starting with '.' and not {LATEST_FILE!r}")
 
 
 def find_checkpoint(load_dir: PathLike, tag: str | None = None) -> Path:
@@ -37,7 +46,10 @@ def find_checkpoint(load_dir: PathLike, tag: str | None = None) -> Path:
 
     Raises:
       CheckpointNotFoundError: no such directory, no ``latest`` and no tag, no complete checkpoint under
-        that tag; the message lists the complete checkpoints that are there.
+        that tag, a tag that is a link out of ``load_dir``; the message lists the complete checkpoints that
+        are there.
+      CheckpointCorruptError: ``latest`` is not a small regular file holding a valid tag.
+      InputError: ``tag`` is not a valid tag (the rule of :func:`save_checkpoint`).
 
     Example::
 
@@ -70,11 +82,16 @@ def find_checkpoint(load_dir: PathLike, tag: str | None = None) -> Path:
                 f"pass tag=... ({listing})"
             )
         source = f" (named by {load_dir / LATEST_FILE})"
-    tag = str(tag)
+    else:
+        tag = check_tag(str(tag))
     folder = load_dir / tag
+    if not _inside(load_dir, folder):
+        raise CheckpointNotFoundError(
+            f"{folder}{source} is a symbolic link to {folder.resolve()}, outside {load_dir}: a tag names a "
+            f"checkpoint of its own save_dir only. To load that checkpoint, pass its folder as load_dir")
     if is_checkpoint_folder(folder):
         return folder
-    if (replaced(load_dir, tag) / META_FILE).is_file():  # a save over this tag died between its two renames
+    if _complete(replaced(load_dir, tag)):  # a save over this tag died between its two renames
         return replaced(load_dir, tag)
     if not folder.exists():
         raise CheckpointNotFoundError(f"no checkpoint tagged {tag!r}{source} in {load_dir}; {listing}")
@@ -86,8 +103,19 @@ def find_checkpoint(load_dir: PathLike, tag: str | None = None) -> Path:
 
 
 def is_checkpoint_folder(folder: Path) -> bool:
-    """Whether ``folder`` is a complete dsfunc checkpoint or a DeepSpeed checkpoint."""
-    return (folder / META_FILE).is_file() or is_deepspeed_folder(folder)
+    """Whether ``folder`` is a complete dsfunc checkpoint or a DeepSpeed checkpoint (its metadata file is there:
+    whether it is a regular file is :func:`~dsfunc.checkpoint.metadata.read_meta`'s to say)."""
+    return os.path.lexists(folder / META_FILE) or is_deepspeed_folder(folder)
+
+
+def _complete(folder: Path) -> bool:
+    """Whether ``folder`` itself (not a link) is a complete dsfunc checkpoint."""
+    return is_folder(folder) and (folder / META_FILE).is_file()
+
+
+def _inside(save_dir: Path, folder: Path) -> bool:
+    """Whether ``folder``, a name in ``save_dir``, is a folder of ``save_dir`` itself or a link to one."""
+    return not folder.is_symlink() or folder.resolve().parent == save_dir.resolve()
 
 
 def available_tags(save_dir: PathLike) -> list[str]:
@@ -95,24 +123,53 @@ def available_tags(save_dir: PathLike) -> list[str]:
     root = Path(save_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if not p.name.startswith(".") and is_checkpoint_folder(p)]
+    found = [p for p in root.iterdir()
+             if not p.name.startswith(".") and _inside(root, p) and is_checkpoint_folder(p)]
     return [p.name for p in sorted(found, key=lambda p: (p / META_FILE if (p / META_FILE).is_file() else p)
                                      .stat().st_mtime)]
 
 
 def read_latest(save_dir: Path) -> str | None:
-    """The tag ``save_dir/latest`` names, or None without one."""
+    """The tag ``save_dir/latest`` names (one line, a valid tag), or None without one."""
+    path = save_dir / LATEST_FILE
     try:
-        return (save_dir / LATEST_FILE).read_text().strip() or None
-    except OSError:
+        data = read_small(path, 4 * MAX_TAG_BYTES)
+    except FileNotFoundError:
         return None
+    except OSError as e:
+        raise CheckpointCorruptError(f"cannot read {path}: {e}") from e
+    try:
+        tag = data.decode().removesuffix("\n").removesuffix("\r")
+    except UnicodeDecodeError:
+        raise CheckpointCorruptError(f"{path} is not text: it should hold the tag of a checkpoint in "
+                                     f"{save_dir}; rewrite it, or pass tag=...") from None
+    if not tag:
+        return None
+    problem = _tag_problem(tag)
+    if problem is not None:
+        raise CheckpointCorruptError(f"{path} names {tag!r}, which is not a tag ({problem}; {_TAG_RULE}): write "
+                                     f"the tag of a checkpoint in {save_dir} into it, or pass tag=...")
+    return tag
 
 
 def check_tag(tag: str) -> str:
-    """``tag`` if it can name a checkpoint folder inside ``save_dir``."""
-    if not tag or tag.startswith(".") or tag == LATEST_FILE or any(c in tag for c in ("/", os.sep, "\0")):
-        raise InputError(
-            f"invalid checkpoint tag {tag!r}: a tag is a folder name inside save_dir; it must be non-empty, "
-            f"must not start with '.', contain '/' or be {LATEST_FILE!r}"
-        )
+    """``tag`` if it can name a checkpoint folder inside ``save_dir``: the rule of saves and loads alike."""
+    problem = _tag_problem(tag)
+    if problem is not None:
+        raise InputError(f"invalid checkpoint tag {tag!r}: {problem}; {_TAG_RULE}")
     return tag
+
+
+def _tag_problem(tag: str) -> str | None:
+    if not tag:
+        return "it is empty"
+    if tag.startswith("."):
+        return "it starts with '.', as the names a save uses for its own files do"
+    if tag == LATEST_FILE:
+        return f"{LATEST_FILE!r} is the file naming the newest tag"
+    bad = next((c for c in tag if c.isspace() or not c.isprintable() or c in "/\\"), None)
+    if bad is not None:
+        return f"it contains {bad!r}"
+    if len(tag.encode()) > MAX_TAG_BYTES:
+        return f"it is {len(tag.encode())} bytes long"
+    return None

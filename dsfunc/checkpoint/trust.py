@@ -56,15 +56,14 @@ def pickle_client_state(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-def read_client_state(folder: Path, meta: dict[str, Any], trust_pickle: bool) -> Any:
-    """The client state of the (verified) checkpoint in ``folder``; ``{}`` when it has none.
+def read_client_state(folder: Path, trust_pickle: bool) -> Any:
+    """The client state of the (verified) checkpoint in ``folder``, which the manifest lists
+    (:func:`~dsfunc.checkpoint.metadata.verify_files`).
 
     Without ``trust_pickle`` it is read with ``weights_only=True`` (tensors, dicts, lists, tuples, numbers,
     strings: what DeepSpeed scripts store); an object that needs full unpickling is an error naming the
     opt-in.
     """
-    if CLIENT_FILE not in meta["files"]:
-        return {}
     return load_pickle(folder / CLIENT_FILE, trust_pickle=trust_pickle)
 
 

@@ -92,7 +92,7 @@ def test_a_full_tmpfs_is_named_on_every_rank(tmp_path, size, where):
     else:
         assert "writing the tensors failed: rank " in first
     assert "Nothing was replaced: no `latest` was written" in first
-    assert result["left"] == [], "a failed save leaves nothing behind"
+    assert result["left"] == [".lock"], "a failed save leaves nothing behind but the lock of save_dir"
 
 
 def test_a_file_size_limit_is_named_on_every_rank(tmp_path):
@@ -106,7 +106,7 @@ def test_a_file_size_limit_is_named_on_every_rank(tmp_path):
         assert f"rank {rank}: file too large for this process's file-size limit (ulimit -f) while writing " in first
     assert "raise the limit, e.g. ulimit -f unlimited" in first and "unexpected pos" not in first
     assert "`latest` still names 'small'" in first
-    assert results[0]["left"] == ["latest", "small"] and results[0]["latest"] == "small"
+    assert results[0]["left"] == [".lock", "latest", "small"] and results[0]["latest"] == "small"
     assert disk_limits.loads(str(tmp_path))
 
 
@@ -126,8 +126,29 @@ def test_a_read_only_file_system_is_named_on_every_rank(tmp_path):
                             f"while writing {mount}/.big.tmp-")
     assert "remount it read-write or save to another directory" in first
     assert "`latest` still names 'small'" in first
-    assert result["ranks"][0]["left"] == ["latest", "small"] and result["loads"]
+    assert result["ranks"][0]["left"] == [".lock", "latest", "small"] and result["loads"]
 
+
+
+@pytest.mark.skipif(_mount_namespace_reason() is not None, reason=str(_mount_namespace_reason()))
+def test_a_disk_full_exactly_at_latest_says_the_tag_was_saved_and_leaves_no_temporary(tmp_path):
+    """A real tmpfs filled until the checkpoint's files fit and ``latest`` does not: the error says what was
+    done (the tag is published, ``latest`` not updated), the half-written ``latest`` is removed, and the
+    next save works."""
+    run = subprocess.run(["unshare", "--mount", "--map-root-user", sys.executable, "-m",
+                          "tests.checkpoint.disk_latest", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    full = tmp_path / "full"
+    assert result["error"].startswith(
+        f"CheckpointError: checkpoint 'second' was saved to {full}/second and is complete, but `latest` was not "
+        f"updated: no space left on device while writing {full}/.latest.tmp-")
+    assert result["error"].endswith("(free some space or save to another directory); `latest` still names "
+                                    "'first'. Load the new checkpoint with tag='second'.")
+    assert "Nothing was replaced" not in result["error"]
+    assert result["left"] == [".lock", "filler", "first", "latest", "second"] and result["latest"] == "first"
+    assert result["loads"] and result["after"] == [".lock", "first", "latest", "second", "third"]
 
 SAVE_TO_PATH = """
 import resource, signal, sys

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 
 import pytest
 import torch
 
 import dsfunc
 from dsfunc import checkpoint as ckpt
+from dsfunc.cli import export as cli_export
 from tests.checkpoint.common import trained
 from tests.models import MLP, config, mlp_batches
 
@@ -50,3 +52,60 @@ def test_the_version_recorded_is_the_installed_distributions(tmp_path):
     ckpt.save_checkpoint(dsfunc.init_state(MLP(), config()), tmp_path, tag="v")
     recorded = json.loads((tmp_path / "v" / ckpt.META_FILE).read_text())["dsfunc_version"]
     assert recorded == dsfunc.__version__ == importlib.metadata.version("dsfunc")
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+# (how the metadata is damaged, the field and problem the error names)
+DAMAGE = [
+    (lambda m: m["files"][".metadata"].pop("sha256"), r"files\['.metadata'\].sha256 is missing"),
+    (lambda m: m["files"]["__0_0.distcp"].update(bytes="12"), r"files\['__0_0.distcp'\].bytes is '12', not an integer"),
+    (lambda m: m["files"]["client_state.pt"].update(sha256="x"), r"files\['client_state.pt'\].sha256 is not a sha256"),
+    (lambda m: m["units"][0].update(numel=10**12),
+     r"units and buffers hold 4,000,000,\d{3},\d{3} bytes of tensors, but the files listed hold [\d,]+ bytes in all"),
+    (lambda m: m.update(units={"root": 1}), r"units is \{'root': 1\}, not a list"),
+    (lambda m: m["units"][0]["params"][0].update(shape=[-1]), r"units\[0\].params\[0\].shape\[0\] is -1, less than 0"),
+    (lambda m: m["units"][0]["params"][0].update(shape=[10**6]), r"units\[0\].params\[0\] lies past the end of its unit"),
+    (lambda m: m["units"][0]["params"][0].update(aliases=[1]), r"units\[0\].params\[0\].aliases\[0\] is 1, not a string"),
+    (lambda m: m["units"][0]["params"][0].pop("offset"), r"units\[0\].params\[0\].offset is missing"),
+    (lambda m: m["tensors"]["step"].update(dtype="load"), r"tensors\['step'\].dtype is 'load', not a torch dtype"),
+    (lambda m: m["tensors"]["step"].update(unit="nope"), r"tensors\['step'\].unit names 'nope', which is not among"),
+    (lambda m: m["state_dict"].__setitem__(0, ["x", "param", "nope"]), r"state_dict\[0\] names the param 'nope'"),
+    (lambda m: m["state_dict"].__setitem__(0, "x"), r"state_dict\[0\] is not \[name, kind, source\]"),
+    (lambda m: m.update(precision="fp8"), r"precision is 'fp8', not one of fp16, bf16, fp32"),
+    (lambda m: m.pop("scaler"), r"scaler is missing"),
+    (lambda m: m.update(step="3"), r"step is '3', not an integer"),
+    (lambda m: m.update(format_version="1"), r"format_version is '1', not an integer"),
+    (lambda m: m.update(buffers=[]), r"buffers is \[\], not an object"),
+    (lambda m: m["units"][0]["params"].append(json.loads(_nested(900))), r"units\[0\].params\[4\] is \[\[\[\[\[\[\[\.\.\.\]\]\]\]\]\]\], not an object"),
+]
+
+
+@pytest.mark.parametrize("damage, named", DAMAGE)
+def test_valid_json_of_the_wrong_shape_is_named_by_field_in_load_and_export(tmp_path, capsys, damage, named):
+    ckpt.save_checkpoint(dsfunc.init_state(MLP(), config()), tmp_path, tag="t")
+    path = tmp_path / "t" / ckpt.META_FILE
+    meta = json.loads(path.read_text())
+    damage(meta)
+    path.write_text(json.dumps(meta))
+    expected = (rf"{path} is damaged: {named}.*\. It was altered or not written by dsfunc; load another checkpoint "
+                r"\(tag=\.\.\.\), or save this state again")
+    template = dsfunc.init_state(MLP(), config())
+    with pytest.raises(ckpt.CheckpointCorruptError, match=expected):
+        ckpt.load_checkpoint(tmp_path, template)
+    assert not template.donated
+    assert cli_export([str(tmp_path), str(tmp_path / "w.safetensors")]) == 1
+    assert re.match(rf"dsfunc export: error: {expected}", capsys.readouterr().err)
+
+
+def test_metadata_nested_deeper_than_json_reads_is_named(tmp_path, capsys):
+    ckpt.save_checkpoint(dsfunc.init_state(MLP(), config()), tmp_path, tag="t")
+    path = tmp_path / "t" / ckpt.META_FILE
+    path.write_text(path.read_text()[:-1] + f', "config2": {_nested(200_000)}}}')
+    expected = rf"cannot read {path}: RecursionError"
+    with pytest.raises(ckpt.CheckpointCorruptError, match=expected):
+        ckpt.load_checkpoint(tmp_path, dsfunc.init_state(MLP(), config()))
+    assert cli_export([str(tmp_path), str(tmp_path / "w.safetensors")]) == 1
+    assert re.match(rf"dsfunc export: error: {expected}", capsys.readouterr().err)

@@ -21,7 +21,7 @@ def test_layout_metadata_latest_and_client_state(tmp_path):
     path = dsfunc.checkpoint.save_checkpoint(state, tmp_path, client_state={"epoch": 3, "note": [1, 2]})
     assert path == str(tmp_path / "global_step3")
     assert (tmp_path / "latest").read_text() == "global_step3"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step3", "latest"]  # no temporary left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "global_step3", "latest"]  # no temporary left
     meta = json.loads((tmp_path / "global_step3" / ckpt.META_FILE).read_text())
     assert (meta["step"], meta["world_size"], meta["zero_stage"], meta["precision"]) == (3, 1, 0, "fp16")
     assert meta["torch_version"] == torch.__version__ and meta["dsfunc_version"] == dsfunc.__version__

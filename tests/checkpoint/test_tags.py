@@ -54,7 +54,7 @@ def test_overwriting_a_tag_and_a_crash_between_the_renames(tmp_path):
     ckpt.save_checkpoint(state, tmp_path, tag="t")
     state = dsfunc.train_step(state, batches[1])
     ckpt.save_checkpoint(state, tmp_path, tag="t")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "t"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "t"]
     loaded, _ = ckpt.load_checkpoint(tmp_path, dsfunc.init_state(MLP(), config()))
     assert int(loaded.step) == 2
 
@@ -63,7 +63,7 @@ def test_overwriting_a_tag_and_a_crash_between_the_renames(tmp_path):
     loaded, _ = ckpt.load_checkpoint(tmp_path, dsfunc.init_state(MLP(), config()))
     assert int(loaded.step) == 2
     ckpt.save_checkpoint(loaded, tmp_path, tag="other")  # the next save puts it back
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "other", "t"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "other", "t"]
 
 
 def test_find_checkpoint_latest_explicit_tag_folder_and_the_replaced_copy(tmp_path):
@@ -80,7 +80,7 @@ def test_find_checkpoint_latest_explicit_tag_folder_and_the_replaced_copy(tmp_pa
     assert ckpt.find_checkpoint(tmp_path, tag="a") == tmp_path / ".a.replaced"
     loaded, _ = ckpt.load_checkpoint(ckpt.find_checkpoint(tmp_path), dsfunc.init_state(MLP(), config()))
     assert int(loaded.step) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".a.replaced", "b", "latest"]  # nothing moved
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".a.replaced", ".lock", "b", "latest"]  # nothing moved
 
 
 def test_find_checkpoint_not_found_lists_the_tags(tmp_path):

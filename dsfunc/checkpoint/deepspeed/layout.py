@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 from dsfunc.checkpoint.errors import CheckpointCorruptError, CheckpointUnsupportedError
+from dsfunc.checkpoint.files import open_regular
 
 _MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -60,6 +61,7 @@ def find_files(folder: Path) -> DeepSpeedFiles:
     """The files of the DeepSpeed checkpoint in ``folder``, checked for completeness.
 
     Raises:
+      NotRegularFileError: one of them is a symbolic link, a FIFO or a device, not a regular file.
       CheckpointUnsupportedError: a model-parallel, pipeline-parallel, mixture-of-experts or NVMe-offload
         checkpoint (the message names the file).
       CheckpointCorruptError: a rank's file is missing.
@@ -82,6 +84,9 @@ def find_files(folder: Path) -> DeepSpeedFiles:
         raise CheckpointCorruptError(
             f"{folder} has {len(model_states)} ZeRO-3 model-states files but {len(optim_states)} optimizer-states "
             "files: one of each per data-parallel rank was written; some are missing")
+    for path in (*model_states, *optim_states):
+        with open_regular(path):  # a link, FIFO or device is refused before any reader opens it
+            pass
     return DeepSpeedFiles(folder, model_states, optim_states)
 
 

@@ -3,6 +3,7 @@ export refuse each with an error naming the file and the opt-in, and no code run
 
 from __future__ import annotations
 
+import collections
 import shutil
 from pathlib import Path
 
@@ -58,3 +59,16 @@ def test_trust_pickle_runs_the_payload_and_still_loads(ds_root, tmp_path):
     save_dir, _, marker = _tampered(ds_root, tmp_path, case, file)
     state, client = dsfunc.load_checkpoint(save_dir, dsfunc.init_state(Net(), _config(case)), trust_pickle=True)
     assert marker.exists() and int(state.step) == 3 and client["planted"] == 0  # os.system's exit status
+
+
+def test_a_client_tensor_whose_attributes_shadow_clone_comes_back_as_the_tensor(ds_root, tmp_path):
+    """A pickled tensor may carry instance attributes; one named ``clone`` (an allowed class here) must not
+    replace the tensor that the load copies out of the file."""
+    case, file = FILES[0]
+    save_dir = shutil.copytree(ds_root / case, tmp_path / "ds")
+    path = save_dir / "global_step3" / file
+    saved = torch.load(path, weights_only=False)
+    saved["tensor"].clone = collections.OrderedDict
+    torch.save(saved, path)
+    _, client = dsfunc.load_checkpoint(save_dir, dsfunc.init_state(Net(), _config(case)))
+    assert type(client["tensor"]) is torch.Tensor and torch.equal(client["tensor"], torch.arange(4))
