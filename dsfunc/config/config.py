@@ -11,13 +11,29 @@ import torch
 
 from dsfunc.config.activation_checkpointing import ActivationCheckpointingConfig, _activation_checkpointing
 from dsfunc.config.batch import _batch_size, _check_triple, _resolve_batch, _world_size
-from dsfunc.config.checks import _DTYPE_NAME, _NON_NEGATIVE, _bool, _number, _optional, _print_steps
+from dsfunc.config.checks import (
+    _DTYPE_NAME,
+    _NON_NEGATIVE,
+    _bool,
+    _flag,
+    _number,
+    _optional,
+    _print_steps,
+    _without_effect_line,
+)
 from dsfunc.config.compile import CompileConfig, _compile
 from dsfunc.config.errors import ConfigError
 from dsfunc.config.monitor import MonitorConfig
 from dsfunc.config.optimizer import OptimizerConfig, _optimizer
-from dsfunc.config.pipeline import PipelineConfig, _pipeline, parse_pipeline
-from dsfunc.config.precision import _BF16_FIXED, _FP16_FIXED, BF16Config, FP16Config, _grad_accum_dtype
+from dsfunc.config.pipeline import PIPELINE_WITHOUT_EFFECT, PipelineConfig, _pipeline, parse_pipeline
+from dsfunc.config.precision import (
+    _BF16_FIXED,
+    _FP16_FIXED,
+    BF16_WITHOUT_EFFECT,
+    BF16Config,
+    FP16Config,
+    _grad_accum_dtype,
+)
 from dsfunc.config.scheduler import SchedulerConfig, _scheduler
 from dsfunc.config.schema import _key, _parse, _Schema, _section, _Spec, _specs_of
 from dsfunc.config.sources import _read_source
@@ -77,9 +93,9 @@ class Config:
     dataloader_drop_last: bool = _key(False, _bool)
     """Whether the loader dsfunc.initialize(training_data=...) returns drops an incomplete last micro-batch of
     each epoch (dsfunc.batches always drops it)."""
-    zero_allow_untested_optimizer: bool = _key(False, _bool)
+    zero_allow_untested_optimizer: bool = _key(False, _flag)
     """Parsed and kept, not read: dsfunc runs any optimizer under ZeRO, so DeepSpeed's refusal of untested
-    ones has nothing to allow.
+    ones has nothing to allow (1 and 0 read as true and false, as in DeepSpeed).
     """
     grad_accum_dtype: str | None = None
     """Not a key itself: data_types.grad_accum_dtype, parsed and kept, not read (dsfunc sums micro-batch
@@ -174,8 +190,10 @@ class Config:
     def without_effect(self) -> list[str]:
         """Lines naming the keys this config sets that dsfunc accepts but that change nothing in it (said once
         at start-up by :func:`~dsfunc.config.announce_without_effect`): read from ``raw``, the keys as given."""
-        line = without_effect(self.raw.get("zero_optimization"))
-        return [] if line is None else [line]
+        lines = [*without_effect(self.raw.get("zero_optimization")),
+                 _without_effect_line("bf16", self.raw.get("bf16", self.raw.get("bfloat16")), BF16_WITHOUT_EFFECT),
+                 _without_effect_line("pipeline", self.raw.get("pipeline"), PIPELINE_WITHOUT_EFFECT)]
+        return [line for line in lines if line]
 
     @property
     def compute_dtype(self) -> torch.dtype:

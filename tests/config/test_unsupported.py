@@ -157,8 +157,6 @@ def test_unimplemented_sections_accepted_when_off(section):
         ),
         ({"managed_gradient_accumulation": False}, "unmanaged gradient accumulation"),
         ({"fp16": {"fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads = true"),
-        ({"bf16": {"immediate_grad_update": True}}, "bf16.immediate_grad_update = true"),
-        ({"bf16": {"check_grad_overflow": False}}, "bf16.check_grad_overflow = false"),
         ({"data_types": {"param_dtype": "bf16"}}, 'data_types.param_dtype = "bf16": dsfunc does not support'),
         ({"optimizer": {"type": "Adam", "legacy_fusion": True}}, "optimizer.legacy_fusion = true"),
     ],
