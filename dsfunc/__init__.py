@@ -90,7 +90,7 @@ _namespace.install()
 # dsfunc.checkpoint's names, imported on first use: DCP and DTensor take about a second to import
 _CHECKPOINT_NAMES = frozenset({
     "CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError",
-    "CheckpointTimeoutError", "CheckpointUnsupportedError", "export_fp32", "export_hf", "load_checkpoint",
+    "CheckpointTagError", "CheckpointTimeoutError", "CheckpointUnsupportedError", "export_fp32", "export_hf", "load_checkpoint",
     "save_checkpoint", "wait_for_checkpoint",
 })
 
@@ -159,6 +159,7 @@ __all__ = [  # noqa: RUF022 - grouped by layer, as the imports above
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointTagError",
     "CheckpointTimeoutError",
     "CheckpointUnsupportedError",
     "Config",

@@ -31,6 +31,7 @@ from dsfunc.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointTagError,
     CheckpointTimeoutError,
     CheckpointUnsupportedError,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointTagError",
     "CheckpointTimeoutError",
     "CheckpointUnsupportedError",
     "available_tags",

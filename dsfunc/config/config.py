@@ -11,6 +11,7 @@ import torch
 
 from dsfunc.config.activation_checkpointing import ActivationCheckpointingConfig, _activation_checkpointing
 from dsfunc.config.batch import _batch_size, _check_triple, _resolve_batch, _world_size
+from dsfunc.config.checkpoint import CheckpointConfig, _checkpoint
 from dsfunc.config.checks import (
     _DTYPE_NAME,
     _NON_NEGATIVE,
@@ -111,6 +112,8 @@ class Config:
     """DeepSpeed's activation checkpointing keys, and dsfunc's per-unit policy."""
     pipeline: PipelineConfig = PipelineConfig()  # noqa: RUF009
     """Pipeline parallelism: stages and schedule (dsfunc.pipeline)."""
+    checkpoint: CheckpointConfig = CheckpointConfig()  # noqa: RUF009
+    """What a save does when the ranks give different tags (tag_validation)."""
     raw: Mapping[str, Any] = FrozenDict()
     """Not a key: the user's dict as given, frozen (checkpoints record it; without_effect reads the keys given
     from it).
@@ -218,7 +221,7 @@ class Config:
             section = getattr(self, name)
             out[name] = None if section is None else {"type": section.type, "params": thaw(section.params)}
         for name in ("fp16", "bf16", "zero_optimization", "tensorboard", "csv_monitor", "compile",
-                     "activation_checkpointing", "pipeline"):
+                     "activation_checkpointing", "pipeline", "checkpoint"):
             out[name] = thaw(dataclasses.asdict(getattr(self, name)))
         for f in dataclasses.fields(self):
             if "check" in f.metadata:
@@ -243,6 +246,7 @@ _TOP = _Schema(
         "compile": _Spec(CompileConfig(), _compile),
         "activation_checkpointing": _Spec(ActivationCheckpointingConfig(), _activation_checkpointing),
         "pipeline": _Spec(PipelineConfig(), _pipeline),
+        "checkpoint": _Spec(CheckpointConfig(), _checkpoint),
     }
     | _specs_of(Config),
     fixed=_UNSUPPORTED_TOP,

@@ -28,18 +28,6 @@ _UNSUPPORTED_TOP: dict[str, Rule] = {
     "comet": _off("the Comet monitor", ds.COMET, 'dsfunc has "tensorboard" and "csv_monitor".'),
     "comms_logger": _off("the communication logger", ds.COMMS_LOGGER),
     "aio": _accepted(_fields(ds.AIO)),  # tunes NVMe I/O, which only offload to NVMe (refused) uses
-    "checkpoint": _only(
-        {
-            "tag_validation": "Warn",
-            "load_universal": False,
-            "use_node_local_storage": False,
-            "parallel_write": {"pipeline_stage": False},
-            "checkpoint_serialization": True,
-            "writer": None,
-        },
-        feature="these checkpoint options",
-        fix="dsfunc checkpoints load at any world size without conversion.",
-    ),
     "timers": _only(
         {"throughput": {"enabled": True, "synchronized": True}}, feature="configuring the timers"
     ),

@@ -126,7 +126,7 @@ def test_unimplemented_sections_accepted_when_off(section):
             {"checkpoint": {"load_universal": True}},
             "checkpoint.load_universal = true: dsfunc does not support these checkpoint options yet",
         ),
-        ({"checkpoint": {"tag_validation": "Fail"}}, 'checkpoint.tag_validation = "Fail"'),
+        ({"checkpoint": {"tag_validation": "foo"}}, 'checkpoint.tag_validation = "foo" is invalid: expected "Ignore"'),
         (
             {"checkpoint": {"parallel_write": {"pipeline_stage": True}}},
             "checkpoint.parallel_write.pipeline_stage = true",

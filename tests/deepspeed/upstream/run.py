@@ -58,10 +58,11 @@ def unit_test_files(tests: Path, paths: tuple[str, ...]) -> list[str]:
 
 
 def environment(side: str) -> dict[str, str]:
-    """The environment a side's pytest runs in: the CPU accelerator, and for dsfunc the switch and this
-    repository first on the path (the ranks DeepSpeed's tests start inherit both)."""
+    """The environment a side's pytest runs in: the CPU accelerator with 4 "devices" (``LOCAL_SIZE``: without
+    it DeepSpeed's CPU accelerator counts NUMA nodes, and tests of 2 or 4 ranks skip for want of devices), and
+    for dsfunc the switch and this repository first on the path (the ranks the tests start inherit both)."""
     env = dict(os.environ, DS_ACCELERATOR="cpu", DS_UNITTEST_TIMEOUT=os.environ.get("DS_UNITTEST_TIMEOUT", "300"),
-               DS_DISABLE_REUSE_DIST_ENV="1", OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+               DS_DISABLE_REUSE_DIST_ENV="1", OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", LOCAL_SIZE="4")
     env.pop("DSFUNC_AS_DEEPSPEED", None)
     if side == "dsfunc":
         env["DSFUNC_AS_DEEPSPEED"] = "1"
