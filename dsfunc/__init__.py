@@ -24,6 +24,7 @@ from dsfunc.config import (
 )
 from dsfunc.deepspeed import (
     DeepSpeedConfig,
+    DeepSpeedConfigError,
     DeepSpeedEngine,
     DeepSpeedHybridEngine,
     DeepSpeedOptimizer,
@@ -80,9 +81,12 @@ from dsfunc.scaling import LossScaleError, LossScaler, LossScaleState
 from dsfunc.schedules import lr_range_test, one_cycle, warmup_cosine_lr, warmup_decay_lr, warmup_lr
 from dsfunc.state import DonatedStateError, FrozenDict, Metrics, TrainState
 from dsfunc.step import apply_gradients, make_train_step, train_step
+from dsfunc.version import git_info as _git_info
 from dsfunc.version import package_version as _package_version
+from dsfunc.version import version_parts as _version_parts
 
 __version__ = _package_version()
+__version_major__, __version_minor__, __version_patch__ = _version_parts(__version__)
 
 _namespace.install()
 
@@ -99,6 +103,8 @@ def __getattr__(name: str) -> object:
     """dsfunc.checkpoint and its names, and DeepSpeed's top-level packages (``deepspeed.accelerator``,
     ``deepspeed.comm``, ``deepspeed.ops``, ``deepspeed.utils``, ``deepspeed.runtime``, ``deepspeed.pipe``, ...),
     imported on first use."""
+    if name in ("__git_hash__", "__git_branch__"):  # DeepSpeed's; asked of git on first use
+        return _git_info()[name != "__git_hash__"]
     if name == "checkpoint" or name in _CHECKPOINT_NAMES:
         checkpoint = _importlib.import_module("dsfunc.checkpoint")
         return checkpoint if name == "checkpoint" else getattr(checkpoint, name)
@@ -179,6 +185,7 @@ __all__ = [  # noqa: RUF022 - grouped by layer, as the imports above
     "wait_for_checkpoint",
     # the DeepSpeed surface (and deepspeed.accelerator, .comm, .ops, .utils, .zero, ... as modules)
     "DeepSpeedConfig",
+    "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "DeepSpeedHybridEngine",
     "DeepSpeedOptimizer",

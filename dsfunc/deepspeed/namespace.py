@@ -56,6 +56,9 @@ ALIASES = {
     "runtime.pipe.topology": "dsfunc.deepspeed.pipe",
     "runtime.pipe.engine": "dsfunc.deepspeed.pipe_engine",
     "runtime.lr_schedules": "dsfunc.deepspeed.lr_schedules",
+    "runtime.config": "dsfunc.deepspeed.config",
+    "runtime.zero.config": "dsfunc.deepspeed.zero_config",
+    "runtime.zero.offload_config": "dsfunc.deepspeed.zero_config",
     # DeepSpeed's modules inside packages whose names are dsfunc's own (dsfunc.checkpoint, dsfunc.launcher)
     "checkpoint.utils": "dsfunc.deepspeed.checkpoint_utils",
     "launcher.runner": "dsfunc.deepspeed.runner",
@@ -169,6 +172,5 @@ InferenceEngine = unsupported("deepspeed.InferenceEngine", "DeepSpeed inference"
 DeepSpeedHybridEngine = unsupported("deepspeed.DeepSpeedHybridEngine", "the hybrid (RLHF) engine")
 DeepSpeedTransformerLayer = unsupported("deepspeed.DeepSpeedTransformerLayer", "DeepSpeed's fused transformer kernels")
 DeepSpeedTransformerConfig = unsupported("deepspeed.DeepSpeedTransformerConfig", "DeepSpeed's fused transformer kernels")
-DeepSpeedConfig = unsupported("deepspeed.DeepSpeedConfig", "DeepSpeed's config object", "use dsfunc.Config.load")
 add_tuning_arguments = unsupported("deepspeed.add_tuning_arguments", "the lr-schedule command-line flags",
                                    "describe the schedule in the config's scheduler section")
