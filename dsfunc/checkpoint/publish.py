@@ -30,6 +30,7 @@ from dsfunc.checkpoint.disk import check_space, disk_text, local_bytes
 from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.layout import CLIENT_FILE, LATEST_FILE, META_FILE, tensor_file
 from dsfunc.checkpoint.metadata import digest, hash_share
+from dsfunc.checkpoint.recovery import write_recovery_script
 from dsfunc.checkpoint.tags import read_latest
 from dsfunc.distributed import comm
 
@@ -119,6 +120,8 @@ def _publish(save_dir: Path, tmp: Path, tag: str, meta: dict[str, Any], client: 
         _write_durably(pending, tag.encode())
         os.replace(pending, save_dir / LATEST_FILE)
         _fsync_dir(save_dir)
+    if meta["zero_stage"] > 0:  # as DeepSpeed's ZeRO saves do
+        write_recovery_script(save_dir)
 
 
 def _write_durably(path: Path, data: bytes) -> None:

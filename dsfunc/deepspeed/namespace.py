@@ -40,6 +40,7 @@ ALIASES = {
     "utils": "dsfunc.deepspeed.utils",
     "utils.logging": "dsfunc.deepspeed.utils",
     "utils.timer": "dsfunc.deepspeed.timers",
+    "utils.zero_to_fp32": "dsfunc.deepspeed.zero_to_fp32",
     "runtime.utils": "dsfunc.deepspeed.utils",
     "runtime.dataloader": "dsfunc.deepspeed.utils",
     "runtime.engine": "dsfunc.deepspeed.engine",
