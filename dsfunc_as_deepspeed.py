@@ -19,6 +19,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
+import importlib.util
 import os
 import re
 import sys
@@ -62,6 +63,11 @@ class _AsDsfunc(importlib.abc.Loader):
         """Nothing to run; the import machinery set the alias's spec on the module: give it its own back."""
         module.__spec__ = self.spec
 
+    def get_code(self, fullname: str) -> types.CodeType | None:
+        """``dsfunc.X``'s code, for ``python -m deepspeed.X`` (runpy asks the loader for it)."""
+        spec = importlib.util.find_spec(self.target)
+        return spec.loader.get_code(self.target) if spec is not None and hasattr(spec.loader, "get_code") else None
+
 
 class _Distribution(importlib.metadata.Distribution):
     """``deepspeed``'s metadata, answered by dsfunc."""
@@ -82,7 +88,7 @@ class Finder(importlib.abc.MetaPathFinder):
         if fullname != "deepspeed" and not fullname.startswith("deepspeed."):
             return None
         return importlib.machinery.ModuleSpec(fullname, _AsDsfunc("dsfunc" + fullname[len("deepspeed"):]),
-                                              is_package=True)
+                                              is_package=not fullname.endswith(".__main__"))  # runpy's rule
 
     def find_distributions(self, context: Any = None) -> list[importlib.metadata.Distribution]:
         """``deepspeed`` for a search of this interpreter's path (not for tools that scan a given folder, as

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import types
 from typing import Any
@@ -126,6 +127,13 @@ class _Loader(importlib.abc.Loader):
         if self.spec is not None:
             module.__spec__ = self.spec
 
+    def get_code(self, fullname: str) -> types.CodeType | None:
+        """The implementing module's code, for ``python -m``: runpy runs a package's ``__main__``, so
+        ``<alias>.__main__`` is the alias's module run as a script (``python -m deepspeed.utils.zero_to_fp32``)."""
+        target = ALIASES.get(self.path.removesuffix(".__main__"))
+        spec = importlib.util.find_spec(target) if target is not None else None
+        return spec.loader.get_code(target) if spec is not None and hasattr(spec.loader, "get_code") else None
+
 
 class _Finder(importlib.abc.MetaPathFinder):
     """Finds DeepSpeed's module paths under ``dsfunc.`` (after the real modules: it sits last)."""
@@ -134,7 +142,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         where = _deepspeed_path(fullname)
         if where is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _Loader(where), is_package=True)
+        return importlib.machinery.ModuleSpec(fullname, _Loader(where), is_package=not fullname.endswith(".__main__"))
 
 
 def _stand_in(fullname: str, path: str) -> types.ModuleType:

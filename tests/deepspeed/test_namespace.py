@@ -48,7 +48,7 @@ IMPORTS = [
     ("inference.config", "DeepSpeedInferenceConfig"),
     ("checkpointing", "checkpoint"),
 ]
-UNSUPPORTED = {"get_fp32_state_dict_from_zero_checkpoint", "estimate_zero3_model_states_mem_needs_all_live",
+UNSUPPORTED = {"estimate_zero3_model_states_mem_needs_all_live",
                "WarmupLR", "PipeModelDataParallelTopology", "MoE", "init_compression",
                "get_model_profile", "replace_transformer_layer",
                "DeepSpeedInferenceConfig"}

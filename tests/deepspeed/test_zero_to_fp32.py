@@ -123,11 +123,17 @@ def test_no_recovery_script_without_zero(tmp_path):
     assert not (tmp_path / SCRIPT_NAME).exists()
 
 
-def test_as_deepspeed_import(tmp_path):
-    """A script's ``from deepspeed.utils.zero_to_fp32 import ...`` under DSFUNC_AS_DEEPSPEED=1 is dsfunc's."""
+def test_as_deepspeed_import_and_module_run(ds_root, tmp_path):
+    """Under DSFUNC_AS_DEEPSPEED=1 a script's ``from deepspeed.utils.zero_to_fp32 import ...`` is dsfunc's, and
+    ``python -m deepspeed.utils.zero_to_fp32`` runs it."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), DSFUNC_AS_DEEPSPEED="1")
     code = ("from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as f, "
             "convert_zero_checkpoint_to_fp32_state_dict, load_state_dict_from_zero_checkpoint; print(f.__module__)")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                          check=False)
     assert run.stdout.strip() == "dsfunc.deepspeed.zero_to_fp32", run.stderr
+    run = subprocess.run([sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(ds_root / "s2_w2_fp16"),
+                          str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr
+    _same(torch.load(tmp_path / "out" / "pytorch_model.bin", weights_only=True),
+          ours.get_fp32_state_dict_from_zero_checkpoint(ds_root / "s2_w2_fp16"))
