@@ -44,3 +44,21 @@ if ! python -c "import importlib.metadata as m; assert m.version('deepspeed') ==
     python -m pip install -q "$build/wheel/deepspeed-$DEEPSPEED_VERSION-py3-none-any.whl" </dev/null
     rm -rf "$build"
 fi
+
+# DeepSpeed's own unit tests (its repository's tests/ at the same release; the source distribution has none),
+# which tests/deepspeed/upstream runs against dsfunc: a fixed subset in the suite, all of them with run.py.
+DEEPSPEED_TESTS="${DSFUNC_DEEPSPEED_TESTS:-$HOME/.cache/dsfunc/deepspeed-$DEEPSPEED_VERSION/tests}"
+if [ ! -f "$DEEPSPEED_TESTS/unit/common.py" ]; then
+    python - "$DEEPSPEED_VERSION" "$DEEPSPEED_TESTS" <<'PY'
+import io, pathlib, shutil, sys, tarfile, tempfile, urllib.request
+
+version, dest = sys.argv[1], pathlib.Path(sys.argv[2])
+url = f"https://github.com/deepspeedai/DeepSpeed/archive/refs/tags/v{version}.tar.gz"
+with urllib.request.urlopen(url, timeout=300) as response, tempfile.TemporaryDirectory() as tmp:
+    with tarfile.open(fileobj=io.BytesIO(response.read())) as tar:
+        members = [m for m in tar.getmembers() if m.name.split("/", 2)[1:2] == ["tests"]]
+        tar.extractall(tmp, members=members, filter="data")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(pathlib.Path(tmp) / f"DeepSpeed-{version}" / "tests"), str(dest))
+PY
+fi

@@ -85,13 +85,14 @@ def outcomes(junit: Path, file: str) -> dict[str, str]:
 
 
 def run_file(tests: Path, file: str, side: str, ids: list[str] | None, timeout: int, log: Path) -> dict[str, str]:
-    """One test file (or the given ids of it) under one side; a file that does not finish in ``timeout``
-    seconds is stopped and its unreported tests count as ``timeout``, one that cannot be collected as
-    ``error``."""
+    """One test file (or the given ids of it) under one side; a file that does not finish in 4 x ``timeout``
+    seconds is stopped and its unreported tests count as ``timeout``; tests not reported otherwise (the file
+    could not be collected) as ``error``."""
     junit = log.with_suffix(".xml")
     junit.unlink(missing_ok=True)
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--timeout", str(timeout),
                f"--junitxml={junit}", *(ids or [file])]
+    killed = False
     with open(log, "w") as out:
         process = subprocess.Popen(command, cwd=tests, env=environment(side), stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
@@ -100,9 +101,10 @@ def run_file(tests: Path, file: str, side: str, ids: list[str] | None, timeout: 
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+            killed = True
     result = outcomes(junit, file) if junit.exists() else {}
     for test_id in ids or []:
-        result.setdefault(test_id, "timeout" if junit.exists() or process.returncode < 0 else "error")
+        result.setdefault(test_id, "timeout" if killed else "error")
     if not result:
         result[file] = "error"
     return result
