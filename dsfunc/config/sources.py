@@ -58,6 +58,8 @@ def _read_source(source: Any) -> Mapping[str, Any]:
         return source
     if isinstance(source, argparse.Namespace):
         inner = getattr(source, "deepspeed_config", None)
+        if inner is None:  # DeepSpeed's deprecated spelling, which it still reads
+            inner = getattr(source, "deepscale_config", None)
         if inner is None:
             raise ConfigError(
                 "args.deepspeed_config is not set: pass --deepspeed_config ds_config.json (the flag "

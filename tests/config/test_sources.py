@@ -69,6 +69,7 @@ def test_argparse_namespace(tmp_path: Path):
     args = argparse.Namespace(deepspeed=True, deepspeed_config=str(path), local_rank=0)
     assert Config.load(args, world_size=2).train_micro_batch_size_per_gpu == 4
     assert Config.load(argparse.Namespace(deepspeed_config={"train_batch_size": 4})).train_batch_size == 4
+    assert Config.load(argparse.Namespace(deepscale_config=str(path)), world_size=2).train_batch_size == 16
     with pytest.raises(
         ConfigError, match="args.deepspeed_config is not set: pass --deepspeed_config ds_config.json"
     ):
