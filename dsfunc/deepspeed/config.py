@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from dsfunc.config import Config, ConfigError
+from dsfunc.config.batch import _check_triple, _resolve_batch
 from dsfunc.deepspeed.engine_config import _FROM_CONFIG, _OFF
 from dsfunc.deepspeed.zero_config import DeepSpeedZeroConfig
 from dsfunc.frozen import thaw
@@ -67,6 +68,18 @@ class DeepSpeedConfig:
         self.checkpoint_tag_validation_enabled = cfg.checkpoint.tag_validation != "IGNORE"
         self.checkpoint_tag_validation_fail = cfg.checkpoint.tag_validation == "FAIL"
         self.pipeline = thaw(cfg.raw.get("pipeline") or {})
+
+    def _configure_train_batch_size(self) -> None:
+        """Resolve the batch triple again from the three attributes (None where unset), as DeepSpeed's method
+        of this name does for scripts that change them; an inconsistent triple is an ``AssertionError``, as
+        DeepSpeed asserts, with dsfunc's message."""
+        try:
+            triple = _resolve_batch(self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                                    self.gradient_accumulation_steps, self.world_size)
+            _check_triple(*triple, self.world_size)
+        except ConfigError as e:
+            raise AssertionError(str(e)) from None
+        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = triple
 
     def __repr__(self) -> str:
         return f"DeepSpeedConfig({self.config!r})"

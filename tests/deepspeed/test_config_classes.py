@@ -108,6 +108,27 @@ def test_mpu_gives_the_data_parallel_size():
     assert (config.world_size, config.train_micro_batch_size_per_gpu) == (4, 4)
 
 
+@pytest.mark.parametrize("triple, world, expected", [
+    ((32, 16, None), 2, (32, 16, 1)), ((32, None, 2), 2, (32, 8, 2)), ((None, 8, 2), 2, (32, 8, 2)),
+    ((33, 17, 2), 2, None), ((32, 18, None), 2, None), ((None, None, 2), 2, None),
+])
+def test_the_batch_triple_is_resolved_again_as_real_deepspeed(triple, world, expected):
+    """Scripts that set the three attributes and call ``_configure_train_batch_size`` (DeepSpeed's own tests)."""
+    real = pytest.importorskip("deepspeed.runtime.config")
+    results = []
+    for cls in (DeepSpeedConfig, real.DeepSpeedConfig):
+        config = cls({"train_batch_size": 2})
+        config.world_size = world
+        config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps = triple
+        try:
+            config._configure_train_batch_size()
+            results.append((config.train_batch_size, config.train_micro_batch_size_per_gpu,
+                            config.gradient_accumulation_steps))
+        except AssertionError:
+            results.append(None)
+    assert results == [expected, expected]
+
+
 def test_version_and_git_names():
     assert (dsfunc.__version_major__, dsfunc.__version_minor__, dsfunc.__version_patch__) == \
         tuple(int(p) for p in dsfunc.__version__.split(".")[:3])
