@@ -16,6 +16,7 @@ from dsfunc.config.checks import (
     _DTYPE_NAME,
     _NON_NEGATIVE,
     _bool,
+    _choice,
     _flag,
     _number,
     _optional,
@@ -41,6 +42,11 @@ from dsfunc.config.sources import _read_source
 from dsfunc.config.unsupported import _UNSUPPORTED_TOP
 from dsfunc.config.zero import ZeroConfig, _zero, without_effect
 from dsfunc.frozen import FrozenDict, freeze, thaw
+
+
+def _allreduce_op(value: Any, path: str) -> str:
+    """``"mean"`` or ``"sum"``, in any case (DeepSpeed lower-cases it)."""
+    return _choice("mean", "sum")(value.lower() if isinstance(value, str) else value, path)
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,11 @@ class Config:
     gradient_predivide_factor: float = _key(1.0, _number(gt=0.0))
     """Parsed and kept, not read: DeepSpeed divides gradients by it before the reduction and by world / it
     after; dsfunc's 1/world is in the backward seed.
+    """
+    gradient_allreduce_op: str = _key("mean", _allreduce_op)
+    """How gradients combine over the data-parallel ranks: "mean" (the default), or "sum" (each rank's gradient
+    is still the mean over its micro-batches). Any case, as DeepSpeed; "sum" is refused at ZeRO stage 3, as
+    there.
     """
     dataloader_drop_last: bool = _key(False, _bool)
     """Whether the loader dsfunc.initialize(training_data=...) returns drops an incomplete last micro-batch of
@@ -148,6 +159,9 @@ class Config:
             self.world_size,
         )
         _check_triple(t, m, g, w)
+        if self.gradient_allreduce_op == "sum" and self.zero_optimization.stage == 3:
+            raise ConfigError('gradient_allreduce_op = "sum" is not supported with ZeRO stage 3 (nor in DeepSpeed); '
+                              'use "mean", or ZeRO stage 0-2.')
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError(
                 "fp16.enabled and bf16.enabled are both true: bfloat16 and fp16 modes cannot be "

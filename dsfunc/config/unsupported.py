@@ -41,7 +41,6 @@ _UNSUPPORTED_TOP: dict[str, Rule] = {
     "vocabulary_size": _accepted(_integer(ge=1)),  # DeepSpeed only warns when it is not a multiple of 8
     "zero_force_ds_cpu_optimizer": _accepted(_bool),  # dsfunc's offload updates on the host with any optimizer
     "disable_allgather": _only(False, feature="disable_allgather"),
-    "gradient_allreduce_op": _only("mean", feature="summed gradient reduction"),
     "torch_autocast": _off("torch.autocast mixed precision", ds.TORCH_AUTOCAST, 'Use "fp16" or "bf16".'),
     "hybrid_engine": _off("the hybrid (RLHF) engine", ds.HYBRID_ENGINE),
     "weight_quantization": _empty("weight quantization"),

@@ -60,7 +60,7 @@ class DeepSpeedConfig:
         self.bfloat16_config = cfg.bf16
         self.communication_data_type = _DTYPES.get(cfg.communication_data_type)
         self.prescale_gradients = cfg.prescale_gradients
-        self.gradient_allreduce_op = "mean"
+        self.gradient_allreduce_op = cfg.gradient_allreduce_op
         self.disable_allgather = False
         self.optimizer_name = cfg.raw["optimizer"]["type"].lower() if cfg.optimizer is not None else None
         self.grad_accum_dtype = cfg.grad_accum_dtype
