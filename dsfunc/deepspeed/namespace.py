@@ -38,6 +38,7 @@ ALIASES = {
     "ops.lamb": "dsfunc.deepspeed.ops",
     "ops.adagrad": "dsfunc.deepspeed.ops",
     "ops.lion": "dsfunc.deepspeed.ops",
+    "ops.op_builder": "dsfunc.deepspeed.op_builder",
     "utils": "dsfunc.deepspeed.utils",
     "utils.logging": "dsfunc.deepspeed.utils",
     "utils.timer": "dsfunc.deepspeed.timers",
@@ -65,6 +66,9 @@ ALIASES = {
     "checkpoint.utils": "dsfunc.deepspeed.checkpoint_utils",
     "launcher.runner": "dsfunc.deepspeed.runner",
 }
+
+# names of DeepSpeed's packages themselves that a module of dsfunc's answers (``deepspeed.ops.__compatible_ops__``)
+PACKAGE_NAMES = {"ops": ("dsfunc.deepspeed.op_builder", ("__compatible_ops__",))}
 
 # DeepSpeed's top-level packages dsfunc answers for (implemented in part, per ALIASES, or not at all)
 PACKAGES = {
@@ -151,6 +155,8 @@ def _stand_in(fullname: str, path: str) -> types.ModuleType:
     module.__path__ = []
 
     def attribute(name: str) -> Any:
+        if path in PACKAGE_NAMES and name in PACKAGE_NAMES[path][1]:
+            return getattr(importlib.import_module(PACKAGE_NAMES[path][0]), name)
         if name.startswith("_"):
             raise AttributeError(name)
         if f"{path}.{name}" in ALIASES:

@@ -162,3 +162,12 @@ def test_deepspeed_optimizer_classes_are_client_optimizers():
     with pytest.raises(RuntimeError, match="stepped by the engine"):
         FusedAdam(net.parameters()).step()
     assert optimizer.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_which_native_ops_dsfunc_answers():
+    from dsfunc.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder, FusedAdamBuilder
+
+    assert deepspeed.ops.__compatible_ops__[FusedAdamBuilder.NAME] and CPUAdamBuilder().is_compatible()
+    assert not deepspeed.ops.__compatible_ops__["transformer_inference"] and not AsyncIOBuilder().is_compatible()
+    with pytest.raises(NotSupportedError, match="use deepspeed.ops.adam.FusedAdam"):
+        FusedAdamBuilder().load()
