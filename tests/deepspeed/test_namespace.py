@@ -130,16 +130,19 @@ def _comm_ranks(rank: int, world: int) -> dict:
     group = dist.new_group([0, 1])
     m = torch.tensor([float(rank)])
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    i = torch.tensor([float(rank + 1)], dtype=torch.bfloat16)
+    dist.inference_all_reduce(i)
     dist.barrier()
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "local": dist.get_local_rank(),
-            "sum": t.item(), "bcast": b.item(), "gathered": [g.item() for g in gathered], "max": m.item()}
+            "sum": t.item(), "bcast": b.item(), "gathered": [g.item() for g in gathered], "max": m.item(),
+            "inference sum": i.item()}
 
 
 def test_comm_over_two_ranks():
     results = run_world(_comm_ranks, 2)
     for rank, r in enumerate(results):
         assert r == {"rank": rank, "world": 2, "local": rank, "sum": 3.0, "bcast": 1.0, "gathered": [0.0, 10.0],
-                     "max": 1.0}
+                     "max": 1.0, "inference sum": 3.0}
 
 
 def test_deepspeed_optimizer_classes_are_client_optimizers():
