@@ -18,10 +18,15 @@ import torch
 from dsfunc.config import Config, ConfigError
 from dsfunc.config.batch import _check_triple, _resolve_batch
 from dsfunc.deepspeed.engine_config import _FROM_CONFIG, _OFF
+from dsfunc.deepspeed.namespace import other_name
 from dsfunc.deepspeed.zero_config import DeepSpeedZeroConfig
 from dsfunc.frozen import thaw
 
 DeepSpeedConfigError = ConfigError
+
+# DeepSpeed's names of its optimizer types and params, which scripts import from here
+ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER = "adagrad", "adam", "adamw", "lamb"
+TORCH_ADAM_PARAM, ADAM_W_MODE, ADAM_W_MODE_DEFAULT = "torch_adam", "adam_w_mode", True
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -83,3 +88,8 @@ class DeepSpeedConfig:
 
     def __repr__(self) -> str:
         return f"DeepSpeedConfig({self.config!r})"
+
+
+def __getattr__(name: str) -> Any:
+    """DeepSpeed's other names of ``deepspeed.runtime.config`` import, and refuse when used."""
+    return other_name("runtime.config", name)

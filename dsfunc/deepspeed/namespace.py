@@ -167,6 +167,14 @@ def _stand_in(fullname: str, path: str) -> types.ModuleType:
     return module
 
 
+def other_name(path: str, name: str) -> Any:
+    """A name of DeepSpeed's ``deepspeed.<path>`` that the dsfunc module answering it lacks: a stand-in that
+    imports and refuses when used, as in a module dsfunc does not implement (the module's ``__getattr__``)."""
+    if name.startswith("_"):
+        raise AttributeError(f"module 'deepspeed.{path}' has no attribute {name!r}")
+    return unsupported(f"deepspeed.{path}.{name}", PACKAGES[path.partition(".")[0]])
+
+
 def install() -> None:
     """Answer DeepSpeed's module paths under ``dsfunc.`` from now on (idempotent)."""
     if not any(isinstance(f, _Finder) for f in sys.meta_path):

@@ -16,6 +16,7 @@ from typing import Any
 
 from dsfunc.config.offload import OPTIMIZER_DEFAULTS, PARAM_DEFAULTS, offload_optimizer, offload_param
 from dsfunc.config.zero import _ZERO_ALIASES, ZeroConfig, _zero, renamed_offload
+from dsfunc.deepspeed.namespace import other_name
 from dsfunc.frozen import thaw
 
 
@@ -125,3 +126,9 @@ def _section(cls: type[_Offload], value: Any) -> _Offload | None:
     """An offload section given as an object (even an empty one, as DeepSpeed's), or None."""
     return None if value is None else cls(**thaw(value))
 
+
+
+def __getattr__(name: str) -> Any:
+    """DeepSpeed's other names of ``deepspeed.runtime.zero.config`` (and ``.offload_config``) import, and refuse
+    when used."""
+    return other_name("runtime.zero.config", name)

@@ -133,3 +133,13 @@ def test_version_and_git_names():
     assert (dsfunc.__version_major__, dsfunc.__version_minor__, dsfunc.__version_patch__) == \
         tuple(int(p) for p in dsfunc.__version__.split(".")[:3])
     assert isinstance(dsfunc.__git_hash__, str) and isinstance(dsfunc.__git_branch__, str)
+
+
+def test_other_names_of_the_modules_import_and_refuse_when_used():
+    from dsfunc.runtime.config import ADAM_OPTIMIZER, get_bfloat16_config
+    from dsfunc.runtime.zero.config import read_zero_config_deprecated
+
+    assert ADAM_OPTIMIZER == "adam"
+    for stand_in in (get_bfloat16_config, read_zero_config_deprecated):
+        with pytest.raises(dsfunc.NotSupportedError, match="is not implemented by dsfunc"):
+            stand_in({})
