@@ -143,3 +143,12 @@ def test_other_names_of_the_modules_import_and_refuse_when_used():
     for stand_in in (get_bfloat16_config, read_zero_config_deprecated):
         with pytest.raises(dsfunc.NotSupportedError, match="is not implemented by dsfunc"):
             stand_in({})
+
+
+def test_schedule_param_names_are_deepspeeds():
+    """The lr schedules' param names scripts import as config keys (``CYCLE_MIN_LR``, ...) are real DeepSpeed's."""
+    real = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    from dsfunc.runtime import lr_schedules
+
+    names = [n for n, v in vars(real).items() if n.isupper() and isinstance(v, str)]
+    assert len(names) > 25 and {n: getattr(lr_schedules, n) for n in names} == {n: getattr(real, n) for n in names}
