@@ -57,6 +57,13 @@ class _AsDsfunc:
         """Nothing to run; the import machinery set the alias's spec on the module: give it its own back."""
         module.__spec__ = self.spec
 
+    def get_code(self, fullname: str) -> object:
+        """``dsfunc.X``'s code, for ``python -m deepspeed.X`` (runpy asks the loader for it)."""
+        import importlib.util
+
+        spec = importlib.util.find_spec(self.target)
+        return spec.loader.get_code(self.target) if spec is not None and hasattr(spec.loader, "get_code") else None
+
 
 def _distribution_class() -> type:
     """``deepspeed``'s metadata, answered by dsfunc (a class made when first asked for: it derives from
@@ -86,7 +93,8 @@ class Finder:
             return None
         from importlib.machinery import ModuleSpec
 
-        return ModuleSpec(fullname, _AsDsfunc("dsfunc" + fullname[len("deepspeed"):]), is_package=True)
+        return ModuleSpec(fullname, _AsDsfunc("dsfunc" + fullname[len("deepspeed"):]),
+                          is_package=not fullname.endswith(".__main__"))  # runpy's rule
 
     def invalidate_caches(self) -> None:
         """Nothing cached (``importlib.invalidate_caches`` calls this on every meta path finder)."""

@@ -44,3 +44,4 @@ if ! python -c "import importlib.metadata as m; assert m.version('deepspeed') ==
     python -m pip install -q "$build/wheel/deepspeed-$DEEPSPEED_VERSION-py3-none-any.whl" </dev/null
     rm -rf "$build"
 fi
+

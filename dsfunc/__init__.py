@@ -24,6 +24,7 @@ from dsfunc.config import (
 )
 from dsfunc.deepspeed import (
     DeepSpeedConfig,
+    DeepSpeedConfigError,
     DeepSpeedEngine,
     DeepSpeedHybridEngine,
     DeepSpeedOptimizer,
@@ -81,9 +82,12 @@ from dsfunc.schedules import lr_range_test, one_cycle, warmup_cosine_lr, warmup_
 from dsfunc.state import DonatedStateError, FrozenDict, Metrics, TrainState
 from dsfunc.step import apply_gradients, make_train_step, train_step
 from dsfunc.tiling import tiled, tiled_loss, tiled_mlp
+from dsfunc.version import git_info as _git_info
 from dsfunc.version import package_version as _package_version
+from dsfunc.version import version_parts as _version_parts
 
 __version__ = _package_version()
+__version_major__, __version_minor__, __version_patch__ = _version_parts(__version__)
 
 _namespace.install()
 
@@ -91,7 +95,7 @@ _namespace.install()
 # dsfunc.checkpoint's names, imported on first use: DCP and DTensor take about a second to import
 _CHECKPOINT_NAMES = frozenset({
     "CheckpointCorruptError", "CheckpointError", "CheckpointMismatchError", "CheckpointNotFoundError",
-    "CheckpointTimeoutError", "CheckpointUnsupportedError", "export_fp32", "export_hf", "load_checkpoint",
+    "CheckpointTagError", "CheckpointTimeoutError", "CheckpointUnsupportedError", "export_fp32", "export_hf", "load_checkpoint",
     "save_checkpoint", "wait_for_checkpoint",
 })
 
@@ -100,6 +104,8 @@ def __getattr__(name: str) -> object:
     """dsfunc.checkpoint and its names, and DeepSpeed's top-level packages (``deepspeed.accelerator``,
     ``deepspeed.comm``, ``deepspeed.ops``, ``deepspeed.utils``, ``deepspeed.runtime``, ``deepspeed.pipe``, ...),
     imported on first use."""
+    if name in ("__git_hash__", "__git_branch__"):  # DeepSpeed's; asked of git on first use
+        return _git_info()[name != "__git_hash__"]
     if name == "checkpoint" or name in _CHECKPOINT_NAMES:
         checkpoint = _importlib.import_module("dsfunc.checkpoint")
         return checkpoint if name == "checkpoint" else getattr(checkpoint, name)
@@ -163,6 +169,7 @@ __all__ = [  # noqa: RUF022 - grouped by layer, as the imports above
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointTagError",
     "CheckpointTimeoutError",
     "CheckpointUnsupportedError",
     "Config",
@@ -182,6 +189,7 @@ __all__ = [  # noqa: RUF022 - grouped by layer, as the imports above
     "wait_for_checkpoint",
     # the DeepSpeed surface (and deepspeed.accelerator, .comm, .ops, .utils, .zero, ... as modules)
     "DeepSpeedConfig",
+    "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "DeepSpeedHybridEngine",
     "DeepSpeedOptimizer",

@@ -36,6 +36,7 @@ from dsfunc.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    CheckpointTagError,
     CheckpointTimeoutError,
     CheckpointUnsupportedError,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
     "CheckpointNotFoundError",
+    "CheckpointTagError",
     "CheckpointTimeoutError",
     "CheckpointUnsupportedError",
     "available_tags",

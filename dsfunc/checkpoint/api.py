@@ -73,7 +73,8 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
     check_one_world(state.program.plan.world_size * (1 if pipeline is None else pipeline.topology.stages),
                     "save_checkpoint's state")
     wait_for_checkpoint()  # [Note: one save in flight]
-    arrive("save_checkpoint", tag, timeout)  # [Note: meeting before the first collective]
+    # [Note: meeting before the first collective]; rank 0's tag, as the config's checkpoint.tag_validation allows
+    tag = arrive("save_checkpoint", tag, timeout, state.program.config.checkpoint.tag_validation)
     meta = describe(state, tag)
     client = collective(lambda: pickle_client_state(client_state) if comm.rank() == 0 else None)
     with _scope(state):  # a pipeline stage's units are sharded over its data-parallel ranks

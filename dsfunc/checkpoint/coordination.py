@@ -1,6 +1,7 @@
 """How the ranks of a save or load meet, agree and fail together.
 
-**Every rank must call** :func:`save_checkpoint` and :func:`load_checkpoint` with the same tag. Ranks meet
+**Every rank must call** :func:`save_checkpoint` and :func:`load_checkpoint` (a save with a different tag on
+some rank is saved under rank 0's, with a warning, as the config's ``checkpoint.tag_validation`` says). Ranks meet
 through the process group's store before anything else (:func:`arrive`): one that does not arrive within
 ``timeout`` seconds is named in a :class:`CheckpointTimeoutError` on every rank that did, instead of a hang.
 After that, checkpoint traffic runs on a gloo side group, never on the training group, and a step that
@@ -14,6 +15,7 @@ import dataclasses
 import datetime
 import itertools
 import json
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -21,10 +23,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 
-from dsfunc.checkpoint.errors import BY_NAME, CheckpointError, CheckpointTimeoutError
+from dsfunc.checkpoint.errors import BY_NAME, CheckpointError, CheckpointTagError, CheckpointTimeoutError
 from dsfunc.distributed import comm
 
 T = TypeVar("T")
+logger = logging.getLogger("dsfunc")
 
 
 @dataclasses.dataclass
@@ -84,8 +87,11 @@ def _next_call() -> int:
     return next(_CALLS[1])
 
 
-def arrive(op: str, tag: str | None, timeout: float) -> None:
-    """Wait until every rank has called ``op`` with the same tag; raise on every rank that arrived if not.
+def arrive(op: str, tag: str | None, timeout: float, tag_validation: str = "FAIL") -> str | None:
+    """Wait until every rank has called ``op``; raise on every rank that arrived if not. Returns the tag to use:
+    rank 0's. Ranks that gave other tags raise :class:`CheckpointTagError` under ``tag_validation`` "FAIL",
+    are named in a warning under "WARN", and pass silently under "IGNORE" (DeepSpeed's
+    ``checkpoint.tag_validation``).
 
     [Note: meeting before the first collective]
     A collective that one rank never joins hangs the others (DeepSpeed's hang when only rank 0 saves), so
@@ -96,7 +102,7 @@ def arrive(op: str, tag: str | None, timeout: float) -> None:
     every rank has arrived with the same call does any collective run.
     """
     if not comm.is_distributed():
-        return
+        return tag
     world, rank = comm.world_size(), comm.rank()
     # the default group's store (no public accessor): reachable even by ranks that never call this
     store = dist.PrefixStore("dsfunc/checkpoint", dist.distributed_c10d._get_default_store())
@@ -113,10 +119,20 @@ def arrive(op: str, tag: str | None, timeout: float) -> None:
     if decided != "ok":
         raise CheckpointTimeoutError(_timeout_text(store, keys, json.loads(decided), op, tag, timeout))
     calls = [json.loads(store.get(k)) for k in keys]
-    if any(c != calls[0] for c in calls):
-        described = "; ".join(f"rank {r}: {o}(tag={t!r})" for r, (o, t) in enumerate(calls))
+    described = "; ".join(f"rank {r}: {o}(tag={t!r})" for r, (o, t) in enumerate(calls))
+    if any(o != calls[0][0] for o, _ in calls):
         raise CheckpointError(f"the ranks made different checkpoint calls ({described}); every rank must "
                               "make the same call with the same tag")
+    if any(t != calls[0][1] for _, t in calls):
+        if tag_validation == "FAIL":
+            raise CheckpointTagError(f"the ranks gave different checkpoint tags ({described}); give every rank "
+                                     "the same tag (a tag with the rank in it cannot be loaded at another "
+                                     "world size)")
+        if tag_validation == "WARN" and rank == 0:
+            logger.warning("the ranks gave different checkpoint tags (%s): saving under rank 0's, %r. Give every "
+                           'rank the same tag, or set "checkpoint": {"tag_validation": "Ignore"} to be quiet.',
+                           described, calls[0][1])
+    return calls[0][1]
 
 
 def _timeout_text(store: dist.Store, keys: list[str], gave_up: dict[str, Any], op: str, tag: str | None,

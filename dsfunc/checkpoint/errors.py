@@ -25,11 +25,16 @@ class CheckpointTimeoutError(CheckpointError):
     """Not every rank called save/load within the timeout."""
 
 
+class CheckpointTagError(CheckpointError, AssertionError):
+    """The ranks gave different tags to a save whose config says ``checkpoint.tag_validation: "Fail"`` (an
+    ``AssertionError`` too: DeepSpeed asserts, and scripts catch that), or to a load."""
+
+
 class CheckpointUnsupportedError(CheckpointError):
     """A checkpoint in a layout dsfunc does not import (DeepSpeed's model/pipeline parallel, MoE, NVMe offload)."""
 
 
 # by name, so that every rank can raise the class one rank raised (only the name travels between ranks)
 BY_NAME = {cls.__name__: cls for cls in (CheckpointError, CheckpointNotFoundError, CheckpointCorruptError,
-                                         CheckpointMismatchError, CheckpointTimeoutError,
+                                         CheckpointMismatchError, CheckpointTimeoutError, CheckpointTagError,
                                          CheckpointUnsupportedError)}

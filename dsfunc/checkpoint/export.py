@@ -52,7 +52,8 @@ _ST_DTYPES = {
 
 
 def export_fp32(ckpt_dir: PathLike, out: PathLike, tag: str | None = None, *,
-                format: str | None = None, verify: bool = True, trust_pickle: bool = False) -> str:
+                format: str | None = None, verify: bool = True, trust_pickle: bool = False,
+                exclude_frozen: bool = False) -> str:
     """Write a checkpoint's weights as one consolidated fp32 ``state_dict`` file, offline.
 
     No process group is needed. The file holds every name ``model.state_dict()`` has (tied parameters
@@ -69,6 +70,7 @@ def export_fp32(ckpt_dir: PathLike, out: PathLike, tag: str | None = None, *,
       verify: check the files against their recorded checksums first (DeepSpeed records none).
       trust_pickle: read the checkpoint's pickles with full unpickling, which may run code: only for a
         checkpoint whose origin you trust (see :func:`dsfunc.load_checkpoint`).
+      exclude_frozen: leave out the parameters that do not train.
 
     Returns:
       ``out`` as a string.
@@ -78,7 +80,7 @@ def export_fp32(ckpt_dir: PathLike, out: PathLike, tag: str | None = None, *,
         raise InputError(f"format must be one of {FORMATS}, got {fmt!r}")
     aliases = fmt == "safetensors"  # safetensors stores tied names separately; torch.save shares them
     layout, order, keys, tensors = weights(ckpt_dir, tag, with_aliases=aliases, verify=verify,
-                                           trust_pickle=trust_pickle)
+                                           trust_pickle=trust_pickle, exclude_frozen=exclude_frozen)
     if fmt == "safetensors":
         write_safetensors(out, layout, tensors, order=order)
     else:
@@ -87,42 +89,58 @@ def export_fp32(ckpt_dir: PathLike, out: PathLike, tag: str | None = None, *,
 
 
 def weights(ckpt_dir: PathLike, tag: str | None = None, *, with_aliases: bool, verify: bool = True,
-            trust_pickle: bool = False) -> tuple[Layout, list[str], list[tuple[str, str]], Iterator]:
+            trust_pickle: bool = False,
+            exclude_frozen: bool = False) -> tuple[Layout, list[str], list[tuple[str, str]], Iterator]:
     """A checkpoint's weights, streamed: ``(layout, order, keys, tensors)``.
 
     ``tensors`` yields ``(name, tensor)`` in ``layout``'s order (``(name, shape, dtype)``), one unit (or, for
     a DeepSpeed checkpoint, one batch) in memory at a time; ``order`` is every state dict name in the
     module's order and ``keys`` maps each to the name of the tensor it is (tied names share one). Tied names
     are yielded under each of their names with ``with_aliases``, else under the first only.
+    ``exclude_frozen`` leaves out the parameters that do not train (DeepSpeed's
+    ``exclude_frozen_parameters``).
     """
     folder = find_checkpoint(ckpt_dir, tag)
     if is_deepspeed_folder(folder):
-        return deepspeed_weights(folder, with_aliases=with_aliases, trust_pickle=trust_pickle)
+        return deepspeed_weights(folder, with_aliases=with_aliases, trust_pickle=trust_pickle,
+                                 exclude_frozen=exclude_frozen)
     meta = read_meta(folder)
     verify_files(folder, meta, share=(0, 1) if verify else None)
     index = read_listed_index(folder, meta, trust_pickle=trust_pickle)
-    layout = _export_layout(meta, with_aliases=with_aliases)
-    keys = [(name, source) for name, _, source in meta["state_dict"]]
-    order = [name for name, _ in keys] if with_aliases else [name for name, kind, source in meta["state_dict"]
+    kept = _kept_buffers(folder, meta, exclude_frozen)
+    layout = _export_layout(meta, kept, with_aliases=with_aliases)
+    entries = [(name, kind, source) for name, kind, source in meta["state_dict"] if kind != "buffer" or name in kept]
+    keys = [(name, source) for name, _, source in entries]
+    order = [name for name, _ in keys] if with_aliases else [name for name, kind, source in entries
                                                              if kind == "buffer" or name == source]
-    return layout, order, keys, _export_tensors(folder, meta, index, with_aliases=with_aliases)
+    return layout, order, keys, _export_tensors(folder, meta, index, kept, with_aliases=with_aliases)
 
 
-def _export_layout(meta: dict[str, Any], *, with_aliases: bool) -> Layout:
+def _kept_buffers(folder: Path, meta: dict[str, Any], exclude_frozen: bool) -> list[str]:
+    """The buffer entries (buffers and frozen parameters) to export, in the module's order."""
+    names = [name for name, kind, _ in meta["state_dict"] if kind == "buffer"]
+    if not exclude_frozen:
+        return names
+    if any("frozen" not in meta["buffers"][name] for name in names):
+        raise InputError(f"{folder} does not record which of its tensors are frozen parameters (it was written "
+                         f"by dsfunc {meta.get('dsfunc_version')}): export it without excluding them")
+    return [name for name in names if not meta["buffers"][name]["frozen"]]
+
+
+def _export_layout(meta: dict[str, Any], kept: list[str], *, with_aliases: bool) -> Layout:
     """``(name, shape, dtype)`` of each exported tensor, in the order :func:`_export_tensors` yields them."""
     layout = []
     for unit in meta["units"]:
         for p in unit["params"]:
             for name in p["aliases"] if with_aliases else [p["name"]]:
                 layout.append((name, tuple(p["shape"]), torch.float32))
-    for name, kind, _ in meta["state_dict"]:
-        if kind == "buffer":
-            b = meta["buffers"][name]
-            layout.append((name, tuple(b["shape"]), DTYPES[b["dtype"]]))
+    for name in kept:
+        b = meta["buffers"][name]
+        layout.append((name, tuple(b["shape"]), DTYPES[b["dtype"]]))
     return layout
 
 
-def _export_tensors(folder: Path, meta: dict[str, Any], index: Metadata, *,
+def _export_tensors(folder: Path, meta: dict[str, Any], index: Metadata, kept: list[str], *,
                     with_aliases: bool) -> Iterator[tuple[str, torch.Tensor]]:
     """Read the checkpoint one unit (then one buffer) at a time, yielding named tensors."""
     for unit in meta["units"]:
@@ -133,12 +151,11 @@ def _export_tensors(folder: Path, meta: dict[str, Any], index: Metadata, *,
             for name in p["aliases"] if with_aliases else [p["name"]]:
                 yield name, view
         del flat
-    for name, kind, _ in meta["state_dict"]:
-        if kind == "buffer":
-            b = meta["buffers"][name]
-            t = torch.empty(b["shape"], dtype=DTYPES[b["dtype"]])
-            read_tensors({f"buffers/{name}": t}, folder, index, offline=True)
-            yield name, t
+    for name in kept:
+        b = meta["buffers"][name]
+        t = torch.empty(b["shape"], dtype=DTYPES[b["dtype"]])
+        read_tensors({f"buffers/{name}": t}, folder, index, offline=True)
+        yield name, t
 
 
 def format_from_suffix(out: str | os.PathLike) -> str:

@@ -66,13 +66,13 @@ def export_hf(ckpt_dir: PathLike, out_dir: PathLike, hf_config: PathLike, tag: s
     staging = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:12]}"
     staging.mkdir(parents=True)
     try:
-        shards = _shards(layout, limit)
-        files = [("model.safetensors" if len(shards) == 1 else
-                  f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors") for i in range(len(shards))]
+        parts = shards(layout, limit)
+        files = [("model.safetensors" if len(parts) == 1 else
+                  f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors") for i in range(len(parts))]
         weight_map = {}
-        for file, shard in zip(files, shards):
+        for file, shard in zip(files, parts):
             names = {name for name, _, _ in shard}
-            write_safetensors(staging / file, shard, _take(tensors, len(shard)),
+            write_safetensors(staging / file, shard, take(tensors, len(shard)),
                               order=[n for n in order if n in names])
             weight_map.update({name: file for name in names})
         total = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in layout)
@@ -103,20 +103,20 @@ def parse_size(size: int | str) -> int:
     return value
 
 
-def _shards(layout: Layout, limit: int) -> list[list]:
+def shards(layout: Layout, limit: int) -> list[list]:
     """Consecutive runs of ``layout`` of at most ``limit`` bytes each (a larger tensor alone)."""
-    shards: list[list] = [[]]
+    parts: list[list] = [[]]
     size = 0
     for entry in layout:
         nbytes = math.prod(entry[1]) * entry[2].itemsize
-        if shards[-1] and size + nbytes > limit:
-            shards.append([])
+        if parts[-1] and size + nbytes > limit:
+            parts.append([])
             size = 0
-        shards[-1].append(entry)
+        parts[-1].append(entry)
         size += nbytes
-    return shards
+    return parts
 
 
-def _take(tensors: Iterator[tuple[str, torch.Tensor]], n: int) -> Iterator[tuple[str, torch.Tensor]]:
+def take(tensors: Iterator[tuple[str, torch.Tensor]], n: int) -> Iterator[tuple[str, torch.Tensor]]:
     for _ in range(n):
         yield next(tensors)

@@ -80,7 +80,7 @@ def _describe(state: TrainState, tag: str) -> dict[str, Any]:
                          "aliases": list(s.aliases)} for s in u.params]}
             for u in plan.units
         ],
-        "buffers": {name: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)}
+        "buffers": {name: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype), "frozen": name in plan.frozen}
                     for name, t in state.buffers.items()},
         "state_dict": state_dict,
         "tensors": tensors,

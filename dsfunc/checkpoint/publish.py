@@ -34,6 +34,7 @@ from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.files import is_folder
 from dsfunc.checkpoint.layout import CLIENT_FILE, LATEST_FILE, META_FILE, OWNER_FILE, tensor_file
 from dsfunc.checkpoint.metadata import digest, hash_share
+from dsfunc.checkpoint.recovery import write_recovery_script
 from dsfunc.checkpoint.tags import read_latest
 from dsfunc.distributed import comm
 
@@ -165,6 +166,8 @@ def _publish(save_dir: Path, tmp: Path, tag: str, meta: dict[str, Any], client: 
             _remove(old)
             os.rename(final, old)
         os.rename(tmp, final)
+        if meta["zero_stage"] > 0:  # as DeepSpeed's ZeRO saves do
+            write_recovery_script(save_dir)
 
 
 def _settle(save_dir: Path, tag: str, save_latest: bool, timeout: float) -> None:

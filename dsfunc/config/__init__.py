@@ -36,18 +36,22 @@ Where dsfunc deliberately differs from DeepSpeed:
   ``cycle_first_*`` ones at parse time.
 * Loss-scaling keys copied into ``bf16`` are errors (bf16 needs no loss scale; DeepSpeed's pydantic model also
   rejects them).
-* Files are strict JSON (DeepSpeed's hjson also takes comments and trailing commas); the error gives line and
+* Files are read as HJSON, as DeepSpeed reads them (comments, trailing commas); the error gives line and
   column.
 * ``fp16.raise_error_at_min_scale`` is a dsfunc key: false keeps skipping steps at the minimum loss scale
   instead of stopping the run.
 * ``zero_allow_untested_optimizer`` is parsed and recorded; dsfunc.config does not apply DeepSpeed's
   untested-optimizer check.
-* Eight ``zero_optimization`` keys tune machinery dsfunc's ZeRO does not have (each unit is gathered and
+* Nine ``zero_optimization`` keys tune machinery dsfunc's ZeRO does not have (each unit is gathered and
   reduced whole, as one flat buffer): ``allgather_bucket_size``, ``contiguous_gradients``, ``reduce_scatter``,
   ``allgather_partitions``, ``stage3_max_reuse_distance``, ``ignore_unused_parameters``, ``sub_group_size``,
-  ``round_robin_gradients``. Any valid value is accepted (tutorial configs set them at their defaults; a
-  wrong type is an error), and ``Config.without_effect()`` names those a config sets, with why;
-  ``init_state`` logs that line once per process on rank 0 (``announce_without_effect``, "dsfunc" logger).
+  ``round_robin_gradients``, ``stage3_module_granularity_threshold``; so do ``bf16.immediate_grad_update``
+  and ``check_grad_overflow`` (dsfunc has one behaviour for each) and ``pipeline.use_reentrant``, and offload
+  sections below the stage that uses them (DeepSpeed ignores them too). Any valid value is accepted (tutorial
+  configs set them at their defaults; a wrong type is an error), and ``Config.without_effect()`` names those a
+  config sets, with why; ``init_state`` logs those lines once per process on rank 0
+  (``announce_without_effect``, "dsfunc" logger).
+* DeepSpeed's deprecated ``cpu_offload`` / ``cpu_offload_param`` read as the offload sections they stand for.
 """
 
 from dsfunc.config.activation_checkpointing import (

@@ -25,6 +25,15 @@ def _bool(value: Any, path: str) -> bool:
     raise _bad(path, value, "true or false")
 
 
+def _flag(value: Any, path: str) -> bool:
+    """A switch DeepSpeed reads as a truth value (``get_scalar_param``): true or false, or 1 or 0."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise _bad(path, value, "true or false (or 1 or 0)")
+
+
 def _string(value: Any, path: str) -> str:
     if isinstance(value, str):
         return value
@@ -272,3 +281,16 @@ def _canonical_type(value: Any, path: str, names: Mapping[str, str], kind: str) 
         f"{path} = {_show(value)}: this {kind} is not supported by dsfunc "
         f"(supported: {', '.join(spellings)}).{hint}"
     )
+
+
+def _without_effect_line(path: str, section: Any, reasons: Mapping[str, str], aliases: Mapping[str, str] = {}) -> str | None:
+    """The start-up line naming the keys of a raw section (as spelled there) that ``reasons`` lists as
+    without effect in dsfunc, with why; None when it sets none of them."""
+    if not isinstance(section, Mapping):
+        return None
+    given = [key for key in section if aliases.get(key, key) in reasons]
+    if not given:
+        return None
+    why = "; ".join(f"{key}: {reasons[aliases.get(key, key)]}" for key in given)
+    verb = "has" if len(given) == 1 else "have"
+    return f"{path}: {', '.join(given)} {verb} no effect in dsfunc ({why})."

@@ -11,20 +11,43 @@ import torch
 
 from dsfunc.config.activation_checkpointing import ActivationCheckpointingConfig, _activation_checkpointing
 from dsfunc.config.batch import _batch_size, _check_triple, _resolve_batch, _world_size
-from dsfunc.config.checks import _DTYPE_NAME, _NON_NEGATIVE, _bool, _number, _optional, _print_steps
+from dsfunc.config.checkpoint import CheckpointConfig, _checkpoint
+from dsfunc.config.checks import (
+    _DTYPE_NAME,
+    _NON_NEGATIVE,
+    _bool,
+    _choice,
+    _flag,
+    _number,
+    _optional,
+    _print_steps,
+    _without_effect_line,
+)
 from dsfunc.config.compile import CompileConfig, _compile
 from dsfunc.config.errors import ConfigError
 from dsfunc.config.flops_profiler import FlopsProfilerConfig
 from dsfunc.config.monitor import CometConfig, MonitorConfig, WandbConfig
 from dsfunc.config.optimizer import OptimizerConfig, _optimizer
-from dsfunc.config.pipeline import PipelineConfig, _pipeline, parse_pipeline
-from dsfunc.config.precision import _BF16_FIXED, _FP16_FIXED, BF16Config, FP16Config, _grad_accum_dtype
+from dsfunc.config.pipeline import PIPELINE_WITHOUT_EFFECT, PipelineConfig, _pipeline, parse_pipeline
+from dsfunc.config.precision import (
+    _BF16_FIXED,
+    _FP16_FIXED,
+    BF16_WITHOUT_EFFECT,
+    BF16Config,
+    FP16Config,
+    _grad_accum_dtype,
+)
 from dsfunc.config.scheduler import SchedulerConfig, _scheduler
 from dsfunc.config.schema import _key, _parse, _Schema, _section, _Spec, _specs_of
 from dsfunc.config.sources import _read_source
 from dsfunc.config.unsupported import _UNSUPPORTED_TOP
 from dsfunc.config.zero import ZeroConfig, _zero, without_effect
 from dsfunc.frozen import FrozenDict, freeze, thaw
+
+
+def _allreduce_op(value: Any, path: str) -> str:
+    """``"mean"`` or ``"sum"``, in any case (DeepSpeed lower-cases it)."""
+    return _choice("mean", "sum")(value.lower() if isinstance(value, str) else value, path)
 
 
 @dataclass(frozen=True)
@@ -75,12 +98,17 @@ class Config:
     """Parsed and kept, not read: DeepSpeed divides gradients by it before the reduction and by world / it
     after; dsfunc's 1/world is in the backward seed.
     """
+    gradient_allreduce_op: str = _key("mean", _allreduce_op)
+    """How gradients combine over the data-parallel ranks: "mean" (the default), or "sum" (each rank's gradient
+    is still the mean over its micro-batches). Any case, as DeepSpeed; "sum" is refused at ZeRO stage 3, as
+    there.
+    """
     dataloader_drop_last: bool = _key(False, _bool)
     """Whether the loader dsfunc.initialize(training_data=...) returns drops an incomplete last micro-batch of
     each epoch (dsfunc.batches always drops it)."""
-    zero_allow_untested_optimizer: bool = _key(False, _bool)
+    zero_allow_untested_optimizer: bool = _key(False, _flag)
     """Parsed and kept, not read: dsfunc runs any optimizer under ZeRO, so DeepSpeed's refusal of untested
-    ones has nothing to allow.
+    ones has nothing to allow (1 and 0 read as true and false, as in DeepSpeed).
     """
     grad_accum_dtype: str | None = None
     """Not a key itself: data_types.grad_accum_dtype, parsed and kept, not read (dsfunc sums micro-batch
@@ -102,6 +130,8 @@ class Config:
     """DeepSpeed's activation checkpointing keys, and dsfunc's per-unit policy."""
     pipeline: PipelineConfig = PipelineConfig()  # noqa: RUF009
     """Pipeline parallelism: stages and schedule (dsfunc.pipeline)."""
+    checkpoint: CheckpointConfig = CheckpointConfig()  # noqa: RUF009
+    """What a save does when the ranks give different tags (tag_validation)."""
     raw: Mapping[str, Any] = FrozenDict()
     """Not a key: the user's dict as given, frozen (checkpoints record it; without_effect reads the keys given
     from it).
@@ -136,6 +166,9 @@ class Config:
             self.world_size,
         )
         _check_triple(t, m, g, w)
+        if self.gradient_allreduce_op == "sum" and self.zero_optimization.stage == 3:
+            raise ConfigError('gradient_allreduce_op = "sum" is not supported with ZeRO stage 3 (nor in DeepSpeed); '
+                              'use "mean", or ZeRO stage 0-2.')
         if self.fp16.enabled and self.bf16.enabled:
             raise ConfigError(
                 "fp16.enabled and bf16.enabled are both true: bfloat16 and fp16 modes cannot be "
@@ -181,8 +214,10 @@ class Config:
     def without_effect(self) -> list[str]:
         """Lines naming the keys this config sets that dsfunc accepts but that change nothing in it (said once
         at start-up by :func:`~dsfunc.config.announce_without_effect`): read from ``raw``, the keys as given."""
-        line = without_effect(self.raw.get("zero_optimization"))
-        return [] if line is None else [line]
+        lines = [*without_effect(self.raw.get("zero_optimization")),
+                 _without_effect_line("bf16", self.raw.get("bf16", self.raw.get("bfloat16")), BF16_WITHOUT_EFFECT),
+                 _without_effect_line("pipeline", self.raw.get("pipeline"), PIPELINE_WITHOUT_EFFECT)]
+        return [line for line in lines if line]
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -207,7 +242,7 @@ class Config:
             section = getattr(self, name)
             out[name] = None if section is None else {"type": section.type, "params": thaw(section.params)}
         for name in ("fp16", "bf16", "zero_optimization", "tensorboard", "csv_monitor", "wandb", "comet",
-                     "flops_profiler", "compile", "activation_checkpointing", "pipeline"):
+                     "flops_profiler", "compile", "activation_checkpointing", "pipeline", "checkpoint"):
             out[name] = thaw(dataclasses.asdict(getattr(self, name)))
         for f in dataclasses.fields(self):
             if "check" in f.metadata:
@@ -235,6 +270,7 @@ _TOP = _Schema(
         "compile": _Spec(CompileConfig(), _compile),
         "activation_checkpointing": _Spec(ActivationCheckpointingConfig(), _activation_checkpointing),
         "pipeline": _Spec(PipelineConfig(), _pipeline),
+        "checkpoint": _Spec(CheckpointConfig(), _checkpoint),
     }
     | _specs_of(Config),
     fixed=_UNSUPPORTED_TOP,

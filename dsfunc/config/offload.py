@@ -98,20 +98,25 @@ offload_optimizer = _offload_section("optimizer state", ds.OFFLOAD_OPTIMIZER, OP
 offload_param = _offload_section("parameters", ds.OFFLOAD_PARAM, PARAM_DEFAULTS)
 
 
+def offload_without_effect(section: Mapping[str, Any]) -> str | None:
+    """The start-up line for offload sections a raw ``zero_optimization`` section turns on below the stage that
+    uses them (DeepSpeed 0.19.8 accepts and ignores them there: the optimizer offloads only under ZeRO,
+    parameters only at stage 3); None when there are none."""
+    stage = section.get("stage", 0)
+    on = [key for key in ("offload_optimizer", "offload_param")
+          if isinstance(section.get(key), Mapping) and section[key].get("device") not in (None, "none")
+          and stage < (3 if key == "offload_param" else 1)]
+    if not on or not isinstance(stage, int):
+        return None
+    verb = "has" if len(on) == 1 else "have"
+    return (f"zero_optimization: {', '.join(on)} {verb} no effect in dsfunc at stage {stage} (nor in DeepSpeed: the "
+            "optimizer offloads only under ZeRO, stages 1-3, and the parameters only at stage 3).")
+
+
 def check_offload_stage(stage: int, optimizer: OffloadConfig | None, param: OffloadConfig | None) -> None:
-    """DeepSpeed offloads only under ZeRO, and parameters only at stage 3; dsfunc also needs the optimizer
-    offloaded to offload parameters (the compute copies are made from the masters, see the README)."""
-    if stage == 0 and (optimizer or param):
-        which = "offload_optimizer" if optimizer else "offload_param"
-        raise ConfigError(
-            f"zero_optimization.{which} needs ZeRO (stage 1, 2 or 3), as in DeepSpeed; this config has stage 0. "
-            'Set "zero_optimization": {"stage": 2, ...} (or 1 or 3), or set its device to "none".'
-        )
-    if param and stage != 3:
-        raise ConfigError(
-            f"zero_optimization.offload_param needs ZeRO stage 3 (stages 1-2 keep every parameter on each rank), "
-            f'as in DeepSpeed; this config has stage {stage}. Use "stage": 3, or offload_optimizer alone.'
-        )
+    """dsfunc needs the optimizer offloaded to offload parameters (the compute copies are made from the
+    masters, see the README). Offload below the stage that uses it is dropped before this check, as DeepSpeed
+    ignores it."""
     if param and not optimizer:
         raise ConfigError(
             'zero_optimization.offload_param needs "offload_optimizer": {"device": "cpu"} too in dsfunc: the '

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dsfunc.config.checks import _bool, _integer, _only, _optional, _string
+from dsfunc.config.checks import _accepted, _bool, _integer, _only, _optional, _string
 from dsfunc.config.errors import _bad
 from dsfunc.config.schema import _key, _section
 
@@ -65,8 +65,17 @@ _FIXED = {
                        fix='Use "partition_method" instead.'),
     "pipe_partitioned": _only(True, False, feature=_NO_TENSOR_PARALLELISM),
     "grad_partitioned": _only(True, False, feature=_NO_TENSOR_PARALLELISM),
+    "use_reentrant": _accepted(_optional(_bool)),  # PIPELINE_WITHOUT_EFFECT
 }
 _check = _section(PipelineConfig, _FIXED)
+
+# pipeline keys that choose between DeepSpeed implementations dsfunc has one of
+PIPELINE_WITHOUT_EFFECT = {
+    "use_reentrant": (
+        "DeepSpeed chooses between torch's reentrant and non-reentrant activation checkpointing, which compute "
+        "the same gradients; dsfunc recomputes checkpointed layers its one way"
+    ),
+}
 
 
 def _pipeline(value: Any, path: str) -> PipelineConfig:

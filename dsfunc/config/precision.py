@@ -5,7 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dsfunc.config.checks import _DTYPE_NAME, _NON_NEGATIVE, _bool, _integer, _number, _only, _reject
+from dsfunc.config.checks import (
+    _DTYPE_NAME,
+    _NON_NEGATIVE,
+    _accepted,
+    _bool,
+    _integer,
+    _number,
+    _only,
+    _reject,
+)
 from dsfunc.config.schema import _key, _parse, _Schema, _Spec
 
 
@@ -56,11 +65,20 @@ _NOT_FOR_BF16 = _reject(
 _FP16_FIXED = {
     "fp16_master_weights_and_grads": _only(False, feature="fp16 master weights (a ZeRO-Offload feature)")
 }
-_BF16_FIXED = {
-    "immediate_grad_update": _only(False, feature="immediate gradient updates"),
-    "check_grad_overflow": _only(
-        True, feature="applying non-finite bf16 gradients (dsfunc always skips such steps)"
+# bf16 keys that tune DeepSpeed's bf16 optimizer; dsfunc's one step has a single behaviour for each
+BF16_WITHOUT_EFFECT = {
+    "immediate_grad_update": (
+        "dsfunc adds each micro-batch's gradients into fp32 sums as they are produced (DeepSpeed's true); "
+        "DeepSpeed's false keeps them in bf16 until the accumulation boundary"
     ),
+    "check_grad_overflow": (
+        "dsfunc always checks: a step whose gradients are not finite is skipped (DeepSpeed's true); with "
+        "false DeepSpeed's ZeRO 1-2 apply such a step, writing NaN or inf into the weights"
+    ),
+}
+_BF16_FIXED = {
+    "immediate_grad_update": _accepted(_bool),
+    "check_grad_overflow": _accepted(_bool),
     "bf16_master_weights_and_grads": _only(False, feature="bf16 master weights (dsfunc keeps fp32 masters)"),
     "bf16_optimizer_states": _only(False, feature="bf16 optimizer states"),
 } | {

@@ -1,4 +1,4 @@
-"""Where a config comes from: a dict, a strict-JSON file, base64 JSON, or an argparse namespace."""
+"""Where a config comes from: a dict, a JSON (or HJSON) file, base64 JSON, or an argparse namespace."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import json
 import os
 from collections.abc import Mapping
 from typing import Any
+
+import hjson
 
 from dsfunc.config.errors import ConfigError
 
@@ -22,16 +24,6 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _json_hint(text: str, error: json.JSONDecodeError) -> str:
-    rest = text[error.pos :].lstrip()
-    before = text[: error.pos].rstrip()
-    if rest.startswith(("//", "/*", "#")):
-        return " It looks like a comment: dsfunc reads strict JSON, remove comments."
-    if before.endswith(",") and rest[:1] in ("}", "]"):
-        return " It looks like a trailing comma: dsfunc reads strict JSON, remove it."
-    return ""
-
-
 def _read_file(path: str | os.PathLike) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
@@ -40,12 +32,11 @@ def _read_file(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(
             f"Cannot read the DeepSpeed config file {os.fspath(path)!r}: {e.strerror}."
         ) from None
-    try:
-        data = json.loads(text, object_pairs_hook=_no_duplicates)
-    except json.JSONDecodeError as e:
+    try:  # HJSON, as DeepSpeed reads its files: JSON plus comments, trailing commas, unquoted keys
+        data = hjson.loads(text, object_pairs_hook=_no_duplicates)
+    except hjson.HjsonDecodeError as e:
         raise ConfigError(
-            f"{os.fspath(path)}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}."
-            + _json_hint(text, e)
+            f"{os.fspath(path)}: invalid JSON (read as HJSON) at line {e.lineno}, column {e.colno}: {e.msg}."
         ) from None
     except ConfigError as e:
         raise ConfigError(f"{os.fspath(path)}: {e}") from None
@@ -67,6 +58,8 @@ def _read_source(source: Any) -> Mapping[str, Any]:
         return source
     if isinstance(source, argparse.Namespace):
         inner = getattr(source, "deepspeed_config", None)
+        if inner is None:  # DeepSpeed's deprecated spelling, which it still reads
+            inner = getattr(source, "deepscale_config", None)
         if inner is None:
             raise ConfigError(
                 "args.deepspeed_config is not set: pass --deepspeed_config ds_config.json (the flag "

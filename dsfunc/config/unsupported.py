@@ -25,18 +25,6 @@ _UNSUPPORTED_TOP: dict[str, Rule] = {
     "data_efficiency": _off("data efficiency (curriculum learning, random-LTD)", ds.DATA_EFFICIENCY),
     "comms_logger": _off("the communication logger", ds.COMMS_LOGGER),
     "aio": _accepted(_fields(ds.AIO)),  # tunes NVMe I/O, which only offload to NVMe (refused) uses
-    "checkpoint": _only(
-        {
-            "tag_validation": "Warn",
-            "load_universal": False,
-            "use_node_local_storage": False,
-            "parallel_write": {"pipeline_stage": False},
-            "checkpoint_serialization": True,
-            "writer": None,
-        },
-        feature="these checkpoint options",
-        fix="dsfunc checkpoints load at any world size without conversion.",
-    ),
     "timers": _only(
         {"throughput": {"enabled": True, "synchronized": True}}, feature="configuring the timers"
     ),
@@ -50,7 +38,6 @@ _UNSUPPORTED_TOP: dict[str, Rule] = {
     "vocabulary_size": _accepted(_integer(ge=1)),  # DeepSpeed only warns when it is not a multiple of 8
     "zero_force_ds_cpu_optimizer": _accepted(_bool),  # dsfunc's offload updates on the host with any optimizer
     "disable_allgather": _only(False, feature="disable_allgather"),
-    "gradient_allreduce_op": _only("mean", feature="summed gradient reduction"),
     "torch_autocast": _off("torch.autocast mixed precision", ds.TORCH_AUTOCAST, 'Use "fp16" or "bf16".'),
     "hybrid_engine": _off("the hybrid (RLHF) engine", ds.HYBRID_ENGINE),
     "weight_quantization": _empty("weight quantization"),

@@ -17,20 +17,38 @@ from dsfunc.config.checks import (
     _only,
     _optional,
     _removed,
+    _without_effect_line,
 )
-from dsfunc.config.errors import ConfigError, _show
-from dsfunc.config.offload import OffloadConfig, check_offload_stage, offload_optimizer, offload_param
+from dsfunc.config.errors import ConfigError
+from dsfunc.config.offload import (
+    OffloadConfig,
+    check_offload_stage,
+    offload_optimizer,
+    offload_param,
+    offload_without_effect,
+)
 from dsfunc.config.schema import Rule, _key, _section
 
+# DeepSpeed's deprecated boolean spellings of the offload sections (true means device "cpu"), read as those
+DEPRECATED_OFFLOAD = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param"}
 
-def _renamed(new: str) -> Rule:
-    """DeepSpeed's deprecated boolean spelling of an offload section: false is accepted, true names the section."""
 
-    def rule(value: Any, path: str) -> None:
-        if value not in (None, False):
-            raise ConfigError(f"{path} = {_show(value)} is DeepSpeed's deprecated spelling; write {new} instead.")
-
-    return rule
+def renamed_offload(section: Mapping[str, Any], path: str) -> Mapping[str, Any]:
+    """``section`` with DeepSpeed's deprecated ``cpu_offload`` / ``cpu_offload_param`` (and
+    ``cpu_offload_use_pin_memory``) written as the sections they stand for, as DeepSpeed reads them."""
+    if not any(old in section for old in (*DEPRECATED_OFFLOAD, "cpu_offload_use_pin_memory")):
+        return section
+    out = {k: v for k, v in section.items() if k not in DEPRECATED_OFFLOAD and k != "cpu_offload_use_pin_memory"}
+    pin = _optional(_bool)(section.get("cpu_offload_use_pin_memory"), f"{path}.cpu_offload_use_pin_memory")
+    for old, new in DEPRECATED_OFFLOAD.items():
+        if old not in section:
+            continue
+        if _optional(_bool)(section[old], f"{path}.{old}") and new in section:
+            raise ConfigError(f'{path}.{old} and {path}.{new} are two spellings of the same setting '
+                              f'({old} is DeepSpeed\'s deprecated one); keep "{new}".')
+        if section[old]:
+            out[new] = {"device": "cpu"} | ({} if pin is None else {"pin_memory": pin})
+    return out
 
 
 @dataclass(frozen=True)
@@ -116,6 +134,11 @@ class ZeroConfig:
     def __post_init__(self) -> None:
         if self.overlap_comm is None:
             object.__setattr__(self, "overlap_comm", self.stage == 3)
+        # DeepSpeed ignores offload below the stage that can use it (said at start-up: offload_without_effect)
+        if self.stage == 0:
+            object.__setattr__(self, "offload_optimizer", None)
+        if self.stage < 3:
+            object.__setattr__(self, "offload_param", None)
         check_offload_stage(self.stage, self.offload_optimizer, self.offload_param)
 
 
@@ -134,9 +157,6 @@ _ZERO_ALIASES = {
     "partition_stream_chunk_size": "stage3_partition_stream_chunk_size",
 }
 _ZERO_FIXED: dict[str, Rule] = {
-    "cpu_offload": _renamed('"offload_optimizer": {"device": "cpu"}'),
-    "cpu_offload_param": _renamed('"offload_param": {"device": "cpu"}'),
-    "cpu_offload_use_pin_memory": _accepted(_optional(_bool)),
     "zenflow": _only(None, feature="ZenFlow"),
     "use_multi_rank_bucket_allreduce": _only(True, feature="disabling multi-rank bucket all-reduce"),
     "load_from_fp32_weights": _only(
@@ -146,7 +166,7 @@ _ZERO_FIXED: dict[str, Rule] = {
         False, feature="legacy elastic checkpoints (dsfunc checkpoints always reshard)"
     ),
     "stage3_model_persistence_threshold": _only(sys.maxsize, feature="a model persistence threshold"),
-    "stage3_module_granularity_threshold": _only(0, feature="a module granularity threshold"),
+    "stage3_module_granularity_threshold": _accepted(_integer(ge=0)),  # tunes fetching (WITHOUT_EFFECT)
     "stage3_use_all_reduce_for_fetch_params": _only(False, feature="all-reduce parameter fetching"),
     "stage3_allgather_sequential": _only(False, feature="sequential all-gathers"),
     "stage3_partition_stream_chunk_size": _only(0, feature="streamed parameter partitioning"),
@@ -198,23 +218,24 @@ WITHOUT_EFFECT = {
     "round_robin_gradients": (
         "every rank holds 1/world of every unit, so the gradient copies to the host are already spread evenly"
     ),
+    "stage3_module_granularity_threshold": (
+        "DeepSpeed fetches the parameters of modules smaller than this as one leaf; dsfunc gathers each unit "
+        "whole, one collective per unit"
+    ),
 }
 
 
-def without_effect(section: Any) -> str | None:
-    """The start-up line naming the keys of a raw ``zero_optimization`` section (as spelled there) that have
-    no effect in dsfunc, with why; None when it sets none of them."""
+def without_effect(section: Any) -> list[str]:
+    """The start-up lines naming the keys of a raw ``zero_optimization`` section (as spelled there) that have
+    no effect in dsfunc, with why: those of :data:`WITHOUT_EFFECT`, and offload below the stage that uses it."""
     if not isinstance(section, Mapping):
-        return None
-    given = [key for key in section if _ZERO_ALIASES.get(key, key) in WITHOUT_EFFECT]
-    if not given:
-        return None
-    reasons = "; ".join(f"{key}: {WITHOUT_EFFECT[_ZERO_ALIASES.get(key, key)]}" for key in given)
-    verb = "has" if len(given) == 1 else "have"
-    return f"zero_optimization: {', '.join(given)} {verb} no effect in dsfunc ({reasons})."
+        return []
+    lines = [_without_effect_line("zero_optimization", section, WITHOUT_EFFECT, _ZERO_ALIASES),
+             offload_without_effect(renamed_offload(section, "zero_optimization"))]
+    return [line for line in lines if line]
 
 
 def _zero(value: Any, path: str) -> ZeroConfig:
     if isinstance(value, bool):  # legacy "zero_optimization": true|false = stage 1|0
         return ZeroConfig(stage=int(value))
-    return _ZERO_SECTION(value, path)
+    return _ZERO_SECTION(renamed_offload(value, path) if isinstance(value, Mapping) else value, path)

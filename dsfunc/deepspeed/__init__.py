@@ -15,10 +15,10 @@ The rest of DeepSpeed's namespace (``deepspeed.accelerator``, ``deepspeed.comm``
 
 from dsfunc.deepspeed.accelerator import get_accelerator
 from dsfunc.deepspeed.arguments import add_config_arguments
+from dsfunc.deepspeed.config import DeepSpeedConfig, DeepSpeedConfigError
 from dsfunc.deepspeed.engine import DeepSpeedEngine, Engine
 from dsfunc.deepspeed.initialize import initialize
 from dsfunc.deepspeed.namespace import (
-    DeepSpeedConfig,
     DeepSpeedHybridEngine,
     DeepSpeedTransformerConfig,
     DeepSpeedTransformerLayer,
@@ -34,6 +34,7 @@ from dsfunc.deepspeed.utils import OnDevice, log_dist, logger
 
 __all__ = [
     "DeepSpeedConfig",
+    "DeepSpeedConfigError",
     "DeepSpeedEngine",
     "DeepSpeedHybridEngine",
     "DeepSpeedOptimizer",

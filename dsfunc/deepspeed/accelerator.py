@@ -332,6 +332,11 @@ def get_accelerator() -> Accelerator:
     return _ACCELERATOR
 
 
+def is_current_accelerator_supported() -> bool:
+    """Whether this process's accelerator is one DeepSpeed supports (dsfunc's two always are)."""
+    return get_accelerator().device_name() in ("cuda", "cpu")
+
+
 def set_accelerator(accelerator: Accelerator) -> None:
     """Use ``accelerator`` from now on (DeepSpeed's ``set_accelerator``)."""
     global _ACCELERATOR

@@ -23,7 +23,8 @@ from dsfunc.errors import unsupported
 __all__ = [
     "ReduceOp", "all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all_single", "barrier", "broadcast",
     "destroy_process_group", "gather", "get_backend", "get_global_rank", "get_local_rank", "get_rank",
-    "get_world_group", "get_world_size", "init_distributed", "irecv", "is_available", "is_initialized", "isend",
+    "get_world_group", "get_world_size", "inference_all_reduce", "init_distributed", "irecv", "is_available",
+    "is_initialized", "isend",
     "monitored_barrier", "new_group", "recv", "reduce", "reduce_scatter_tensor", "scatter", "send",
 ]
 
@@ -83,6 +84,11 @@ def monitored_barrier(group: Any = None, timeout: Any = None, wait_all_ranks: bo
 
 def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op) if is_initialized() else None
+
+
+def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None) -> Any:
+    """DeepSpeed's all-reduce for inference (its own kernel on some devices): here :func:`all_reduce`."""
+    return all_reduce(tensor, op=op, group=group)
 
 
 def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:

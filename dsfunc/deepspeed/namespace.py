@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import types
 from typing import Any
@@ -37,9 +38,11 @@ ALIASES = {
     "ops.lamb": "dsfunc.deepspeed.ops",
     "ops.adagrad": "dsfunc.deepspeed.ops",
     "ops.lion": "dsfunc.deepspeed.ops",
+    "ops.op_builder": "dsfunc.deepspeed.op_builder",
     "utils": "dsfunc.deepspeed.utils",
     "utils.logging": "dsfunc.deepspeed.utils",
     "utils.timer": "dsfunc.deepspeed.timers",
+    "utils.zero_to_fp32": "dsfunc.deepspeed.zero_to_fp32",
     "runtime.utils": "dsfunc.deepspeed.utils",
     "runtime.dataloader": "dsfunc.deepspeed.utils",
     "runtime.engine": "dsfunc.deepspeed.engine",
@@ -57,12 +60,18 @@ ALIASES = {
     "runtime.pipe.engine": "dsfunc.deepspeed.pipe_engine",
     "runtime.lr_schedules": "dsfunc.deepspeed.lr_schedules",
     "runtime.sequence_parallel.ulysses_sp": "dsfunc.deepspeed.ulysses_sp",
+    "runtime.config": "dsfunc.deepspeed.config",
+    "runtime.zero.config": "dsfunc.deepspeed.zero_config",
+    "runtime.zero.offload_config": "dsfunc.deepspeed.zero_config",
     # DeepSpeed's modules inside packages whose names are dsfunc's own (dsfunc.checkpoint, dsfunc.launcher)
     "checkpoint.utils": "dsfunc.deepspeed.checkpoint_utils",
     "launcher.runner": "dsfunc.deepspeed.runner",
     "profiling.flops_profiler": "dsfunc.monitor.flops_profiler",
     "profiling.flops_profiler.profiler": "dsfunc.monitor.flops_profiler",
 }
+
+# names of DeepSpeed's packages themselves that a module of dsfunc's answers (``deepspeed.ops.__compatible_ops__``)
+PACKAGE_NAMES = {"ops": ("dsfunc.deepspeed.op_builder", ("__compatible_ops__",))}
 
 # DeepSpeed's top-level packages dsfunc answers for (implemented in part, per ALIASES, or not at all)
 PACKAGES = {
@@ -125,6 +134,13 @@ class _Loader(importlib.abc.Loader):
         if self.spec is not None:
             module.__spec__ = self.spec
 
+    def get_code(self, fullname: str) -> types.CodeType | None:
+        """The implementing module's code, for ``python -m``: runpy runs a package's ``__main__``, so
+        ``<alias>.__main__`` is the alias's module run as a script (``python -m deepspeed.utils.zero_to_fp32``)."""
+        target = ALIASES.get(self.path.removesuffix(".__main__"))
+        spec = importlib.util.find_spec(target) if target is not None else None
+        return spec.loader.get_code(target) if spec is not None and hasattr(spec.loader, "get_code") else None
+
 
 class _Finder(importlib.abc.MetaPathFinder):
     """Finds DeepSpeed's module paths under ``dsfunc.`` (after the real modules: it sits last)."""
@@ -133,7 +149,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         where = _deepspeed_path(fullname)
         if where is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _Loader(where), is_package=True)
+        return importlib.machinery.ModuleSpec(fullname, _Loader(where), is_package=not fullname.endswith(".__main__"))
 
 
 def _stand_in(fullname: str, path: str) -> types.ModuleType:
@@ -142,6 +158,8 @@ def _stand_in(fullname: str, path: str) -> types.ModuleType:
     module.__path__ = []
 
     def attribute(name: str) -> Any:
+        if path in PACKAGE_NAMES and name in PACKAGE_NAMES[path][1]:
+            return getattr(importlib.import_module(PACKAGE_NAMES[path][0]), name)
         if name.startswith("_"):
             raise AttributeError(name)
         if f"{path}.{name}" in ALIASES:
@@ -150,6 +168,14 @@ def _stand_in(fullname: str, path: str) -> types.ModuleType:
 
     module.__getattr__ = attribute  # type: ignore[method-assign]
     return module
+
+
+def other_name(path: str, name: str) -> Any:
+    """A name of DeepSpeed's ``deepspeed.<path>`` that the dsfunc module answering it lacks: a stand-in that
+    imports and refuses when used, as in a module dsfunc does not implement (the module's ``__getattr__``)."""
+    if name.startswith("_"):
+        raise AttributeError(f"module 'deepspeed.{path}' has no attribute {name!r}")
+    return unsupported(f"deepspeed.{path}.{name}", PACKAGES[path.partition(".")[0]])
 
 
 def install() -> None:
@@ -172,6 +198,5 @@ InferenceEngine = unsupported("deepspeed.InferenceEngine", "DeepSpeed inference"
 DeepSpeedHybridEngine = unsupported("deepspeed.DeepSpeedHybridEngine", "the hybrid (RLHF) engine")
 DeepSpeedTransformerLayer = unsupported("deepspeed.DeepSpeedTransformerLayer", "DeepSpeed's fused transformer kernels")
 DeepSpeedTransformerConfig = unsupported("deepspeed.DeepSpeedTransformerConfig", "DeepSpeed's fused transformer kernels")
-DeepSpeedConfig = unsupported("deepspeed.DeepSpeedConfig", "DeepSpeed's config object", "use dsfunc.Config.load")
 add_tuning_arguments = unsupported("deepspeed.add_tuning_arguments", "the lr-schedule command-line flags",
                                    "describe the schedule in the config's scheduler section")

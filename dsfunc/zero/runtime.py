@@ -574,8 +574,9 @@ def zero_runtime(state: TrainState, *, direct_backward: bool = False) -> MicroBa
                           resident=frozenset() if program.offload is None else program.offload.resident,
                           narrow=program.update.reads_16_bit_grads)
     group = 1 if program.offload is None or direct_backward else program.offload.backward_group
-    return MicroBatchRuntime(state, reducer, ranks=program.plan.world_size, direct_backward=direct_backward,
-                             backward_group=group)
+    # the seed's 1/ranks makes the reducer's sum a mean; gradient_allreduce_op "sum" keeps the sum
+    ranks = 1 if program.config.gradient_allreduce_op == "sum" else program.plan.world_size
+    return MicroBatchRuntime(state, reducer, ranks=ranks, direct_backward=direct_backward, backward_group=group)
 
 
 def local_runtime(state: TrainState) -> MicroBatchRuntime:

@@ -127,18 +127,15 @@ def alive_faults(rank: int, world: int, root: str) -> dict[str, Any]:
     except ckpt.CheckpointTimeoutError as e:
         seen["alone"] = str(e)
 
-    # different calls, then different tags
-    calls = {
-        "save/load": lambda: ckpt.save_checkpoint(state, root, tag="x", timeout=30) if rank == 0
-        else ckpt.load_checkpoint(root, state, tag="x", timeout=30),
-        "tags": lambda: ckpt.save_checkpoint(state, root, tag=f"tag{rank}", timeout=30),
-    }
-    for case, call in calls.items():
-        try:
-            call()
-            seen[case] = "no error"
-        except ckpt.CheckpointError as e:
-            seen[case] = str(e)
+    # different calls (different tags: test_tag_validation.py)
+    try:
+        if rank == 0:
+            ckpt.save_checkpoint(state, root, tag="x", timeout=30)
+        else:
+            ckpt.load_checkpoint(root, state, tag="x", timeout=30)
+        seen["save/load"] = "no error"
+    except ckpt.CheckpointError as e:
+        seen["save/load"] = str(e)
 
     # rank 0 loads alone (the template stays usable); rank 1 calls too late
     if rank == 1:
@@ -168,8 +165,6 @@ def test_faults_every_rank_survives(tmp_path):
             assert "earlier checkpoints are intact" in message
         assert seen[rank]["after disk full"] == 1
         assert "rank 0: save_checkpoint(tag='x'); rank 1: load_checkpoint(tag='x')" in seen[rank]["save/load"]
-        tags = seen[rank]["tags"]
-        assert "rank 0: save_checkpoint(tag='tag0'); rank 1: save_checkpoint(tag='tag1')" in tags
         assert seen[rank]["recovered"] == str(tmp_path / "global_step2") and seen[rank]["recovered step"] == 2
 
     message = seen[0]["alone"]  # it came at all: no hang (run_world's timeout bounds the whole run)

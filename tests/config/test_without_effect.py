@@ -7,7 +7,7 @@ import logging
 import pytest
 
 import dsfunc
-from dsfunc.config import announce, zero
+from dsfunc.config import announce, precision, zero
 from tests.config.helpers import error, load
 from tests.models import MLP, config
 from tests.multiprocess import run_world
@@ -36,7 +36,8 @@ def test_the_line_names_every_key_given_and_why():
 
 @pytest.mark.parametrize("key", sorted(zero.WITHOUT_EFFECT))
 def test_each_key_at_any_value_is_named(key):
-    sizes = {"allgather_bucket_size": 1, "stage3_max_reuse_distance": 0, "sub_group_size": 7}
+    sizes = {"allgather_bucket_size": 1, "stage3_max_reuse_distance": 0, "sub_group_size": 7,
+             "stage3_module_granularity_threshold": 0}
     value = sizes.get(key, False)
     assert load({"zero_optimization": {key: value}}).without_effect() == [
         f"zero_optimization: {key} has no effect in dsfunc ({key}: {zero.WITHOUT_EFFECT[key]})."
@@ -68,6 +69,32 @@ def test_a_config_without_them_says_nothing(extra):
 )
 def test_a_bad_type_is_still_an_error(zero_section, expected):
     assert expected in error({"train_batch_size": 8, "zero_optimization": zero_section})
+
+
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ({"bf16": {"enabled": True, "immediate_grad_update": True}},
+         (f"bf16: immediate_grad_update has no effect in dsfunc (immediate_grad_update: "
+          f"{precision.BF16_WITHOUT_EFFECT['immediate_grad_update']}).")),
+        ({"bf16": {"enabled": True, "check_grad_overflow": False}}, "bf16: check_grad_overflow has no effect"),
+        ({"pipeline": {"use_reentrant": False}}, "pipeline: use_reentrant has no effect in dsfunc (use_reentrant: "),
+        ({"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 100}},
+         "zero_optimization: stage3_module_granularity_threshold has no effect"),
+        ({"zero_optimization": {"stage": 0, "offload_param": {"device": "cpu"}}},
+         "zero_optimization: offload_param has no effect in dsfunc at stage 0 (nor in DeepSpeed"),
+        ({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_param": {"device": "cpu"}}},
+         "zero_optimization: offload_param has no effect in dsfunc at stage 2"),
+    ],
+)
+def test_keys_of_other_sections_are_named(extra, expected):
+    [line] = load(extra).without_effect()
+    assert line.startswith(expected)
+
+
+def test_offload_where_it_is_used_says_nothing():
+    zero_section = {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    assert load({"zero_optimization": zero_section}).without_effect() == []
 
 
 def test_init_state_logs_the_line_once_per_process(caplog, monkeypatch):

@@ -131,7 +131,8 @@ def test_zero_keys_at_default_are_accepted(zero):
         ({"offload_param": {"device": "cpu", "offload_optimizer": 1}}, 'Unknown config key "zero_optimization.'),
         ({"offload_optimizer": {"device": "GPU"}}, 'device = "GPU" is invalid: expected "none", "cpu" or "nvme"'),
         ({"offload_param": {"device": "cpu"}}, 'offload_param needs "offload_optimizer": {"device": "cpu"} too'),
-        ({"cpu_offload": True}, 'cpu_offload = true is DeepSpeed\'s deprecated spelling; write "offload_optimizer"'),
+        ({"cpu_offload": True, "offload_optimizer": {"device": "cpu"}},
+         "zero_optimization.cpu_offload and zero_optimization.offload_optimizer are two spellings"),
         (
             {"zero_quantized_weights": True},
             (
@@ -174,18 +175,36 @@ def test_offload_optimizer_to_cpu_is_on_at_stages_1_to_3(stage):
         == ZeroConfig()
 
 
+def test_deprecated_cpu_offload_spellings_are_the_sections():
+    """DeepSpeed reads cpu_offload / cpu_offload_param (and cpu_offload_use_pin_memory) as the sections."""
+    z = load({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True,
+                                    "cpu_offload_use_pin_memory": False}}).zero_optimization
+    assert z.offload_optimizer == z.offload_param == OffloadConfig(device="cpu", pin_memory=False)
+    assert load({"zero_optimization": {"stage": 2, "cpu_offload": False}}).zero_optimization == ZeroConfig(stage=2)
+    assert "cpu_offload = 1 is invalid" in error({"train_batch_size": 8, "zero_optimization": {"cpu_offload": 1}})
+
+
 @pytest.mark.parametrize(
-    "zero, expected",
+    "zero",
     [
-        ({"stage": 0, "offload_optimizer": {"device": "cpu"}},
-         "zero_optimization.offload_optimizer needs ZeRO (stage 1, 2 or 3), as in DeepSpeed; this config has stage 0"),
-        ({"stage": 2, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
-         "zero_optimization.offload_param needs ZeRO stage 3"),
-        ({"stage": 1, "offload_optimizer": {"device": "nvme"}}, "use \"device\": \"cpu\" (host memory) or \"none\""),
+        {"stage": 0, "offload_optimizer": {"device": "cpu"}},
+        {"stage": 0, "offload_param": {"device": "cpu"}},
+        {"stage": 1, "offload_param": {"device": "cpu"}},
+        {"stage": 2, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
     ],
 )
-def test_offload_where_it_cannot_apply_is_an_error(zero, expected):
-    assert expected in error({"train_batch_size": 8, "zero_optimization": zero})
+def test_offload_below_the_stage_that_uses_it_has_no_effect(zero):
+    """DeepSpeed 0.19.8 accepts and ignores these: its initialize builds a plain torch AdamW at stage 0 with either
+    section on, and at stages 1-2 with offload_param on its engine's zero_offload_param() is set but nothing reads
+    it (seen by running it with DS_ACCELERATOR=cpu)."""
+    z = load({"zero_optimization": zero}).zero_optimization
+    assert z.offload_param is None
+    assert z.offload_optimizer == (OffloadConfig() if "offload_optimizer" in zero and zero["stage"] else None)
+
+
+def test_offload_to_nvme_is_an_error():
+    zero = {"stage": 1, "offload_optimizer": {"device": "nvme"}}
+    assert 'use "device": "cpu" (host memory) or "none"' in error({"train_batch_size": 8, "zero_optimization": zero})
 
 
 def test_offload_defaults_are_deepspeeds():

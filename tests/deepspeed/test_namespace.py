@@ -48,7 +48,7 @@ IMPORTS = [
     ("inference.config", "DeepSpeedInferenceConfig"),
     ("checkpointing", "checkpoint"),
 ]
-UNSUPPORTED = {"get_fp32_state_dict_from_zero_checkpoint", "estimate_zero3_model_states_mem_needs_all_live",
+UNSUPPORTED = {"estimate_zero3_model_states_mem_needs_all_live",
                "WarmupLR", "PipeModelDataParallelTopology", "MoE", "init_compression",
                "replace_transformer_layer",
                "DeepSpeedInferenceConfig"}
@@ -130,16 +130,19 @@ def _comm_ranks(rank: int, world: int) -> dict:
     group = dist.new_group([0, 1])
     m = torch.tensor([float(rank)])
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    i = torch.tensor([float(rank + 1)], dtype=torch.bfloat16)
+    dist.inference_all_reduce(i)
     dist.barrier()
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "local": dist.get_local_rank(),
-            "sum": t.item(), "bcast": b.item(), "gathered": [g.item() for g in gathered], "max": m.item()}
+            "sum": t.item(), "bcast": b.item(), "gathered": [g.item() for g in gathered], "max": m.item(),
+            "inference sum": i.item()}
 
 
 def test_comm_over_two_ranks():
     results = run_world(_comm_ranks, 2)
     for rank, r in enumerate(results):
         assert r == {"rank": rank, "world": 2, "local": rank, "sum": 3.0, "bcast": 1.0, "gathered": [0.0, 10.0],
-                     "max": 1.0}
+                     "max": 1.0, "inference sum": 3.0}
 
 
 def test_deepspeed_optimizer_classes_are_client_optimizers():
@@ -162,3 +165,12 @@ def test_deepspeed_optimizer_classes_are_client_optimizers():
     with pytest.raises(RuntimeError, match="stepped by the engine"):
         FusedAdam(net.parameters()).step()
     assert optimizer.param_groups[0]["weight_decay"] == 0.1
+
+
+def test_which_native_ops_dsfunc_answers():
+    from dsfunc.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder, FusedAdamBuilder
+
+    assert deepspeed.ops.__compatible_ops__[FusedAdamBuilder.NAME] and CPUAdamBuilder().is_compatible()
+    assert not deepspeed.ops.__compatible_ops__["transformer_inference"] and not AsyncIOBuilder().is_compatible()
+    with pytest.raises(NotSupportedError, match="use deepspeed.ops.adam.FusedAdam"):
+        FusedAdamBuilder().load()

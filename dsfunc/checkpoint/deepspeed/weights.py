@@ -26,22 +26,24 @@ from dsfunc.checkpoint.deepspeed.shards import MASTER, Request
 BATCH_BYTES = 1 << 28
 
 
-def deepspeed_weights(folder: Path, *, with_aliases: bool, trust_pickle: bool = False,
+def deepspeed_weights(folder: Path, *, with_aliases: bool, trust_pickle: bool = False, exclude_frozen: bool = False,
                       batch_bytes: int = BATCH_BYTES) -> tuple[list, list[str], list[tuple[str, str]], Iterator]:
     """``(layout, order, keys, tensors)`` of the DeepSpeed checkpoint in ``folder``, as
     :func:`dsfunc.checkpoint.export.write_safetensors` and ``write_torch`` take them: ``layout`` lists
     ``(name, shape, dtype)`` in the order ``tensors`` yields ``(name, tensor)``; ``order`` is every state dict
-    name in the module's order; ``keys`` maps each of them to the tensor it is (``(name, source)``)."""
+    name in the module's order; ``keys`` maps each of them to the tensor it is (``(name, source)``).
+    ``exclude_frozen`` leaves out the frozen parameters."""
     ckpt = open_checkpoint(folder, trust_pickle=trust_pickle)
     index = ckpt.index
     shapes = {**index.trainable, **index.frozen, **{n: s for n, (s, _) in index.buffers.items()}}
     dtypes = {n: _exported_dtype(d) for n, (_, d) in index.buffers.items()}
-    canonical = list(index.aliases)  # the module's order, tied names folded into their first
+    # the module's order, tied names folded into their first
+    canonical = [name for name in index.aliases if not (exclude_frozen and name in index.frozen)]
     layout = [(alias, tuple(shapes[name]), dtypes.get(name, torch.float32))
               for name in canonical for alias in (index.aliases[name] if with_aliases else (name,))]
     first = {alias: name for name in canonical for alias in index.aliases[name]}
-    keys = [(name, name if with_aliases else first[name]) for name in index.names]
-    order = list(index.names) if with_aliases else canonical
+    keys = [(name, name if with_aliases else first[name]) for name in index.names if name in first]
+    order = [name for name in index.names if name in first] if with_aliases else canonical
     return layout, order, keys, _tensors(ckpt, canonical, shapes, dtypes, with_aliases, batch_bytes)
 
 
