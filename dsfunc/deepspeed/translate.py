@@ -39,6 +39,30 @@ def _public_name(cls: type) -> str:
     return f"{module}.{cls.__qualname__}"
 
 
+class ClientObjectError(InputError, AssertionError):
+    """A client optimizer or lr scheduler that DeepSpeed refuses with an assertion (caught as ``AssertionError``)."""
+
+
+def translatable(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether :func:`optimizer_section` maps ``optimizer`` onto a config section (else its own ``step()`` runs:
+    :mod:`dsfunc.optim.torch_optimizer`)."""
+    return isinstance(optimizer, DeepSpeedOptimizer) or type(optimizer) in _TORCH_OPTIMIZERS
+
+
+def check_fresh(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a client optimizer that holds state: dsfunc starts the optimizer from scratch."""
+    if _has_stepped(optimizer):
+        raise InputError(
+            f"the client {_public_name(type(optimizer))} has state (it has taken steps or loaded a state_dict); "
+            "dsfunc starts the optimizer from scratch. Pass a fresh optimizer and resume with engine.load_checkpoint"
+        )
+
+
+def drop_empty_groups(optimizer: torch.optim.Optimizer) -> None:
+    """Remove the parameter groups without parameters from ``optimizer``, in place, as DeepSpeed does."""
+    optimizer.param_groups[:] = [g for g in optimizer.param_groups if len(g["params"]) > 0]
+
+
 def optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[tuple[list[torch.Tensor], dict[str, Any]]]]:
     """The DeepSpeed ``optimizer`` config section equivalent to a fresh torch optimizer, and its
     ``param_groups`` as ``(params, options)`` pairs, each group's options its own hyper-parameters.
@@ -57,12 +81,8 @@ def optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any],
             "pass a torch.optim.Adam, AdamW, SGD or Adagrad (or a callable returning one), or leave "
             'optimizer out and describe it in the config\'s "optimizer" section (Adam, AdamW, SGD, Lamb, Adagrad)'
         )
+    check_fresh(optimizer)
     name, _ = _TORCH_OPTIMIZERS[kind]
-    if _has_stepped(optimizer):
-        raise InputError(
-            f"the client torch.optim.{name} has state (it has taken steps or loaded a state_dict); dsfunc "
-            "starts the optimizer from scratch. Pass a fresh optimizer and resume with engine.load_checkpoint"
-        )
     defaults = {n: plain(p.default) for n, p in inspect.signature(kind.__init__).parameters.items()
                 if p.default is not inspect.Parameter.empty}
     section = {"type": name, "params": _hyper(kind, {k: plain(v) for k, v in optimizer.defaults.items()}, defaults)}
@@ -168,9 +188,11 @@ def schedule_from_torch(sched: Any) -> LrSchedule:
     return lambda base: lambda t: (base * factor((t + 1).to(torch.float64))).to(torch.float32)
 
 
-def client_schedule(lr_scheduler: Any, client_opt: Any, groups: list[tuple[list[torch.Tensor], float]]) -> LrSchedule:
+def client_schedule(lr_scheduler: Any, client_opt: Any,
+                    groups: list[tuple[list[torch.Tensor], float]]) -> tuple[LrSchedule, Any]:
     """The per-group schedule of a client lr scheduler (or of a callable ``f(optimizer)``, which gets the
-    client optimizer, or a stand-in carrying the engine's ``groups`` as ``(params, lr)``)."""
+    client optimizer, or a stand-in carrying the engine's ``groups`` as ``(params, lr)``), and the torch
+    scheduler itself (the one the callable built)."""
     scheduler = lr_scheduler
     if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
         if not callable(lr_scheduler):
@@ -185,8 +207,8 @@ def client_schedule(lr_scheduler: Any, client_opt: Any, groups: list[tuple[list[
         if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
             raise InputTypeError(f"the lr_scheduler callable returned a {type(scheduler).__name__}, not a torch lr scheduler")
     if client_opt is None or getattr(scheduler, "optimizer", None) is not client_opt:
-        raise InputError(
+        raise ClientObjectError(
             "lr_scheduler was built on a torch optimizer the engine does not use; pass that optimizer as "
             "optimizer= too, or pass a callable lr_scheduler(optimizer)"
         )
-    return schedule_from_torch(scheduler)
+    return schedule_from_torch(scheduler), scheduler
