@@ -30,6 +30,7 @@ from dsfunc.deepspeed.translate import (
     drop_empty_groups,
     optimizer_section,
     translatable,
+    zero_tested,
 )
 from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, group_views
 from dsfunc.distributed import comm
@@ -135,9 +136,9 @@ def initialize(
                           progress_bar=progress_bar, total_steps=total_steps)
     engine.client_optimizer, engine.client_lr_scheduler = optimizer, lr_scheduler
     engine.training_data, engine.collate_fn = training_data, collate_fn
-    if client_sched is not None:  # DeepSpeed's engine steps the client's scheduler itself
-        engine.lr_scheduler = client_sched
-        engine.optimizer.driven = client_sched.optimizer is client_opt  # else it runs on a stand-in
+    if client_sched is not None and client_sched.optimizer is client_opt:  # not one built on a stand-in
+        engine.lr_scheduler = client_sched  # DeepSpeed's engine steps the client's scheduler itself
+        engine.optimizer.driven = True
     returned = engine.optimizer
     if engine.optimizer is not None and client_opt is not None:
         engine.optimizer.optimizer = client_opt
@@ -210,7 +211,7 @@ def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, groups:
 def _check_untested(cfg: Config, optimizer: torch.optim.Optimizer) -> None:
     """DeepSpeed runs an optimizer it does not know under ZeRO only with ``zero_allow_untested_optimizer``."""
     check_fresh(optimizer)
-    if cfg.zero_optimization.stage > 0 and not cfg.zero_allow_untested_optimizer:
+    if cfg.zero_optimization.stage > 0 and not cfg.zero_allow_untested_optimizer and not zero_tested(optimizer):
         raise ClientObjectError(
             f"the client optimizer is a {type(optimizer).__qualname__}, which DeepSpeed has not tested with ZeRO; "
             'add "zero_allow_untested_optimizer": true to the config to use it (its step() then runs on the '

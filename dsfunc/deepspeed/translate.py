@@ -4,7 +4,9 @@
 own update, so a fresh torch Adam/AdamW/SGD/Adagrad becomes the equivalent DeepSpeed ``optimizer``
 section (its ``param_groups`` parameter groups with their own options), and a fresh StepLR/MultiStepLR/
 ExponentialLR/LinearLR/ConstantLR/CosineAnnealingLR/LambdaLR the equivalent schedule of each group
-(torch's schedulers scale each group's own lr). Anything else is refused with a message.
+(torch's schedulers scale each group's own lr). Any other torch optimizer (or one with an option dsfunc's
+update lacks, such as ``amsgrad``) runs its own ``step()`` on the state's shards
+(:mod:`dsfunc.optim.torch_optimizer`); other schedulers are refused with a message.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ _TORCH_OPTIMIZERS: dict[type, tuple[str, tuple[str, ...]]] = {
     torch.optim.SGD: ("SGD", ("lr", "momentum", "dampening", "weight_decay", "nesterov")),
     torch.optim.Adagrad: ("Adagrad", ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")),
 }
+_ZERO_TESTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)  # DeepSpeed's list, less its own classes
 _IMPLEMENTATION_ONLY = ("foreach", "fused", "capturable", "differentiable")  # pick a kernel, not the math
 
 
@@ -46,7 +49,27 @@ class ClientObjectError(InputError, AssertionError):
 def translatable(optimizer: torch.optim.Optimizer) -> bool:
     """Whether :func:`optimizer_section` maps ``optimizer`` onto a config section (else its own ``step()`` runs:
     :mod:`dsfunc.optim.torch_optimizer`)."""
-    return isinstance(optimizer, DeepSpeedOptimizer) or type(optimizer) in _TORCH_OPTIMIZERS
+    if isinstance(optimizer, DeepSpeedOptimizer):
+        return True
+    if type(optimizer) not in _TORCH_OPTIMIZERS:
+        return False
+    defaults = _defaults(type(optimizer))
+    try:  # an option without a dsfunc equivalent (amsgrad, maximize, ...): the optimizer's own step runs
+        for g in optimizer.param_groups:
+            _hyper(type(optimizer), {k: plain(v) for k, v in g.items() if k != "params"}, defaults)
+    except InputError:
+        return False
+    return True
+
+
+def zero_tested(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether DeepSpeed runs ``optimizer`` under ZeRO without ``zero_allow_untested_optimizer``."""
+    return isinstance(optimizer, DeepSpeedOptimizer) or type(optimizer) in _ZERO_TESTED
+
+
+def _defaults(kind: type) -> dict[str, Any]:
+    return {n: plain(p.default) for n, p in inspect.signature(kind.__init__).parameters.items()
+            if p.default is not inspect.Parameter.empty}
 
 
 def check_fresh(optimizer: torch.optim.Optimizer) -> None:
@@ -83,8 +106,7 @@ def optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any],
         )
     check_fresh(optimizer)
     name, _ = _TORCH_OPTIMIZERS[kind]
-    defaults = {n: plain(p.default) for n, p in inspect.signature(kind.__init__).parameters.items()
-                if p.default is not inspect.Parameter.empty}
+    defaults = _defaults(kind)
     section = {"type": name, "params": _hyper(kind, {k: plain(v) for k, v in optimizer.defaults.items()}, defaults)}
     groups = [(list(g["params"]), _hyper(kind, {k: plain(v) for k, v in g.items() if k != "params"}, defaults))
               for g in optimizer.param_groups]
