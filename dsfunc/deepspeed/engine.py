@@ -52,8 +52,9 @@ from dsfunc.data import DistributedLoader
 from dsfunc.deepspeed import direct, live_engines
 from dsfunc.deepspeed.engine_config import ConfigAccessors
 from dsfunc.deepspeed.engine_surface import EngineSurface
+from dsfunc.deepspeed.lr_schedules import engine_scheduler
 from dsfunc.deepspeed.step_in_progress import StepInProgress
-from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, GroupView, schedule_count
+from dsfunc.deepspeed.views import EngineOptimizer, GroupView, schedule_count
 from dsfunc.errors import InputError, NotSupportedError, UsageError
 from dsfunc.monitor import Monitor, tokens_in
 from dsfunc.state import TrainState
@@ -102,7 +103,8 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         # a client torch optimizer's param_groups are the engine optimizer's: a scheduler built on either
         # drives the engine's lr, as with DeepSpeed
         self.optimizer = EngineOptimizer(self, param_groups) if groups is not None else None
-        self.lr_scheduler = EngineLRScheduler(self) if groups is not None and scheduled else None
+        section = self.config.scheduler.type if self.config.scheduler is not None else None
+        self.lr_scheduler = engine_scheduler(self, section) if groups is not None and scheduled else None
         self.global_samples = 0
         self._stepped = False  # whether the last step() ended an optimizer step
         self._timings: dict[str, float] = {}

@@ -1,26 +1,57 @@
-"""``deepspeed.runtime.lr_schedules``: the names of DeepSpeed's lr schedules, which dsfunc runs from a
-config's ``scheduler`` section (:mod:`dsfunc.schedules`).
+"""``deepspeed.runtime.lr_schedules``: DeepSpeed's lr schedule classes, which dsfunc runs from a config's
+``scheduler`` section (:mod:`dsfunc.schedules`).
 
-Libraries check a scheduler's class name against :data:`VALID_LR_SCHEDULES` to tell DeepSpeed's own
-schedulers (which the engine steps) from torch's. DeepSpeed's scheduler classes, built by hand on an
-optimizer, are not dsfunc's way: describe the schedule in the config instead.
+What ``initialize`` returns as ``lr_scheduler`` for a config section is the engine's schedule view
+(:class:`~dsfunc.deepspeed.views.EngineLRScheduler`) as an instance of the class the section names, so
+``isinstance(lr_scheduler, WarmupLR)`` holds as with DeepSpeed. Libraries check a scheduler's class name against
+:data:`VALID_LR_SCHEDULES` to tell DeepSpeed's own schedulers (which the engine steps) from torch's. Built by
+hand on an optimizer, these classes are refused: describe the schedule in the config instead.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 from dsfunc.config.scheduler import SCHEDULER_NAMES
-from dsfunc.errors import unsupported
+from dsfunc.deepspeed.views import EngineLRScheduler, Viewed
+from dsfunc.errors import NotSupportedError
 
 VALID_LR_SCHEDULES = list(SCHEDULER_NAMES)  # the config's scheduler types: DeepSpeed's class names
 LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR = (
     "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
 
-_HINT = 'describe it in the config\'s "scheduler" section: {"type": "%s", "params": {...}}'
-LRRangeTest = unsupported("deepspeed.runtime.lr_schedules.LRRangeTest", "a hand-built DeepSpeed scheduler",
-                          _HINT % LR_RANGE_TEST)
-OneCycle = unsupported("deepspeed.runtime.lr_schedules.OneCycle", "a hand-built DeepSpeed scheduler",
-                       _HINT % ONE_CYCLE)
-WarmupLR = unsupported("deepspeed.runtime.lr_schedules.WarmupLR", "a hand-built DeepSpeed scheduler",
-                       _HINT % WARMUP_LR)
-WarmupDecayLR = unsupported("deepspeed.runtime.lr_schedules.WarmupDecayLR", "a hand-built DeepSpeed scheduler",
-                            _HINT % WARMUP_DECAY_LR)
-WarmupCosineLR = unsupported("deepspeed.runtime.lr_schedules.WarmupCosineLR", "a hand-built DeepSpeed scheduler",
-                             _HINT % WARMUP_COSINE_LR)
+
+class ConfigScheduler(EngineLRScheduler):
+    """The engine's view of its config ``scheduler`` section, as the section's DeepSpeed class."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        name = type(self).__name__
+        raise NotSupportedError(
+            f"deepspeed.runtime.lr_schedules.{name} (a hand-built DeepSpeed scheduler) is not implemented by dsfunc; "
+            f'describe it in the config\'s "scheduler" section: {{"type": "{name}", "params": {{...}}}}'
+        )
+
+    @classmethod
+    def of(cls, engine: Viewed) -> ConfigScheduler:
+        view = cls.__new__(cls)
+        EngineLRScheduler.__init__(view, engine)
+        return view
+
+
+def _scheduler(name: str) -> type[ConfigScheduler]:
+    return type(name, (ConfigScheduler,), {"__doc__": f"DeepSpeed's {name}: the engine's view of a config "
+                                           f'"scheduler" section of type {name}.', "__module__": __name__})
+
+
+LRRangeTest = _scheduler(LR_RANGE_TEST)
+OneCycle = _scheduler(ONE_CYCLE)
+WarmupLR = _scheduler(WARMUP_LR)
+WarmupDecayLR = _scheduler(WARMUP_DECAY_LR)
+WarmupCosineLR = _scheduler(WARMUP_COSINE_LR)
+_BY_NAME = {cls.__name__: cls for cls in (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR)}
+
+
+def engine_scheduler(engine: Viewed, section_type: str | None) -> EngineLRScheduler:
+    """The view of ``engine``'s schedule: an instance of the config section's class when it names one."""
+    cls = _BY_NAME.get(section_type) if section_type is not None else None
+    return cls.of(engine) if cls is not None else EngineLRScheduler(engine)
