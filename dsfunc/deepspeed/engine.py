@@ -53,7 +53,7 @@ from dsfunc.deepspeed import direct, live_engines
 from dsfunc.deepspeed.engine_config import ConfigAccessors
 from dsfunc.deepspeed.engine_surface import EngineSurface
 from dsfunc.deepspeed.lr_schedules import engine_scheduler
-from dsfunc.deepspeed.step_in_progress import StepInProgress
+from dsfunc.deepspeed.step_in_progress import StepInProgress, transformed
 from dsfunc.deepspeed.views import EngineOptimizer, GroupView, schedule_count
 from dsfunc.errors import InputError, NotSupportedError, UsageError
 from dsfunc.monitor import Monitor, tokens_in
@@ -237,7 +237,7 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         ``torch.no_grad()`` it is an evaluation.
         """
         if not self.steps.trains_now():
-            return self.steps.for_evaluation().evaluate(_call, (inputs, kwargs))
+            return self.steps.for_evaluation().evaluate(_call, (inputs, kwargs), grad_mode=transformed())
         start = self._clock()
         self.tput_timer.start()
         runtime = self.steps.begin()
