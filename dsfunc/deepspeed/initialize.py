@@ -178,11 +178,12 @@ def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, groups:
     raw = dict(cfg.raw)
     if client_opt is not None:
         drop_empty_groups(client_opt)
+        _check_untested(cfg, client_opt)
         if translatable(client_opt):
             section, in_opt = optimizer_section(client_opt)
             raw["optimizer"] = section
         else:  # its own step() runs on the shards
-            _check_untested(cfg, client_opt)
+            check_fresh(client_opt)
             in_opt = [(list(g["params"]), {}) for g in client_opt.param_groups]
             raw.pop("optimizer", None)
         if groups is not None and {id(p) for ps, _ in groups for p in ps} != {id(p) for ps, _ in in_opt for p in ps}:
@@ -209,8 +210,8 @@ def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, groups:
 
 
 def _check_untested(cfg: Config, optimizer: torch.optim.Optimizer) -> None:
-    """DeepSpeed runs an optimizer it does not know under ZeRO only with ``zero_allow_untested_optimizer``."""
-    check_fresh(optimizer)
+    """DeepSpeed runs a client optimizer it has not tested (torch's SGD, RMSprop, a class of the client's own)
+    under ZeRO only with ``zero_allow_untested_optimizer``."""
     if cfg.zero_optimization.stage > 0 and not cfg.zero_allow_untested_optimizer and not zero_tested(optimizer):
         raise ClientObjectError(
             f"the client optimizer is a {type(optimizer).__qualname__}, which DeepSpeed has not tested with ZeRO; "
