@@ -1,6 +1,6 @@
-"""What :func:`~dsfunc.deepspeed.initialize` returns as ``optimizer`` and ``lr_scheduler``: views of the
-engine's update, one entry per parameter group, so scripts that read ``param_groups`` or
-``get_last_lr()`` keep working."""
+"""What :func:`~dsfunc.deepspeed.initialize` returns as ``optimizer`` and ``lr_scheduler`` where DeepSpeed returns
+its own objects (not the client's): views of the engine's update, one entry per parameter group, so scripts that
+read ``param_groups`` or ``get_last_lr()`` keep working."""
 
 from __future__ import annotations
 
