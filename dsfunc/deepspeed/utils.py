@@ -137,8 +137,11 @@ def _write(workspace: Workspace, unit: Unit, slot: ParamSlot, shard: torch.Tenso
             shard.copy_(full[workspace.plan.rank * size : (workspace.plan.rank + 1) * size])
 
 
-def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
-    """The full fp32 master weight of ``param`` (every rank calls it at ZeRO stages 1-3)."""
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+    """The full fp32 master weight of ``param`` (every rank calls it at ZeRO stages 1-3); None for a frozen
+    parameter, which has none (as DeepSpeed's)."""
+    if not param.requires_grad:
+        return None
     return _full(param, lambda ws, unit: ws.master[unit.name])
 
 
@@ -160,8 +163,11 @@ def _moments(workspace: Workspace, unit: Unit) -> ScaleByAdamState:
     raise InputError("the engine's optimizer keeps no Adam moments (exp_avg, exp_avg_sq) for this parameter")
 
 
-def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor:
-    """The full ``exp_avg`` or ``exp_avg_sq`` of ``param`` in its engine's Adam state (every rank calls it)."""
+def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
+    """The full ``exp_avg`` or ``exp_avg_sq`` of ``param`` in its engine's Adam state (every rank calls it); None
+    for a frozen parameter."""
+    if not param.requires_grad:
+        return None
     if optim_state_key not in _MOMENTS:
         raise InputError(f"optim_state_key {optim_state_key!r}: dsfunc keeps 'exp_avg' and 'exp_avg_sq'")
     field = _MOMENTS[optim_state_key]
@@ -197,7 +203,9 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     """The gradient of ``param`` in the step so far, full and fp32, as DeepSpeed's: after a backward and before
     ``engine.step()``; the mean over the ranks once reduced (at the accumulation boundary; every micro-batch at
     ZeRO-3), else this rank's own (stages 0-1). Every rank calls it (a collective at stages 1-3). None before any
-    backward reached it."""
+    backward reached it, and for a frozen parameter."""
+    if not param.requires_grad:
+        return None
     workspace, unit, slot, total, reduced = _step_grad(param)
     if total is None:
         return None

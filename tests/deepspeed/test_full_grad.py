@@ -1,7 +1,7 @@
 """``deepspeed.utils.safe_get_full_grad`` / ``safe_set_full_grad`` under real DeepSpeed 0.19.8 (CPU, gloo, 2 ranks)
 and under dsfunc: the same gradients after every backward at ZeRO stages 0-3 (this rank's own off the boundary at
-0-1, reduced at the boundary and at every micro-batch at 3, a ValueError off the boundary at 2), and a set gradient
-applied by the step."""
+0-1, reduced at the boundary and at every micro-batch at 3, a ValueError off the boundary at 2), None for a frozen
+parameter, and a set gradient read back."""
 
 from __future__ import annotations
 
@@ -30,4 +30,5 @@ def test_full_grad_as_deepspeed(tmp_path):
                 else:
                     assert (mine - theirs).abs().max() <= 1e-6 * theirs.abs().max(), (rank, stage, i)
         local[rank] = ours[0][0]
+        assert all(v.count("frozen: None") == 4 for v in ours.values())
     assert not torch.equal(local[0], local[1])  # off the boundary at stage 0 each rank reads its own
