@@ -19,6 +19,16 @@ from dsfunc.errors import NotSupportedError
 VALID_LR_SCHEDULES = list(SCHEDULER_NAMES)  # the config's scheduler types: DeepSpeed's class names
 LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR = (
     "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+# the names of the sections' params, as scripts build configs with them
+LR_SCHEDULE, TOTAL_NUM_STEPS, EDGE_VALUE, MID_VALUE = "lr_schedule", "total_num_steps", "edge_value", "mid_value"
+LR_RANGE_TEST_MIN_LR, LR_RANGE_TEST_STEP_RATE = "lr_range_test_min_lr", "lr_range_test_step_rate"
+LR_RANGE_TEST_STEP_SIZE, LR_RANGE_TEST_STAIRCASE = "lr_range_test_step_size", "lr_range_test_staircase"
+CYCLE_FIRST_STEP_SIZE, CYCLE_SECOND_STEP_SIZE = "cycle_first_step_size", "cycle_second_step_size"
+CYCLE_FIRST_STAIR_COUNT, CYCLE_SECOND_STAIR_COUNT = "cycle_first_stair_count", "cycle_second_stair_count"
+CYCLE_MIN_LR, CYCLE_MAX_LR, CYCLE_MIN_MOM, CYCLE_MAX_MOM = "cycle_min_lr", "cycle_max_lr", "cycle_min_mom", "cycle_max_mom"
+DECAY_STEP_SIZE, DECAY_LR_RATE, DECAY_MOM_RATE = "decay_step_size", "decay_lr_rate", "decay_mom_rate"
+WARMUP_MIN_LR, WARMUP_MAX_LR, WARMUP_NUM_STEPS, WARMUP_TYPE = "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"
+WARMUP_LOG_RATE, WARMUP_LINEAR_RATE, WARMUP_MIN_RATIO, COS_MIN_RATIO = "log", "linear", "warmup_min_ratio", "cos_min_ratio"
 
 
 class ConfigScheduler(EngineLRScheduler):
