@@ -6,7 +6,8 @@ section (its ``param_groups`` parameter groups with their own options), and a fr
 ExponentialLR/LinearLR/ConstantLR/CosineAnnealingLR/LambdaLR the equivalent schedule of each group
 (torch's schedulers scale each group's own lr). Any other torch optimizer (or one with an option dsfunc's
 update lacks, such as ``amsgrad``) runs its own ``step()`` on the state's shards
-(:mod:`dsfunc.optim.torch_optimizer`); other schedulers are refused with a message.
+(:mod:`dsfunc.optim.torch_optimizer`); another scheduler on the client's optimizer is stepped by the engine,
+which follows the lr it writes (ReduceLROnPlateau, which needs a metric, is refused).
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ def client_schedule(lr_scheduler: Any, client_opt: Any,
     """The per-group schedule of a client lr scheduler (or of a callable ``f(optimizer)``, which gets the
     client optimizer, or a stand-in carrying the engine's ``groups`` as ``(params, lr)``), and the torch
     scheduler itself (the one the callable built)."""
-    scheduler = lr_scheduler
+    scheduler, given_opt = lr_scheduler, client_opt
     if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
         if not callable(lr_scheduler):
             raise InputTypeError(
@@ -233,4 +234,11 @@ def client_schedule(lr_scheduler: Any, client_opt: Any,
             "lr_scheduler was built on a torch optimizer the engine does not use; pass that optimizer as "
             "optimizer= too, or pass a callable lr_scheduler(optimizer)"
         )
-    return schedule_from_torch(scheduler), scheduler
+    try:
+        return schedule_from_torch(scheduler), scheduler
+    except InputTypeError:
+        if given_opt is None or isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise
+        # no closed form (OneCycleLR, a class of the client's own): the engine steps it after each applied step and
+        # follows the lr it writes into the client optimizer's param_groups, as DeepSpeed does
+        return (lambda base: None), scheduler

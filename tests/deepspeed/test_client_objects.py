@@ -5,6 +5,8 @@ client's scheduler, and ``was_step_applied()`` answers as DeepSpeed's on and off
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -80,3 +82,29 @@ def test_a_client_optimizers_own_step_resumes_exactly(stage, tmp_path):
     expected, got = dsfunc.full_params(whole.state), dsfunc.full_params(resumed.state)
     assert all(torch.equal(expected[k], got[k]) for k in expected)
     assert not torch.equal(expected["0.weight"], dsfunc.full_params(first.state)["0.weight"])
+
+
+def test_a_client_scheduler_without_closed_form_drives_the_lr():
+    """OneCycleLR has no closed form in dsfunc: the engine steps it and follows the lr it writes, as DeepSpeed."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    reference = copy.deepcopy(net)
+    opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=10, cycle_momentum=False)
+    client = torch.optim.AdamW(net.parameters(), lr=0.01)
+    mine = torch.optim.lr_scheduler.OneCycleLR(client, max_lr=0.05, total_steps=10, cycle_momentum=False)
+    engine, _, _, returned = initialize(model=net, optimizer=client, lr_scheduler=mine,
+                                        config={"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0})
+    assert returned is mine
+    g = torch.Generator().manual_seed(1)
+    for _ in range(6):
+        x, y = torch.randn(2, 4, generator=g), torch.randn(2, 2, generator=g)
+        engine.backward(((engine(x) - y) ** 2).mean())
+        engine.step()
+        opt.zero_grad()
+        ((reference(x) - y) ** 2).mean().backward()
+        opt.step()
+        sched.step()
+        assert engine.get_lr() == sched.get_last_lr()
+    for a, b in zip(net.parameters(), reference.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
