@@ -40,9 +40,10 @@ from dsfunc.frozen import FrozenDict
 from dsfunc.graphs import GraphedStep
 from dsfunc.launcher.cores import THREADS_VARIABLE, busy_cores, threads_per_rank
 from dsfunc.optim.base import Transform, multi_transform
-from dsfunc.optim.from_config import LrSchedule, update_from_config
+from dsfunc.optim.from_config import LrSchedule, lr_schedule_of, update_from_config
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.groups import ParamGroups
+from dsfunc.optim.torch_optimizer import TorchOptimizerUpdate
 from dsfunc.optim.update import ChainUpdate
 from dsfunc.pipeline.place import place
 from dsfunc.pipeline.runtime import Pipeline
@@ -73,7 +74,7 @@ def init_state(
     config: Any,
     loss_fn: LossFn | None = None,
     *,
-    optimizer: Transform | ChainUpdate | FusedAdam | None = None,
+    optimizer: Transform | ChainUpdate | FusedAdam | torch.optim.Optimizer | None = None,
     seed: int = 0,
     unit_modules: Sequence[str] | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
@@ -100,6 +101,9 @@ def init_state(
         :func:`dsfunc.optim.update_from_config`); with ``param_groups``, a mapping group -> transform
         (optax's ``multi_transform``). A transform's learning rate is its own (a float or a schedule such
         as ``dsfunc.adamw(lr=dsfunc.warmup_lr(...))``), so a config ``scheduler`` beside it is an error.
+        Or any ``torch.optim.Optimizer`` (built on the model's parameters; with ``param_groups`` labelled
+        ``group0``, ``group1``, ... its groups in order): its ``step()`` runs on the fp32 shards
+        (:mod:`dsfunc.optim.torch_optimizer`), its lr scheduled by ``lr_schedule`` or the config's scheduler.
       seed: seeds dropout (and meta-device initialisation); the state carries it across resume.
       unit_modules: module paths to shard as units (default: blocks of the largest ModuleList).
       param_init_fn: initialises a module materialised from ``meta`` (in place).
@@ -261,7 +265,7 @@ def _restore_forwards(skeleton: nn.Module) -> None:
 
 
 def _update(cfg: Config, plan: ShardingPlan, optimizer: Any, param_groups: ParamGroups | None, groups: list[str],
-            lr_schedule: LrSchedule | None) -> ChainUpdate | FusedAdam:
+            lr_schedule: LrSchedule | None) -> ChainUpdate | FusedAdam | TorchOptimizerUpdate:
     """The update the program applies: the config's (per parameter group), or the one given."""
     unit_groups = {u.name: u.label for u in plan.units}
     if optimizer is None:
@@ -270,6 +274,8 @@ def _update(cfg: Config, plan: ShardingPlan, optimizer: Any, param_groups: Param
             opts = param_groups.options
             options = {None: opts.get(groups[0], {})} if len(groups) == 1 else {g: opts.get(g, {}) for g in groups}
         return update_from_config(cfg, lr_schedule, group_options=options, unit_groups=unit_groups)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return _torch_update(cfg, plan, optimizer, groups, lr_schedule)
     if param_groups is not None and param_groups.options or lr_schedule is not None:
         raise InputError(
             "param_groups options and lr_schedule configure the config's optimizer; with optimizer= give "
@@ -286,6 +292,21 @@ def _update(cfg: Config, plan: ShardingPlan, optimizer: Any, param_groups: Param
         transform = optimizer[groups[0]] if len(groups) == 1 else multi_transform(dict(optimizer), unit_groups)
         return ChainUpdate(transform)
     return ChainUpdate(optimizer)
+
+
+def _torch_update(cfg: Config, plan: ShardingPlan, optimizer: torch.optim.Optimizer, groups: list[str],
+                  lr_schedule: LrSchedule | None) -> TorchOptimizerUpdate:
+    """A client torch optimizer as the update: parameter group ``i`` is label ``group{i}`` (the only group: no
+    label), its lr scheduled by ``lr_schedule`` or the config's ``scheduler`` section."""
+    count = len(optimizer.param_groups)
+    if count > 1 and groups != [f"group{i}" for i in range(count)]:
+        raise InputError(f"a torch optimizer with {count} param_groups needs param_groups labelled group0..group"
+                         f"{count - 1} (deepspeed.initialize(optimizer=...) labels them)")
+    index = {None: 0} if count == 1 else {f"group{i}": i for i in range(count)}
+    schedule_for = lr_schedule if lr_schedule is not None else (lambda lr: lr_schedule_of(cfg, lr))
+    schedules = tuple(schedule_for(float(g.get("initial_lr", g["lr"]))) for g in optimizer.param_groups)
+    return TorchOptimizerUpdate(optimizer, {u.name: index[u.label if count > 1 else None] for u in plan.units},
+                                schedules, clip_norm=cfg.gradient_clipping)
 
 
 def _check_no_scheduler(cfg: Config) -> None:

@@ -23,7 +23,7 @@ import optree
 import torch
 from torch import nn
 
-from dsfunc.deepspeed.step_in_progress import StepInProgress
+from dsfunc.deepspeed.step_in_progress import StepInProgress, transformed
 from dsfunc.zero.runtime import MicroBatchRuntime
 
 
@@ -35,7 +35,9 @@ def install(module: nn.Module, steps: StepInProgress) -> list[Any]:
 
     def pre(mod: nn.Module, args: Any, kwargs: Any) -> Any:
         steps = me()
-        if steps is None or steps.in_forward():
+        if steps is None or steps.in_forward() or (transformed() and steps.state.program.plan.stage < 3):
+            # under a torch.func transform at ZeRO 0-2 the module's parameters already hold the current weights,
+            # or the tensors torch.func.functional_call put in their place: nothing to bind
             opened.append(None)
             return None
         opened.append(_begin(steps))

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -51,8 +52,9 @@ from dsfunc.data import DistributedLoader
 from dsfunc.deepspeed import direct, live_engines
 from dsfunc.deepspeed.engine_config import ConfigAccessors
 from dsfunc.deepspeed.engine_surface import EngineSurface
-from dsfunc.deepspeed.step_in_progress import StepInProgress
-from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, GroupView, schedule_count
+from dsfunc.deepspeed.lr_schedules import engine_scheduler
+from dsfunc.deepspeed.step_in_progress import StepInProgress, transformed
+from dsfunc.deepspeed.views import EngineOptimizer, GroupView, schedule_count
 from dsfunc.errors import InputError, NotSupportedError, UsageError
 from dsfunc.monitor import Monitor, tokens_in
 from dsfunc.state import TrainState
@@ -101,8 +103,10 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         # a client torch optimizer's param_groups are the engine optimizer's: a scheduler built on either
         # drives the engine's lr, as with DeepSpeed
         self.optimizer = EngineOptimizer(self, param_groups) if groups is not None else None
-        self.lr_scheduler = EngineLRScheduler(self) if groups is not None and scheduled else None
+        section = self.config.scheduler.type if self.config.scheduler is not None else None
+        self.lr_scheduler = engine_scheduler(self, section) if groups is not None and scheduled else None
         self.global_samples = 0
+        self._stepped = False  # whether the last step() ended an optimizer step
         self._timings: dict[str, float] = {}
         self._tokens = 0
         self._compiled = self.config.compile.enabled
@@ -178,8 +182,9 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         return float(self.state.metrics.grad_norm) if self.global_steps else None
 
     def was_step_applied(self) -> bool:
-        """False when the last optimizer step was skipped for overflow (and before the first step)."""
-        return bool(self.global_steps) and not bool(self.state.metrics.skipped)
+        """Whether the last ``engine.step()`` applied an update: False off the accumulation boundary, when the
+        step was skipped for overflow, and before the first step (as DeepSpeed's)."""
+        return self._stepped and not bool(self.state.metrics.skipped)
 
     def compile(self, backend: str | None = None, compile_kwargs: dict[str, Any] | None = None,
                 schedule: Any = None) -> None:
@@ -232,7 +237,7 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         ``torch.no_grad()`` it is an evaluation.
         """
         if not self.steps.trains_now():
-            return self.steps.for_evaluation().evaluate(_call, (inputs, kwargs))
+            return self.steps.for_evaluation().evaluate(_call, (inputs, kwargs), grad_mode=transformed())
         start = self._clock()
         self.tput_timer.start()
         runtime = self.steps.begin()
@@ -290,17 +295,27 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
             )
         start = self._clock()
         lr = self.optimizer.step_lr() if self.steps.is_boundary() else None  # a client's param_groups lr
-        if not self.steps.end_micro_batch():
+        self._stepped = self.steps.end_micro_batch()
+        if not self._stepped:
             self.tput_timer.stop(global_step=False)
             self._lap("step", start)
             return
         new = self.steps.finish(lr=lr)
+        if self._client_scheduler() is not None and not bool(new.metrics.skipped):
+            with warnings.catch_warnings():  # the client optimizer's own step() never runs: its shallow copies' do
+                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\\(\\)` before", UserWarning)
+                self.lr_scheduler.step()  # as DeepSpeed: it writes the next step's lr into the param_groups
         self.tput_timer.stop(global_step=True)
         self.global_samples += self.train_batch_size()
         self._lap("step", start)
         self.monitor.log(new, samples=self.global_samples, tokens=self._tokens * self.world_size,
                          timings=self._timings or None)
         self.last_timings, self._timings, self._tokens = self._timings, {}, 0
+
+    def _client_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
+        """The client's torch lr scheduler, which the engine steps (None: the engine's own schedule)."""
+        sched = self.lr_scheduler
+        return sched if isinstance(sched, torch.optim.lr_scheduler.LRScheduler) else None
 
     def _clock(self) -> float | None:
         if not self.config.wall_clock_breakdown:
@@ -388,6 +403,8 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
             )
         client[ENGINE_KEY] = {"global_samples": self.global_samples, "skipped_steps": self.skipped_steps,
                               "param_group_lr": self.get_lr()}
+        if self._client_scheduler() is not None:
+            client[ENGINE_KEY]["lr_scheduler"] = self.lr_scheduler.state_dict()
         self.monitor.flush()
         from dsfunc import checkpoint  # DCP and DTensor load on first use: a second of import time
 
@@ -444,6 +461,8 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
             self.monitor.restart(loaded, skipped_steps=counters.get("skipped_steps", 0))
             if self.optimizer is not None and load_lr_scheduler_states and "param_group_lr" in counters:
                 self.optimizer.restore(counters["param_group_lr"])  # a client may have set them
+            if self._client_scheduler() is not None and load_lr_scheduler_states and "lr_scheduler" in counters:
+                self.lr_scheduler.load_state_dict(counters["lr_scheduler"])
             if self.training_dataloader is not None:
                 self.training_dataloader.skip_to(self.micro_steps)
         return str(folder), client

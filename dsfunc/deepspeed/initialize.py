@@ -23,7 +23,15 @@ from dsfunc.deepspeed.engine import Engine
 from dsfunc.deepspeed.groups import Groups, freeze_all_but, labelled, parameter_groups
 from dsfunc.deepspeed.pipe import PipelineModule
 from dsfunc.deepspeed.pipe_engine import PipelineEngine
-from dsfunc.deepspeed.translate import client_schedule, optimizer_section
+from dsfunc.deepspeed.translate import (
+    ClientObjectError,
+    check_fresh,
+    client_schedule,
+    drop_empty_groups,
+    optimizer_section,
+    translatable,
+    zero_tested,
+)
 from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, group_views
 from dsfunc.distributed import comm
 from dsfunc.distributed.init import join_world
@@ -60,9 +68,11 @@ def initialize(
       args: an ``argparse.Namespace``; its ``deepspeed_config`` (from :func:`add_config_arguments`) is
         the config unless ``config`` is given (giving both, or neither, is an error).
       model: the ``nn.Module`` to train (it may live on ``meta``; see :func:`dsfunc.init_state`).
-      optimizer: a fresh ``torch.optim`` Adam/AdamW/SGD/Adagrad (its param groups with their own options),
-        a DeepSpeed optimizer class (``deepspeed.ops.adam.FusedAdam``, ...), or a callable
-        ``f(params) -> optimizer``; it replaces the config's ``optimizer`` section. None uses the config's.
+      optimizer: a fresh ``torch.optim`` Adam/AdamW/SGD/Adagrad (translated, its param groups with their own
+        options), a DeepSpeed optimizer class (``deepspeed.ops.adam.FusedAdam``, ...), any other
+        ``torch.optim.Optimizer`` (its own ``step()`` runs on the fp32 shards; under ZeRO only with
+        ``zero_allow_untested_optimizer``, as DeepSpeed), or a callable ``f(params) -> optimizer``; it
+        replaces the config's ``optimizer`` section. None uses the config's. Empty param groups are dropped.
       model_parameters: the parameters to train (a list, generator or filter), or a list of param-group
         dicts with their own options (``lr``, ``betas``, ``eps``, ``weight_decay``, ...), as torch.optim
         takes them; the model's other parameters are frozen. None trains every parameter with
@@ -81,8 +91,11 @@ def initialize(
       progress_bar, total_steps: a tqdm bar on rank 0 (see :class:`dsfunc.monitor.Monitor`).
 
     Returns:
-      ``(engine, optimizer, training_dataloader, lr_scheduler)``: the optimizer and scheduler are views
-      of the engine's (None when there is none), the loader None without ``training_data``.
+      ``(engine, optimizer, training_dataloader, lr_scheduler)``, as DeepSpeed returns them: the client's
+      torch optimizer itself at ZeRO 0 in fp32, else a view of the engine's update (its ``optimizer`` the
+      client's, as DeepSpeed's wrappers); the client's lr scheduler itself (the engine steps it after each
+      applied step), else a view of the engine's schedule; None when there is none; the loader None without
+      ``training_data``.
     """
     _check_arguments(model, mpu, mesh_param, config, config_params)
     source = config_source(args, config if config is not None else config_params)
@@ -96,12 +109,15 @@ def initialize(
         check_dataset(training_data)
 
     groups = parameter_groups(model_parameters) if model_parameters is not None else None
-    cfg, groups, client_lr, client_opt = _with_client_objects(cfg, optimizer, lr_scheduler, groups, model)
+    cfg, groups, client_lr, client_opt, client_sched = _with_client_objects(cfg, optimizer, lr_scheduler, groups,
+                                                                            model)
     if groups is not None:
         freeze_all_but(model, [p for params, _ in groups for p in params],
                        "the client optimizer" if client_opt is not None else "model_parameters")
-    param_groups = labelled(model, groups) if groups is not None and cfg.optimizer is not None else None
-    update = chain() if cfg.optimizer is None else None  # an engine without optimizer only evaluates
+    own_step = client_opt if client_opt is not None and cfg.optimizer is None else None  # see translatable
+    trains = cfg.optimizer is not None or own_step is not None
+    param_groups = labelled(model, groups) if groups is not None and trains else None
+    update = own_step if own_step is not None else None if trains else chain()  # without optimizer: evaluates
     state = init_state(model, cfg, optimizer=update, seed=seed, in_place=True, param_groups=param_groups,
                        lr_schedule=client_lr)
     loader = None
@@ -113,7 +129,7 @@ def initialize(
             drop_last=cfg.dataloader_drop_last, collate_fn=collate_fn, num_workers=2 if cuda else 0,
             pin_memory=cuda,
         )
-    views = group_views(state, param_groups, client_lr) if cfg.optimizer is not None else None
+    views = group_views(state, param_groups, client_lr) if trains else None
     shared = client_opt.param_groups if client_opt is not None and views is not None else None
     engine_class = PipelineEngine if pipelined else Engine
     engine = engine_class(state, model=model, local_rank=local_rank, groups=views, param_groups=shared,
@@ -121,7 +137,15 @@ def initialize(
                           progress_bar=progress_bar, total_steps=total_steps)
     engine.client_optimizer, engine.client_lr_scheduler = optimizer, lr_scheduler
     engine.training_data, engine.collate_fn = training_data, collate_fn
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+    if client_sched is not None and client_sched.optimizer is client_opt:  # not one built on a stand-in
+        engine.lr_scheduler = client_sched  # DeepSpeed's engine steps the client's scheduler itself
+        engine.optimizer.driven = True
+    returned = engine.optimizer
+    if engine.optimizer is not None and client_opt is not None:
+        engine.optimizer.optimizer = client_opt
+        if cfg.zero_optimization.stage == 0 and cfg.compute_dtype == torch.float32:
+            returned = client_opt  # DeepSpeed wraps a client optimizer only for ZeRO or 16-bit training
+    return engine, returned, engine.training_dataloader, engine.lr_scheduler
 
 
 def _check_arguments(model: Any, mpu: Any, mesh_param: Any, config: Any, config_params: Any) -> None:
@@ -136,13 +160,13 @@ def _check_arguments(model: Any, mpu: Any, mesh_param: Any, config: Any, config_
 
 
 def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, groups: Groups | None,
-                         model: nn.Module) -> tuple[Config, Groups | None, LrSchedule | None, Any]:
+                         model: nn.Module) -> tuple[Config, Groups | None, LrSchedule | None, Any, Any]:
     """The config with a client torch optimizer translated into its ``optimizer`` section (and the
     parameter groups it holds), and a client lr scheduler translated into a per-group schedule (its
     section dropped).
 
     Returns ``(config, parameter groups or None, client schedule or None, the client torch optimizer or
-    None)``.
+    None, the client torch lr scheduler or None)``.
     """
     client_opt = optimizer
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
@@ -154,21 +178,28 @@ def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, groups:
             raise InputTypeError(f"the optimizer callable returned a {type(client_opt).__name__}, not a torch optimizer")
     raw = dict(cfg.raw)
     if client_opt is not None:
-        section, in_opt = optimizer_section(client_opt)
+        drop_empty_groups(client_opt)
+        _check_untested(cfg, client_opt)
+        if translatable(client_opt):
+            section, in_opt = optimizer_section(client_opt)
+            raw["optimizer"] = section
+        else:  # its own step() runs on the shards
+            check_fresh(client_opt)
+            in_opt = [(list(g["params"]), {}) for g in client_opt.param_groups]
+            raw.pop("optimizer", None)
         if groups is not None and {id(p) for ps, _ in groups for p in ps} != {id(p) for ps, _ in in_opt for p in ps}:
             raise InputError("model_parameters and the client optimizer's parameters differ; pass the same set")
         groups = in_opt
-        raw["optimizer"] = section
         if cfg.optimizer is not None:
             logger.warning("the client optimizer passed to initialize replaces the config's optimizer section")
-    client_lr = None
+    client_lr = client_sched = None
     if lr_scheduler is not None:
         if client_opt is None and cfg.optimizer is None:
             raise InputError("a client lr_scheduler needs an optimizer: configure one or pass optimizer=")
         base = cfg.optimizer.params["lr"] if client_opt is None else None
         trainable = [([p for p in model.parameters() if p.requires_grad], {})]
         stand_in = [(ps, o.get("lr", base)) for ps, o in (groups if groups is not None else trainable)]
-        client_lr = client_schedule(lr_scheduler, client_opt, stand_in)
+        client_lr, client_sched = client_schedule(lr_scheduler, client_opt, stand_in)
         raw.pop("scheduler", None)
         if cfg.scheduler is not None:
             logger.warning("the client lr_scheduler passed to initialize replaces the config's scheduler section")
@@ -176,7 +207,18 @@ def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, groups:
     if offload is not None and offload.micro_batches_per_backward > 1:
         logger.warning("offload_optimizer.micro_batches_per_backward has no effect under the engine, whose script "
                        "runs each micro-batch's backward itself; dsfunc.train_step honours it")
-    return Config.load(raw, world_size=cfg.world_size), groups, client_lr, client_opt
+    return Config.load(raw, world_size=cfg.world_size), groups, client_lr, client_opt, client_sched
+
+
+def _check_untested(cfg: Config, optimizer: torch.optim.Optimizer) -> None:
+    """DeepSpeed runs a client optimizer it has not tested (torch's SGD, RMSprop, a class of the client's own)
+    under ZeRO only with ``zero_allow_untested_optimizer``."""
+    if cfg.zero_optimization.stage > 0 and not cfg.zero_allow_untested_optimizer and not zero_tested(optimizer):
+        raise ClientObjectError(
+            f"the client optimizer is a {type(optimizer).__qualname__}, which DeepSpeed has not tested with ZeRO; "
+            'add "zero_allow_untested_optimizer": true to the config to use it (its step() then runs on the '
+            "fp32 shards of each parameter group)"
+        )
 
 
 def _local_rank(args: Any) -> int:

@@ -19,6 +19,14 @@ from dsfunc.zero.runtime import MicroBatchRuntime, Phase, zero_runtime
 logger = logging.getLogger("dsfunc")
 
 
+def transformed() -> bool:
+    """Whether a ``torch.func`` transform (grad, vjp, jacrev, vmap) is running: a forward under one is a function
+    the transform differentiates or batches, not a micro-batch of the step (its leaves could not be made there),
+    so it runs on the current weights as an evaluation does, with autograd left on (as DeepSpeed's engine
+    short-circuits its hooks under torch.func)."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
 class StepInProgress:
     """The current :class:`~dsfunc.TrainState`, the runtime of the optimizer step in progress (``None``
     between steps) and the micro-batches counted so far (DeepSpeed's ``micro_steps``)."""
@@ -43,8 +51,9 @@ class StepInProgress:
         return self.runtime.phase if self.runtime is not None else Phase.IDLE
 
     def trains_now(self) -> bool:
-        """Whether a forward now is a training forward: autograd enabled and an optimizer to train."""
-        return self.trains and torch.is_grad_enabled()
+        """Whether a forward now is a training forward: autograd enabled, an optimizer to train, and no
+        ``torch.func`` transform running (see :func:`transformed`)."""
+        return self.trains and torch.is_grad_enabled() and not transformed()
 
     def in_forward(self) -> bool:
         """Whether one of the runtime's forwards is running now (a direct call inside it passes through)."""

@@ -4,7 +4,10 @@
 own update, so a fresh torch Adam/AdamW/SGD/Adagrad becomes the equivalent DeepSpeed ``optimizer``
 section (its ``param_groups`` parameter groups with their own options), and a fresh StepLR/MultiStepLR/
 ExponentialLR/LinearLR/ConstantLR/CosineAnnealingLR/LambdaLR the equivalent schedule of each group
-(torch's schedulers scale each group's own lr). Anything else is refused with a message.
+(torch's schedulers scale each group's own lr). Any other torch optimizer (or one with an option dsfunc's
+update lacks, such as ``amsgrad``) runs its own ``step()`` on the state's shards
+(:mod:`dsfunc.optim.torch_optimizer`); another scheduler on the client's optimizer is stepped by the engine,
+which follows the lr it writes (ReduceLROnPlateau, which needs a metric, is refused).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ _TORCH_OPTIMIZERS: dict[type, tuple[str, tuple[str, ...]]] = {
     torch.optim.SGD: ("SGD", ("lr", "momentum", "dampening", "weight_decay", "nesterov")),
     torch.optim.Adagrad: ("Adagrad", ("lr", "lr_decay", "weight_decay", "initial_accumulator_value", "eps")),
 }
+_ZERO_TESTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)  # DeepSpeed's list, less its own classes
 _IMPLEMENTATION_ONLY = ("foreach", "fused", "capturable", "differentiable")  # pick a kernel, not the math
 
 
@@ -37,6 +41,50 @@ def _public_name(cls: type) -> str:
     if module.startswith("torch.optim.") and module != "torch.optim.lr_scheduler":
         module = "torch.optim"
     return f"{module}.{cls.__qualname__}"
+
+
+class ClientObjectError(InputError, AssertionError):
+    """A client optimizer or lr scheduler that DeepSpeed refuses with an assertion (caught as ``AssertionError``)."""
+
+
+def translatable(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether :func:`optimizer_section` maps ``optimizer`` onto a config section (else its own ``step()`` runs:
+    :mod:`dsfunc.optim.torch_optimizer`)."""
+    if isinstance(optimizer, DeepSpeedOptimizer):
+        return True
+    if type(optimizer) not in _TORCH_OPTIMIZERS:
+        return False
+    defaults = _defaults(type(optimizer))
+    try:  # an option without a dsfunc equivalent (amsgrad, maximize, ...): the optimizer's own step runs
+        for g in optimizer.param_groups:
+            _hyper(type(optimizer), {k: plain(v) for k, v in g.items() if k != "params"}, defaults)
+    except InputError:
+        return False
+    return True
+
+
+def zero_tested(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether DeepSpeed runs ``optimizer`` under ZeRO without ``zero_allow_untested_optimizer``."""
+    return isinstance(optimizer, DeepSpeedOptimizer) or type(optimizer) in _ZERO_TESTED
+
+
+def _defaults(kind: type) -> dict[str, Any]:
+    return {n: plain(p.default) for n, p in inspect.signature(kind.__init__).parameters.items()
+            if p.default is not inspect.Parameter.empty}
+
+
+def check_fresh(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a client optimizer that holds state: dsfunc starts the optimizer from scratch."""
+    if _has_stepped(optimizer):
+        raise InputError(
+            f"the client {_public_name(type(optimizer))} has state (it has taken steps or loaded a state_dict); "
+            "dsfunc starts the optimizer from scratch. Pass a fresh optimizer and resume with engine.load_checkpoint"
+        )
+
+
+def drop_empty_groups(optimizer: torch.optim.Optimizer) -> None:
+    """Remove the parameter groups without parameters from ``optimizer``, in place, as DeepSpeed does."""
+    optimizer.param_groups[:] = [g for g in optimizer.param_groups if len(g["params"]) > 0]
 
 
 def optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], list[tuple[list[torch.Tensor], dict[str, Any]]]]:
@@ -57,14 +105,9 @@ def optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any],
             "pass a torch.optim.Adam, AdamW, SGD or Adagrad (or a callable returning one), or leave "
             'optimizer out and describe it in the config\'s "optimizer" section (Adam, AdamW, SGD, Lamb, Adagrad)'
         )
+    check_fresh(optimizer)
     name, _ = _TORCH_OPTIMIZERS[kind]
-    if _has_stepped(optimizer):
-        raise InputError(
-            f"the client torch.optim.{name} has state (it has taken steps or loaded a state_dict); dsfunc "
-            "starts the optimizer from scratch. Pass a fresh optimizer and resume with engine.load_checkpoint"
-        )
-    defaults = {n: plain(p.default) for n, p in inspect.signature(kind.__init__).parameters.items()
-                if p.default is not inspect.Parameter.empty}
+    defaults = _defaults(kind)
     section = {"type": name, "params": _hyper(kind, {k: plain(v) for k, v in optimizer.defaults.items()}, defaults)}
     groups = [(list(g["params"]), _hyper(kind, {k: plain(v) for k, v in g.items() if k != "params"}, defaults))
               for g in optimizer.param_groups]
@@ -168,10 +211,12 @@ def schedule_from_torch(sched: Any) -> LrSchedule:
     return lambda base: lambda t: (base * factor((t + 1).to(torch.float64))).to(torch.float32)
 
 
-def client_schedule(lr_scheduler: Any, client_opt: Any, groups: list[tuple[list[torch.Tensor], float]]) -> LrSchedule:
+def client_schedule(lr_scheduler: Any, client_opt: Any,
+                    groups: list[tuple[list[torch.Tensor], float]]) -> tuple[LrSchedule, Any]:
     """The per-group schedule of a client lr scheduler (or of a callable ``f(optimizer)``, which gets the
-    client optimizer, or a stand-in carrying the engine's ``groups`` as ``(params, lr)``)."""
-    scheduler = lr_scheduler
+    client optimizer, or a stand-in carrying the engine's ``groups`` as ``(params, lr)``), and the torch
+    scheduler itself (the one the callable built)."""
+    scheduler, given_opt = lr_scheduler, client_opt
     if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
         if not callable(lr_scheduler):
             raise InputTypeError(
@@ -185,8 +230,15 @@ def client_schedule(lr_scheduler: Any, client_opt: Any, groups: list[tuple[list[
         if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
             raise InputTypeError(f"the lr_scheduler callable returned a {type(scheduler).__name__}, not a torch lr scheduler")
     if client_opt is None or getattr(scheduler, "optimizer", None) is not client_opt:
-        raise InputError(
+        raise ClientObjectError(
             "lr_scheduler was built on a torch optimizer the engine does not use; pass that optimizer as "
             "optimizer= too, or pass a callable lr_scheduler(optimizer)"
         )
-    return schedule_from_torch(scheduler)
+    try:
+        return schedule_from_torch(scheduler), scheduler
+    except InputTypeError:
+        if given_opt is None or isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise
+        # no closed form (OneCycleLR, a class of the client's own): the engine steps it after each applied step and
+        # follows the lr it writes into the client optimizer's param_groups, as DeepSpeed does
+        return (lambda base: None), scheduler

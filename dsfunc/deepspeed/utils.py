@@ -3,10 +3,10 @@
 Logging (``logger``, ``log_dist``), ``RepeatingLoader``, ``OnDevice``, ``set_random_seed``,
 ``see_memory_usage``, the module helpers ``recursive_getattr``/``recursive_setattr``, the ZeRO-3 leaf
 modules (``set_z3_leaf_modules`` and its family, :mod:`dsfunc.zero.leaf`), and the
-``safe_get_full_fp32_param`` family, which reads and writes one parameter's fp32 master weights and
-Adam moments in an engine's state (a collective at ZeRO stages 1-3: every rank calls it). Gradients
-are reduced inside ``engine.step()`` and never sit on a parameter, so ``safe_get_full_grad`` and its
-friends are refused; other names of DeepSpeed's utils import and raise when called.
+``safe_get_full_fp32_param`` family, which reads and writes one parameter's fp32 master weights,
+Adam moments, and its gradient of the step in progress (between a backward and ``engine.step()``, from the
+micro-batch runtime's reducer) in an engine's state (a collective at ZeRO stages 1-3: every rank calls it);
+other names of DeepSpeed's utils import and raise when called.
 """
 
 from __future__ import annotations
@@ -148,8 +148,11 @@ def _write(workspace: Workspace, unit: Unit, slot: ParamSlot, shard: torch.Tenso
             shard.copy_(full[workspace.plan.rank * size : (workspace.plan.rank + 1) * size])
 
 
-def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
-    """The full fp32 master weight of ``param`` (every rank calls it at ZeRO stages 1-3)."""
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+    """The full fp32 master weight of ``param`` (every rank calls it at ZeRO stages 1-3); None for a frozen
+    parameter, which has none (as DeepSpeed's)."""
+    if not param.requires_grad:
+        return None
     return _full(param, lambda ws, unit: ws.master[unit.name])
 
 
@@ -171,8 +174,11 @@ def _moments(workspace: Workspace, unit: Unit) -> ScaleByAdamState:
     raise InputError("the engine's optimizer keeps no Adam moments (exp_avg, exp_avg_sq) for this parameter")
 
 
-def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor:
-    """The full ``exp_avg`` or ``exp_avg_sq`` of ``param`` in its engine's Adam state (every rank calls it)."""
+def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
+    """The full ``exp_avg`` or ``exp_avg_sq`` of ``param`` in its engine's Adam state (every rank calls it); None
+    for a frozen parameter."""
+    if not param.requires_grad:
+        return None
     if optim_state_key not in _MOMENTS:
         raise InputError(f"optim_state_key {optim_state_key!r}: dsfunc keeps 'exp_avg' and 'exp_avg_sq'")
     field = _MOMENTS[optim_state_key]
@@ -187,20 +193,62 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
     _write(workspace, unit, slot, getattr(_moments(workspace, unit), _MOMENTS[optim_state_key])[unit.name], value)
 
 
-def _no_grads(name: str) -> Any:
+_NO_GRADIENTS = "Gradients are only available immediately after backward and before engine step"
+
+
+def _step_grad(param: torch.Tensor) -> tuple[Workspace, Unit, ParamSlot, torch.Tensor | None, bool]:
+    """Where ``param``'s gradient of the step in progress is: its unit's sum so far and whether it is reduced (see
+    :meth:`~dsfunc.zero.reduce.ZeroReducer.so_far`). Raises ValueError where DeepSpeed's helpers do: between
+    steps, and off the accumulation boundary at ZeRO-2."""
+    workspace, unit, slot = _locate(param)
+    engine = engine_of(workspace)
+    runtime = engine.steps.runtime
+    stage = workspace.plan.stage
+    if runtime is None or not runtime.has_gradients or (stage == 2 and not engine.is_gradient_accumulation_boundary()):
+        raise ValueError(_NO_GRADIENTS)
+    total, reduced = runtime.reducer.so_far(unit)
+    return workspace, unit, slot, total, reduced
+
+
+def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient of ``param`` in the step so far, full and fp32, as DeepSpeed's: after a backward and before
+    ``engine.step()``; the mean over the ranks once reduced (at the accumulation boundary; every micro-batch at
+    ZeRO-3), else this rank's own (stages 0-1). Every rank calls it (a collective at stages 1-3). None before any
+    backward reached it, and for a frozen parameter."""
+    if not param.requires_grad:
+        return None
+    workspace, unit, slot, total, reduced = _step_grad(param)
+    if total is None:
+        return None
+    if not reduced:  # this rank's own sum: the backward seed divided it by the ranks
+        total = total.float() * workspace.plan.world_size
+    elif workspace.plan.stage >= 1:
+        total = workspace.full_flat(unit, total)
+    return total[slot.offset : slot.offset + slot.numel].view(slot.shape).float().clone()
+
+
+def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Make ``value`` the gradient of ``param`` that the next ``engine.step()`` applies (at the accumulation
+    boundary, after the backward; every rank calls it with the same value)."""
+    workspace, unit, slot, total, reduced = _step_grad(param)
+    if total is None or not reduced:
+        raise ValueError(f"{_NO_GRADIENTS}: dsfunc sets a gradient once the step's gradients are reduced, after the "
+                         "backward of its last micro-batch")
+    _write(workspace, unit, slot, total, value)
+
+
+def _no_local(name: str) -> Any:
     def refuse(*args: Any, **kwargs: Any) -> None:
         raise NotSupportedError(
-            f"deepspeed.utils.{name}: dsfunc reduces gradients inside engine.step() and never keeps them on the "
-            "parameters; read the step's gradient norm with engine.get_global_grad_norm()"
+            f"deepspeed.utils.{name}: this rank's gradient fragment is a DeepSpeed layout; read the full gradient "
+            "with deepspeed.utils.safe_get_full_grad (or set it with safe_set_full_grad)"
         )
 
     return refuse
 
 
-safe_get_full_grad = _no_grads("safe_get_full_grad")
-safe_set_full_grad = _no_grads("safe_set_full_grad")
-safe_get_local_grad = _no_grads("safe_get_local_grad")
-safe_set_local_grad = _no_grads("safe_set_local_grad")
+safe_get_local_grad = _no_local("safe_get_local_grad")
+safe_set_local_grad = _no_local("safe_set_local_grad")
 
 
 def instrument_w_nvtx(func: Any) -> Any:

@@ -1,6 +1,6 @@
-"""What :func:`~dsfunc.deepspeed.initialize` returns as ``optimizer`` and ``lr_scheduler``: views of the
-engine's update, one entry per parameter group, so scripts that read ``param_groups`` or
-``get_last_lr()`` keep working."""
+"""What :func:`~dsfunc.deepspeed.initialize` returns as ``optimizer`` and ``lr_scheduler`` where DeepSpeed returns
+its own objects (not the client's): views of the engine's update, one entry per parameter group, so scripts that
+read ``param_groups`` or ``get_last_lr()`` keep working."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 from dsfunc.errors import InputError, UsageError
 from dsfunc.optim.from_config import LrSchedule, group_section, lr_schedule_of
 from dsfunc.optim.groups import ParamGroups, plain
+from dsfunc.optim.torch_optimizer import TorchOptimizerUpdate
 from dsfunc.optim.transforms import ScheduleState
 from dsfunc.schedules import Schedule
 from dsfunc.state import TrainState
@@ -66,13 +67,21 @@ def group_views(state: TrainState, param_groups: ParamGroups | None, schedule_fo
     if labels == [None] and param_groups is not None:  # one group: its options went into the plain layout
         first = param_groups.order(n for n, p in program.skeleton.named_parameters() if p.requires_grad)
         options = {None: options.get(first[0], {})} if first else {}
+    own = program.update if isinstance(program.update, TorchOptimizerUpdate) else None
     views = []
     for label in labels:
-        section = group_section(cfg.optimizer, options.get(label, {}), label)
-        lr = float(section.params["lr"])
-        schedule = schedule_for(lr) if schedule_for is not None else lr_schedule_of(cfg, lr)
+        if own is not None:  # a client optimizer's own step: its groups hold their options
+            index = 0 if label is None else int(label[len("group"):])
+            group = own.optimizer.param_groups[index]
+            hyper = {k: plain(v) for k, v in group.items() if k != "params"}
+            lr, schedule = float(group.get("initial_lr", group["lr"])), own.schedules[index]
+        else:
+            section = group_section(cfg.optimizer, options.get(label, {}), label)
+            hyper = {k: plain(v) for k, v in section.params.items()}
+            lr = float(section.params["lr"])
+            schedule = schedule_for(lr) if schedule_for is not None else lr_schedule_of(cfg, lr)
         params = [p for u in plan.units if u.label == label for p in program.slots.residents(u.name)]
-        views.append(GroupView(label, {k: plain(v) for k, v in section.params.items()}, lr, schedule, params))
+        views.append(GroupView(label, hyper, lr, schedule, params))
     order = {f"group{i}": i for i in range(len(views))}
     return sorted(views, key=lambda v: order.get(v.label, -1))
 
@@ -93,6 +102,8 @@ class EngineOptimizer:
         """``param_groups``: a client torch optimizer's, translated into the engine's groups (same order),
         kept as the dicts of this view."""
         self._engine = engine
+        self.optimizer: torch.optim.Optimizer | None = None  # the client's, as DeepSpeed's wrappers name it
+        self.driven = False  # a client's torch lr scheduler writes these dicts' lr: the engine never does
         self._groups = param_groups if param_groups is not None else [
             {**g.hyper, "lr": g.lr, "params": g.params} for g in engine.groups]
         self._written: list[float] = [g.lr for g in engine.groups]  # the lr the engine last put in each dict
@@ -106,7 +117,7 @@ class EngineOptimizer:
     def _refresh(self) -> None:
         """Write the schedule's lr into each dict the client has not written since the engine did."""
         at = int(schedule_count(self._engine.state.opt_state))
-        if at == self._fresh_at:
+        if at == self._fresh_at or self.driven:
             return
         for i, lr in enumerate(self._engine.scheduled_lr()):
             if self._groups[i]["lr"] == self._written[i]:
@@ -123,7 +134,7 @@ class EngineOptimizer:
             if changed:
                 raise UsageError(f"param_groups {changed} were changed; dsfunc's engine follows a client's lr only "
                                  "(set the others in the config or the optimizer passed to initialize)")
-            if group["lr"] != written:
+            if group["lr"] != written or self.driven:
                 out[view.label] = float(group["lr"])
         for i, view in enumerate(self._engine.groups):
             if view.schedule is not None:

@@ -4,7 +4,8 @@ pattern), and the updates a step applies (:mod:`~dsfunc.optim.update`, :mod:`~ds
 Modules: :mod:`~dsfunc.optim.base` (``Transform``, ``chain``, ``named_chain``, ``multi_transform``),
 ``transforms`` (the small factories, each beside its state), ``aliases`` (``adam``, ``adamw``, ``sgd``, ``lamb``, ``adagrad``),
 ``groups`` (``ParamGroups``: options per group of parameters), ``from_config`` (the one place a
-DeepSpeed config becomes an update), ``update`` and ``fused`` (applying an update to a state).
+DeepSpeed config becomes an update), ``update`` and ``fused`` (applying an update to a state), ``torch_optimizer``
+(a client's ``torch.optim.Optimizer`` as the update).
 """
 
 from dsfunc.optim.aliases import adagrad, adam, adamw, lamb, sgd

@@ -41,6 +41,7 @@ from typing import Protocol
 import torch
 
 from dsfunc.distributed import comm
+from dsfunc.errors import InputError
 from dsfunc.zero.layout import ShardingPlan, Unit
 
 Grads = dict[str, torch.Tensor | None]
@@ -178,6 +179,18 @@ class ZeroReducer:
         grads: Grads = {**self._grads, **self._sunk}
         self._grads, self._sunk = {}, {}
         return grads
+
+    def so_far(self, unit: Unit) -> tuple[torch.Tensor | None, bool]:
+        """``unit``'s gradient of the step so far, ending nothing: ``(its reduced sum, True)`` once a reduction
+        of it ran (this rank's shard at stages 1-3), else ``(this rank's own sum, False)`` (stages 0-1 before the
+        last micro-batch), ``(None, False)`` before any. The in-flight reductions are waited for."""
+        self._drain()
+        if unit.name in self._sunk:
+            raise InputError("the step's gradients are on their way to the host (offload_optimizer); read them "
+                             "without offloading")
+        if unit.name in self._grads:
+            return self._grads[unit.name], True
+        return self._local.get(unit.name), False
 
     def _store(self, unit: Unit, reduced: torch.Tensor, last: bool, exact: torch.dtype, hold: bool) -> None:
         prev = self._grads.pop(unit.name, None)

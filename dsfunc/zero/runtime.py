@@ -308,11 +308,12 @@ class MicroBatchRuntime:
             return torch.full((), float("nan"), device=self.workspace.device)
         return _divided(self._loss_sum, self._losses)
 
-    def evaluate(self, fn: Callable[[nn.Module, Any], T], inputs: Any) -> T:
+    def evaluate(self, fn: Callable[[nn.Module, Any], T], inputs: Any, *, grad_mode: bool = False) -> T:
         """``fn(model, inputs)`` under ``torch.no_grad()``: an evaluation, bound and unbound around it
-        (inside an open forward it runs on that forward's binding)."""
+        (inside an open forward it runs on that forward's binding). ``grad_mode`` keeps autograd as it is, for a
+        function transform (``torch.func.grad``) that differentiates the outputs with respect to the inputs."""
         inputs = self._to_device(inputs)
-        with torch.no_grad():
+        with contextlib.nullcontext() if grad_mode else torch.no_grad():
             opened = self.begin_evaluation()
             try:
                 with micro_batch_rng(self.state, 0, 0):

@@ -1,0 +1,116 @@
+"""One engine-API script for real DeepSpeed and for dsfunc (``--backend``) with client objects: a custom
+``torch.optim.Optimizer`` subclass (and torch optimizers dsfunc cannot translate) with a client lr scheduler, an
+empty param group, ZeRO stages 0-3, gradient accumulation and clipping. Writes ``<out>.<backend>.rank<r>.pt`` with
+what ``initialize`` returned, ``was_step_applied()`` and ``get_lr()`` after every ``step()``, and the final
+(gathered) parameters.
+
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/deepspeed/scripts/ds_client_objects.py --backend deepspeed --out x
+"""
+
+import argparse
+import importlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.multiprocess import leave_together
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--backend", choices=["deepspeed", "dsfunc"], required=True)
+parser.add_argument("--out", required=True)
+parser.add_argument("--local_rank", type=int, default=-1)
+args = parser.parse_args()
+deepspeed = importlib.import_module(args.backend)
+deepspeed.init_distributed(dist_backend="gloo")
+rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
+MICRO, GAS, STEPS = 2, 2, 4
+
+
+class HeavyBall(torch.optim.Optimizer):
+    """A client's own optimizer: momentum SGD with a decaying step, its state a tensor per parameter."""
+
+    def __init__(self, params, lr=0.1, momentum=0.8):
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "buf" not in state:
+                    state["buf"] = p.grad.clone()
+                else:
+                    state["buf"].mul_(group["momentum"]).add_(p.grad)
+                p.add_(state["buf"], alpha=-group["lr"])
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.out(h)
+
+
+OPTIMIZERS = {
+    "heavyball": lambda groups: HeavyBall(groups, lr=0.05),
+    "rmsprop": lambda groups: torch.optim.RMSprop(groups, lr=0.01, momentum=0.5),
+    "amsgrad": lambda groups: torch.optim.Adam(groups, lr=0.01, amsgrad=True),
+}
+
+
+def train(stage, kind):
+    torch.manual_seed(0)
+    net = Net()
+    decay = [p for n, p in net.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in net.named_parameters() if not n.endswith("weight")]
+    opt = OPTIMIZERS[kind]([{"params": decay}, {"params": [], "lr": 0.5}, {"params": rest, "lr": 0.02}])
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.5,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=net, optimizer=opt, lr_scheduler=sched,
+                                                           config=config)
+    out = {"optimizer_is_client": optimizer is opt, "wraps_client": getattr(optimizer, "optimizer", None) is opt,
+           "scheduler_is_client": scheduler is sched, "engine_scheduler_is_client": engine.lr_scheduler is sched,
+           "groups": len(opt.param_groups), "applied": [], "lr": []}
+    g = torch.Generator().manual_seed(7)
+    for _ in range(STEPS):
+        x = torch.randn(world * MICRO * GAS, 6, generator=g)
+        y = torch.randint(0, 4, (world * MICRO * GAS,), generator=g)
+        mine = slice(rank * MICRO * GAS, (rank + 1) * MICRO * GAS)
+        for i in range(GAS):
+            part = slice(i * MICRO, (i + 1) * MICRO)
+            engine.backward(F.cross_entropy(engine(x[mine][part]), y[mine][part]))
+            engine.step()
+            out["applied"].append(engine.was_step_applied())
+            out["lr"].append(engine.get_lr())
+    with deepspeed.zero.GatheredParameters(list(net.parameters())):
+        out["params"] = {k: v.detach().clone().float() for k, v in net.state_dict().items()}
+    return out
+
+
+def untested_refused():
+    """DeepSpeed refuses an optimizer it has not tested with ZeRO unless the config allows it."""
+    net = Net()
+    try:
+        deepspeed.initialize(model=net, optimizer=HeavyBall(net.parameters()),
+                             config={"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 1}})
+    except AssertionError:
+        return True
+    return False
+
+
+results = {(stage, kind): train(stage, kind) for stage in range(4) for kind in ("heavyball",)}
+results.update({(stage, kind): train(stage, kind) for stage in (0, 2) for kind in ("rmsprop", "amsgrad")})
+results["untested_refused"] = untested_refused()
+torch.save(results, f"{args.out}.{args.backend}.rank{rank}.pt")
+leave_together()
