@@ -41,6 +41,7 @@ from typing import IO, Any
 import torch
 
 from dsfunc.checkpoint.errors import CheckpointCorruptError
+from dsfunc.errors import Error
 
 #: How deep a checkpoint's objects may nest (a training state nests a dozen levels).
 MAX_DEPTH = 256
@@ -74,7 +75,7 @@ class _Obj:
         self.weight, self.depth, self.placed = weight, depth, False
 
 
-class _Refused(Exception):
+class _Refused(Error):
     """What is wrong with the pickle (the message), raised inside the scan."""
 
 

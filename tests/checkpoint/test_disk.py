@@ -106,7 +106,7 @@ def test_a_file_size_limit_is_named_on_every_rank(tmp_path):
         assert f"rank {rank}: file too large for this process's file-size limit (ulimit -f) while writing " in first
     assert "raise the limit, e.g. ulimit -f unlimited" in first and "unexpected pos" not in first
     assert "`latest` still names 'small'" in first
-    assert results[0]["left"] == [".lock", "latest", "small"] and results[0]["latest"] == "small"
+    assert results[0]["left"] == [".lock", "latest", "small", "zero_to_fp32.py"] and results[0]["latest"] == "small"
     assert disk_limits.loads(str(tmp_path))
 
 
@@ -126,7 +126,7 @@ def test_a_read_only_file_system_is_named_on_every_rank(tmp_path):
                             f"while writing {mount}/.big.tmp-")
     assert "remount it read-write or save to another directory" in first
     assert "`latest` still names 'small'" in first
-    assert result["ranks"][0]["left"] == [".lock", "latest", "small"] and result["loads"]
+    assert result["ranks"][0]["left"] == [".lock", "latest", "small", "zero_to_fp32.py"] and result["loads"]
 
 
 

@@ -81,6 +81,8 @@ def test_a_bad_type_is_still_an_error(zero_section, expected):
         ({"pipeline": {"use_reentrant": False}}, "pipeline: use_reentrant has no effect in dsfunc (use_reentrant: "),
         ({"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": 100}},
          "zero_optimization: stage3_module_granularity_threshold has no effect"),
+        ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}},
+         "zero_optimization: offload_optimizer has no effect in dsfunc at stage 0 (nor in DeepSpeed"),
         ({"zero_optimization": {"stage": 0, "offload_param": {"device": "cpu"}}},
          "zero_optimization: offload_param has no effect in dsfunc at stage 0 (nor in DeepSpeed"),
         ({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_param": {"device": "cpu"}}},
