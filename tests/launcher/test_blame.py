@@ -4,14 +4,12 @@ ranks that then failed because of it (real ranks under the elastic agent, gloo o
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
 from tests.launcher.scripts.harness import (
     SCRIPTS,
     STOPPED_WITHIN_S,
-    cli_env,
     free_port,
     run_dsfunc,
     wait_gone,
@@ -20,15 +18,8 @@ from tests.launcher.scripts.harness import (
 HANG = str(SCRIPTS / "hang.py")
 
 
-@pytest.fixture
-def job(tmp_path: Path):
-    home = tmp_path / "home"
-    home.mkdir()
-    return tmp_path, cli_env(home)
-
-
 def _launch(job, *args: str, env: dict[str, str] | None = None):
-    cwd, base = job
+    cwd, _, base = job
     return run_dsfunc(["--num_gpus", "2", "--master_port", str(free_port()), *args], cwd, {**base, **(env or {})},
                       timeout=STOPPED_WITHIN_S)
 
@@ -82,7 +73,7 @@ def test_a_process_group_timeout_names_the_rank_waited_for(job):
     """The program's own process group times out (5 s) before dsfunc's watch would act (0: it never stops a
     rank): rank 0's timeout is the failure, and the report says rank 1 had not reached the collective, and
     where it was."""
-    cwd, _ = job
+    cwd, _, _ = job
     script = cwd / "short_timeout.py"
     script.write_text("import datetime, time, torch, torch.distributed as dist\n"
                       "dist.init_process_group('gloo', timeout=datetime.timedelta(seconds=5))\n"

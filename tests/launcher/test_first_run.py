@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ from dsfunc.version import package_version
 from tests.launcher.scripts.harness import (
     SCRIPTS,
     STOPPED_WITHIN_S,
-    cli_env,
     dsfunc_cmd,
     free_port,
     run_dsfunc,
@@ -25,14 +23,6 @@ from tests.launcher.scripts.harness import (
 )
 
 REPORT = str(SCRIPTS / "report.py")
-
-
-@pytest.fixture
-def job(tmp_path: Path):
-    home, out = tmp_path / "home", tmp_path / "out"
-    home.mkdir()
-    out.mkdir()
-    return tmp_path, out, cli_env(home)
 
 
 def test_a_busy_master_port_is_one_line_saying_what_to_do(job):

@@ -12,7 +12,6 @@ import pytest
 from tests.launcher.scripts.harness import (
     SCRIPTS,
     STOPPED_WITHIN_S,
-    cli_env,
     free_port,
     interrupt_and_wait,
     reports,
@@ -23,15 +22,6 @@ from tests.launcher.scripts.harness import (
 )
 
 REPORT = str(SCRIPTS / "report.py")
-
-
-@pytest.fixture
-def job(tmp_path: Path):
-    """(working dir, output dir, env) for one launch, with a private HOME."""
-    home, out = tmp_path / "home", tmp_path / "out"
-    home.mkdir()
-    out.mkdir()
-    return tmp_path, out, cli_env(home)
 
 
 def test_two_cpu_ranks_all_reduce(job):
