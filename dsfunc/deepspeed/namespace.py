@@ -43,6 +43,7 @@ ALIASES = {
     "utils.logging": "dsfunc.deepspeed.utils",
     "utils.timer": "dsfunc.deepspeed.timers",
     "utils.zero_to_fp32": "dsfunc.deepspeed.zero_to_fp32",
+    "utils.torch": "dsfunc.deepspeed.torch_version",
     "runtime.utils": "dsfunc.deepspeed.utils",
     "runtime.dataloader": "dsfunc.deepspeed.utils",
     "runtime.engine": "dsfunc.deepspeed.engine",
