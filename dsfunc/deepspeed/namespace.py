@@ -63,6 +63,7 @@ ALIASES = {
     "runtime.sequence_parallel.ulysses_sp": "dsfunc.deepspeed.ulysses_sp",
     "runtime.config": "dsfunc.deepspeed.config",
     "runtime.precision_config": "dsfunc.deepspeed.precision_config",
+    "runtime.swap_tensor": "dsfunc.deepspeed.swap_tensor",
     "runtime.zero.config": "dsfunc.deepspeed.zero_config",
     "runtime.zero.offload_config": "dsfunc.deepspeed.zero_config",
     # DeepSpeed's modules inside packages whose names are dsfunc's own (dsfunc.checkpoint, dsfunc.launcher)

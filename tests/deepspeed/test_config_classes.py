@@ -137,11 +137,14 @@ def test_version_and_git_names():
 
 
 def test_other_names_of_the_modules_import_and_refuse_when_used():
-    from dsfunc.runtime.config import ADAM_OPTIMIZER, get_bfloat16_config
+    from dsfunc.runtime.config import ADAM_OPTIMIZER, get_bfloat16_config, get_pld_enabled
+    from dsfunc.runtime.swap_tensor import MIN_SWAPPABLE_BYTES, AsyncPartitionedParameterSwapper
     from dsfunc.runtime.zero.config import read_zero_config_deprecated
 
-    assert ADAM_OPTIMIZER == "adam"
-    for stand_in in (get_bfloat16_config, read_zero_config_deprecated):
+    assert ADAM_OPTIMIZER == "adam" and get_bfloat16_config({"bf16": {"enabled": True}}).enabled  # as DeepSpeed's
+    real = pytest.importorskip("deepspeed.runtime.swap_tensor")
+    assert MIN_SWAPPABLE_BYTES == real.MIN_SWAPPABLE_BYTES
+    for stand_in in (get_pld_enabled, read_zero_config_deprecated, AsyncPartitionedParameterSwapper):
         with pytest.raises(dsfunc.NotSupportedError, match="is not implemented by dsfunc"):
             stand_in({})
 
