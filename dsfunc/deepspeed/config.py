@@ -19,6 +19,7 @@ from dsfunc.config import Config, ConfigError
 from dsfunc.config.batch import _check_triple, _resolve_batch
 from dsfunc.deepspeed.engine_config import _FROM_CONFIG, _OFF
 from dsfunc.deepspeed.namespace import other_name
+from dsfunc.deepspeed.precision_config import get_bfloat16_config, get_float16_config  # noqa: F401 - DeepSpeed's names here too
 from dsfunc.deepspeed.zero_config import DeepSpeedZeroConfig
 from dsfunc.frozen import thaw
 

@@ -34,7 +34,7 @@ from dsfunc.deepspeed.translate import (
 )
 from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, group_views
 from dsfunc.distributed import comm
-from dsfunc.distributed.init import join_world
+from dsfunc.distributed.init import init_distributed, join_world
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.init import init_state
 from dsfunc.optim.base import chain
@@ -83,8 +83,8 @@ def initialize(
         it replaces the config's ``scheduler`` section.
       distributed_port: MASTER_PORT when the environment does not set one.
       mpu, mesh_param: model/sequence parallelism; not supported (must be None).
-      dist_init_required: False forms no one-process group for a process no launcher started (a launcher's
-        world is joined all the same, as by :func:`dsfunc.init_state`).
+      dist_init_required: False says the script has initialised torch.distributed itself: without a process
+        group it is an error (:func:`dsfunc.init_distributed`), as DeepSpeed's.
       collate_fn: builds micro-batches from samples of ``training_data``.
       config, config_params: the DeepSpeed config (dict, JSON path, base64 JSON, or ``dsfunc.Config``).
       seed: dropout seed (kept in the state across checkpoints).
@@ -99,7 +99,9 @@ def initialize(
     """
     _check_arguments(model, mpu, mesh_param, config, config_params)
     source = config_source(args, config if config is not None else config_params)
-    if dist_init_required is not False:
+    if dist_init_required is False:
+        init_distributed(dist_init_required=False)
+    else:
         join_world(distributed_port)
     local_rank = _local_rank(args)
     pipelined = isinstance(model, PipelineModule)

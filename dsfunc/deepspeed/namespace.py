@@ -43,6 +43,7 @@ ALIASES = {
     "utils.logging": "dsfunc.deepspeed.utils",
     "utils.timer": "dsfunc.deepspeed.timers",
     "utils.zero_to_fp32": "dsfunc.deepspeed.zero_to_fp32",
+    "utils.torch": "dsfunc.deepspeed.torch_version",
     "runtime.utils": "dsfunc.deepspeed.utils",
     "runtime.dataloader": "dsfunc.deepspeed.utils",
     "runtime.engine": "dsfunc.deepspeed.engine",
@@ -61,6 +62,8 @@ ALIASES = {
     "runtime.lr_schedules": "dsfunc.deepspeed.lr_schedules",
     "runtime.sequence_parallel.ulysses_sp": "dsfunc.deepspeed.ulysses_sp",
     "runtime.config": "dsfunc.deepspeed.config",
+    "runtime.precision_config": "dsfunc.deepspeed.precision_config",
+    "runtime.swap_tensor": "dsfunc.deepspeed.swap_tensor",
     "runtime.zero.config": "dsfunc.deepspeed.zero_config",
     "runtime.zero.offload_config": "dsfunc.deepspeed.zero_config",
     # DeepSpeed's modules inside packages whose names are dsfunc's own (dsfunc.checkpoint, dsfunc.launcher)

@@ -19,8 +19,12 @@ from typing import Any
 
 import numpy as np
 import optree
-import torch
-from torch import nn
+
+# no global named ``torch``: this module is also ``deepspeed.utils``, whose submodule ``deepspeed.utils.torch``
+# (dsfunc.deepspeed.torch_version) takes that attribute when a script imports it
+from torch import Tensor, get_default_dtype, manual_seed, nn, no_grad, set_default_dtype
+from torch import device as torch_device
+from torch import dtype as torch_dtype
 
 from dsfunc.deepspeed.live_engines import engine_of
 from dsfunc.distributed import comm
@@ -60,7 +64,7 @@ def set_random_seed(seed: int) -> None:
     """Seed Python's, numpy's and torch's generators (DeepSpeed's ``runtime.utils.set_random_seed``)."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
-    torch.manual_seed(seed % 2**63)
+    manual_seed(seed % 2**63)
 
 
 def see_memory_usage(message: str, force: bool = False) -> None:
@@ -93,19 +97,19 @@ class RepeatingLoader:
 
 
 @contextlib.contextmanager
-def OnDevice(dtype: torch.dtype | None = None, device: str | torch.device = "meta", enabled: bool = True) -> Iterator[None]:
+def OnDevice(dtype: torch_dtype | None = None, device: str | torch_device = "meta", enabled: bool = True) -> Iterator[None]:
     """Create tensors on ``device`` (default ``meta``) and floating ones in ``dtype`` inside the block."""
     if not enabled:
         yield
         return
-    previous = torch.get_default_dtype()
-    with torch.device(device):
+    previous = get_default_dtype()
+    with torch_device(device):
         if dtype is not None:
-            torch.set_default_dtype(dtype)
+            set_default_dtype(dtype)
         try:
             yield
         finally:
-            torch.set_default_dtype(previous)
+            set_default_dtype(previous)
 
 
 def recursive_getattr(model: nn.Module, module_name: str) -> Any:
@@ -123,7 +127,7 @@ def recursive_setattr(model: nn.Module, module_name: str, module: Any) -> None:
 
 
 # -- one parameter's master weights and optimizer state ------------------------------------------------
-def _locate(param: torch.Tensor) -> tuple[Workspace, Unit, ParamSlot]:
+def _locate(param: Tensor) -> tuple[Workspace, Unit, ParamSlot]:
     found = owner(param)
     if found is None:
         raise InputError("the tensor is not a parameter of a module an engine (or init_state(in_place=True)) trains")
@@ -132,23 +136,23 @@ def _locate(param: torch.Tensor) -> tuple[Workspace, Unit, ParamSlot]:
     return workspace, unit, unit.params[index]
 
 
-def _full(param: torch.Tensor, shard_of: Any) -> torch.Tensor:
+def _full(param: Tensor, shard_of: Any) -> Tensor:
     workspace, unit, slot = _locate(param)
     full = workspace.full_flat(unit, shard_of(workspace, unit))
     return full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
 
 
-def _write(workspace: Workspace, unit: Unit, slot: ParamSlot, shard: torch.Tensor, value: torch.Tensor) -> None:
+def _write(workspace: Workspace, unit: Unit, slot: ParamSlot, shard: Tensor, value: Tensor) -> None:
     """Write ``value`` at ``slot`` of the unit's flat whose shard on this rank is ``shard``."""
     full = workspace.full_flat(unit, shard)
-    with torch.no_grad():
+    with no_grad():
         full[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
         if full is not shard:
             size = workspace.plan.shard_size(unit)
             shard.copy_(full[workspace.plan.rank * size : (workspace.plan.rank + 1) * size])
 
 
-def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
+def safe_get_full_fp32_param(param: Tensor) -> Tensor | None:
     """The full fp32 master weight of ``param`` (every rank calls it at ZeRO stages 1-3); None for a frozen
     parameter, which has none (as DeepSpeed's)."""
     if not param.requires_grad:
@@ -156,7 +160,7 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     return _full(param, lambda ws, unit: ws.master[unit.name])
 
 
-def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+def safe_set_full_fp32_param(param: Tensor, value: Tensor) -> None:
     """Make ``value`` the fp32 master weight of ``param`` (and its compute copy); every rank calls it."""
     workspace, unit, slot = _locate(param)
     _write(workspace, unit, slot, workspace.master[unit.name], value)
@@ -174,7 +178,7 @@ def _moments(workspace: Workspace, unit: Unit) -> ScaleByAdamState:
     raise InputError("the engine's optimizer keeps no Adam moments (exp_avg, exp_avg_sq) for this parameter")
 
 
-def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
+def safe_get_full_optimizer_state(param: Tensor, optim_state_key: str) -> Tensor | None:
     """The full ``exp_avg`` or ``exp_avg_sq`` of ``param`` in its engine's Adam state (every rank calls it); None
     for a frozen parameter."""
     if not param.requires_grad:
@@ -185,7 +189,7 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
     return _full(param, lambda ws, unit: getattr(_moments(ws, unit), field)[unit.name])
 
 
-def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
+def safe_set_full_optimizer_state(param: Tensor, value: Tensor, optim_state_key: str) -> None:
     """Make ``value`` the full ``exp_avg``/``exp_avg_sq`` of ``param`` (every rank calls it)."""
     if optim_state_key not in _MOMENTS:
         raise InputError(f"optim_state_key {optim_state_key!r}: dsfunc keeps 'exp_avg' and 'exp_avg_sq'")
@@ -196,7 +200,7 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
 _NO_GRADIENTS = "Gradients are only available immediately after backward and before engine step"
 
 
-def _step_grad(param: torch.Tensor) -> tuple[Workspace, Unit, ParamSlot, torch.Tensor | None, bool]:
+def _step_grad(param: Tensor) -> tuple[Workspace, Unit, ParamSlot, Tensor | None, bool]:
     """Where ``param``'s gradient of the step in progress is: its unit's sum so far and whether it is reduced (see
     :meth:`~dsfunc.zero.reduce.ZeroReducer.so_far`). Raises ValueError where DeepSpeed's helpers do: between
     steps, and off the accumulation boundary at ZeRO-2."""
@@ -210,7 +214,7 @@ def _step_grad(param: torch.Tensor) -> tuple[Workspace, Unit, ParamSlot, torch.T
     return workspace, unit, slot, total, reduced
 
 
-def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
+def safe_get_full_grad(param: Tensor) -> Tensor | None:
     """The gradient of ``param`` in the step so far, full and fp32, as DeepSpeed's: after a backward and before
     ``engine.step()``; the mean over the ranks once reduced (at the accumulation boundary; every micro-batch at
     ZeRO-3), else this rank's own (stages 0-1). Every rank calls it (a collective at stages 1-3). None before any
@@ -227,7 +231,7 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     return total[slot.offset : slot.offset + slot.numel].view(slot.shape).float().clone()
 
 
-def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+def safe_set_full_grad(param: Tensor, value: Tensor) -> None:
     """Make ``value`` the gradient of ``param`` that the next ``engine.step()`` applies (at the accumulation
     boundary, after the backward; every rank calls it with the same value)."""
     workspace, unit, slot, total, reduced = _step_grad(param)

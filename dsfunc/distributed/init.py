@@ -130,7 +130,8 @@ def init_distributed(
         verbose: log how the group was formed (logger ``dsfunc``, INFO).
         timeout: collective timeout; default ``DEEPSPEED_TIMEOUT`` minutes if set, else torch's default.
         init_method: a torch init method (``tcp://...``, ``file://...``); default ``env://``.
-        dist_init_required: False leaves torch.distributed alone (the script initialises it itself).
+        dist_init_required: False says the script initialises torch.distributed itself: nothing is joined,
+            and a missing process group is an error (as DeepSpeed's assertion).
         config: DeepSpeed's comms-logger config; accepted, dsfunc has no comms logger.
         rank, world_size: explicit values (>= 0) override the environment.
 
@@ -138,8 +139,14 @@ def init_distributed(
 
         dsfunc.init_distributed()          # in a script started by `dsfunc`, torchrun or mpirun
     """
-    if comm.is_distributed() or dist_init_required is False:
+    if comm.is_distributed():
         return
+    if dist_init_required is False:
+        raise UsageError(
+            "dist_init_required=False: torch.distributed is not initialized, and False says "
+            "the script initialises it itself. Call torch.distributed.init_process_group(...) first, or pass "
+            "dist_init_required=None (the default) to join the world the launcher describes"
+        )
     explicit = init_method not in (None, "env://")
     missing = [k for k in REQUIRED_ENV if k not in os.environ]
     if missing and auto_mpi_discovery and not explicit:

@@ -9,6 +9,7 @@ import pytest
 
 import dsfunc
 from dsfunc.deepspeed.config import DeepSpeedConfig
+from dsfunc.deepspeed.precision_config import get_bfloat16_config, get_float16_config
 from dsfunc.deepspeed.zero_config import (
     DeepSpeedZeroConfig,
     DeepSpeedZeroOffloadOptimizerConfig,
@@ -136,11 +137,14 @@ def test_version_and_git_names():
 
 
 def test_other_names_of_the_modules_import_and_refuse_when_used():
-    from dsfunc.runtime.config import ADAM_OPTIMIZER, get_bfloat16_config
+    from dsfunc.runtime.config import ADAM_OPTIMIZER, get_bfloat16_config, get_pld_enabled
+    from dsfunc.runtime.swap_tensor import MIN_SWAPPABLE_BYTES, AsyncPartitionedParameterSwapper
     from dsfunc.runtime.zero.config import read_zero_config_deprecated
 
-    assert ADAM_OPTIMIZER == "adam"
-    for stand_in in (get_bfloat16_config, read_zero_config_deprecated):
+    assert ADAM_OPTIMIZER == "adam" and get_bfloat16_config({"bf16": {"enabled": True}}).enabled  # as DeepSpeed's
+    real = pytest.importorskip("deepspeed.runtime.swap_tensor")
+    assert MIN_SWAPPABLE_BYTES == real.MIN_SWAPPABLE_BYTES
+    for stand_in in (get_pld_enabled, read_zero_config_deprecated, AsyncPartitionedParameterSwapper):
         with pytest.raises(dsfunc.NotSupportedError, match="is not implemented by dsfunc"):
             stand_in({})
 
@@ -152,3 +156,30 @@ def test_schedule_param_names_are_deepspeeds():
 
     names = [n for n, v in vars(real).items() if n.isupper() and isinstance(v, str)]
     assert len(names) > 25 and {n: getattr(lr_schedules, n) for n in names} == {n: getattr(real, n) for n in names}
+
+
+PRECISION_DICTS = [{}, {"bf16": {"enabled": True}}, {"bfloat16": {"enabled": True}}, {"bf16": {"enabled": False}},
+                   {"fp16": {"enabled": True, "loss_scale": 128, "initial_scale_power": 8, "hysteresis": 3}},
+                   {"fp16": {"enabled": True, "loss_scale_window": 10, "min_loss_scale": 2}}]
+
+
+@pytest.mark.parametrize("param_dict", PRECISION_DICTS)
+def test_precision_sections_as_real_deepspeed(param_dict):
+    real = pytest.importorskip("deepspeed.runtime.precision_config")
+    ours_bf16, theirs_bf16 = get_bfloat16_config(param_dict), real.get_bfloat16_config(param_dict)
+    assert ours_bf16.enabled == theirs_bf16.enabled
+    ours, theirs = get_float16_config(param_dict), real.get_float16_config(param_dict)
+    for field in ("enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                  "consecutive_hysteresis", "min_loss_scale", "auto_cast"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    full = DeepSpeedConfig({"train_batch_size": 1, **param_dict})  # the same sections as the whole config's
+    assert (ours_bf16, ours) == (full.bfloat16_config, full.float16_config)
+
+
+def test_precision_sections_are_checked_by_the_one_parser():
+    with pytest.raises(dsfunc.ConfigError, match='"bf16" and "bfloat16" are two spellings'):
+        get_bfloat16_config({"bf16": {}, "bfloat16": {}})
+    with pytest.raises(dsfunc.ConfigError, match='Unknown config key "fp16.scale_window"'):
+        get_float16_config({"fp16": {"scale_window": 1}})
+    with pytest.raises(dsfunc.ConfigError, match="bfloat16.loss_scale: loss scaling only applies to fp16"):
+        get_bfloat16_config({"bfloat16": {"loss_scale": 1}})

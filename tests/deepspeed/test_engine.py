@@ -188,6 +188,19 @@ def test_misuse_gives_clear_errors():
     assert engine.global_steps == 2
 
 
+def test_dist_init_required_false_needs_the_scripts_group():
+    """As DeepSpeed's: False says the script initialised torch.distributed itself, so without a group it is an
+    error; with one (a one-process group here) the engine trains in it."""
+    with pytest.raises(RuntimeError, match="dist_init_required=False: torch.distributed is not initialized"):
+        initialize(model=MLP(), config=config(micro=2), dist_init_required=False)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    engine, *_ = initialize(model=MLP(), config=config(micro=2), dist_init_required=False)
+    x, y = mlp_batches(1, 2)[0]
+    engine.backward(engine(x, y))
+    engine.step()
+    assert engine.global_steps == 1
+
+
 def test_a_failed_forward_drops_the_step_and_the_engine_goes_on():
     engine, *_ = initialize(model=MLP(), config=config(micro=2, gas=2))
     x, y = mlp_batches(1, 2)[0]

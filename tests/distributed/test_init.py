@@ -67,9 +67,20 @@ def test_missing_environment_names_the_variables(bare_env):
     assert not dist.is_initialized()
 
 
-def test_dist_init_required_false_leaves_torch_distributed_alone(bare_env):
-    init_distributed(dist_init_required=False, config={"comms_logger": {"enabled": False}})  # DeepSpeed's arguments
+def test_dist_init_required_false_without_a_group_is_an_error(bare_env):
+    """False says the script initialises torch.distributed itself; DeepSpeed asserts the group exists."""
+    with pytest.raises(UsageError, match="dist_init_required=False: torch.distributed is not initialized"):
+        init_distributed(dist_init_required=False, config={"comms_logger": {"enabled": False}})
     assert not dist.is_initialized()
+
+
+def _init_not_required(rank, world_size):
+    init_distributed(dist_init_required=False)  # the harness's group: used as it is
+    return dist.get_world_size()
+
+
+def test_dist_init_required_false_uses_the_scripts_group():
+    assert run_world(_init_not_required, 2) == [2, 2]
 
 
 def test_init_method_needs_rank_and_world_size(bare_env):
