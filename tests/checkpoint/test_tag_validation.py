@@ -61,3 +61,9 @@ def test_tag_validation_modes(tmp_path):
 @pytest.mark.parametrize("mode", ["fail", "WARN", "Ignore"])
 def test_any_case_is_read(mode):
     assert dsfunc.Config.load(config(checkpoint={"tag_validation": mode})).checkpoint.tag_validation == mode.upper()
+
+
+@pytest.mark.parametrize("mode, enabled, fail", [("Ignore", False, False), ("Warn", True, False), ("FAIL", True, True)])
+def test_the_engines_accessors_read_the_mode(mode, enabled, fail):
+    engine, *_ = dsfunc.initialize(model=MLP(), config=config(checkpoint={"tag_validation": mode}))
+    assert (engine.checkpoint_tag_validation_enabled(), engine.checkpoint_tag_validation_fail()) == (enabled, fail)
