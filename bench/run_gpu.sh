@@ -18,6 +18,7 @@
 #     hostadam   the host Adam of ZeRO-Offload against torch's fused CPU Adam, bf16 and fp16, on 15 threads
 #     fit13      the largest micro-batch the checkpointed systems train at 1.3b (bench_fit's bisection)
 #     adam       bench_fused_adam: the CUDA kernels against torch and the bandwidth floor, 1.3b elements
+#     long       the longest sequence that trains at LONG_MODEL (1.3b): ZeRO-3 + offload, the MLP untiled and tiled
 #   default: tests,overhead,engine,single13,single124
 # Needs optree (pip install, or the wheels in .whl/, which also hold DeepSpeed for the comparisons).
 set -uo pipefail
@@ -85,6 +86,13 @@ if want fit13; then
 fi
 if want adam; then
     timeout 200 python3 bench/bench_fused_adam.py 2>&1 | tee "$out/fused-adam.txt"
+fi
+if want long; then
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_tiled.py 2>&1 | tail -5 | tee "$out/tiled-tests.txt"
+    timeout "${LONG_S:-420}" python3 bench/bench_long_sequence.py --model "${LONG_MODEL:-1.3b}" \
+        --systems "${LONG_SYSTEMS:-dsfunc+zero3+units+cpu+fused,dsfunc+zero3+units+cpu+fused+tiled}" \
+        --start "${LONG_START:-32768}" --granularity "${LONG_GRAN:-32768}" 2>&1 \
+        | grep -vE "^\s*$|UserWarning|warnings.warn" | tee "$out/long.txt"
 fi
 if want profile124; then
     timeout 200 python3 bench/bench_single.py --model 124m --systems plain+compile,dsfunc,dsfunc+compile \

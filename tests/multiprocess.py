@@ -4,19 +4,48 @@ from __future__ import annotations
 
 import io
 import os
+import random
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
 
+def _ports() -> Iterator[int]:
+    """This pytest worker's own stretch of ports below the kernel's ephemeral range, walked from a random start.
+
+    A port the kernel hands out for ``bind(0)`` is ephemeral: between closing it and the rendezvous binding it, gloo's
+    own outgoing connections (which draw from that range) or a test on the other worker can take it. Ports below
+    the range are never drawn by the kernel, and each xdist worker has its own slice of them.
+    """
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    width = (ephemeral_low - 10000) // workers
+    low = 10000 + worker * width
+    port = low + random.randrange(width)
+    while True:
+        port = low + (port - low + 1) % width
+        yield port
+
+
+_PORTS = _ports()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on now, and that no other caller in this test run is handed soon after."""
+    while True:
+        port = next(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 def leave_together() -> None:

@@ -8,23 +8,18 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tests.multiprocess import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPTS = Path(__file__).resolve().parent
 # fail.py's other ranks sleep 300 s: a launch that ends within this many seconds stopped them. Generous, so
 # that a loaded machine cannot break it; how fast a launch stops is not asserted anywhere.
 STOPPED_WITHIN_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cli_env(home: Path, **extra: str) -> dict[str, str]:
