@@ -32,8 +32,8 @@ class LargestOutput(TorchDispatchMode):
 
 
 def _hf(kind: str) -> torch.nn.Module:
-    sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                 "num_key_value_heads": 2, "max_position_embeddings": S, "attn_implementation": "sdpa"}
+    sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": S, "attn_implementation": "sdpa"}
     if kind == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
     return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=8, **sizes))
