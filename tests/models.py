@@ -58,6 +58,27 @@ def config(micro: int = 4, gas: int = 1, world: int = 1, stage: int = 0, **extra
     return cfg
 
 
+# SGD with momentum is not scale-invariant (Adam nearly is): a gradient a constant factor off moves the parameters by
+# that factor. CLIP sits inside the range of the MLP's gradient norms on mlp_batches (about 0.6-4 at global batches
+# 2-16), so some steps clip and others do not: a wrong factor in the gradient or in its norm changes which do.
+SGD = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}}
+CLIP = 2.0
+
+
+def torch_sgd(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], clip: float = CLIP) -> dict:
+    """``SGD`` by torch.optim on one process, clipped by ``clip_grad_norm_``, one step per global batch in
+    ``batches``: what a run of dsfunc over any ranks, stage and accumulation must give. Returns the state dict."""
+    params = SGD["params"]
+    opt = torch.optim.SGD(model.parameters(), lr=params["lr"], momentum=params["momentum"],
+                          weight_decay=params["weight_decay"])
+    for x, y in batches:
+        model(x, y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 def relative_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     a, b = ({k: v.detach().cpu() for k, v in d.items()} for d in (a, b))

@@ -237,6 +237,35 @@ def test_fused_update_path_agrees_with_the_transform_chain():
     assert all(torch.allclose(x.float(), y.float(), rtol=1e-5, atol=1e-9) for x, y in zip(a, b))
 
 
+def test_a_skipped_fp16_step_records_the_lr_of_the_step_before_it():
+    """On overflow nothing advances, the schedule neither (DeepSpeed does not step its lr scheduler then): the
+    skipped step's lr metric is the last applied step's, not the one it would have used, fused or chained."""
+    warmup = {"warmup_min_lr": 0.001, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}
+    cfg = config(fp16={"enabled": True, "initial_scale_power": 8}, scheduler={"type": "WarmupLR", "params": warmup})
+    batches = mlp_batches(5, 4)
+    x, y = batches[3]
+    poisoned = batches[:3] + [(torch.full_like(x, float("inf")), y)] + batches[4:]
+
+    def lrs(fused: bool, data: list) -> list[float]:
+        torch.manual_seed(0)
+        model = MLP()
+        state = dsfunc.init_state(model, cfg)
+        if not fused:
+            state = dsfunc.init_state(model, {**cfg, "scheduler": None}, optimizer=state.program.update.chain)
+        assert isinstance(state.program.update, FusedAdam) is fused
+        out = []
+        for batch in data:
+            state = dsfunc.train_step(state, batch)
+            out.append((state.metrics.lr.item(), int(state.metrics.skipped)))
+        return out
+
+    for fused in (True, False):
+        clean = [lr for lr, _ in lrs(fused, batches)]
+        assert clean[1] < clean[2] < clean[3]  # still warming up: a wrong step's lr shows
+        want = [(lr, 0) for lr in clean[:3]] + [(clean[2], 1), (clean[3], 0)]
+        assert lrs(fused, poisoned) == want, fused
+
+
 def test_overflow_at_the_minimum_loss_scale_is_a_clear_error_unless_told_to_keep_skipping():
     torch.manual_seed(0)
     fp16 = {"enabled": True, "initial_scale_power": 0, "min_loss_scale": 1, "hysteresis": 1}

@@ -36,6 +36,9 @@ def test_dsfunc_trains_like_deepspeed_at_every_stage(tmp_path):
         for stage in ours:
             expected, got = torch.tensor(ds[stage]["losses"]), torch.tensor(ours[stage]["losses"])
             assert len(got) == 20 and ((got - expected).abs() / expected.abs()).max() < 1e-5, (rank, stage)
+            # engine.backward returns the loss divided by the accumulation steps (DeepSpeed's gas_scaled_loss)
+            expected, got = torch.tensor(ds[stage]["returned"]), torch.tensor(ours[stage]["returned"])
+            assert ((got - expected).abs() / expected.abs()).max() < 1e-5, (rank, stage)
             for name, value in ds[stage]["params"].items():
                 mine = ours[stage]["params"][name]
                 assert ((mine - value).abs().max() / value.abs().max()) < 1e-5, (rank, stage, name)

@@ -11,7 +11,7 @@ from torch import nn
 
 import dsfunc
 from dsfunc.deepspeed import initialize
-from tests.models import MLP, config, mlp_batches, relative_diff
+from tests.models import CLIP, MLP, SGD, config, mlp_batches, relative_diff, torch_sgd
 from tests.multiprocess import run_world
 
 
@@ -63,6 +63,28 @@ def test_loss_backward_instead_of_engine_backward():
             engine.step()
     assert relative_diff(dsfunc.full_params(engine.state), dsfunc.full_params(reference.state)) < 1e-6
     assert torch.isnan(engine.state.metrics.loss)  # the engine never saw the loss
+
+
+def own_backward_ranks(rank: int, world: int, stage: int) -> dict[str, torch.Tensor]:
+    """The script's own ``loss.backward()`` on each rank's share of the global batch, two micro-batches a step."""
+    torch.manual_seed(0)
+    cfg = config(micro=2, gas=2, world=world, stage=stage, optimizer=SGD, gradient_clipping=CLIP)
+    engine, *_ = initialize(model=MLP(), config=cfg)
+    for x, y in mlp_batches(4, 4 * world):
+        mine = slice(rank * 4, (rank + 1) * 4)
+        for part in (slice(0, 2), slice(2, 4)):
+            engine(x[mine][part], y[mine][part]).backward()
+            engine.step()
+    return dsfunc.full_params(engine.state)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_loss_backward_on_two_ranks_gives_the_mean_gradient_of_the_global_batch(stage):
+    """The runtime divides a script's own backward by ranks and micro-batches as engine.backward's seed does."""
+    torch.manual_seed(0)
+    want = torch_sgd(MLP(), mlp_batches(4, 8))
+    for rank, got in enumerate(run_world(own_backward_ranks, 2, stage)):
+        assert relative_diff(got, want) < 1e-5, (stage, rank)
 
 
 class Generator(nn.Module):

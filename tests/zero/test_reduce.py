@@ -105,3 +105,26 @@ def test_over_two_ranks_the_collective_decides():
     for got in run_world(reduced_dtypes, 2):
         assert got == {"fp32/0": {torch.float32}, "fp32/2": {torch.float32},
                        "bf16/0": {torch.bfloat16}, "bf16/2": {torch.bfloat16}}
+
+
+def reduce_scatters_of_a_step(rank: int, world: int, stage: int) -> tuple[int, int]:
+    """The reduce-scatters one step of two micro-batches issues (c10d's ops, as torch's profiler records them), and
+    the number of units; the step before warms everything up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    state = dsfunc.init_state(MLP(width=10, depth=3), config(micro=2, gas=2, world=world, stage=stage))
+    first, second = mlp_batches(2, 4, seed=rank)
+    state = dsfunc.train_step(state, first)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        state = dsfunc.train_step(state, second)
+    count = sum(1 for e in prof.events() if e.name.startswith("c10d::") and "reduce_scatter" in e.name)
+    return count, len(state.program.plan.units)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stage_1_reduce_scatters_once_a_step_and_stage_2_once_a_micro_batch(stage):
+    """Stage 1 sums the micro-batches locally and reduce-scatters each unit once, after the last (the reason it
+    exists beside stage 2, which frees each micro-batch's full gradient by reducing it at once)."""
+    for count, units in run_world(reduce_scatters_of_a_step, 2, stage):
+        assert units > 1 and count == units * (1 if stage == 1 else 2), (count, units)

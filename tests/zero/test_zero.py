@@ -1,4 +1,5 @@
-"""ZeRO stages 0-3 across real gloo processes, against a single-process run on the same global batch."""
+"""ZeRO stages 0-3 across real gloo processes, against a single-process run on the same global batch (torch.optim's
+SGD with momentum, clipped: see tests.models.SGD)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,16 @@ import torch
 
 import dsfunc
 from dsfunc import zero
-from tests.models import MLP, config, mlp_batches, relative_diff
+from tests.models import CLIP, MLP, SGD, config, mlp_batches, relative_diff, torch_sgd
 from tests.multiprocess import run_world
 
 STEPS = 10
 
 
 def single_process_reference(micro: int, gas: int, world: int) -> dict[str, torch.Tensor]:
-    """Stage 0 on one process, one micro-batch per (rank, accumulation step) of the global batch."""
+    """torch.optim on one process, one step per global batch (every rank's micro-batches of one step)."""
     torch.manual_seed(0)
-    model = MLP(width=10, depth=3)
-    state = dsfunc.init_state(model, config(micro=micro, gas=gas * world))
-    for x, y in mlp_batches(STEPS, micro * gas * world):
-        # rank r's slice of the global batch is x[r*micro*gas:(r+1)*micro*gas]; same order as one process
-        state = dsfunc.train_step(state, (x, y))
-    return dsfunc.full_params(state)
+    return torch_sgd(MLP(width=10, depth=3), mlp_batches(STEPS, micro * gas * world))
 
 
 def train_ranks(rank: int, world: int, micro: int, gas: int, stages: list[int]) -> dict:
@@ -31,7 +27,7 @@ def train_ranks(rank: int, world: int, micro: int, gas: int, stages: list[int]) 
     for stage in stages:
         torch.manual_seed(0)
         model = MLP(width=10, depth=3)
-        cfg = config(micro=micro, gas=gas, world=world, stage=stage)
+        cfg = config(micro=micro, gas=gas, world=world, stage=stage, optimizer=SGD, gradient_clipping=CLIP)
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every block unit is gathered lazily
         state = dsfunc.init_state(model, cfg)
         n = micro * gas
@@ -88,13 +84,13 @@ def test_memory_per_rank_follows_the_zero_formula():
     padded = sum(plan.padded_size(u) for u in plan.units)
     for per_stage in results:
         s0, s1, s2, s3 = (per_stage[s]["local_bytes"] for s in range(4))
-        # stage 0: full fp32 master (it is also the compute copy) and both Adam moments
-        assert s0 == {"master": 4 * psi, "optimizer": 8 * psi, "compute": 0}
-        # stages 1 and 2: a full compute copy (fp32 here), 1/W of master and moments
+        # stage 0: full fp32 master (it is also the compute copy) and SGD's momentum
+        assert s0 == {"master": 4 * psi, "optimizer": 4 * psi, "compute": 0}
+        # stages 1 and 2: a full compute copy (fp32 here), 1/W of master and momentum
         for s in (s1, s2):
-            assert s == {"master": 4 * padded // world, "optimizer": 8 * padded // world, "compute": 4 * padded}
+            assert s == {"master": 4 * padded // world, "optimizer": 4 * padded // world, "compute": 4 * padded}
         # stage 3: everything 1/W; only the root unit (used before and after every block) stays gathered
-        assert s3["master"] == 4 * padded // world and s3["optimizer"] == 8 * padded // world
+        assert s3["master"] == 4 * padded // world and s3["optimizer"] == 4 * padded // world
         root = plan.padded_size(plan.unit(zero.ROOT))
         assert s3["compute"] == 4 * root
         assert per_stage[3]["max_live_units"] <= 2

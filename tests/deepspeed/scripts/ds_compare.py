@@ -1,7 +1,7 @@
 """One engine-API script for real DeepSpeed and for dsfunc (``--backend``): an unseeded model (every rank builds
 its own random init; rank 0's is broadcast), ZeRO stages 0-3 on the ranks it is launched on, gradient
 accumulation, clipping and WarmupLR. Writes ``<out>.<backend>.rank<r>.pt`` with each stage's micro-batch
-losses and final (gathered) parameters.
+losses, what ``engine.backward`` returned for each, and the final (gathered) parameters.
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/deepspeed/scripts/ds_compare.py --backend deepspeed --out x
 """
@@ -55,7 +55,7 @@ def train(stage):
     }
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
     g = torch.Generator().manual_seed(7)
-    losses = []
+    losses, returned = [], []
     for _ in range(args.steps):
         x = torch.randn(world * MICRO * GAS, 6, generator=g)
         y = torch.randint(0, 4, (world * MICRO * GAS,), generator=g)
@@ -63,12 +63,12 @@ def train(stage):
         for i in range(GAS):
             part = slice(i * MICRO, (i + 1) * MICRO)
             loss = F.cross_entropy(engine(x[mine][part]), y[mine][part])
-            engine.backward(loss)
+            returned.append(engine.backward(loss).item())
             engine.step()
             losses.append(loss.item())
     with deepspeed.zero.GatheredParameters(list(net.parameters())):
         params = {k: v.detach().clone().float() for k, v in net.state_dict().items()}
-    return {"losses": losses, "params": params}
+    return {"losses": losses, "returned": returned, "params": params}
 
 
 results = {int(s): train(int(s)) for s in args.stages.split(",")}
