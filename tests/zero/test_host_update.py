@@ -1,4 +1,4 @@
-"""ZeRO-Offload's host update in the background (dsfunc.zero.host_update): the next forward overlaps it unit by
+"""ZeRO-Offload's host update in the background (dsfunc.zero.offload.executor): the next forward overlaps it unit by
 unit, nothing reads a half-written update, and a failure in it is raised, not lost.
 
 The worker is held back where a test needs the overlap to happen for certain (``hold_worker``): it starts its
