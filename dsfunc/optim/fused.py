@@ -9,8 +9,8 @@ kernel in ``ops/``; elsewhere the op's plain-torch reference runs (the same math
 once instead of twice). Its state is the equivalent chain's (:meth:`FusedAdam.init`), so checkpoints and
 the chain read it unchanged. With parameter groups each unit belongs to one group (the plan splits
 units by group), and the op takes that group's hyper-parameters and lr. Where the update runs on the host
-(``ctx.executor.on_host``: ZeRO-Offload) the units are updated by the op's CPU kernel (:mod:`dsfunc.optim.host_adam`), with the same
-element arithmetic as the CUDA kernel's.
+(``ctx.executor.on_host``: ZeRO-Offload) the units are updated by the op's CPU kernel
+(:mod:`dsfunc.optim.host_adam`), with the same element arithmetic as the CUDA kernel's.
 """
 
 from __future__ import annotations

@@ -229,7 +229,8 @@ class Workspace:
         else:
             flat = self.buffers[unit.name]
         residents = self.slots.residents(unit.name)
-        if exposure.shown.get(unit.name, False) is flat and (flat is None or residents[0].data_ptr() == flat.data_ptr()):
+        if exposure.shown.get(unit.name, False) is flat and (
+                flat is None or residents[0].data_ptr() == flat.data_ptr()):
             return
         if flat is None:
             views = [torch.empty(0, dtype=self.compute_dtype, device=self.device)] * len(unit.params)

@@ -460,7 +460,7 @@ class MicroBatchRuntime:
     def _on_grad(self, unit: Unit, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
         self._hand(unit, grad)
-        if self.workspace.lazy(unit) and not self.groups.followed:  # followed: the next micro-batch's backward reads it too
+        if self.workspace.lazy(unit) and not self.groups.followed:  # the next micro-batch's backward reads it too
             self.workspace.release(unit)
 
     def _hand(self, unit: Unit, grad: torch.Tensor) -> None:
