@@ -474,3 +474,21 @@ def test_the_engine_keeps_sums_on_the_device_until_its_accumulation_boundary():
         assert waiting == ([2 if sums else 0] * 3 + [None]) * 3, waiting
         full[bool(sums)] = dsfunc.full_params(engine.state)
     assert relative_diff(full[True], full[False]) == 0.0
+
+
+def test_only_init_state_reaches_into_the_offload_package():
+    """Offload is a policy: outside dsfunc/zero/offload/ the step sees it only through dsfunc.zero.policy, and only
+    init_state (which reads the config) imports the package."""
+    import ast
+
+    root = Path(dsfunc.__file__).parent
+    importers = set()
+    for path in root.rglob("*.py"):
+        if path.is_relative_to(root / "zero" / "offload"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            if any(n == "dsfunc.zero.offload" or n.startswith("dsfunc.zero.offload.") for n in names):
+                importers.add(path.relative_to(root).as_posix())
+    assert importers == {"init.py"}
