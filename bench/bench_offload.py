@@ -98,8 +98,8 @@ def run_dsfunc(cfg, setting: str, micro: int, steps: int):
         return box[0].metrics.loss
 
     elapsed, losses = timed(step, cfg, micro, steps)
-    offload = box[0].program.offload
-    host_update = None if offload is None else offload.pending.seconds  # the last step's, in the worker
+    host = getattr(box[0].program.run.runner, "host", None)  # the run's HostOffload, if offloaded
+    host_update = None if host is None else host.executor.seconds  # the last step's, in the worker
     if OPTIONS["profile"]:
         print(json.dumps({"profile": busy(step, next(batches(cfg, micro, 1)))}), flush=True)
     return elapsed, [float(x) for x in losses], model.flops_per_token(), host_update

@@ -64,7 +64,7 @@ def run_dsfunc(cfg: GPTConfig, stage: int, micro: int, warmup: int, steps: int, 
             losses.append(state.metrics.loss.item())
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    extra = f"max live units {state.program.workspace.stats.max_live_units}" if stage == 3 else ""
+    extra = f"max live units {state.program.run.workspace.stats.max_live_units}" if stage == 3 else ""
     return elapsed, losses, model, extra
 
 

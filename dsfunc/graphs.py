@@ -125,7 +125,7 @@ def _why_not(state: TrainState, donate: bool) -> str | None:
         return f"the state lives on {program.device}, not a CUDA device"
     if program.plan.stage == 3:
         return "ZeRO-3 frees and re-gathers parameter storage inside the step"
-    if program.offload is not None:
+    if program.run.placement.masters is not None:
         return "the optimizer is offloaded: the update runs on the CPU, outside any CUDA graph"
     if program.plan.world_size > 1 and torch.distributed.get_backend() != "nccl":
         return "several processes on a backend other than NCCL"

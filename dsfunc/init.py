@@ -50,6 +50,7 @@ from dsfunc.pipeline.runtime import Pipeline
 from dsfunc.pipeline.stage import StageModule
 from dsfunc.program import Program
 from dsfunc.remat import checkpoint_units
+from dsfunc.run import RunContext
 from dsfunc.scaling import LossScaler
 from dsfunc.state import Metrics, TrainState
 from dsfunc.step import check_min_scale, make_train_step, note_min_scale
@@ -60,7 +61,7 @@ from dsfunc.zero.layout import ShardingPlan, make_plan, unit_views
 from dsfunc.zero.leaf import mark_leaf_parameters
 from dsfunc.zero.materialize import materialize
 from dsfunc.zero.norms import segment_norm_fn
-from dsfunc.zero.offload import HostOffload
+from dsfunc.zero.offload import placement as placement_from_config
 from dsfunc.zero.placeholders import full_shape
 from dsfunc.zero.reduce import grad_dtype
 
@@ -169,12 +170,14 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
         mark_leaf_parameters(model)
     skeleton = model if in_place else make_skeleton(model)
     comm_dtype = _COMM_DTYPES[cfg.communication_data_type]
-    host = HostOffload.from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype, grad_dtype=(
-        grad_dtype(cfg.compute_dtype, comm_dtype, plan.world_size, cfg.gradient_accumulation_steps)))
-    if pipeline is not None and host is not None:
+    gas = cfg.gradient_accumulation_steps
+    placement = placement_from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype,
+                                      grad_dtype=grad_dtype(cfg.compute_dtype, comm_dtype, plan.world_size, gas),
+                                      micro_batches=gas)
+    if pipeline is not None and placement.masters is not None:
         raise NotSupportedError("ZeRO-Offload with pipeline parallelism is not supported by dsfunc; remove the "
                                 "offload_optimizer/offload_param sections or the pipeline")
-    params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn, host)
+    params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn, placement)
     slots = Slots(skeleton, plan, buffers.keys())
     scaler = LossScaler.from_config(cfg.fp16)
     update = _update(cfg, plan, optimizer, param_groups, groups, lr_schedule)
@@ -182,17 +185,17 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
         plan, slots=slots, compute_dtype=cfg.compute_dtype, device=device,
         persistence_threshold=zero.stage3_param_persistence_threshold,
         max_live_elements=zero.stage3_max_live_parameters,
-        prefetch=zero.overlap_comm and zero.stage3_prefetch_bucket_size > 0, host=host,
+        prefetch=zero.overlap_comm and zero.stage3_prefetch_bucket_size > 0, source=placement.shards,
     )
+    run = RunContext.build(workspace, placement, pipeline)
     compile_options = _compile_options(cfg, compile)
-    _prepare_skeleton(skeleton, workspace, cfg, _remat_options(cfg, activation_checkpointing), compile_options)
+    _prepare_skeleton(skeleton, run, cfg, _remat_options(cfg, activation_checkpointing), compile_options)
     program = Program(
         config=cfg, plan=plan, skeleton=skeleton, slots=slots,
-        workspace=workspace, update=update, scaler=scaler, loss_fn=loss_fn, device=device,
+        run=run, update=update, scaler=scaler, loss_fn=loss_fn, device=device,
         compute_dtype=cfg.compute_dtype, comm_dtype=comm_dtype,
         persistent_buffers=tuple(k for k in model.state_dict() if k in buffers),
-        step_fn=_step_fn(compile_options, pipeline), segment_norm=segment_norm_fn(plan, device), offload=host,
-        pipeline=pipeline,
+        step_fn=_step_fn(compile_options, pipeline), segment_norm=segment_norm_fn(plan, device),
     )
     state = _first_state(program, params, buffers, seed)
     workspace.refresh(state.params)
@@ -226,7 +229,7 @@ def _plan(model: nn.Module, stage: int, unit_modules: Sequence[str] | None,
     return plan, groups
 
 
-def _prepare_skeleton(skeleton: nn.Module, workspace: Workspace, cfg: Config,
+def _prepare_skeleton(skeleton: nn.Module, run: RunContext, cfg: Config,
                       remat: ActivationCheckpointingConfig, compile: CompileConfig) -> None:
     """Hooks (stage-3 gathers, input cast), then checkpointing of the unit forwards, then compilation.
 
@@ -235,7 +238,8 @@ def _prepare_skeleton(skeleton: nn.Module, workspace: Workspace, cfg: Config,
     for handle in getattr(skeleton, "_dsfunc_hooks", ()):
         handle.remove()
     _restore_forwards(skeleton)
-    grouped = workspace.host is not None and workspace.host.backward_group > 1
+    workspace = run.workspace
+    grouped = run.grads.backward_group > 1
     skeleton._dsfunc_hooks = (install_unit_hooks(skeleton, workspace, every=grouped)
                               + install_input_cast(skeleton, workspace, cfg.compute_dtype))
     for unit in workspace.plan.units:
@@ -345,11 +349,12 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
     """
     state.check_usable()
     program = state.program
-    if program.pipeline is None:
+    program.run.wait()  # the masters are final
+    if program.run.pipeline is None:
         return _full_params(state)
-    with program.pipeline.scope():
+    with program.run.pipeline.scope():
         mine = _full_params(state)
-    return program.pipeline.gather_stages(mine)
+    return program.run.pipeline.gather_stages(mine)
 
 
 def _full_params(state: TrainState) -> dict[str, torch.Tensor]:

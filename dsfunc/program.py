@@ -2,9 +2,9 @@
 
 A :class:`~dsfunc.TrainState`'s leaves are its data; its program is what never changes during a run and is
 never checkpointed as tensors — the parsed config, the model skeleton, the sharding plan, the update, the
-loss scaler's rule and the composed step. The program's one mutable member is its
-:class:`~dsfunc.zero.gather.Workspace`, the run's cache of compute copies (see there).
-:func:`dsfunc.init_state` builds it.
+loss scaler's rule and the composed step. What changes during the run (the workspace of compute copies, where
+gradients and the update live, the pipeline stage) is one :class:`~dsfunc.run.RunContext`, which the program
+points at. :func:`dsfunc.init_state` builds both.
 """
 
 from __future__ import annotations
@@ -20,11 +20,10 @@ from dsfunc.batch import LossFn
 from dsfunc.config import Config
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.update import ChainUpdate
+from dsfunc.run import RunContext
 from dsfunc.scaling import LossScaler
 from dsfunc.zero.binding import Slots
-from dsfunc.zero.gather import Workspace
 from dsfunc.zero.layout import ShardingPlan
-from dsfunc.zero.offload import HostOffload
 
 # train_step's signature, (state, batch, ...) -> state; TrainState is not named here because the state's
 # module names this one
@@ -39,7 +38,7 @@ class Program:
     plan: ShardingPlan
     skeleton: nn.Module
     slots: Slots
-    workspace: Workspace
+    run: RunContext  # the run's mutable context (dsfunc.run)
     update: ChainUpdate | FusedAdam
     scaler: LossScaler
     loss_fn: LossFn | None
@@ -49,7 +48,3 @@ class Program:
     persistent_buffers: tuple[str, ...]
     step_fn: StepFn
     segment_norm: Callable[[Any], Any] | None = None
-    offload: HostOffload | None = None  # the host side when the optimizer is offloaded (dsfunc.zero.offload)
-    # this rank's stage when the model is pipelined: a dsfunc.pipeline.runtime.Pipeline (not named here: that
-    # module builds on the step, whose program this is)
-    pipeline: Any = None

@@ -8,8 +8,9 @@ state are :class:`FrozenDict`, so ``state.params["x"] = t`` fails as loudly as `
 consumed; touching a consumed state raises :class:`DonatedStateError`.
 
 With the optimizer offloaded a step may return while the host still writes the new masters and moments
-(:mod:`dsfunc.zero.host_update`): reading ``params`` or ``opt_state``, or flattening the state, waits for that
-first, so no reader sees a half-written update.
+(:mod:`dsfunc.zero.offload.executor`). Reading a field or flattening the state never waits for that: what
+reads their values (the next step, a checkpoint, ``full_params``) waits first, visibly
+(:meth:`dsfunc.run.RunContext.wait`, which a script reading ``params`` itself calls too).
 """
 
 from __future__ import annotations
@@ -47,8 +48,6 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
 
     def flatten(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]]:
         get = object.__getattribute__
-        if hasattr(cls, "settle"):
-            obj.settle()
         return tuple(get(obj, n) for n in children), tuple(get(obj, n) for n in statics), children
 
     def unflatten(aux: tuple[Any, ...], values: Any) -> Any:
@@ -82,7 +81,6 @@ class Metrics:
 
 
 _DATA_FIELDS = ("step", "params", "opt_state", "scaler", "buffers", "rng", "metrics")
-_HOST_WRITTEN = ("params", "opt_state")  # what an offloaded update may still be writing after its step returned
 
 
 @pytree_dataclass
@@ -113,16 +111,7 @@ class TrainState:
                 f"returned; reading .{name} would see overwritten data. Use the returned state "
                 "(`state = dsfunc.train_step(state, batch)`), or pass donate=False to keep the input intact."
             )
-        if name in _HOST_WRITTEN:
-            self.settle(reading=True)
         return object.__getattribute__(self, name)
-
-    def settle(self, reading: bool = False) -> None:
-        """Wait for the host update the last step left running (ZeRO-Offload), if any. A step's own reads
-        (``reading`` while it runs) wait per unit instead, where each unit is gathered."""
-        offload = getattr(object.__getattribute__(self, "program"), "offload", None)
-        if offload is not None and offload.pending.busy and not (reading and offload.pending.stepping):
-            object.__getattribute__(self, "program").workspace.settle()
 
     def replace(self, **changes: Any) -> TrainState:
         """A new state with the given fields replaced (mappings are frozen for you)."""

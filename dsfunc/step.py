@@ -9,7 +9,6 @@ the metrics, without a host sync.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import weakref
 from collections.abc import Callable, Mapping
@@ -24,8 +23,7 @@ from dsfunc.errors import InputError, InputTypeError
 from dsfunc.grad import GradContext, GradFn, default_grad_fn
 from dsfunc.optim.base import Transform
 from dsfunc.optim.transforms import current_lr
-from dsfunc.optim.update import ChainUpdate, UpdateContext
-from dsfunc.program import Program
+from dsfunc.optim.update import ChainUpdate
 from dsfunc.scaling import MinScaleCheck
 from dsfunc.state import Metrics, TrainState
 from dsfunc.zero.norms import global_norm_and_loss
@@ -82,18 +80,15 @@ def check_min_scale(state: TrainState) -> None:
 def _run_step(state: TrainState, batch: Batch, donate: bool, grad_fn: GradFn, optimizer: Any) -> TrainState:
     state.check_usable()
     check_min_scale(state)
+    if not donate:
+        state.program.run.wait()  # the copy reads every master: the last step's update is done first
     work = state if donate else optree.tree_map(lambda t: t.clone(), state)
-    with _stepping(state.program):  # the last step's host update may still run: this forward waits per unit
-        result = grad_fn(GradContext(work), batch)
+    # the last step's host update may still run: this forward waits for each unit as it gathers it
+    result = grad_fn(GradContext(work), batch)
     new = apply_gradients(work, result.grads, result.loss, optimizer=optimizer)
     if donate:
         state.mark_donated()
     return new
-
-
-def _stepping(program: Program) -> contextlib.AbstractContextManager[Any]:
-    offload = program.offload
-    return contextlib.nullcontext() if offload is None else offload.pending.step()
 
 
 def apply_gradients(
@@ -116,7 +111,8 @@ def apply_gradients(
     scaler and the metrics (``skipped = 1``), on every rank alike.
     """
     program = state.program
-    program.workspace.settle()  # the last step's host update (ZeRO-Offload) is done before this one starts
+    run = program.run
+    run.wait()  # the last step's update, if it still runs in the background, is done before this one starts
     params = state.params
     grads = {name: g if g is not None else torch.zeros_like(params[name]) for name, g in (grads or {}).items()}
     if grads.keys() != params.keys():
@@ -124,25 +120,21 @@ def apply_gradients(
             "the gradient function returned gradients for units "
             f"{sorted(grads)} but the state holds {sorted(params)}; wrap it in dsfunc.shard()"
         )
-    sumsq = None
-    if program.offload is not None:  # the update runs on the host: the gradients go there
-        grads, sumsq = program.offload.host_grads(grads)
-    if program.pipeline is not None:  # the whole model's norm and loss, over every stage
-        sumsq, loss = program.pipeline.norm_and_loss(program.plan, grads, loss)
+    grads, sumsq = run.runner.collect(grads)  # where the update reads them (and their sum of squares, if taken)
+    if run.pipeline is not None:  # the whole model's norm and loss, over every stage
+        sumsq, loss = run.pipeline.norm_and_loss(program.plan, grads, loss)
     else:
         sumsq, loss = global_norm_and_loss(program.plan, grads, loss, sumsq=sumsq)
     scale = state.scaler.scale
     update = ChainUpdate(optimizer) if optimizer is not None else program.update
     finite, overflow, grad_norm, grad_scale, skipped = kernels.step_scalars(
         sumsq, scale, update.clip_norm, program.scaler.unscaled)
-    lowp = program.workspace.lowp_targets() if update.writes_compute_copy else {}
-    sent: set[str] = set()  # offload: units already on their way back to the device
+    lowp = run.workspace.lowp_targets() if update.writes_compute_copy else {}
     scalars = _StepScalars(scale, grad_norm, grad_scale, finite, overflow)
-    ctx = dataclasses.replace(_update_context(program, scalars, lowp, sent, grads), lr=lr)
+    ctx = run.runner.context(scalars, lowp, grads, program.segment_norm, lr)
     params, opt_state = update.apply(params, grads, state.opt_state, ctx)
-    program.workspace.refresh(params, written=set(lowp) | sent)
-    if program.offload is not None:
-        program.offload.pending.start()  # the lazy units' host update, beside the next forward
+    run.workspace.refresh(params, written=run.runner.written(lowp))
+    run.runner.launch()  # what the update left for the background runs beside the next forward
     scaler = program.scaler.update(state.scaler, overflow)
     lr = current_lr(opt_state)
     metrics = Metrics(
@@ -166,43 +158,6 @@ class _StepScalars(NamedTuple):
     grad_scale: torch.Tensor
     finite: torch.Tensor
     skip: torch.Tensor
-
-
-def _update_context(program: Program, scalars: _StepScalars, lowp: Mapping[str, torch.Tensor], sent: set[str],
-                    grads: Mapping[str, Any]) -> UpdateContext:
-    """The step's facts for the update, on the device the update runs on (the host when offloaded, where the
-    units the update sends back as it goes are added to ``sent``, and ``grads`` are the host gradients)."""
-    offload = program.offload
-    if offload is None:
-        return UpdateContext(**scalars._asdict(), lowp=lowp, segment_norm=program.segment_norm)
-
-    workspace, pending = program.workspace, offload.pending
-    host_lowp = offload.staging_map(grads)  # each unit's buffer taken as the update reaches it
-    scalars = _StepScalars(*(t.to(offload.device) for t in scalars))
-    skipped = not bool(scalars.finite)
-
-    def updated(name: str, master: torch.Tensor) -> None:
-        # a skipped update writes nothing, its staging slot included: the unchanged master is cast into it
-        if workspace.send_updated(name, master, staged=name in host_lowp and not skipped):
-            sent.add(name)
-        offload.done_with_grad(name)  # after the send: the update may have written the shard over the gradient
-        if name in background:
-            pending.unit_done(name)
-
-    background: set[str] = set()
-
-    def schedule(names: list[str], work: Callable[[list[str]], None]) -> None:
-        later = [n for n in names if workspace.lazy(program.plan.unit(n))]
-        now = [n for n in names if n not in later]
-        if now:
-            work(now)
-        if later:
-            background.update(later)
-            sent.update(later)  # their copies go out as the worker writes them
-            pending.add(later, work)
-
-    return UpdateContext(**scalars._asdict(), lowp=host_lowp, segment_norm=program.segment_norm, host=True,
-                         updated=updated, schedule=schedule)
 
 
 def note_min_scale(state: TrainState) -> None:

@@ -74,7 +74,7 @@ def measure(stage: int, rank: int, steps: int = 2, micro: int = 8) -> dict:
     for _ in range(steps):
         x, y = torch.randn(micro, 16, generator=g), torch.randint(0, 10, (micro,), generator=g)
         state = step(state, (x, y))
-    workspace = state.program.workspace  # the bf16 compute copy (stage 3: gathered blocks already freed)
+    workspace = state.program.run.workspace  # the bf16 compute copy (stage 3: gathered blocks already freed)
     moments = [t for t in optree.tree_leaves(state.opt_state) if t.dim() > 0]  # counters are 0-d
     return {
         "compute_params": nbytes(list(workspace.buffers.values())),

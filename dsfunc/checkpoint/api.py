@@ -66,10 +66,11 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
       The checkpoint folder ``save_dir/<tag>`` (for an async save: where it will be once written).
     """
     _check_state(state, "save_checkpoint")
+    state.program.run.wait()  # an update still in flight in the background finishes before its values are read
     if not save_dir:
         raise InputError("save_dir is empty: pass the directory to write checkpoints into")
     tag = check_tag(str(tag) if tag is not None else f"global_step{int(state.step)}")
-    pipeline = state.program.pipeline  # ranks of several runs would overwrite each other's files in save_dir
+    pipeline = state.program.run.pipeline  # ranks of several runs would overwrite each other's files in save_dir
     check_one_world(state.program.plan.world_size * (1 if pipeline is None else pipeline.topology.stages),
                     "save_checkpoint's state")
     wait_for_checkpoint()  # [Note: one save in flight]
@@ -129,6 +130,7 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
     (dsfunc export --trust-pickle), which only a checkpoint you would run as code deserves.
     """
     _check_state(state, "load_checkpoint")
+    state.program.run.wait()  # an update still in flight in the background finishes before the load overwrites
     wait_for_checkpoint()  # [Note: one save in flight]
     # [Note: meeting before the first collective]
     arrive("load_checkpoint", None if tag is None else str(tag), timeout)
@@ -159,13 +161,13 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
     new = dataclasses.replace(state)
     state.mark_donated()
     with _scope(new):
-        new.program.workspace.refresh(new.params)
+        new.program.run.workspace.refresh(new.params)
     return new, client
 
 
 def _scope(state: TrainState) -> contextlib.AbstractContextManager[None]:
     """Collectives over the state's data-parallel ranks: a pipeline stage's (the world's otherwise)."""
-    pipeline = state.program.pipeline
+    pipeline = state.program.run.pipeline
     return contextlib.nullcontext() if pipeline is None else pipeline.scope()
 
 

@@ -40,7 +40,7 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
     saved.update({f"{n} (buffer)": tuple(b["shape"]) for n, b in meta["buffers"].items()})
     mine = {s.name: s.shape for u in plan.units for s in u.params}
     mine.update({f"{n} (buffer)": tuple(t.shape) for n, t in state.buffers.items()})
-    pipelined = state.program.pipeline is not None
+    pipelined = state.program.run.pipeline is not None
     if pipelined:  # a pipeline stage holds part of the model: the rest of the checkpoint is the other stages'
         saved = {k: v for k, v in saved.items() if k in mine}
     lines = differences(saved, mine, "the model")

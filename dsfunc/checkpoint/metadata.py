@@ -42,7 +42,7 @@ def describe(state: TrainState, tag: str) -> dict[str, Any]:
     """The metadata file's content (files and checksums are added once written); a pipeline stage's state
     describes the whole model (every stage's, joined), so the checkpoint is the one-stage model's."""
     meta = _describe(state, tag)
-    pipeline = state.program.pipeline
+    pipeline = state.program.run.pipeline
     return meta if pipeline is None else pipeline.whole_model(meta)
 
 

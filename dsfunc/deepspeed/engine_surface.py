@@ -154,7 +154,7 @@ class EngineSurface:
     def data_parallel_group(self) -> Any:
         """The process group gradients are averaged over: the world, or a pipeline stage's replicas (None
         without a process group)."""
-        pipeline = self.state.program.pipeline
+        pipeline = self.state.program.run.pipeline
         if pipeline is not None and pipeline.topology.data_group is not None:
             return pipeline.topology.data_group
         return dist.group.WORLD if dist.is_initialized() else None

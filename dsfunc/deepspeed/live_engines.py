@@ -22,6 +22,6 @@ def unregister(engine: Any) -> None:
 def engine_of(workspace: Any) -> Any:
     """The live engine whose state's workspace is ``workspace``."""
     for engine in _ENGINES:
-        if engine.state.program.workspace is workspace:
+        if engine.state.program.run.workspace is workspace:
             return engine
     raise InputError("no live engine trains this parameter (the optimizer state lives in an engine's state)")

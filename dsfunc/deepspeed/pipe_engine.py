@@ -28,7 +28,7 @@ class PipelineEngine(Engine):
 
     def __init__(self, state: Any, **kwargs: Any) -> None:
         super().__init__(state, **kwargs)
-        pipeline = state.program.pipeline
+        pipeline = state.program.run.pipeline
         self.topology = pipeline.topology
         self.global_rank, self.world_size = comm.rank(), comm.world_size()
         self.num_stages, self.stage_id = self.topology.stages, self.topology.stage
@@ -95,7 +95,7 @@ class PipelineEngine(Engine):
                                     "reduce_output='avg', num_micro_batches = gradient_accumulation_steps)")
         batches = self._micro_batches(data_iter)
         self.module.eval()
-        pipeline = self.state.program.pipeline
+        pipeline = self.state.program.run.pipeline
         with pipeline.scope():
             loss = pipeline.evaluate(self.state, batches)
         self.module.train()

@@ -57,7 +57,7 @@ class StepInProgress:
 
     def in_forward(self) -> bool:
         """Whether one of the runtime's forwards is running now (a direct call inside it passes through)."""
-        return self.state.program.workspace.active is not None
+        return self.state.program.run.workspace.active is not None
 
     def micro(self) -> tuple[int, int]:
         """``(index, count)`` of the current micro-batch in its optimizer step (the last index exactly when

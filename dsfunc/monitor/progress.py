@@ -103,9 +103,7 @@ def startup_summary(state: Any) -> str:
         lines.append(
             f"[dsfunc] ZeRO-Offload: {mib['device']:.2f} MiB on the device, {mib['host']:.2f} MiB in host memory "
             "(fp32 master, optimizer state and host buffers)"
-            + (", parameters streamed from the host" if program.offload.params else "")
-            + (f"; the gradient sums of {len(program.offload.resident)} unit(s) wait on the device until the "
-               "update reads them" if program.offload.resident else "")
+            + program.run.placement.summary
         )
     return "\n".join(lines)
 
@@ -188,7 +186,7 @@ class Monitor:
         self.loss_fn = program.loss_fn
         # FLOPs are counted on rank 0, for its lines; a pipeline stage's skeleton is not the whole model
         counts = self.steps_per_print is not None or self.profiler.enabled
-        self.utilisation = (Utilisation(state, peak_tflops) if self.is_writer and counts and program.pipeline is None
+        self.utilisation = (Utilisation(state, peak_tflops) if self.is_writer and counts and program.run.pipeline is None
                             else None)
         self.bar = None
         if progress_bar and self.is_writer:
@@ -198,7 +196,7 @@ class Monitor:
                 raise MissingDependencyError("progress_bar=True needs tqdm: `pip install tqdm`") from None
             self.bar = tqdm(total=total_steps, initial=int(state.step), unit="step", dynamic_ncols=True)
         self._skipped = torch.tensor(skipped_steps, dtype=torch.int64, device=self.device)
-        self._pending: list[tuple[int, int, tuple[torch.Tensor, ...], dict[str, float]]] = []
+        self._unflushed: list[tuple[int, int, tuple[torch.Tensor, ...], dict[str, float]]] = []
         self._timings: dict[str, float] = dict.fromkeys(TIMERS, 0.0)
         self._timed_steps = 0
         self._tokens = 0
@@ -296,12 +294,12 @@ class Monitor:
         samples = step * self.train_batch_size if samples is None else samples
         if self.writers or self.bar is not None:
             kept = (metrics.loss.clone(), metrics.lr.clone(), metrics.loss_scale.clone())
-            self._pending.append((step, samples, kept, dict(timings or {})))
+            self._unflushed.append((step, samples, kept, dict(timings or {})))
         if self.bar is not None:
             self.bar.update(1)
         if self.steps_per_print is not None and step % self.steps_per_print == 0:
             self._print(state, step)
-        if len(self._pending) >= self.flush_every:
+        if len(self._unflushed) >= self.flush_every:
             self.flush()
 
     def _sync(self) -> None:
@@ -390,9 +388,9 @@ class Monitor:
 
     def flush(self) -> None:
         """Read the buffered metrics (one wait for the device) and write them to the event files and bar."""
-        if not self._pending:
+        if not self._unflushed:
             return
-        pending, self._pending = self._pending, []
+        pending, self._unflushed = self._unflushed, []
         values = torch.stack([torch.stack([v.float() for v in kept]) for _, _, kept, _ in pending]).tolist()
         events: list[tuple[str, float, int]] = []
         for (step, samples, _, timings), (loss, lr, scale) in zip(pending, values):

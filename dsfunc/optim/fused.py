@@ -8,9 +8,9 @@ kernel in ``ops/``; elsewhere the op's plain-torch reference runs (the same math
 ``scale_by_factor -> clip_by_global_norm -> adam``, up to the unscale and clip factors being multiplied
 once instead of twice). Its state is the equivalent chain's (:meth:`FusedAdam.init`), so checkpoints and
 the chain read it unchanged. With parameter groups each unit belongs to one group (the plan splits
-units by group), and the op takes that group's hyper-parameters and lr. With the optimizer offloaded
-(``ctx.host``) the units are updated by the op's CPU kernel (:mod:`dsfunc.optim.host_adam`), with the same
-element arithmetic as the CUDA kernel's.
+units by group), and the op takes that group's hyper-parameters and lr. Where the update runs on the host
+(``ctx.executor.on_host``: ZeRO-Offload) the units are updated by the op's CPU kernel
+(:mod:`dsfunc.optim.host_adam`), with the same element arithmetic as the CUDA kernel's.
 """
 
 from __future__ import annotations
@@ -106,8 +106,8 @@ class FusedAdam:
             # count + 1 written as float32 by the add itself: one op, not an add and a cast
             step = torch.add(adam.count, 1, out=torch.empty((), dtype=torch.float32, device=adam.count.device))
             names = [n for n in params if self.unit_groups.get(n) == label]
-            if ctx.host:
-                ctx.schedule(names, functools.partial(
+            if ctx.executor.on_host:
+                ctx.executor.run(names, functools.partial(
                     _host_update, params=params, grads=grads, adam=adam, ctx=ctx, group=group, lr=lr, step=step,
                     grad_scale=grad_scale, skip=skip))
             else:  # one call for the group's units with a 16-bit copy to write, one for those without
@@ -133,21 +133,19 @@ class FusedAdam:
 def _host_update(names: list[str], *, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
                  adam: Any, ctx: UpdateContext, group: AdamGroup, lr: torch.Tensor, step: torch.Tensor,
                  grad_scale: torch.Tensor, skip: torch.Tensor) -> None:
-    """The host Adam of units ``names`` (ZeRO-Offload), each unit's new compute copy written with it."""
+    """The host Adam of units ``names``, each unit's new compute copy written with it."""
     host_adam_(
         [params[n] for n in names], _JustInTime(grads, names), [adam.mu[n] for n in names],
         [adam.nu[n] for n in names], grad_scale=grad_scale, lr=lr, step=step, skip=skip, beta1=group.beta1,
         beta2=group.beta2, eps=group.eps, weight_decay=group.weight_decay, adam_w_mode=group.adam_w_mode,
         bias_correction=group.bias_correction, lowp=_JustInTime(ctx.lowp, names),
-        done=None if ctx.updated is None else lambda i: ctx.updated(names[i], params[names[i]]),
+        done=lambda i: ctx.executor.unit_done(names[i], params[names[i]]),
     )
 
 
 class _JustInTime(Sequence):
-    """``values[names[i]]`` (or None), read when the host Adam reaches unit i: offload's staging buffers, and the
-    host copies of the gradients that waited on the device, are a few slots reused in turn
-    (:meth:`dsfunc.zero.offload.HostOffload.staging_map`, :meth:`~dsfunc.zero.offload.HostOffload.held_grad`),
-    taken one unit at a time."""
+    """``values[names[i]]`` (or None), read when the host Adam reaches unit i: a runner may hand the update
+    mappings whose values are a few buffers reused in turn (:mod:`dsfunc.zero.offload`), taken one unit at a time."""
 
     def __init__(self, values: Mapping[str, torch.Tensor], names: list[str]) -> None:
         self._values, self._names = values, names

@@ -8,7 +8,7 @@ buffer first and the copy cast afterwards; even done chunk by chunk while in cac
 128M-parameter unit on 15 cores of the H200 machine, this kernel 35 ms (bench/bench_host_adam.py). Its element
 arithmetic is the CUDA kernel's (``ops/adam_math.h``), so an offloaded run updates like a resident one on
 the GPU. The call holds no Python lock: the update runs in a worker thread beside the training loop
-(:mod:`dsfunc.zero.host_update`).
+(:mod:`dsfunc.zero.offload.executor`).
 
 Without a compiler (or ninja) the op's plain-torch reference runs instead, far slower; one line is logged.
 """

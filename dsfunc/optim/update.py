@@ -11,13 +11,44 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import optree
 import torch
 
 from dsfunc.frozen import FrozenDict
 from dsfunc.optim.base import ByLabel, Transform, apply_updates
+
+UnitWork = Callable[[list[str]], None]  # updates the named units, telling the executor after each
+
+
+class UnitExecutor(Protocol):
+    """Runs an update's work over units: now, or (ZeRO-Offload at stage 3) partly in the background."""
+
+    on_host: bool  # the update runs on the host: every tensor of its context is in host memory
+
+    def run(self, names: list[str], work: UnitWork) -> None:
+        """Run ``work(names)``, now or later; ``work`` calls :meth:`unit_done` after each unit."""
+        ...
+
+    def unit_done(self, name: str, master: torch.Tensor) -> None:
+        """Unit ``name``'s new ``master`` is final (its copy to the device may start)."""
+        ...
+
+
+class RunNow:
+    """Work runs at once, on the device; nothing needs telling when a unit is done."""
+
+    on_host = False
+
+    def run(self, names: list[str], work: UnitWork) -> None:
+        work(names)
+
+    def unit_done(self, name: str, master: torch.Tensor) -> None:
+        """Nothing waits for single units."""
+
+
+RUN_NOW = RunNow()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,14 +62,9 @@ class UpdateContext:
     skip: torch.Tensor  # 0-d bool: ~finite, made once for the step
     lowp: Mapping[str, torch.Tensor]  # where the update may write the new 16-bit compute copy
     segment_norm: Callable[[Any], Any] | None  # per-parameter norms over flat shards (Lamb)
-    host: bool = False  # the update runs on the host (ZeRO-Offload): every tensor here is in host memory
-    # An update that writes unit by unit (the host Adam) calls this with each unit's name and new master as soon
-    # as it is final, so copying it back to the device overlaps the update of the next unit.
-    updated: Callable[[str, torch.Tensor], None] | None = None
-    # Runs an update's work over units: ``schedule(names, work)`` calls ``work(names)`` now, or with ZeRO-Offload
-    # at stage 3 queues the lazy units' share for the background (dsfunc.zero.host_update): the step returns
-    # before it is done and the next forward waits per unit. ``work`` calls ``updated`` after each unit.
-    schedule: Callable[[list[str], Callable[[list[str]], None]], None] = lambda names, work: work(names)
+    # Who runs the update's work over units, now or in the background, told as each unit is done
+    # (dsfunc.zero.policy.UpdateRunner makes it).
+    executor: UnitExecutor = RUN_NOW
     # The lr of this step per parameter group (label; None: the only group), replacing the group's constant
     # or scheduled lr: a client that set its optimizer's param_groups lr (DeepSpeed steps with it).
     lr: Mapping[str | None, float] | None = None

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 
 class Pipeline:
-    """The static pipeline half of a program (``program.pipeline``): the grid, the schedule, the loss."""
+    """The static pipeline half of a program (``program.run.pipeline``): the grid, the schedule, the loss."""
 
     def __init__(self, topology: Topology, schedule: str, loss_fn: Callable[..., torch.Tensor]) -> None:
         self.topology = topology

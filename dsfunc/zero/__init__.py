@@ -11,8 +11,9 @@ What each stage keeps per rank (Ψ = parameter count):
 Modules: :mod:`~dsfunc.zero.layout` (units, flat buffers, the ``torch.chunk`` split), ``binding``
 (parameters into the skeleton), ``gather`` (compute copies; stage-3 gather and free), ``reduce``
 (gradients over ranks), ``hooks`` (module hooks), ``runtime`` (one micro-batch's forward/backward),
-``materialize`` (from ``meta``), ``norms`` (norms over shards), ``memory`` (bytes per rank), ``offload``
-(ZeRO-Offload: the host buffers masters, gradients and parameters travel through), and
+``materialize`` (from ``meta``), ``norms`` (norms over shards), ``memory`` (bytes per rank), ``policy`` (where
+gradients, the update and the gathered shards live: three narrow interfaces), ``offload`` (ZeRO-Offload: the
+package that implements them with the host buffers masters, gradients and parameters travel through), and
 ``context``: DeepSpeed's ``zero.Init``, ``zero.GatheredParameters`` and ``unwrap_model_for_generation``, which
 scripts call as ``deepspeed.zero.Init`` (so they are here, in dsfunc's ZeRO package, too), ``placeholders``
 (the parameters ``zero.Init`` makes) and ``leaf`` (ZeRO-3 leaf modules).

@@ -8,7 +8,7 @@ micro-batches run first, each unit call's inputs cut from the graph before it (a
 input that needs a gradient: :func:`cut_inputs`). The backward then goes segment by segment: from the losses back
 to the last unit call's inputs, then from each call's inputs back to the call before it, each segment for every
 micro-batch of the group in turn before the next segment. A unit's gradients of the group thus come one after
-another, and its sum stays on the device from one to the next (``Reducer.add(hold=True)``): it crosses PCIe once a
+another, and its sum stays on the device from one to the next (``Reducer.add(followed=True)``): it crosses PCIe once a
 group. A stage-3 unit is gathered once for the group's backward, too.
 
 Each micro-batch's gradient of a unit is the one its own backward makes, added into the sum in the same order as
@@ -60,14 +60,14 @@ class DeferredMicro:
 
 class UnitGroups:
     """A runtime's micro-batches whose backward waits for their group's, ``size`` at most, and the state of the
-    group's backward that the runtime reads: :attr:`hold` and the :attr:`roots` of the running segment."""
+    group's backward that the runtime reads: :attr:`followed` and the :attr:`roots` of the running segment."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.calls: list[Call] = []  # the open micro-batch's unit calls, their inputs cut
         self.losses: list[tuple[torch.Tensor, torch.Tensor]] = []  # its losses and their seeds, not yet run
         self.waiting: list[DeferredMicro] = []
-        self.hold = False  # the running segment is followed by another micro-batch's through the same units
+        self.followed = False  # the running segment is followed by another micro-batch's through the same units
         self.roots: set[int] | None = None  # ids of the tensors the running segment starts from
 
     def on(self, micro: tuple[int, int]) -> bool:
@@ -102,14 +102,14 @@ class UnitGroups:
         """The waiting micro-batches' backward, through ``segment`` (:func:`backward_by_units`); the last of them."""
         group, self.waiting = self.waiting, []
 
-        def step(d: DeferredMicro, roots: list[torch.Tensor], grads: list[torch.Tensor], hold: bool) -> None:
-            self.hold, self.roots = hold, {id(t) for t in roots}
+        def step(d: DeferredMicro, roots: list[torch.Tensor], grads: list[torch.Tensor], followed: bool) -> None:
+            self.followed, self.roots = followed, {id(t) for t in roots}
             segment(d, roots, grads)
 
         try:
             backward_by_units(group, step)
         finally:
-            self.hold, self.roots = False, None
+            self.followed, self.roots = False, None
         return group[-1]
 
     def _check_root(self, key: int) -> None:
@@ -141,8 +141,8 @@ def cut_inputs(args: Any, kwargs: Any) -> tuple[Any, Any, Call]:
 def backward_by_units(group: list[DeferredMicro], segment: HeldSegment) -> None:
     """Backpropagate ``group``'s losses segment by segment, from the last unit call to the first.
 
-    ``segment(micro, roots, grads, hold)`` runs one micro-batch's backward from ``roots`` (seeded with ``grads``) to
-    its leaves; ``hold`` says the next segment is another micro-batch's through the same units.
+    ``segment(micro, roots, grads, followed)`` runs one micro-batch's backward from ``roots`` (seeded with ``grads``) to
+    its leaves; ``followed`` says the next segment is another micro-batch's through the same units.
     """
     _each(segment, [(d, d.losses, d.seeds) for d in group])
     firsts = [{id(t): c for c in reversed(range(len(d.calls))) for t, _ in d.calls[c]} for d in group]

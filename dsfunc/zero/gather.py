@@ -10,10 +10,9 @@ Persistent units (stages 0-2, and stage-3 units below ``stage3_param_persistence
 full copy, rebuilt after every update. Lazy units (stage 3) are all-gathered on demand into a buffer
 whose storage is freed after use; autograd's saved views of the buffer see the refill.
 
-With the optimizer offloaded (:mod:`dsfunc.zero.offload`) the masters are in host memory: each copy is
-built from the unit's compute-dtype shard staged on the host and copied to the device. A lazy unit then
-keeps that device shard between gathers, so a gather costs no host-to-device copy, unless the parameters
-are offloaded too (``offload_param``), when each gather streams it from the host again.
+Where a copy's shard comes from is the run's :class:`~dsfunc.zero.policy.ShardSource`'s to say: cast from the
+master by default; staged on the host and kept on the device between gathers with the optimizer offloaded
+(:mod:`dsfunc.zero.offload.shards`).
 
 The workspace also decides what the model's resident parameters show between micro-batches
 (:meth:`~dsfunc.zero.binding.Slots.show`): views of the persistent copies, and for a lazy unit an
@@ -35,8 +34,8 @@ import torch
 from dsfunc.distributed import comm
 from dsfunc.zero.binding import Slots
 from dsfunc.zero.layout import ShardingPlan, Unit, unit_views
-from dsfunc.zero.offload import HostOffload
 from dsfunc.zero.placeholders import ZeroParamStatus
+from dsfunc.zero.policy import ShardSource
 
 # id(resident parameter) -> (the parameter, its workspace, its unit's name), all weak: how
 # GatheredParameters finds what to gather (keyed by id: tensors compare elementwise, so no WeakKeyDictionary)
@@ -62,6 +61,16 @@ class UnitState(enum.Enum):
 
 
 @dataclasses.dataclass
+class _Exposure:
+    """What the model's resident parameters show between micro-batches, and which units are exposed."""
+
+    slots: Slots
+    shown: dict[str, Any] = dataclasses.field(default_factory=dict)  # unit -> the flat its residents view (None: empty)
+    gathered: dict[str, int] = dataclasses.field(default_factory=dict)  # lazy unit -> exposures holding it gathered
+    master: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # unit -> full fp32 master shown
+
+
+@dataclasses.dataclass
 class ZeroStats:
     """Instrumentation a test (or a curious user) can read: what stage 3 held gathered at once."""
 
@@ -76,38 +85,56 @@ class ZeroStats:
         self.max_live_elements = max(self.max_live_elements, live)
 
 
+@dataclasses.dataclass
+class _Gathering:
+    """ZeRO-3's gathers: each lazy unit's state, the all-gathers in flight, and how far prefetching may go."""
+
+    prefetch_budget: int | None  # live elements prefetching may reach (None: no prefetching)
+    status: dict[str, UnitState] = dataclasses.field(default_factory=dict)
+    inflight: dict[str, tuple[comm.Pending, torch.Tensor, Any]] = dataclasses.field(default_factory=dict)
+    stats: ZeroStats = dataclasses.field(default_factory=ZeroStats)
+
+
 class Workspace:
     """Compute copies per unit: persistent ones refreshed after updates, lazy ones gathered and freed."""
 
     def __init__(self, plan: ShardingPlan, *, slots: Slots, compute_dtype: torch.dtype, device: torch.device,
-                 persistence_threshold: int, max_live_elements: int, prefetch: bool,
-                 host: HostOffload | None = None) -> None:
+                 persistence_threshold: int, max_live_elements: int, prefetch: bool, source: ShardSource) -> None:
         self.plan = plan
-        self.host = host
-        self.slots = slots
+        self.source = source  # where a gather reads its shard (dsfunc.zero.policy)
         self.compute_dtype = compute_dtype
         self.device = device
-        self.max_live_elements = max_live_elements
-        self.prefetch_enabled = prefetch
-        self.stats = ZeroStats()
         self.active: Any = None  # the MicroBatchRuntime bound right now, for the module hooks
-        self._lazy = {
-            u.name: plan.stage == 3 and u.module is not None and u.numel >= persistence_threshold
-            for u in plan.units
-        }
+        self.lazy_units = frozenset(u.name for u in plan.units if plan.stage == 3 and u.module is not None
+                                    and u.numel >= persistence_threshold)
         self.buffers: dict[str, torch.Tensor] = {}
-        self.status: dict[str, UnitState] = {}
-        self.inflight: dict[str, tuple[comm.Pending, torch.Tensor, Any]] = {}
-        self.shards: dict[str, torch.Tensor] = {}  # offload, lazy unit -> its compute-dtype shard on the device
-        self.synced_with: tuple[Any, ...] | None = None
-        self.aliases_master = plan.stage == 0 and compute_dtype == torch.float32
-        self.master: Mapping[str, torch.Tensor] = {}  # the masters the copies were last built from
-        self._shown: dict[str, Any] = {}  # unit -> the flat its residents view (None: empty)
-        self._exposed: dict[str, int] = {}  # lazy unit -> how many exposures hold it gathered
-        self._exposed_master: dict[str, torch.Tensor] = {}  # unit -> full fp32 master shown for writing
+        self.gathering = _Gathering(prefetch_budget=max_live_elements if prefetch else None)
+        # the masters the copies were last built from, and their signature then (storage and version of each)
+        self.synced: tuple[Mapping[str, torch.Tensor], tuple[Any, ...] | None] = ({}, None)
+        self._exposure = _Exposure(slots)
+
+    @property
+    def stats(self) -> ZeroStats:
+        """What stage 3 held gathered at once."""
+        return self.gathering.stats
+
+    @property
+    def master(self) -> Mapping[str, torch.Tensor]:
+        """The masters the copies were last built from."""
+        return self.synced[0]
+
+    @property
+    def slots(self) -> Slots:
+        """The model's resident parameters and buffers (:mod:`dsfunc.zero.binding`)."""
+        return self._exposure.slots
+
+    @property
+    def aliases_master(self) -> bool:
+        """Stage 0 in fp32: the compute copy is the master itself."""
+        return self.plan.stage == 0 and self.compute_dtype == torch.float32
 
     def lazy(self, unit: Unit) -> bool:
-        return self._lazy[unit.name]
+        return unit.name in self.lazy_units
 
     def _flat_len(self, unit: Unit) -> int:
         return unit.numel if self.plan.stage == 0 else self.plan.padded_size(unit)
@@ -115,25 +142,30 @@ class Workspace:
     # -- persistent copies -------------------------------------------------------------------------
     def lowp_targets(self) -> dict[str, torch.Tensor]:
         """Where an update may write this rank's new parameters in the compute dtype (persistent units,
-        when that dtype is 16-bit): the whole copy at stage 0, this rank's slice of it otherwise. None with
-        the optimizer offloaded: the update runs on the host, and the host stages the copy itself."""
-        if self.host is not None or self.compute_dtype not in (torch.bfloat16, torch.float16):
+        when that dtype is 16-bit): the whole copy at stage 0, this rank's slice of it otherwise."""
+        if self.compute_dtype not in (torch.bfloat16, torch.float16):
             return {}
         out = {}
         for unit in self.plan.units:
-            buf = self.buffers.get(unit.name)
-            if self.lazy(unit) or buf is None:
-                continue
-            size = self.plan.shard_size(unit)
-            out[unit.name] = buf if self.plan.stage == 0 else buf[self.plan.rank * size : (self.plan.rank + 1) * size]
+            own = None if self.lazy(unit) else self.own_slice(unit)
+            if own is not None:
+                out[unit.name] = own
         return out
+
+    def own_slice(self, unit: Unit) -> torch.Tensor | None:
+        """This rank's slice of a persistent unit's compute copy (all of it at stage 0); None before it is built."""
+        buf = self.buffers.get(unit.name)
+        if buf is None:
+            return None
+        size = self.plan.shard_size(unit)
+        return buf if self.plan.stage == 0 else buf[self.plan.rank * size : (self.plan.rank + 1) * size]
 
     @torch.no_grad()
     def refresh(self, master: Mapping[str, torch.Tensor], written: Iterable[str] = ()) -> None:
         """Rebuild every persistent copy from ``master`` (after an update, or for another state).
 
-        ``written`` names units whose slice of the copy the update already wrote (:meth:`lowp_targets`,
-        or with offload :meth:`send_updated`): those only need the all-gather.
+        ``written`` names units whose slice of the copy the update already wrote (:meth:`lowp_targets`, or
+        sent as it went: :meth:`dsfunc.zero.policy.UpdateRunner.written`): those only need the all-gather.
         """
         self.settle()
         if self.aliases_master:
@@ -143,14 +175,14 @@ class Workspace:
         works = []
         for unit in self.plan.units:
             if self.lazy(unit):
-                if self.host is not None and unit.name not in written:
-                    self._send_lazy(unit, master[unit.name])
+                if unit.name not in written:
+                    self.source.refresh(unit, master[unit.name])
                 continue
             buf = self.buffers.get(unit.name)
             if buf is None:
                 buf = self.buffers[unit.name] = torch.empty(
                     self._flat_len(unit), dtype=self.compute_dtype, device=self.device)
-            self.status[unit.name] = UnitState.READY
+            self.gathering.status[unit.name] = UnitState.READY
             if unit.name in written:
                 if self.plan.stage:
                     size = self.plan.shard_size(unit)
@@ -163,49 +195,23 @@ class Workspace:
             work.wait()
         self._synced(master)
 
-    def send_updated(self, name: str, master: torch.Tensor, staged: bool = False) -> bool:
-        """Stage unit ``name``'s new host master (unless the update already wrote its staging buffer:
-        ``staged``) and start its copy into its place on the device (offload; the host update calls this per
-        unit, so the copy overlaps the next unit's update). True when it did: :meth:`refresh` then counts
-        the unit as written."""
-        unit = self.plan.unit(name)
-        if self.lazy(unit):
-            self._send_lazy(unit, master, staged)
-            return True
-        buf = self.buffers.get(name)
-        if buf is None:  # no copy built yet: refresh builds it
-            return False
-        size = self.plan.shard_size(unit)
-        own = buf if self.plan.stage == 0 else buf[self.plan.rank * size : (self.plan.rank + 1) * size]
-        self.host.send(unit, self.host.staged(unit, master) if staged else self.host.stage(unit, master),
-                       out=own)
-        return True
-
-    def _send_lazy(self, unit: Unit, master: torch.Tensor, staged: bool = False) -> None:
-        """Stage a lazy unit's host master (unless ``staged`` already) and, unless its parameters stay on the
-        host, copy it into the device shard its gathers send (in place: no second copy of the shards)."""
-        staged = self.host.staged(unit, master) if staged else self.host.stage(unit, master)
-        if not self.host.params:
-            self.shards[unit.name] = self.host.send(unit, staged, out=self.shards.get(unit.name))
-
     def settle(self) -> None:
-        """Wait for the host update in the background (:mod:`dsfunc.zero.host_update`), if one is pending:
-        what reads the masters, or replaces them, comes after it."""
-        if self.host is not None and self.host.pending.wait():
-            self.synced_with = _signature(self.master)  # the update wrote them in place
+        """Wait for what writes the masters in the background (:meth:`~dsfunc.zero.policy.ShardSource.settle`),
+        if anything does: what reads the masters, or replaces them, comes after it."""
+        if self.source.settle():
+            self.synced = (self.master, _signature(self.master))  # it wrote them in place
 
     def _stale(self, master: Mapping[str, torch.Tensor]) -> bool:
         """Whether the copies were built from other masters than ``master`` (or before it changed). The
-        masters a pending update is writing are the copies' own: each unit is waited for as it is gathered."""
-        if self.host is not None and self.host.pending.busy:
+        masters being written in the background are the copies' own: each unit is waited for as it is gathered."""
+        if self.source.writing:
             if master is self.master:
                 return False
             self.settle()
-        return self.synced_with != _signature(master)
+        return self.synced[1] != _signature(master)
 
     def _synced(self, master: Mapping[str, torch.Tensor]) -> None:
-        self.synced_with = _signature(master)
-        self.master = master
+        self.synced = (master, _signature(master))
         for unit in self.plan.units:
             self._show(unit)
 
@@ -213,16 +219,18 @@ class Workspace:
     def _show(self, unit: Unit) -> None:
         """Point ``unit``'s resident parameters at its current compute flat (empty for a lazy unit that
         is not exposed); nothing to do when they already view it."""
-        if unit.name in self._exposed_master:
-            flat = self._exposed_master[unit.name]
+        exposure = self._exposure
+        if unit.name in exposure.master:
+            flat = exposure.master[unit.name]
         elif self.aliases_master:
             flat = self.master[unit.name]
-        elif self.lazy(unit) and not self._exposed.get(unit.name):
+        elif self.lazy(unit) and not exposure.gathered.get(unit.name):
             flat = None
         else:
             flat = self.buffers[unit.name]
         residents = self.slots.residents(unit.name)
-        if self._shown.get(unit.name, False) is flat and (flat is None or residents[0].data_ptr() == flat.data_ptr()):
+        if exposure.shown.get(unit.name, False) is flat and (
+                flat is None or residents[0].data_ptr() == flat.data_ptr()):
             return
         if flat is None:
             views = [torch.empty(0, dtype=self.compute_dtype, device=self.device)] * len(unit.params)
@@ -232,13 +240,13 @@ class Workspace:
         if self.plan.stage == 3:
             status = ZeroParamStatus.NOT_AVAILABLE if flat is None else ZeroParamStatus.AVAILABLE
         self.slots.show(unit.name, views, status=status)
-        self._shown[unit.name] = flat
+        exposure.shown[unit.name] = flat
         for p in self.slots.residents(unit.name):
             _register(p, self, unit.name)
 
     def shows(self, unit: Unit, flat: torch.Tensor) -> bool:
         """Whether ``unit``'s resident parameters are views of ``flat`` right now, each in its place."""
-        if self._shown.get(unit.name) is not flat:
+        if self._exposure.shown.get(unit.name) is not flat:
             return False
         base, size = flat.data_ptr(), flat.element_size()
         return all(p.data_ptr() == base + s.offset * size and p.shape == s.shape
@@ -246,8 +254,9 @@ class Workspace:
 
     def expose(self, unit: Unit) -> None:
         """Gather a lazy unit into its residents until the matching :meth:`hide` (nested calls count)."""
-        self._exposed[unit.name] = self._exposed.get(unit.name, 0) + 1
-        if self.lazy(unit) and self._exposed[unit.name] == 1:
+        gathered = self._exposure.gathered
+        gathered[unit.name] = gathered.get(unit.name, 0) + 1
+        if self.lazy(unit) and gathered[unit.name] == 1:
             self.ensure(unit, self.master)
             self._show(unit)
 
@@ -256,7 +265,7 @@ class Workspace:
         modifier rank): the master itself when it is not sharded, else a copy gathered from the shards.
         :meth:`commit_master` writes it back."""
         self.settle()
-        self._exposed_master[unit.name] = self.full_flat(unit, self.master[unit.name])
+        self._exposure.master[unit.name] = self.full_flat(unit, self.master[unit.name])
         self._show(unit)
 
     def full_flat(self, unit: Unit, shard: torch.Tensor) -> torch.Tensor:
@@ -275,7 +284,7 @@ class Workspace:
         """End :meth:`expose_master` for ``units``: rank ``src``'s values (what the script wrote there)
         become every rank's master, and the compute copies are rebuilt from them."""
         for unit in units:
-            full = self._exposed_master.pop(unit.name)
+            full = self._exposure.master.pop(unit.name)
             comm.broadcast(full, src=src)
             master = self.master[unit.name]
             if full is not master:  # sharded, or offloaded
@@ -285,8 +294,8 @@ class Workspace:
 
     def hide(self, unit: Unit) -> None:
         """Undo one :meth:`expose`; the last one empties the residents and frees the gathered copy."""
-        self._exposed[unit.name] -= 1
-        if self.lazy(unit) and self._exposed[unit.name] == 0:
+        self._exposure.gathered[unit.name] -= 1
+        if self.lazy(unit) and self._exposure.gathered[unit.name] == 0:
             self._show(unit)
             self.release(unit)
 
@@ -298,7 +307,7 @@ class Workspace:
             if self._stale(master):
                 self.refresh(master)
             return self.buffers[unit.name]
-        state = self.status.get(unit.name, UnitState.FREE)
+        state = self.gathering.status.get(unit.name, UnitState.FREE)
         if state is UnitState.FREE:
             self._start_gather(unit, master)
             state = UnitState.GATHERING
@@ -307,10 +316,10 @@ class Workspace:
         return self.buffers[unit.name]
 
     def _wait(self, unit: Unit) -> None:
-        work, _src, hide = self.inflight.pop(unit.name)
+        work, _src, hide = self.gathering.inflight.pop(unit.name)
         with torch.no_grad(), hide:
             work.wait()
-        self.status[unit.name] = UnitState.READY
+        self.gathering.status[unit.name] = UnitState.READY
 
     # -- stage 3 -----------------------------------------------------------------------------------
     def _start_gather(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> None:
@@ -325,48 +334,39 @@ class Workspace:
         # a free and a refill, so the refill must not bump the buffer's version counter. The version is
         # taken now and restored after wait(): gloo bumps it when the work completes, even in the background.
         hide = torch.autograd._unsafe_preserve_version_counter(buf)
-        streamed = self.host is not None and self.host.params
-        with torch.no_grad(), hide, _on_stream(self.host.transfer if streamed else None, self.device) as stream:
-            if streamed:  # offload_param: the host shard streams in beside the kernels, not between them
-                src = self.host.send(unit, src)
+        with torch.no_grad(), hide, _on_stream(self.source.stream, self.device) as stream:
+            src = self.source.to_device(unit, src)
             work = comm.all_gather_flat(buf, src, async_op=True)
             if stream is not None:
                 work = _AfterStream(work, stream)
-        self.inflight[unit.name] = (work, src, hide)
-        self.status[unit.name] = UnitState.GATHERING
-        self.stats.live_units.add(unit.name)
-        self.stats.gathers += 1
-        self.stats.note(self.plan)
+        self.gathering.inflight[unit.name] = (work, src, hide)
+        self.gathering.status[unit.name] = UnitState.GATHERING
+        self.gathering.stats.live_units.add(unit.name)
+        self.gathering.stats.gathers += 1
+        self.gathering.stats.note(self.plan)
 
     def _shard(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """This rank's shard of ``unit`` (all of it at stage 0) in the compute dtype, on the device."""
-        if self.host is None:
-            return master[unit.name].to(self.compute_dtype)
-        return self.host.send(unit, self.host.stage(unit, master[unit.name]))
+        return self.source.shard(unit, master[unit.name])
 
     def _gather_source(self, unit: Unit, master: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """What a lazy unit's all-gather sends: the shard cast from the master, or with offload the device
-        shard kept since the last update, or (``offload_param``) the host shard, to stream to the device."""
-        if self.host is None:
-            return master[unit.name].to(self.compute_dtype)
-        if self._stale(master):
+        """What a lazy unit's all-gather sends (:meth:`~dsfunc.zero.policy.ShardSource.gather_input`), after a
+        refresh where the source derives it from copies built for other masters."""
+        if self.source.derived and self._stale(master):
             self.refresh(master)
-        self.host.pending.wait_unit(unit.name)
-        if self.host.params:
-            return self.host.staged(unit, master[unit.name])
-        return self.shards[unit.name]
+        return self.source.gather_input(unit, master[unit.name])
 
     def release(self, unit: Unit) -> None:
         """Free a lazy unit's gathered storage (idempotent; an exposed unit stays until its last hide)."""
-        if not self.lazy(unit) or self.status.get(unit.name, UnitState.FREE) is UnitState.FREE:
+        if not self.lazy(unit) or self.gathering.status.get(unit.name, UnitState.FREE) is UnitState.FREE:
             return
-        if self._exposed.get(unit.name):
+        if self._exposure.gathered.get(unit.name):
             return
-        if unit.name in self.inflight:
+        if unit.name in self.gathering.inflight:
             self._wait(unit)
         self.buffers[unit.name].untyped_storage().resize_(0)
-        self.status[unit.name] = UnitState.FREE
-        self.stats.live_units.discard(unit.name)
+        self.gathering.status[unit.name] = UnitState.FREE
+        self.gathering.stats.live_units.discard(unit.name)
 
     def release_all(self) -> None:
         """Free every lazy unit (after a micro-batch, or when one is abandoned)."""
@@ -381,13 +381,13 @@ class Workspace:
 
     def prefetch(self, units: Iterable[Unit], master: Mapping[str, torch.Tensor]) -> None:
         """Start gathering ``units`` now, within the prefetch and live-parameter budgets."""
-        if not self.prefetch_enabled:
+        if self.gathering.prefetch_budget is None:
             return
         for unit in units:
-            if self.status.get(unit.name, UnitState.FREE) is not UnitState.FREE:
+            if self.gathering.status.get(unit.name, UnitState.FREE) is not UnitState.FREE:
                 continue
-            live = sum(self.plan.padded_size(self.plan.unit(n)) for n in self.stats.live_units)
-            if live + self.plan.padded_size(unit) > self.max_live_elements:
+            live = sum(self.plan.padded_size(self.plan.unit(n)) for n in self.gathering.stats.live_units)
+            if live + self.plan.padded_size(unit) > self.gathering.prefetch_budget:
                 return
             self._start_gather(unit, master)
 

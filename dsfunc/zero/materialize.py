@@ -24,7 +24,7 @@ from dsfunc.distributed import comm
 from dsfunc.errors import InputError
 from dsfunc.zero import placeholders
 from dsfunc.zero.layout import ShardingPlan, flatten_unit, local_shard
-from dsfunc.zero.offload import HostOffload
+from dsfunc.zero.policy import Placement
 
 
 @dataclasses.dataclass
@@ -40,13 +40,13 @@ INIT_STATS = InitStats()
 @torch.no_grad()
 def materialize(
     model: nn.Module, skeleton: nn.Module, plan: ShardingPlan, device: torch.device, seed: int,
-    param_init_fn: Callable[[nn.Module], None] | None, host: HostOffload | None = None,
+    param_init_fn: Callable[[nn.Module], None] | None, placement: Placement | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """This rank's fp32 master shards (by unit) and its buffers (and frozen parameters) by name.
 
-    The masters are made on ``device`` (the broadcast from rank 0 runs there) and kept there, or in host
-    memory when ``host`` offloads them: this is where the state's masters, and so its optimizer state
-    (initialised like them), are placed.
+    The masters are made on ``device`` (the broadcast from rank 0 runs there) and kept there, or where
+    ``placement`` keeps them (host memory with the optimizer offloaded): this is where the state's masters, and
+    so its optimizer state (initialised like them), are placed.
     """
     on_meta = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
     source = _MetaSource(skeleton, device, seed, param_init_fn) if on_meta else None
@@ -60,7 +60,7 @@ def materialize(
             comm.broadcast(flat, src=0)
         INIT_STATS.max_elements = max(INIT_STATS.max_elements, flat.numel())
         shard = flat if plan.ways == 1 else local_shard(plan, unit, flat)
-        params[unit.name] = shard if host is None else host.to_host(shard)
+        params[unit.name] = shard if placement is None else placement.place_master(shard)
         del flat, values, shard
     extra = dict(model.named_buffers())
     extra.update({name: tensors[name] for name in plan.frozen})

@@ -30,32 +30,31 @@ def memory_estimate(state: TrainState) -> dict[str, int]:
     """
     program = state.program
     plan = program.plan
-    offload = program.offload
-    lazy = [u for u in plan.units if program.workspace.lazy(u)]
+    run = program.run
+    host_masters = run.placement.masters is not None
+    lazy = [u for u in plan.units if run.workspace.lazy(u)]
     cbytes = torch.empty((), dtype=program.compute_dtype).element_size()
     gas = program.config.gradient_accumulation_steps
     kept = grad_dtype(program.compute_dtype, program.comm_dtype, plan.world_size, gas)
     gbytes = torch.empty((), dtype=kept if program.update.reads_16_bit_grads else torch.float32).element_size()
     full = sum(u.numel for u in plan.units)
     shard = sum(plan.shard_size(u) for u in plan.units)
-    # Offloaded gradients leave the device as backward makes them, unless stage 1 sums micro-batches there.
-    sums_on_device = offload is None or (plan.stage <= 1 and gas > 1)
-    if program.workspace.aliases_master:
+    if run.workspace.aliases_master:
         compute = 0
     else:
         persistent = sum(plan.padded_size(u) for u in plan.units if u not in lazy)
         largest = sorted((plan.padded_size(u) for u in lazy), reverse=True)[:2]
-        kept = sum(plan.shard_size(u) for u in lazy) if offload is not None and not offload.params else 0
+        kept = run.workspace.source.device_elements(sum(plan.shard_size(u) for u in lazy))
         compute = (persistent + sum(largest) + kept) * cbytes
     out = {
         "master": sum(p.numel() * p.element_size() for p in state.params.values()),
         "optimizer": sum(t.numel() * t.element_size() for t in optree.tree_leaves(state.opt_state) if t.dim() > 0),
-        "gradients": gbytes * (full if plan.stage <= 1 else shard) if sums_on_device else offload.resident_bytes(),
+        "gradients": run.grads.device_bytes(gbytes * (full if plan.stage <= 1 else shard)),
         "compute": compute,
         "buffers": sum(t.numel() * t.element_size() for t in state.buffers.values()),
-        "host_buffers": 0 if offload is None else offload.host_bytes(),
+        "host_buffers": run.host_bytes(),
     }
-    host = 0 if offload is None else out["master"] + out["optimizer"] + out["host_buffers"]
+    host = 0 if not host_masters else out["master"] + out["optimizer"] + out["host_buffers"]
     out["device"] = sum(out.values()) - host
     out["host"] = host
     out["total"] = out["device"] + host

@@ -19,18 +19,18 @@ summed in fp32. Host buffers always are; on the device only when the update read
 (``narrow``: the fused Adam reads them as they are, element by element), since a transform chain would widen
 every unit at once and hold both.
 
-With the optimizer offloaded, a ``sink`` (:meth:`dsfunc.zero.offload.HostOffload.put_grad`) takes each
-unit's shard as each of its reductions lands, to start its copy to host memory while backward goes on,
-and the device copy is dropped; :meth:`ZeroReducer.finish` then returns the host copies. With gradient
-accumulation at stages 2-3 the next micro-batch's reduction brings the host sum back to the device, adds
-to it and sends it out again (stream-ordered copies; DeepSpeed accumulates offloaded stage-2 gradients the
-same way), so no gradient shard waits on the device between micro-batches, but those of the ``resident``
-units (``offload_optimizer.grad_accumulation_on_device``), whose sums never go to the sink: they wait on the
-device until the update reads them (:meth:`dsfunc.zero.offload.HostOffload.held_grad`). A first
-micro-batch's shard goes out in its exact dtype (bf16 on one rank) and comes back widened: the same sum, with
-4 of the 60 bytes a parameter that 8 micro-batches move over PCIe saved. A gradient added with ``hold`` (the
-next micro-batch's of the same unit comes right after it: :mod:`dsfunc.zero.backward_by_units`) keeps its sum
-on the device for that one, so the sum crosses PCIe once for the micro-batches a backward goes through together.
+Where a unit's sum waits between micro-batches is the run's :class:`~dsfunc.zero.policy.GradStore`'s to say:
+on the device by default. One that takes sums off the device (ZeRO-Offload: :mod:`dsfunc.zero.offload.grads`)
+gets each unit's shard as each of its reductions lands, to start its copy away while backward goes on, and the
+device copy is dropped; :meth:`ZeroReducer.finish` then returns what it stored. With gradient accumulation at
+stages 2-3 the next micro-batch's reduction takes the stored sum back to the device, adds to it and stores it
+again (stream-ordered copies; DeepSpeed accumulates offloaded stage-2 gradients the same way), so no gradient
+shard waits on the device between micro-batches, but those of the units the store says stay
+(:meth:`~dsfunc.zero.policy.GradStore.stays`). A first micro-batch's shard is stored in its exact dtype (bf16 on
+one rank) and comes back widened: the same sum, with 4 of the 60 bytes a parameter that 8 micro-batches move
+over PCIe saved. A gradient added with ``followed`` (the next micro-batch's of the same unit comes right after
+it: :mod:`dsfunc.zero.backward_by_units`) keeps its sum on the device for that one, so the sum crosses PCIe once
+for the micro-batches a backward goes through together.
 """
 
 from __future__ import annotations
@@ -43,10 +43,9 @@ import torch
 from dsfunc.distributed import comm
 from dsfunc.errors import InputError
 from dsfunc.zero.layout import ShardingPlan, Unit
+from dsfunc.zero.policy import DeviceGrads, GradStore
 
 Grads = dict[str, torch.Tensor | None]
-Sink = Callable[[Unit, torch.Tensor, torch.dtype, bool], torch.Tensor]
-Fetch = Callable[[Unit, torch.Tensor], torch.Tensor]  # a sunk sum back on the device, in fp32
 
 
 def exact_dtype(dtype: torch.dtype, comm_dtype: torch.dtype, ranks: int) -> torch.dtype:
@@ -76,7 +75,7 @@ class Reducer(Protocol):
 
     streams: bool  # it wants each unit's gradient as backward makes it (see [Note: gradients as they come])
 
-    def add(self, unit: Unit, grad: torch.Tensor, *, last: bool, hold: bool = False) -> None: ...
+    def add(self, unit: Unit, grad: torch.Tensor, *, last: bool, followed: bool = False) -> None: ...
     def end_micro(self, *, last: bool) -> None: ...
     def finish(self) -> Grads: ...
 
@@ -91,8 +90,8 @@ class LocalReducer:
         self.narrow = narrow
         self._sums: dict[str, torch.Tensor] = {}
 
-    def add(self, unit: Unit, grad: torch.Tensor, *, last: bool, hold: bool = False) -> None:
-        """Add ``unit``'s gradient of a micro-batch (the sums stay here: ``hold`` changes nothing)."""
+    def add(self, unit: Unit, grad: torch.Tensor, *, last: bool, followed: bool = False) -> None:
+        """Add ``unit``'s gradient of a micro-batch (the sums stay here: ``followed`` changes nothing)."""
         _accumulate(self._sums, unit.name, grad, keep=last and self.narrow)
 
     def end_micro(self, *, last: bool) -> None:
@@ -111,28 +110,25 @@ class ZeroReducer:
     max_inflight = 2  # reductions in flight during backward; older ones are waited for as new ones start
 
     def __init__(self, plan: ShardingPlan, *, comm_dtype: torch.dtype, bucket_size: int,
-                 device: torch.device, sink: Sink | None = None, fetch: Fetch | None = None,
-                 resident: frozenset[str] = frozenset(), narrow: bool = False) -> None:
+                 device: torch.device, store: GradStore | None = None, narrow: bool = False) -> None:
         self.plan = plan
-        self.sink = sink
-        self.resident = resident  # with a sink: units whose sums stay here until the last micro-batch
-        # whether a gradient should come as soon as backward makes it: its collective, or its copy to the host,
-        # then runs beside the rest of backward (on one rank without a sink they may come after it)
-        self.streams = plan.world_size > 1 or sink is not None
-        self.fetch = fetch or (lambda _unit, t: t.to(device, torch.float32, non_blocking=True))
-        self.narrow = narrow or sink is not None  # a gradient kept in its exact dtype (a sunk one always is)
+        self.store = DeviceGrads(device) if store is None else store  # where sums wait between micro-batches
+        # whether a gradient should come as soon as backward makes it: its collective, or its copy off the device,
+        # then runs beside the rest of backward (on one rank with every sum on the device they may come after it)
+        self.streams = plan.world_size > 1 or self.store.off_device
+        self.narrow = narrow or self.store.off_device  # a gradient kept in its exact dtype (a stored one always is)
         self.comm_dtype = comm_dtype
         self.bucket_size = bucket_size
         self.device = device
         self._local: dict[str, torch.Tensor] = {}  # stages 0-1: sums of the micro-batches before the last
-        self._pending: list[tuple[comm.Pending, Callable[[], None]]] = []
+        self._in_flight: list[tuple[comm.Pending, Callable[[], None]]] = []
         self._reduced: set[str] = set()  # units reduced in this micro-batch
         self._grads: dict[str, torch.Tensor] = {}
-        self._sunk: dict[str, torch.Tensor] = {}  # unit -> what the sink returned for its sum so far
+        self._stored: dict[str, torch.Tensor] = {}  # unit -> what the store returned for its sum so far
 
-    def add(self, unit: Unit, grad: torch.Tensor, *, last: bool, hold: bool = False) -> None:
+    def add(self, unit: Unit, grad: torch.Tensor, *, last: bool, followed: bool = False) -> None:
         """Reduce ``unit``'s gradient of a micro-batch into its sum (``last``: of the step's last micro-batch;
-        ``hold``: the unit's next gradient comes next, so its sum stays on the device for it)."""
+        ``followed``: the unit's next gradient comes next, so its sum stays on the device for it)."""
         self._reduced.add(unit.name)
         stage = self.plan.stage
         if stage <= 1 and not last:
@@ -146,17 +142,17 @@ class ZeroReducer:
         if local is not None:
             full = full + local.to(self.comm_dtype)
         if self.plan.world_size == 1:  # no collective to issue or wait for: stored as it comes
-            self._store(unit, full, last, exact, hold)
+            self._store(unit, full, last, exact, followed)
         elif stage == 0:
             chunks = full.split(self.bucket_size)
             for chunk in chunks[:-1]:
-                self._pending.append((comm.all_reduce_sum(chunk, async_op=True), lambda: None))
+                self._in_flight.append((comm.all_reduce_sum(chunk, async_op=True), lambda: None))
             work = comm.all_reduce_sum(chunks[-1], async_op=True)
-            self._pending.append((work, lambda u=unit, t=full: self._store(u, t, last, exact, hold)))
+            self._in_flight.append((work, lambda u=unit, t=full: self._store(u, t, last, exact, followed)))
         else:
             out = torch.empty(self.plan.shard_size(unit), dtype=full.dtype, device=full.device)
             work = comm.reduce_scatter_sum(out, full, async_op=True)
-            self._pending.append((work, lambda u=unit, t=out, keep=full: self._store(u, t, last, exact, hold)))
+            self._in_flight.append((work, lambda u=unit, t=out, keep=full: self._store(u, t, last, exact, followed)))
         self._drain(keep=self.max_inflight)
 
     def end_micro(self, *, last: bool) -> None:
@@ -168,16 +164,16 @@ class ZeroReducer:
         self._reduced = set()
         if self.plan.stage >= 2:
             self._drain()
-        if self.sink is not None:  # a sum held for a next gradient that did not come goes where it would have
-            for name in [n for n in self._grads if n not in self.resident]:
-                total = self._grads.pop(name)
-                self._sunk[name] = self.sink(self.plan.unit(name), total, total.dtype, last)
+        # a sum kept for a next gradient that did not come goes where it would have
+        for name in [n for n in self._grads if not self.store.stays(n)]:
+            total = self._grads.pop(name)
+            self._stored[name] = self.store.put(self.plan.unit(name), total, total.dtype, last)
 
     def finish(self) -> Grads:
         """This rank's reduced gradients by unit (each in its :func:`grad_dtype`), after the last micro-batch."""
         self._drain()
-        grads: Grads = {**self._grads, **self._sunk}
-        self._grads, self._sunk = {}, {}
+        grads: Grads = {**self._grads, **self._stored}
+        self._grads, self._stored = {}, {}
         return grads
 
     def so_far(self, unit: Unit) -> tuple[torch.Tensor | None, bool]:
@@ -185,31 +181,31 @@ class ZeroReducer:
         of it ran (this rank's shard at stages 1-3), else ``(this rank's own sum, False)`` (stages 0-1 before the
         last micro-batch), ``(None, False)`` before any. The in-flight reductions are waited for."""
         self._drain()
-        if unit.name in self._sunk:
+        if unit.name in self._stored:
             raise InputError("the step's gradients are on their way to the host (offload_optimizer); read them "
                              "without offloading")
         if unit.name in self._grads:
             return self._grads[unit.name], True
         return self._local.get(unit.name), False
 
-    def _store(self, unit: Unit, reduced: torch.Tensor, last: bool, exact: torch.dtype, hold: bool) -> None:
+    def _store(self, unit: Unit, reduced: torch.Tensor, last: bool, exact: torch.dtype, followed: bool) -> None:
         prev = self._grads.pop(unit.name, None)
-        if prev is None and unit.name in self._sunk:  # an earlier micro-batch's (or backward's) sum, on the host
-            prev = self.fetch(unit, self._sunk.pop(unit.name))
-        kept = self.sink is None or unit.name in self.resident or hold
+        if prev is None and unit.name in self._stored:  # an earlier micro-batch's (or backward's) sum, stored away
+            prev = self.store.take(unit, self._stored.pop(unit.name))
+        kept = self.store.stays(unit.name) or followed
         if prev is not None:
             reduced = prev.float().add_(reduced)
         else:  # its exact dtype after the last micro-batch if kept narrow, or on its way to the host (where the
-            # next micro-batch's fetch widens it): half the bytes each way; fp32 if more will be added here
+            # next micro-batch's take widens it): half the bytes each way; fp32 if more will be added here
             reduced = reduced.to(exact if (last and self.narrow) or not kept else torch.float32)
         if kept:
             self._grads[unit.name] = reduced
         else:
-            self._sunk[unit.name] = self.sink(unit, reduced, reduced.dtype, last)
+            self._stored[unit.name] = self.store.put(unit, reduced, reduced.dtype, last)
 
     def _drain(self, keep: int = 0) -> None:
         """Finish all but the ``keep`` newest reductions (their full-size inputs are then freed)."""
-        while len(self._pending) > keep:
-            work, store = self._pending.pop(0)
+        while len(self._in_flight) > keep:
+            work, then = self._in_flight.pop(0)
             work.wait()
-            store()
+            then()

@@ -111,7 +111,7 @@ class MicroBatchRuntime:
         backward by units])."""
         self.state = state
         self.program: Program = state.program
-        self.workspace = self.program.workspace
+        self.workspace = self.program.run.workspace
         self.reducer = reducer
         self.ranks = ranks
         self.phase = Phase.IDLE
@@ -460,7 +460,7 @@ class MicroBatchRuntime:
     def _on_grad(self, unit: Unit, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
         self._hand(unit, grad)
-        if self.workspace.lazy(unit) and not self.groups.hold:  # held: the next micro-batch's backward reads it too
+        if self.workspace.lazy(unit) and not self.groups.followed:  # the next micro-batch's backward reads it too
             self.workspace.release(unit)
 
     def _hand(self, unit: Unit, grad: torch.Tensor) -> None:
@@ -468,7 +468,7 @@ class MicroBatchRuntime:
         if not _BACKWARDS_RUNNING[0]:  # see [Note: a backward the runtime does not run]
             grad = self._direct_seed(grad)
         index, count = self.micro
-        self.reducer.add(unit, grad, last=index == count - 1, hold=self.groups.hold)
+        self.reducer.add(unit, grad, last=index == count - 1, followed=self.groups.followed)
 
     def _direct_seed(self, grad: torch.Tensor) -> torch.Tensor:
         """A unit's gradient from a backward the script called itself, times the seed."""
@@ -568,13 +568,11 @@ def zero_runtime(state: TrainState, *, direct_backward: bool = False) -> MicroBa
     """A runtime whose gradients are reduced over the ranks as the state's ZeRO stage says (``direct_backward``:
     see :class:`MicroBatchRuntime`)."""
     program = state.program
-    reducer = ZeroReducer(program.plan, comm_dtype=program.comm_dtype, device=program.workspace.device,
-                          bucket_size=program.config.zero_optimization.reduce_bucket_size,
-                          sink=None if program.offload is None else program.offload.put_grad,
-                          fetch=None if program.offload is None else program.offload.fetch_grad,
-                          resident=frozenset() if program.offload is None else program.offload.resident,
+    run = program.run
+    reducer = ZeroReducer(program.plan, comm_dtype=program.comm_dtype, device=run.workspace.device,
+                          bucket_size=program.config.zero_optimization.reduce_bucket_size, store=run.grads,
                           narrow=program.update.reads_16_bit_grads)
-    group = 1 if program.offload is None or direct_backward else program.offload.backward_group
+    group = 1 if direct_backward else run.grads.backward_group
     # the seed's 1/ranks makes the reducer's sum a mean; gradient_allreduce_op "sum" keeps the sum
     ranks = 1 if program.config.gradient_allreduce_op == "sum" else program.plan.world_size
     return MicroBatchRuntime(state, reducer, ranks=ranks, direct_backward=direct_backward, backward_group=group)

@@ -86,7 +86,7 @@ def engine_vs_functional(rank: int, world: int, stage: int, gas: int) -> dict:
     x = batches[0][0]
     with torch.no_grad():
         evaluated = engine(x)
-    live_after_eval = set(engine.state.program.workspace.stats.live_units)
+    live_after_eval = set(engine.state.program.run.workspace.stats.live_units)
     module = engine.module  # a collective at stage >= 1: every rank reads it
     return {
         "functional": dsfunc.full_params(state), "engine": dsfunc.full_params(engine.state),

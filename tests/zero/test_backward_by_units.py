@@ -13,7 +13,7 @@ import dsfunc
 from dsfunc.config import ConfigError
 from dsfunc.errors import InputError
 from dsfunc.models.gpt import GPT, GPTConfig
-from dsfunc.zero.offload import HostOffload
+from dsfunc.zero.offload.grads import HostGrads
 from tests.models import MLP, config, mlp_batches, relative_diff
 from tests.multiprocess import run_world
 
@@ -76,23 +76,23 @@ def test_a_unit_sum_crosses_to_the_host_once_a_group(monkeypatch):
     """Counted on the real host offload: with 4 micro-batches, each unit's sum goes out 4 times and comes back 3
     times; in one group of 4 it goes out once (the root unit, both the embedding and the output projection, twice:
     its two parts are reached by the first and the last segment) and only the root's comes back."""
-    counts = {"put_grad": 0, "fetch_grad": 0}
+    counts = {"put": 0, "take": 0}
     for name in counts:
-        real = getattr(HostOffload, name)
+        real = getattr(HostGrads, name)
 
         def counted(self, *args, _real=real, _name=name, **kwargs):
             counts[_name] += 1
             return _real(self, *args, **kwargs)
 
-        monkeypatch.setattr(HostOffload, name, counted)
+        monkeypatch.setattr(HostGrads, name, counted)
     seen = {}
     for group in (1, 4):
-        counts.update(put_grad=0, fetch_grad=0)
+        counts.update(put=0, take=0)
         train(make_state(gpt(), group), steps=1)
         seen[group] = dict(counts)
     units = 4  # the root and three blocks
-    assert seen[1] == {"put_grad": 4 * units, "fetch_grad": 3 * units}
-    assert seen[4] == {"put_grad": units + 1, "fetch_grad": 1}
+    assert seen[1] == {"put": 4 * units, "take": 3 * units}
+    assert seen[4] == {"put": units + 1, "take": 1}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -139,7 +139,7 @@ def test_the_config_key_is_checked_and_has_no_effect_at_stage_1(caplog):
     with caplog.at_level(logging.WARNING, logger="dsfunc"):
         state = dsfunc.init_state(MLP(), cfg)
     assert "micro_batches_per_backward has no effect at stage 1" in caplog.text
-    assert state.program.offload.backward_group == 1
+    assert state.program.run.grads.backward_group == 1
 
 
 def test_a_hugging_face_llama_trains_bit_for_bit():
@@ -166,7 +166,7 @@ def ranks(rank: int, world: int) -> dict:
     for stage in (2, 3):
         for group in (1, 4):
             state = train(make_state(gpt(), group, stage=stage, world=world), steps=2, rank=rank, world=world)
-            out[stage, group] = (outcome(state), state.program.workspace.stats.gathers)
+            out[stage, group] = (outcome(state), state.program.run.workspace.stats.gathers)
     return out
 
 

@@ -58,7 +58,7 @@ def test_stage_3_parameters_are_empty_outside_a_forward_and_gathered_by_one():
         direct = model(x)  # the module's own hooks gather each block for its forward
         engine_like = zero_runtime(state).evaluate(lambda m, b: m(b), x)
     assert torch.equal(direct, engine_like)
-    assert block.numel() == 0 and state.program.workspace.stats.live_units == set()
+    assert block.numel() == 0 and state.program.run.workspace.stats.live_units == set()
 
 
 def test_the_functional_api_leaves_the_module_alone():

@@ -1,4 +1,4 @@
-"""ZeRO-Offload's host update in the background (dsfunc.zero.host_update): the next forward overlaps it unit by
+"""ZeRO-Offload's host update in the background (dsfunc.zero.offload.executor): the next forward overlaps it unit by
 unit, nothing reads a half-written update, and a failure in it is raised, not lost.
 
 The worker is held back where a test needs the overlap to happen for certain (``hold_worker``): it starts its
@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
+import optree
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ import dsfunc
 from dsfunc.optim import fused
 from tests.models import mlp_batches, relative_diff
 from tests.multiprocess import run_world
-from tests.zero.test_offload import make_state, train
+from tests.zero.test_offload import host_of, make_state, train
 
 
 def hold_worker(until: str):
@@ -29,9 +30,9 @@ def hold_worker(until: str):
         if threading.current_thread().name.startswith("dsfunc-host-update"):
             deadline = time.monotonic() + (30 if until == "unit" else 1)
             while time.monotonic() < deadline and not (until == "unit" and (
-                    held.pending.waited_units > held.seen or held.done.is_set())):
+                    held.executor.waited_units > held.seen or held.done.is_set())):
                 time.sleep(0.001)
-            held.seen = held.pending.waited_units
+            held.seen = held.executor.waited_units
         real(*args, **kwargs)
 
     held.seen, held.done = 0, threading.Event()
@@ -41,27 +42,27 @@ def hold_worker(until: str):
 
 def overlapped_and_settled(rank: int, world: int, mode: str, gas: int) -> dict:
     """The same run twice: the next forward overlapping each update (held back until it waits for a unit), and
-    every update waited for as soon as its step returns (reading the state does that)."""
+    every update waited for as soon as its step returns."""
     real = fused.host_adam_
     out = {}
     try:
         for how in ("overlapped", "settled"):
             state = make_state(world, 3, mode, micro=4 // gas, gas=gas, bf16={"enabled": True})
-            pending = state.program.offload.pending
+            executor = host_of(state).executor
             held = hold_worker("unit") if how == "overlapped" else None
             if held is not None:
-                held.pending = pending
+                held.executor = executor
             busy_after_step = []
             n = 4 * world
             for x, y in mlp_batches(4, n):
                 state = dsfunc.train_step(state, (x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]))
-                busy_after_step.append(pending.busy)
+                busy_after_step.append(executor.in_flight)
                 if how == "settled":
-                    state.params  # noqa: B018 - the read waits for the update
+                    state.program.run.wait()
             if held is not None:
                 held.done.set()  # no next forward will wait for the last update
             fused.host_adam_ = real
-            out[how] = {"full": dsfunc.full_params(state), "busy": busy_after_step, "waited": pending.waited_units}
+            out[how] = {"full": dsfunc.full_params(state), "busy": busy_after_step, "waited": executor.waited_units}
         reference = make_state(world, 3, "none", micro=4 // gas, gas=gas, bf16={"enabled": True})
         out["none"] = dsfunc.full_params(train(reference, rank, world))
     finally:
@@ -79,18 +80,27 @@ def test_the_next_forward_overlaps_the_host_update_and_trains_bit_for_bit_the_sa
         assert relative_diff(r["settled"]["full"], r["none"]) < 1e-5
 
 
-def test_reading_the_state_waits_for_the_host_update():
+def test_reading_or_flattening_the_state_never_waits_for_the_host_update():
+    """The update in flight is the executor's future: reading fields or flattening the state leaves it running
+    (held until told), and only the run's wait() waits for it."""
     real = fused.host_adam_
     try:
         state = make_state(1, 3, "optimizer", micro=4, gas=1)
-        pending = state.program.offload.pending
-        hold_worker("pause").pending = pending
+        executor = host_of(state).executor
+        held = hold_worker("unit")
+        held.executor = executor
         state = dsfunc.train_step(state, mlp_batches(1, 4)[0])
-        assert pending.busy
-        read = {name: p.clone() for name, p in state.params.items()}  # waits for the update first
-        assert not pending.busy
-        state.program.workspace.settle()
-        assert relative_diff(read, dict(state.params)) == 0.0
+        assert executor.in_flight
+        dict(state.params), state.opt_state, optree.tree_leaves(state)  # reads that must not wait
+        assert executor.in_flight and executor.waited_units == 0
+        held.done.set()
+        state.program.run.wait()
+        assert not executor.in_flight
+        after = {name: p.clone() for name, p in state.params.items()}
+        fused.host_adam_ = real
+        reference = dsfunc.train_step(make_state(1, 3, "optimizer", micro=4, gas=1), mlp_batches(1, 4)[0])
+        reference.program.run.wait()
+        assert relative_diff(after, dict(reference.params)) == 0.0
     finally:
         fused.host_adam_ = real
 
@@ -104,7 +114,7 @@ def test_a_failure_in_the_host_update_is_raised_by_what_comes_next():
         real(*args, **kwargs)
 
     try:
-        for read in ("step", "params"):
+        for read in ("step", "wait"):
             state = make_state(1, 3, "optimizer", micro=4, gas=1)
             fused.host_adam_ = failing
             state = dsfunc.train_step(state, mlp_batches(1, 4)[0])
@@ -113,8 +123,8 @@ def test_a_failure_in_the_host_update_is_raised_by_what_comes_next():
                 if read == "step":
                     dsfunc.train_step(state, mlp_batches(1, 4)[0])  # its forward waits for a unit first
                 else:
-                    state.params  # noqa: B018
-            assert not state.program.offload.pending.busy
+                    state.program.run.wait()
+            assert not host_of(state).executor.in_flight
     finally:
         fused.host_adam_ = real
     assert torch.is_tensor(next(iter(state.params.values())))  # the error was raised once, not forever

@@ -17,6 +17,7 @@ import dsfunc
 from dsfunc import checkpoint as ckpt
 from dsfunc.zero import memory_estimate
 from dsfunc.zero.offload import HostOffload
+from dsfunc.zero.offload.staging import ShardStaging
 from tests.models import MLP, config, mlp_batches, relative_diff
 from tests.multiprocess import run_world
 
@@ -25,6 +26,11 @@ OPTIMIZER = {"device": "cpu"}
 # offload modes: none, the optimizer (stages 1-3), the optimizer and the parameters (stage 3)
 MODES = {"none": {}, "optimizer": {"offload_optimizer": OPTIMIZER},
          "param": {"offload_optimizer": OPTIMIZER, "offload_param": {"device": "cpu"}}}
+
+
+def host_of(state: dsfunc.TrainState) -> HostOffload | None:
+    """The run's host side (None when nothing is offloaded): what its update runner works with."""
+    return getattr(state.program.run.runner, "host", None)
 
 
 def make_state(world: int, stage: int, mode: str, *, micro: int = 2, gas: int = 2, seed: int = 0,
@@ -56,11 +62,11 @@ def every_mode(rank: int, world: int) -> dict:
         for mode in MODES if stage == 3 else ("none", "optimizer"):
             state = train(make_state(world, stage, mode), rank, world)
             host = [t.device.type == "cpu" for t in state.params.values()]
-            offload = state.program.offload
+            offload = host_of(state)
             out[stage, mode] = {
                 "full": dsfunc.full_params(state), "host": all(host), "offload": offload is not None,
                 "separate": offload is None or all(
-                    b.data_ptr() != p.data_ptr() for b, p in zip(state.program.workspace.buffers.values(),
+                    b.data_ptr() != p.data_ptr() for b, p in zip(state.program.run.workspace.buffers.values(),
                                                                  state.params.values())),
                 "grad_norm": state.metrics.grad_norm.item(),
             }
@@ -180,11 +186,11 @@ def test_memory_estimate_splits_host_and_device():
         est[stage, mode] = memory_estimate(state)
     psi = sum(p.numel() for p in state.params.values())
     plan = state.program.plan
-    lazy = sum(plan.shard_size(u) for u in plan.units if state.program.workspace.lazy(u))
+    lazy = sum(plan.shard_size(u) for u in plan.units if state.program.run.workspace.lazy(u))
     resident, off = est[2, "none"], est[2, "optimizer"]
     assert resident["host"] == 0 and resident["device"] == resident["total"]
     # master, moments, host gradient, and the few staging slots the new bf16 shards pass through to the device
-    slots = 2 * min(HostOffload.staging_slots, len(plan.units)) * max(plan.shard_size(u) for u in plan.units)
+    slots = 2 * min(ShardStaging.staging_buffers, len(plan.units)) * max(plan.shard_size(u) for u in plan.units)
     assert slots < 2 * psi
     assert off["host"] == 4 * psi + 8 * psi + 4 * psi + slots
     # two micro-batches a step: master, moments and the gradient shard leave the device at stage 2, whose
@@ -231,7 +237,7 @@ def test_a_deepspeed_checkpoint_resumes_into_an_offloaded_state(tmp_path):
     cfg["zero_optimization"]["offload_optimizer"] = OPTIMIZER
     torch.manual_seed(1)
     state, _ = dsfunc.load_checkpoint(root / case.name, dsfunc.init_state(Net(), cfg))
-    assert all(p.device.type == "cpu" for p in state.params.values()) and state.program.offload is not None
+    assert all(p.device.type == "cpu" for p in state.params.values()) and host_of(state) is not None
     losses = []
     for step in range(SAVE_AT, SAVE_AT + RESUMED):
         state = dsfunc.train_step(state, batch(step))
@@ -287,9 +293,9 @@ def sixteen_bit_grads(rank: int, world: int) -> dict:
                                    bf16={"enabled": True}, communication_data_type=comm)
                 estimate = memory_estimate(state)["host_buffers"]
                 state = train(state, rank, world)
-                offload = state.program.offload
+                offload = host_of(state)
                 held = None if offload is None else {
-                    "dtypes": {g.dtype for g in offload._grads.values()},
+                    "dtypes": offload.grads.dtypes(),
                     "bytes": sum(t.nbytes for t in offload.buffers()),
                     "estimate": estimate,
                 }
@@ -341,7 +347,7 @@ def test_with_accumulation_no_gradient_waits_on_the_device_between_micro_batches
             if mode == "optimizer":
                 assert not runtime.reducer._grads  # every unit's sum so far is on the host
                 # the first micro-batch's sums, bf16 on one rank, go out as they are; later sums are fp32
-                held = {g.dtype for g in state.program.offload._grads.values()}
+                held = host_of(state).grads.dtypes()
                 assert held == {torch.bfloat16 if i == 0 else torch.float32}, i
         _, grads[mode] = runtime.finish()
     for name, reference in grads["none"].items():
@@ -356,8 +362,8 @@ def test_adamw_on_16_bit_host_gradients_trains_like_the_resident_run():
     for mode in ("none", "optimizer"):
         state = train(make_state(1, 2, mode, micro=4, gas=1, bf16={"enabled": True}), 0, 1)
         full[mode] = dsfunc.full_params(state)
-    offload = state.program.offload
-    assert {g.dtype for g in offload._grads.values()} == {torch.bfloat16}
+    offload = host_of(state)
+    assert offload.grads.dtypes() == {torch.bfloat16}
     assert relative_diff(full["optimizer"], full["none"]) < 1e-5
 
 
@@ -385,10 +391,10 @@ def resident_sums(rank: int, world: int) -> dict:
             runtime.finish()
             trained = train(make_state(world, stage, "optimizer", micro=1, gas=3, optimizer=lamb, resident=resident),
                             rank, world)
-            offload = trained.program.offload
+            offload = host_of(trained)
             out[stage, resident] = {
-                "waiting": waiting, "resident": sorted(state.program.offload.resident),
-                "host buffers": sorted(offload._storage), "bytes": sum(t.nbytes for t in offload.buffers()),
+                "waiting": waiting, "resident": sorted(host_of(state).device_sums.units),
+                "host buffers": sorted(offload.grads._storage), "bytes": sum(t.nbytes for t in offload.buffers()),
                 "host estimate": memory_estimate(trained)["host_buffers"],
                 "estimate": memory_estimate(state)["gradients"], "full": dsfunc.full_params(trained),
                 "summary": startup_summary(state),
@@ -418,9 +424,9 @@ def test_sums_kept_on_the_device_between_micro_batches_train_bit_for_bit(world):
 
 def test_sums_on_the_device_say_when_they_cannot_apply(caplog):
     with caplog.at_level("WARNING", logger="dsfunc"):
-        assert not make_state(1, 1, "optimizer", resident=10**9).program.offload.resident
+        assert not make_state(1, 1, "optimizer", resident=10**9).program.run.grads.device_sums.units
         assert "has no effect at stage 1" in caplog.text
-        assert not make_state(1, 2, "optimizer", resident=1).program.offload.resident
+        assert not make_state(1, 2, "optimizer", resident=1).program.run.grads.device_sums.units
         assert "= 1 is smaller than every unit's gradient shard" in caplog.text
 
 
@@ -435,13 +441,14 @@ def test_gradients_held_on_the_device_reach_the_host_adam_through_two_slots(stag
     for resident in (0, held):
         state = make_state(1, stage, "optimizer", micro=4 // gas, gas=gas, resident=resident, bf16={"enabled": True})
         state = train(state, 0, 1)
-        full[resident], offloads[resident] = dsfunc.full_params(state), state.program.offload
+        full[resident], offloads[resident] = dsfunc.full_params(state), host_of(state)
         assert sum(t.nbytes for t in offloads[resident].buffers()) == memory_estimate(state)["host_buffers"]
     kept = offloads[held]
-    assert sorted(kept.resident) == ["blocks.0", "blocks.1", "blocks.2"]
-    assert sorted(kept._storage) == ["root"] and len(kept._grad_slots.buffers) == 2  # reused, unit after unit
+    assert sorted(kept.device_sums.units) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert sorted(kept.grads._storage) == ["root"] and len(kept.device_sums.buffers.all) == 2  # reused, unit after unit
     # without accumulation the new bf16 shards go out of the gradients' own buffers: no staging slots
-    assert all(len(o._slots) == (0 if gas == 1 else 3) and o.over_grads == (gas == 1) for o in offloads.values())
+    assert all(len(o.staging._buffers) == (0 if gas == 1 else 3) and o.staging.over_grads == (gas == 1)
+               for o in offloads.values())
     assert relative_diff(full[held], full[0]) == 0.0
 
 
@@ -467,3 +474,21 @@ def test_the_engine_keeps_sums_on_the_device_until_its_accumulation_boundary():
         assert waiting == ([2 if sums else 0] * 3 + [None]) * 3, waiting
         full[bool(sums)] = dsfunc.full_params(engine.state)
     assert relative_diff(full[True], full[False]) == 0.0
+
+
+def test_only_init_state_reaches_into_the_offload_package():
+    """Offload is a policy: outside dsfunc/zero/offload/ the step sees it only through dsfunc.zero.policy, and only
+    init_state (which reads the config) imports the package."""
+    import ast
+
+    root = Path(dsfunc.__file__).parent
+    importers = set()
+    for path in root.rglob("*.py"):
+        if path.is_relative_to(root / "zero" / "offload"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom)
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            if any(n == "dsfunc.zero.offload" or n.startswith("dsfunc.zero.offload.") for n in names):
+                importers.add(path.relative_to(root).as_posix())
+    assert importers == {"init.py"}

@@ -16,6 +16,7 @@ import torch
 import dsfunc
 from dsfunc.models.gpt import GPT, GPTConfig, init_weights
 from tests.models import MLP, config, mlp_batches, relative_diff
+from tests.zero.test_offload import host_of
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -71,10 +72,11 @@ def run(cfg: GPTConfig, stage: int, offload: bool, precision: str | None, steps:
         "on_host": all(p.device.type == "cpu" for p in state.params.values()),
         "pinned_masters": any(p.is_pinned() for p in state.params.values()),
     }
-    if state.program.offload is not None:
-        buffers = state.program.offload.buffers()
+    host = host_of(state)
+    if host is not None:
+        buffers = host.buffers()
         out["buffers_pinned"] = bool(buffers) and all(b.is_pinned() for b in buffers)
-        out["grad_dtypes"] = {g.dtype for g in state.program.offload._grads.values()}
+        out["grad_dtypes"] = host.grads.dtypes()
     del state
     gc.collect()
     torch.cuda.empty_cache()
@@ -122,7 +124,7 @@ def train_mlp(stage: int, zero_extra: dict, precision: str | None, steps: int = 
         state = dsfunc.train_step(state, batch)
     torch.cuda.synchronize()
     if "offload_param" in zero_extra:
-        assert not state.program.workspace.shards  # nothing of a gathered unit stays on the device between gathers
+        assert not host_of(state).shards.kept  # nothing of a gathered unit stays on the device between gathers
     return {k: v.cpu() for k, v in dsfunc.full_params(state).items()}, state.metrics.loss.item()
 
 

@@ -166,7 +166,7 @@ def test_a_failing_forward_leaves_nothing_bound():
 
     with pytest.raises(KeyError):
         runtime.forward(broken, mlp_batches(1, 2)[0])
-    assert runtime.phase is Phase.IDLE and state.program.workspace.active is None
+    assert runtime.phase is Phase.IDLE and state.program.run.workspace.active is None
     assert unbound(state)
 
 

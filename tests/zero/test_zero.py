@@ -36,7 +36,7 @@ def train_ranks(rank: int, world: int, micro: int, gas: int, stages: list[int]) 
         out[stage] = {
             "full": dsfunc.full_params(state),
             "local_bytes": local_bytes(state),
-            "max_live_units": state.program.workspace.stats.max_live_units,
+            "max_live_units": state.program.run.workspace.stats.max_live_units,
             "loss": state.metrics.loss.item(),
         }
     return out
@@ -47,7 +47,7 @@ def local_bytes(state: dsfunc.TrainState) -> dict[str, int]:
     import optree
 
     moments = sum(t.numel() * t.element_size() for t in optree.tree_leaves(state.opt_state) if t.dim() > 0)
-    ws = state.program.workspace
+    ws = state.program.run.workspace
     compute = sum(b.untyped_storage().size() for b in ws.buffers.values())
     return {
         "master": sum(p.numel() * p.element_size() for p in state.params.values()),

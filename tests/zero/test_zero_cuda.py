@@ -27,7 +27,7 @@ def train(rank: int, world: int, stages: list[int], precision: str | None) -> di
         for x, y in mlp_batches(10, n * world):
             state = dsfunc.train_step(state, (x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]))
         out[stage] = ({k: v.cpu() for k, v in dsfunc.full_params(state).items()},
-                      state.program.workspace.stats.max_live_units, state.metrics.loss.item())
+                      state.program.run.workspace.stats.max_live_units, state.metrics.loss.item())
     return out
 
 

@@ -51,5 +51,5 @@ def load_deepspeed(folder: Path, state: TrainState, selection: Selection, *,
         ) from e
     new = dataclasses.replace(state)  # as dsfunc.checkpoint.api.load_checkpoint hands the filled template on
     state.mark_donated()
-    new.program.workspace.refresh(new.params)
+    new.program.run.workspace.refresh(new.params)
     return new, ckpt.client

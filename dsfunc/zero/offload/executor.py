@@ -3,15 +3,15 @@
 With the optimizer offloaded the update is the longest part of a step: a pass of the host Adam through
 every master and moment, bound by host memory bandwidth (about 1 s for 4.1B parameters on the H200
 machine's 16 cores), while the GPU waited. At stage 3 the next forward needs the units one at a time, in order, so a
-step queues the update of its lazy units here (:meth:`PendingUpdate.add`) and returns once it has started
-(:meth:`PendingUpdate.start`); a worker thread updates them unit by unit and each unit's new 16-bit shard
+step queues the update of its lazy units here (:meth:`HostExecutor.add`) and returns once it has started
+(:meth:`HostExecutor.start`): the update in flight is a future the executor owns; a worker thread updates them unit by unit and each unit's new 16-bit shard
 goes to the device on a copy stream as soon as it is written. The next forward waits for each unit just
-before it gathers it (:meth:`PendingUpdate.wait_unit`), so the update runs beside the forward: the same
+before it gathers it (:meth:`HostExecutor.wait_unit`), so the update runs beside the forward: the same
 operations on the same numbers as the update in place, bit for bit.
 
-Everything else that reads the masters or the optimizer state first waits for all of it
-(:meth:`PendingUpdate.wait`): the state's ``params`` and ``opt_state`` fields, a checkpoint, the next
-update, ``GatheredParameters``. A failure in the worker is raised there, in the caller's thread. The
+Everything else that reads the masters or the optimizer state first waits for all of it, where it must and
+visibly (:meth:`HostExecutor.wait`, through :meth:`dsfunc.run.RunContext.wait`): the next update, a checkpoint,
+``full_params``, ``GatheredParameters``. Reading a state's fields or flattening it never waits. A failure in the worker is raised there, in the caller's thread. The
 worker runs no collectives (every rank's collectives stay on its main thread, in program order): it
 writes host tensors and copies to the device. It keeps one core for the main thread (its intra-op threads
 are one fewer): on 16 cores, 16 threads beside the thread that launches the forward cost 13% of the step.
@@ -22,49 +22,33 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-UnitWork = Callable[[list[str]], None]  # updates the named units, calling the unit callback after each
+from dsfunc.optim.update import UnitWork
 
 
-class PendingUpdate:
-    """The host update of one step's lazy units, queued, then run by one worker thread."""
+class HostExecutor:
+    """The host update of one step's lazy units, queued, then run by one worker thread as a future it owns."""
 
     def __init__(self, compute_device: torch.device) -> None:
         self._cuda = compute_device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(compute_device) if self._cuda else None
-        self._executor: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._queued: list[tuple[list[str], UnitWork]] = []
         self._future: Future | None = None
         self._written: dict[str, threading.Event] = {}  # unit -> set once its update (and copy) is queued
         self._copied: dict[str, torch.cuda.Event] = {}  # unit -> after its copy to the device, on the copy stream
-        self._stepping = False
         self._failed = False
         self._threads = max(1, torch.get_num_threads() - 1)
-        self.waited_units = 0  # units a caller found still pending (how much the overlap happened)
+        self.waited_units = 0  # units a caller found not yet written (how much the overlap happened)
         self.seconds = 0.0  # how long the last update took in the worker
 
     @property
-    def busy(self) -> bool:
+    def in_flight(self) -> bool:
         """True from :meth:`start` until :meth:`wait` has returned."""
         return self._future is not None
-
-    @property
-    def stepping(self) -> bool:
-        """True while a training step runs: its reads of the state wait per unit, not for everything."""
-        return self._stepping
-
-    @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """Mark the block as a step's forward and backward (see :attr:`stepping`)."""
-        self._stepping = True
-        try:
-            yield
-        finally:
-            self._stepping = False
 
     def add(self, names: list[str], work: UnitWork) -> None:
         """Queue ``work(names)`` for the worker; it must call :meth:`unit_done` after each unit."""
@@ -75,14 +59,14 @@ class PendingUpdate:
         if not self._queued:
             return
         if self._future is not None:
-            raise RuntimeError("a host update is still pending; wait() for it before starting another")
+            raise RuntimeError("a host update is still in flight; wait() for it before starting another")
         jobs, self._queued = self._queued, []
         self._written = {name: threading.Event() for names, _ in jobs for name in names}
         self._copied = {}
         self._failed = False
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsfunc-host-update")
-        self._future = self._executor.submit(self._run, jobs)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsfunc-host-update")
+        self._future = self._pool.submit(self._run, jobs)
 
     def _run(self, jobs: list[tuple[list[str], UnitWork]]) -> None:
         stream = torch.cuda.stream(self._copy_stream) if self._cuda else contextlib.nullcontext()
@@ -122,7 +106,7 @@ class PendingUpdate:
             torch.cuda.current_stream().wait_event(copied)
 
     def wait(self) -> bool:
-        """Return once the whole update is done (True if one was pending); raise what the worker raised."""
+        """Return once the whole update is done (True if one was in flight); raise what the worker raised."""
         future = self._future
         if future is None:
             return False

@@ -1,0 +1,69 @@
+"""Host buffers page-locked at their exact size.
+
+Only the buffers that take part in copies with the GPU are pinned (the masters and moments are read by the host
+alone), and they are pinned at their exact size with ``cudaHostRegister``: torch's pinned allocator
+(``pin_memory=True``) rounds every allocation up to a power of two, 1.6x the bytes for a unit of 79M parameters.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+
+logger = logging.getLogger("dsfunc")
+
+
+class PinnedAllocator:
+    """Host tensors page-locked at their exact size, unlocked when released or when their owner goes."""
+
+    def __init__(self, owner: object) -> None:
+        self.ptrs: set[int] = set()
+        self.failed = False
+        weakref.finalize(owner, PinnedAllocator._unregister_all, self.ptrs)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.empty(numel, dtype=dtype)
+        if self.failed or out.numel() == 0:
+            return out
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(out.data_ptr(), out.numel() * out.element_size(), 0)) != 0:
+            self.failed = True  # e.g. the locked-memory limit (ulimit -l): pageable copies are slower, not wrong
+            logger.warning("offload: page-locking %d host bytes failed; host buffers stay pageable", out.nbytes)
+            return out
+        self.ptrs.add(out.data_ptr())
+        return out
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Unlock ``tensor`` before it is dropped, once the device is done with it."""
+        if tensor.data_ptr() in self.ptrs:
+            torch.cuda.synchronize()  # a non-blocking copy into or out of it may still be in flight
+            self.ptrs.discard(tensor.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+    @staticmethod
+    def _unregister_all(ptrs: set[int]) -> None:
+        # Runs as the owner goes, while its buffers are still referenced by its attributes. A buffer that
+        # outlives it is pageable memory from then on: copies with it are synchronous, still correct.
+        if ptrs:
+            torch.cuda.synchronize()
+        for ptr in ptrs:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        ptrs.clear()
+
+
+class HostMemory:
+    """Where the offload's host buffers come from: pinned when the compute device is a GPU and pinning is on."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pinned = PinnedAllocator(self) if pin else None
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer for copies with the compute device."""
+        return torch.empty(numel, dtype=dtype) if self.pinned is None else self.pinned.empty(numel, dtype)
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Unlock ``tensor`` (if pinned) before it is dropped."""
+        if self.pinned is not None:
+            self.pinned.release(tensor)

@@ -1,0 +1,111 @@
+"""Who runs the update with the optimizer offloaded: ZeRO-Offload's :class:`~dsfunc.zero.policy.UpdateRunner`.
+
+The update runs where the masters are, on the host (:mod:`dsfunc.optim.host_adam` for the config's Adam/AdamW).
+It reads the host gradients (:meth:`HostGrads.collect`), and as each unit's new master is final its new shard is
+staged and sent back to the device (:meth:`StepExecutor.unit_done`). At stage 3 the lazy units' share is left to
+the :class:`~dsfunc.zero.offload.executor.HostExecutor`, started once the step has refreshed the rest
+(:meth:`HostRunner.launch`): the next forward waits for each unit as it gathers it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from dsfunc.optim.update import UnitWork, UpdateContext
+from dsfunc.zero.offload.grads import HostGradMap
+from dsfunc.zero.offload.host import HostOffload
+
+if TYPE_CHECKING:
+    from dsfunc.zero.gather import Workspace
+    from dsfunc.zero.policy import StepScalars
+
+
+class HostRunner:
+    """The host update of each step, unit by unit, the lazy units' in the background."""
+
+    def __init__(self, host: HostOffload, workspace: Workspace) -> None:
+        self.host = host
+        self.grads = host.grads
+        self.shards = host.shards
+        self.workspace = workspace
+        self._step: StepExecutor | None = None
+
+    def collect(self, grads: Mapping[str, torch.Tensor | None]) -> tuple[HostGradMap, torch.Tensor]:
+        """The gradients in host memory, and their sum of squares (taken on the device)."""
+        return self.grads.collect(grads)
+
+    def context(self, scalars: StepScalars, lowp: Mapping[str, torch.Tensor], grads: HostGradMap,
+                segment_norm: Callable | None, lr: Mapping[str | None, float] | None) -> UpdateContext:
+        """The step's facts on the host, the compute copies written into host staging buffers (``lowp``, the
+        device's, is not the update's to write: its shards come back through :meth:`StepExecutor.unit_done`)."""
+        host_lowp = self.shards.staging.staging_map(grads)  # each unit's buffer taken as the update reaches it
+        scalars = type(scalars)(*(t.to(torch.device("cpu")) for t in scalars))
+        self._step = StepExecutor(self, host_lowp, skipped=not bool(scalars.finite))
+        return UpdateContext(**scalars._asdict(), lowp=host_lowp, segment_norm=segment_norm, executor=self._step,
+                             lr=lr)
+
+    def written(self, lowp: Mapping[str, torch.Tensor]) -> set[str]:
+        """The units already on their way back to the device (those of the background too)."""
+        return self._step.sent
+
+    def launch(self) -> None:
+        """The lazy units' host update, beside the next forward."""
+        self.shards.executor.start()
+        self._step = None
+
+    def host_bytes(self) -> int:
+        return self.host.host_bytes()
+
+
+class StepExecutor:
+    """One step's :class:`~dsfunc.optim.update.UnitExecutor`: the eager units now, the lazy ones in the background;
+    each unit's new shard sent back as it is done."""
+
+    on_host = True
+
+    def __init__(self, runner: HostRunner, lowp: Mapping[str, torch.Tensor], *, skipped: bool) -> None:
+        self._runner = runner
+        self._lowp = lowp
+        self._skipped = skipped
+        self.sent: set[str] = set()  # units on their way back to the device
+        self._background: set[str] = set()
+
+    def run(self, names: list[str], work: UnitWork) -> None:
+        workspace = self._runner.workspace
+        later = [n for n in names if workspace.lazy(workspace.plan.unit(n))]
+        now = [n for n in names if n not in later]
+        if now:
+            work(now)
+        if later:
+            self._background.update(later)
+            self.sent.update(later)  # their copies go out as the worker writes them
+            self._runner.shards.executor.add(later, work)
+
+    def unit_done(self, name: str, master: torch.Tensor) -> None:
+        # a skipped update writes nothing, its staging buffer included: the unchanged master is cast into it
+        if self._send(name, master, staged=name in self._lowp and not self._skipped):
+            self.sent.add(name)
+        runner = self._runner
+        # after the send: the update may have written the shard over the gradient
+        runner.grads.device_sums.done(name, after=runner.shards.staging.after_send(name))
+        if name in self._background:
+            runner.shards.executor.unit_done(name)
+
+    def _send(self, name: str, master: torch.Tensor, staged: bool) -> bool:
+        """Stage unit ``name``'s new host master (unless the update already wrote its staging buffer: ``staged``)
+        and start its copy into its place on the device, so the copy overlaps the next unit's update. True when
+        it did: the workspace's refresh then counts the unit as written."""
+        workspace, shards = self._runner.workspace, self._runner.shards
+        unit = workspace.plan.unit(name)
+        if workspace.lazy(unit):
+            shards.refresh(unit, master, staged)
+            return True
+        own = workspace.own_slice(unit)
+        if own is None:  # no copy built yet: refresh builds it
+            return False
+        staging = shards.staging
+        staging.send(unit, staging.staged(unit, master) if staged else staging.stage(unit, master), out=own)
+        return True
