@@ -152,7 +152,7 @@ def test_zero_keys_at_default_are_accepted(zero):
             '"zero_optimization.mics_shard_size"'),
         ),
         ({"legacy_stage1": True}, "legacy ZeRO stage 1"),
-        ({"leaf_module": {"classes": ["MoE"]}}, "dsfunc does not support ZeRO-3 leaf modules yet"),
+        ({"leaf_module": {"classes": [3]}}, "zero_optimization.leaf_module.classes = [3] is invalid"),
         (
             {"model_persistence_threshold": 10},
             "zero_optimization.model_persistence_threshold = 10: dsfunc does not support",
