@@ -223,7 +223,8 @@ def safe_get_full_grad(param: Tensor) -> Tensor | None:
     """The gradient of ``param`` in the step so far, full and fp32, as DeepSpeed's: after a backward and before
     ``engine.step()``; the mean over the ranks once reduced (at the accumulation boundary; every micro-batch at
     ZeRO-3), else this rank's own (stages 0-1). Every rank calls it (a collective at stages 1-3). None before any
-    backward reached it, and for a frozen parameter."""
+    backward reached it, and for a frozen parameter. With the optimizer offloaded it is the sum so far at every
+    micro-batch (DeepSpeed's, off the boundary at stages 2-3, is what its host buffer last held)."""
     if not param.requires_grad:
         return None
     workspace, unit, slot, total, reduced = _step_grad(param, copy=True)
