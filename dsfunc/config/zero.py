@@ -22,10 +22,10 @@ from dsfunc.config.errors import ConfigError
 from dsfunc.config.leaf_modules import LeafModules, leaf_modules
 from dsfunc.config.offload import (
     OffloadConfig,
-    check_offload_stage,
     offload_optimizer,
     offload_param,
     offload_without_effect,
+    params_offloadable,
 )
 from dsfunc.config.schema import Rule, _key, _section
 
@@ -142,7 +142,7 @@ class ZeroConfig:
             object.__setattr__(self, "offload_optimizer", None)
         if self.stage < 3:
             object.__setattr__(self, "offload_param", None)
-        check_offload_stage(self.stage, self.offload_optimizer, self.offload_param)
+        object.__setattr__(self, "offload_param", params_offloadable(self.offload_optimizer, self.offload_param))
 
 
 _ZERO_ALIASES = {
