@@ -288,41 +288,50 @@ def _zero3(param: Tensor) -> None:
 
 def safe_get_local_fp32_param(param: Tensor) -> Tensor | None:
     """This rank's partition of the fp32 master weight of ``param`` (ZeRO-3; see the note: a collective)."""
+    if not param.requires_grad:  # a frozen parameter has none, as in DeepSpeed
+        return None
     _zero3(param)
     return _local_piece(safe_get_full_fp32_param(param))
 
 
 def safe_get_local_optimizer_state(param: Tensor, optim_state_key: str) -> Tensor | None:
     """This rank's partition of ``exp_avg``/``exp_avg_sq`` of ``param`` (ZeRO-3; a collective)."""
+    if not param.requires_grad:  # a frozen parameter has none, as in DeepSpeed
+        return None
     _zero3(param)
     return _local_piece(safe_get_full_optimizer_state(param, optim_state_key))
 
 
 def safe_get_local_grad(param: Tensor) -> Tensor | None:
     """This rank's partition of the gradient of ``param`` in the step so far, fp32 (ZeRO-3; a collective)."""
+    if not param.requires_grad:  # a frozen parameter has none, as in DeepSpeed
+        return None
     _zero3(param)
     return _local_piece(safe_get_full_grad(param))
 
 
 def safe_set_local_fp32_param(param: Tensor, value: Tensor) -> None:
     """Make ``value`` this rank's partition of the fp32 master weight of ``param`` (ZeRO-3; every rank calls it)."""
+    if not param.requires_grad:
+        return
     _zero3(param)
-    if param.requires_grad:
-        safe_set_full_fp32_param(param, _from_pieces(param, value))
+    safe_set_full_fp32_param(param, _from_pieces(param, value))
 
 
 def safe_set_local_optimizer_state(param: Tensor, value: Tensor, optim_state_key: str) -> None:
     """Make ``value`` this rank's partition of ``exp_avg``/``exp_avg_sq`` of ``param`` (ZeRO-3; every rank)."""
+    if not param.requires_grad:
+        return
     _zero3(param)
-    if param.requires_grad:
-        safe_set_full_optimizer_state(param, _from_pieces(param, value), optim_state_key)
+    safe_set_full_optimizer_state(param, _from_pieces(param, value), optim_state_key)
 
 
 def safe_set_local_grad(param: Tensor, value: Tensor) -> None:
     """Make ``value`` this rank's partition of the gradient the next ``engine.step()`` applies (ZeRO-3; every rank)."""
+    if not param.requires_grad:
+        return
     _zero3(param)
-    if param.requires_grad:
-        safe_set_full_grad(param, _from_pieces(param, value))
+    safe_set_full_grad(param, _from_pieces(param, value))
 
 
 def instrument_w_nvtx(func: Any) -> Any:
