@@ -32,6 +32,7 @@ from dsfunc.config import (
     parse_activation_checkpointing,
     parse_compile,
 )
+from dsfunc.config.leaf_modules import LeafModules
 from dsfunc.distributed import comm
 from dsfunc.distributed.env import rank_variable
 from dsfunc.distributed.init import join_launched_world
@@ -58,7 +59,12 @@ from dsfunc.zero.binding import Slots
 from dsfunc.zero.gather import Workspace
 from dsfunc.zero.hooks import install_input_cast, install_unit_hooks
 from dsfunc.zero.layout import ShardingPlan, make_plan, unit_views
-from dsfunc.zero.leaf import mark_leaf_parameters
+from dsfunc.zero.leaf import (
+    mark_leaf_parameters,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+)
 from dsfunc.zero.materialize import materialize
 from dsfunc.zero.norms import segment_norm_fn
 from dsfunc.zero.offload import placement as placement_from_config
@@ -155,6 +161,17 @@ def init_state(
                   lr_schedule=lr_schedule, pipeline=None)
 
 
+def _mark_leaves(model: nn.Module, leaves: LeafModules) -> None:
+    """Mark the modules ``zero_optimization.leaf_module`` names as leaves (those not in the model are no error,
+    as in DeepSpeed: its defaults name Hugging Face's MoE blocks)."""
+    if leaves.classes:
+        set_z3_leaf_modules(model, list(leaves.classes), raise_if_not_found=False)
+    if leaves.names:
+        set_z3_leaf_modules_by_name(model, list(leaves.names), raise_if_not_found=False)
+    if leaves.name_suffixes:
+        set_z3_leaf_modules_by_suffix(model, list(leaves.name_suffixes), raise_if_not_found=False)
+
+
 def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: Any, seed: int,
            unit_modules: Sequence[str] | None, param_init_fn: Callable[[nn.Module], None] | None,
            device: torch.device | str | None, compile: bool | Mapping[str, Any] | None,
@@ -165,6 +182,7 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     announce_without_effect(cfg)
     device = torch.device(device) if device is not None else _default_device()
     zero = cfg.zero_optimization
+    _mark_leaves(model, zero.leaf_module)
     plan, groups = _plan(model, zero.stage, unit_modules, param_groups)
     if zero.stage == 3:
         mark_leaf_parameters(model)

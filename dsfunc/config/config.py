@@ -46,8 +46,12 @@ from dsfunc.frozen import FrozenDict, freeze, thaw
 
 
 def _allreduce_op(value: Any, path: str) -> str:
-    """``"mean"`` or ``"sum"``, in any case (DeepSpeed lower-cases it)."""
-    return _choice("mean", "sum")(value.lower() if isinstance(value, str) else value, path)
+    """``"mean"`` or ``"sum"``, in any case (DeepSpeed lower-cases it). Another value's error starts with
+    DeepSpeed's words, which its scripts and tests match."""
+    try:
+        return _choice("mean", "sum")(value.lower() if isinstance(value, str) else value, path)
+    except ConfigError as e:
+        raise ConfigError(f"Invalid gradient_allreduce_op: {e}") from None
 
 
 @dataclass(frozen=True)

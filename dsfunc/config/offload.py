@@ -99,27 +99,28 @@ offload_param = _offload_section("parameters", ds.OFFLOAD_PARAM, PARAM_DEFAULTS)
 
 
 def offload_without_effect(section: Mapping[str, Any]) -> str | None:
-    """The start-up line for offload sections a raw ``zero_optimization`` section turns on below the stage that
-    uses them (DeepSpeed 0.19.8 accepts and ignores them there: the optimizer offloads only under ZeRO,
-    parameters only at stage 3); None when there are none."""
+    """The start-up line for offload sections a raw ``zero_optimization`` section turns on where they do nothing:
+    below the stage that uses them (DeepSpeed 0.19.8 accepts and ignores them there: the optimizer offloads only
+    under ZeRO, parameters only at stage 3), and ``offload_param`` without ``offload_optimizer`` (see
+    :func:`params_offloadable`); None when there are none."""
     stage = section.get("stage", 0)
-    on = [key for key in ("offload_optimizer", "offload_param")
-          if isinstance(section.get(key), Mapping) and section[key].get("device") not in (None, "none")
-          and stage < (3 if key == "offload_param" else 1)]
-    if not on or not isinstance(stage, int):
+    if not isinstance(stage, int):
         return None
-    verb = "has" if len(on) == 1 else "have"
-    return (f"zero_optimization: {', '.join(on)} {verb} no effect in dsfunc at stage {stage} (nor in DeepSpeed: the "
-            "optimizer offloads only under ZeRO, stages 1-3, and the parameters only at stage 3).")
+    on = [key for key in ("offload_optimizer", "offload_param")
+          if isinstance(section.get(key), Mapping) and section[key].get("device") not in (None, "none")]
+    below = [key for key in on if stage < (3 if key == "offload_param" else 1)]
+    if below:
+        verb = "has" if len(below) == 1 else "have"
+        return (f"zero_optimization: {', '.join(below)} {verb} no effect in dsfunc at stage {stage} (nor in "
+                "DeepSpeed: the optimizer offloads only under ZeRO, stages 1-3, and the parameters only at stage 3).")
+    if on == ["offload_param"]:
+        return ("zero_optimization: offload_param has no effect in dsfunc without offload_optimizer: the 16-bit "
+                "parameters are made from the fp32 master weights as they are gathered, and those stay on the device, "
+                "so no 16-bit shard is kept there to move (DeepSpeed keeps one and moves it to the host).")
+    return None
 
 
-def check_offload_stage(stage: int, optimizer: OffloadConfig | None, param: OffloadConfig | None) -> None:
-    """dsfunc needs the optimizer offloaded to offload parameters (the compute copies are made from the
-    masters, see the README). Offload below the stage that uses it is dropped before this check, as DeepSpeed
-    ignores it."""
-    if param and not optimizer:
-        raise ConfigError(
-            'zero_optimization.offload_param needs "offload_optimizer": {"device": "cpu"} too in dsfunc: the '
-            "16-bit parameters are made from the fp32 master weights, which live on the device unless the "
-            "optimizer is offloaded, so offloading the parameters alone would save no device memory."
-        )
+def params_offloadable(optimizer: OffloadConfig | None, param: OffloadConfig | None) -> OffloadConfig | None:
+    """``param`` where it has an effect: dsfunc offloads the parameters with the optimizer only (the compute copies
+    are made from the masters, see the README); alone it is accepted, as DeepSpeed does, and dropped."""
+    return param if optimizer else None

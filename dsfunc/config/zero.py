@@ -12,7 +12,6 @@ from dsfunc.config.checks import (
     _SIZE,
     _accepted,
     _bool,
-    _empty,
     _integer,
     _only,
     _optional,
@@ -20,12 +19,13 @@ from dsfunc.config.checks import (
     _without_effect_line,
 )
 from dsfunc.config.errors import ConfigError
+from dsfunc.config.leaf_modules import LeafModules, leaf_modules
 from dsfunc.config.offload import (
     OffloadConfig,
-    check_offload_stage,
     offload_optimizer,
     offload_param,
     offload_without_effect,
+    params_offloadable,
 )
 from dsfunc.config.schema import Rule, _key, _section
 
@@ -130,6 +130,9 @@ class ZeroConfig:
     """None: off. Else (stage 3, with offload_optimizer) the 16-bit parameter shards stay in host memory and
     stream to the device for each gather.
     """
+    leaf_module: LeafModules = _key(LeafModules(), leaf_modules)  # noqa: RUF009
+    """The modules marked as leaves (:mod:`dsfunc.zero.leaf`) when the state is built, at every stage as in
+    DeepSpeed: by default Hugging Face's Mixtral and Qwen MoE blocks."""
 
     def __post_init__(self) -> None:
         if self.overlap_comm is None:
@@ -139,7 +142,7 @@ class ZeroConfig:
             object.__setattr__(self, "offload_optimizer", None)
         if self.stage < 3:
             object.__setattr__(self, "offload_param", None)
-        check_offload_stage(self.stage, self.offload_optimizer, self.offload_param)
+        object.__setattr__(self, "offload_param", params_offloadable(self.offload_optimizer, self.offload_param))
 
 
 _ZERO_ALIASES = {
@@ -183,7 +186,6 @@ _ZERO_FIXED: dict[str, Rule] = {
     "log_trace_cache_warnings": _only(False, feature="trace-cache warnings"),
     "enable_sanity_checks": _only(False, feature="DeepSpeed's internal sanity checks"),
     "save_muon_momentum_buffer_in_memory": _only(False, feature="the Muon optimizer"),
-    "leaf_module": _empty("ZeRO-3 leaf modules"),
 } | {key: _removed(message, ds.REMOVED_SEE) for key, message in ds.REMOVED_ZERO.items()}
 
 

@@ -43,6 +43,10 @@ from dsfunc.optim.from_config import LrSchedule
 logger = logging.getLogger("dsfunc")
 
 
+class InitializeArgumentError(InputError, AssertionError):
+    """An argument of ``initialize`` that DeepSpeed refuses with an assertion (scripts catch ``AssertionError``)."""
+
+
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,
@@ -97,7 +101,7 @@ def initialize(
       applied step), else a view of the engine's schedule; None when there is none; the loader None without
       ``training_data``.
     """
-    _check_arguments(model, mpu, mesh_param, config, config_params)
+    _check_arguments(args, model, mpu, mesh_param, config, config_params)
     source = config_source(args, config if config is not None else config_params)
     if dist_init_required is False:
         init_distributed(dist_init_required=False)
@@ -150,9 +154,12 @@ def initialize(
     return engine, returned, engine.training_dataloader, engine.lr_scheduler
 
 
-def _check_arguments(model: Any, mpu: Any, mesh_param: Any, config: Any, config_params: Any) -> None:
+def _check_arguments(args: Any, model: Any, mpu: Any, mesh_param: Any, config: Any, config_params: Any) -> None:
     if model is None:
-        raise InputError("initialize needs the model to train: deepspeed.initialize(model=net, ...)")
+        given = " (the module was passed as the first positional argument, which is args)" if isinstance(
+            args, nn.Module) else ""
+        raise InitializeArgumentError(f"initialize needs the model to train{given}: "
+                                      "deepspeed.initialize(model=net, ...)")
     if not isinstance(model, nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if mpu is not None or mesh_param is not None:

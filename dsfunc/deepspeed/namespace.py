@@ -66,6 +66,7 @@ ALIASES = {
     "runtime.swap_tensor": "dsfunc.deepspeed.swap_tensor",
     "runtime.zero.config": "dsfunc.deepspeed.zero_config",
     "runtime.zero.offload_config": "dsfunc.deepspeed.zero_config",
+    "runtime.zero.leaf_module_config": "dsfunc.deepspeed.zero_config",
     # DeepSpeed's modules inside packages whose names are dsfunc's own (dsfunc.checkpoint, dsfunc.launcher)
     "checkpoint.utils": "dsfunc.deepspeed.checkpoint_utils",
     "launcher.runner": "dsfunc.deepspeed.runner",

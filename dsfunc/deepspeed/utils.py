@@ -5,7 +5,8 @@ Logging (``logger``, ``log_dist``), ``RepeatingLoader``, ``OnDevice``, ``set_ran
 modules (``set_z3_leaf_modules`` and its family, :mod:`dsfunc.zero.leaf`), and the
 ``safe_get_full_fp32_param`` family, which reads and writes one parameter's fp32 master weights,
 Adam moments, and its gradient of the step in progress (between a backward and ``engine.step()``, from the
-micro-batch runtime's reducer) in an engine's state (a collective at ZeRO stages 1-3: every rank calls it);
+micro-batch runtime's reducer) in an engine's state (a collective at ZeRO stages 1-3: every rank calls it), and
+the ``safe_get_local_*`` family, this rank's ZeRO-3 partition of the same;
 other names of DeepSpeed's utils import and raise when called.
 """
 
@@ -25,10 +26,12 @@ import optree
 from torch import Tensor, get_default_dtype, manual_seed, nn, no_grad, set_default_dtype
 from torch import device as torch_device
 from torch import dtype as torch_dtype
+from torch import empty as torch_empty
+from torch import float32 as torch_float32
 
 from dsfunc.deepspeed.live_engines import engine_of
 from dsfunc.distributed import comm
-from dsfunc.errors import InputError, NotSupportedError, unsupported
+from dsfunc.errors import InputError, unsupported
 from dsfunc.optim.transforms import ScaleByAdamState
 from dsfunc.zero.gather import Workspace, owner
 from dsfunc.zero.layout import ParamSlot, Unit
@@ -201,17 +204,19 @@ def safe_set_full_optimizer_state(param: Tensor, value: Tensor, optim_state_key:
 _NO_GRADIENTS = "Gradients are only available immediately after backward and before engine step"
 
 
-def _step_grad(param: Tensor) -> tuple[Workspace, Unit, ParamSlot, Tensor | None, bool]:
+def _step_grad(param: Tensor, copy: bool = False) -> tuple[Workspace, Unit, ParamSlot, Tensor | None, bool]:
     """Where ``param``'s gradient of the step in progress is: its unit's sum so far and whether it is reduced (see
-    :meth:`~dsfunc.zero.reduce.ZeroReducer.so_far`). Raises ValueError where DeepSpeed's helpers do: between
-    steps, and off the accumulation boundary at ZeRO-2."""
+    :meth:`~dsfunc.zero.reduce.ZeroReducer.so_far`; ``copy``: a copy of one offloaded to the host). Raises
+    ValueError where DeepSpeed's helpers do: between steps, and off the accumulation boundary at ZeRO-2 (unless the
+    optimizer is offloaded: DeepSpeed then reduces every micro-batch's gradients to the host, and reads them)."""
     workspace, unit, slot = _locate(param)
     engine = engine_of(workspace)
     runtime = engine.steps.runtime
     stage = workspace.plan.stage
-    if runtime is None or not runtime.has_gradients or (stage == 2 and not engine.is_gradient_accumulation_boundary()):
+    off_boundary = stage == 2 and workspace.host is None and not engine.is_gradient_accumulation_boundary()
+    if runtime is None or not runtime.has_gradients or off_boundary:
         raise ValueError(_NO_GRADIENTS)
-    total, reduced = runtime.reducer.so_far(unit)
+    total, reduced = runtime.reducer.so_far(unit, copy)
     return workspace, unit, slot, total, reduced
 
 
@@ -219,10 +224,11 @@ def safe_get_full_grad(param: Tensor) -> Tensor | None:
     """The gradient of ``param`` in the step so far, full and fp32, as DeepSpeed's: after a backward and before
     ``engine.step()``; the mean over the ranks once reduced (at the accumulation boundary; every micro-batch at
     ZeRO-3), else this rank's own (stages 0-1). Every rank calls it (a collective at stages 1-3). None before any
-    backward reached it, and for a frozen parameter."""
+    backward reached it, and for a frozen parameter. With the optimizer offloaded it is the sum so far at every
+    micro-batch (DeepSpeed's, off the boundary at stages 2-3, is what its host buffer last held)."""
     if not param.requires_grad:
         return None
-    workspace, unit, slot, total, reduced = _step_grad(param)
+    workspace, unit, slot, total, reduced = _step_grad(param, copy=True)
     if total is None:
         return None
     if not reduced:  # this rank's own sum: the backward seed divided it by the ranks
@@ -242,18 +248,91 @@ def safe_set_full_grad(param: Tensor, value: Tensor) -> None:
     _write(workspace, unit, slot, total, value)
 
 
-def _no_local(name: str) -> Any:
-    def refuse(*args: Any, **kwargs: Any) -> None:
-        raise NotSupportedError(
-            f"deepspeed.utils.{name}: this rank's gradient fragment is a DeepSpeed layout; read the full gradient "
-            "with deepspeed.utils.safe_get_full_grad (or set it with safe_set_full_grad)"
-        )
+# -- this rank's partition of one parameter (DeepSpeed's ZeRO-3 "local" helpers) ------------------------------
+# [Note: a parameter's local partition]
+# DeepSpeed partitions each ZeRO-3 parameter on its own: rank r holds elements [r*c, (r+1)*c) of the flattened
+# parameter, c = ceil(numel / world), the last piece padded (its ``ds_tensor``). dsfunc partitions a unit's flat
+# buffer instead, so that piece is cut from the full value (gathered) and a new piece is written through the full
+# value (its pieces gathered): the local helpers answer DeepSpeed's shapes and values, and are collectives here
+# (every rank calls them, as with the full ones).
 
-    return refuse
+
+def _local_piece(full: Tensor | None) -> Tensor | None:
+    """This rank's piece of a full value (see the note), padded with zeros."""
+    if full is None:
+        return None
+    flat, world = full.reshape(-1), comm.world_size()
+    chunk = -(-flat.numel() // world)
+    padded = flat.new_zeros(chunk * world)
+    padded[: flat.numel()] = flat
+    return padded[comm.rank() * chunk : (comm.rank() + 1) * chunk].clone()
 
 
-safe_get_local_grad = _no_local("safe_get_local_grad")
-safe_set_local_grad = _no_local("safe_set_local_grad")
+def _from_pieces(param: Tensor, piece: Tensor) -> Tensor:
+    """The full fp32 value whose pieces the ranks hold (every rank gives its own ``piece``)."""
+    _workspace, _unit, slot = _locate(param)
+    chunk = -(-slot.numel // comm.world_size())
+    if piece.numel() != chunk:
+        raise InputError(f"the value has {piece.numel()} elements; this rank's partition of the parameter has {chunk} "
+                         f"(ceil({slot.numel} / {comm.world_size()} ranks))")
+    full = torch_empty(chunk * comm.world_size(), dtype=torch_float32, device=piece.device)
+    comm.all_gather_flat(full, piece.reshape(-1).to(torch_float32))
+    return full[: slot.numel].view(slot.shape)
+
+
+def _zero3(param: Tensor) -> None:
+    workspace, _unit, _slot = _locate(param)
+    if workspace.plan.stage != 3:
+        raise InputError("the local helpers are defined for ZeRO-3 partitioned parameters (as in DeepSpeed); at "
+                         f"stage {workspace.plan.stage} use the safe_get_full_*/safe_set_full_* helpers")
+
+
+def safe_get_local_fp32_param(param: Tensor) -> Tensor | None:
+    """This rank's partition of the fp32 master weight of ``param`` (ZeRO-3; see the note: a collective)."""
+    if not param.requires_grad:  # a frozen parameter has none, as in DeepSpeed
+        return None
+    _zero3(param)
+    return _local_piece(safe_get_full_fp32_param(param))
+
+
+def safe_get_local_optimizer_state(param: Tensor, optim_state_key: str) -> Tensor | None:
+    """This rank's partition of ``exp_avg``/``exp_avg_sq`` of ``param`` (ZeRO-3; a collective)."""
+    if not param.requires_grad:  # a frozen parameter has none, as in DeepSpeed
+        return None
+    _zero3(param)
+    return _local_piece(safe_get_full_optimizer_state(param, optim_state_key))
+
+
+def safe_get_local_grad(param: Tensor) -> Tensor | None:
+    """This rank's partition of the gradient of ``param`` in the step so far, fp32 (ZeRO-3; a collective)."""
+    if not param.requires_grad:  # a frozen parameter has none, as in DeepSpeed
+        return None
+    _zero3(param)
+    return _local_piece(safe_get_full_grad(param))
+
+
+def safe_set_local_fp32_param(param: Tensor, value: Tensor) -> None:
+    """Make ``value`` this rank's partition of the fp32 master weight of ``param`` (ZeRO-3; every rank calls it)."""
+    if not param.requires_grad:
+        return
+    _zero3(param)
+    safe_set_full_fp32_param(param, _from_pieces(param, value))
+
+
+def safe_set_local_optimizer_state(param: Tensor, value: Tensor, optim_state_key: str) -> None:
+    """Make ``value`` this rank's partition of ``exp_avg``/``exp_avg_sq`` of ``param`` (ZeRO-3; every rank)."""
+    if not param.requires_grad:
+        return
+    _zero3(param)
+    safe_set_full_optimizer_state(param, _from_pieces(param, value), optim_state_key)
+
+
+def safe_set_local_grad(param: Tensor, value: Tensor) -> None:
+    """Make ``value`` this rank's partition of the gradient the next ``engine.step()`` applies (ZeRO-3; every rank)."""
+    if not param.requires_grad:
+        return
+    _zero3(param)
+    safe_set_full_grad(param, _from_pieces(param, value))
 
 
 def instrument_w_nvtx(func: Any) -> Any:

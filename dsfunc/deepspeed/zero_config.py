@@ -14,6 +14,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
+from dsfunc.config.leaf_modules import DEFAULT_CLASSES, LeafModules, leaf_modules
 from dsfunc.config.offload import OPTIMIZER_DEFAULTS, PARAM_DEFAULTS, offload_optimizer, offload_param
 from dsfunc.config.zero import _ZERO_ALIASES, ZeroConfig, _zero, renamed_offload
 from dsfunc.deepspeed.namespace import other_name
@@ -90,8 +91,26 @@ _FIXED_DEFAULTS = {
     "zero_quantized_nontrainable_weights": False, "zero_quantized_gradients": False,
     "memory_efficient_linear": True, "override_module_apply": True, "pipeline_loading_checkpoint": False,
     "log_trace_cache_warnings": False, "enable_sanity_checks": False, "save_muon_momentum_buffer_in_memory": False,
-    "zenflow": None, "leaf_module": None,
+    "zenflow": None,
 }
+DEFAULT_LEAF_MODULE_CLASSES = list(DEFAULT_CLASSES)
+DEFAULT_LEAF_MODULE_NAMES: list[str] = []
+DEFAULT_LEAF_MODULE_NAME_SUFFIXES: list[str] = []
+
+
+class DeepSpeedZeroLeafModuleConfig:
+    """``zero_optimization.leaf_module`` (``deepspeed.runtime.zero.leaf_module_config``), read by dsfunc's parser,
+    its fields as lists."""
+
+    def __init__(self, **section: Any) -> None:
+        self.leaves: LeafModules = leaf_modules(section, "zero_optimization.leaf_module")
+        self.classes = list(self.leaves.classes)
+        self.names = list(self.leaves.names)
+        self.name_suffixes = list(self.leaves.name_suffixes)
+
+    def __repr__(self) -> str:
+        return f"DeepSpeedZeroLeafModuleConfig(classes={self.classes}, names={self.names}, suffixes={self.name_suffixes})"
+
 
 
 class DeepSpeedZeroConfig:
@@ -103,6 +122,7 @@ class DeepSpeedZeroConfig:
         self.zero: ZeroConfig = _zero(section, "zero_optimization")
         self.offload_optimizer = _section(DeepSpeedZeroOffloadOptimizerConfig, self._raw.get("offload_optimizer"))
         self.offload_param = _section(DeepSpeedZeroOffloadParamConfig, self._raw.get("offload_param"))
+        self.leaf_module = DeepSpeedZeroLeafModuleConfig(**thaw(self._raw.get("leaf_module") or {}))
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_") or name == "zero":

@@ -24,6 +24,13 @@ having left early (their collectives break when it goes).
 The same connection carries where each rank waits (:mod:`dsfunc.launcher.hangs`): ``wait TIME WHERE`` when
 its main thread is found blocked in a collective, ``run`` when it is out again, and, asked ``where``, its
 main thread's stack as ``stack JSON``.
+
+[Note: a wait that ends in an error]
+A collective that times out raises, and the program ends with that error. The sampler, looking every
+:data:`~dsfunc.launcher.hangs.SAMPLE_S`, may see the thread out of the collective before the shim says
+``exit``: it says ``run``, and the clock would forget the wait the failure came from. So the shim says
+``exit CODE TIME collective`` when the error was raised inside a collective, and the clock takes back the wait
+that ``run`` ended: the rank ended in it.
 """
 
 from __future__ import annotations
@@ -82,10 +89,11 @@ def tell(line: str) -> None:
             pass
 
 
-def report_exit(code: int) -> None:
-    """(In a rank's shim) the user's program has ended with exit code ``code``: tell the clock before the
-    interpreter shuts down (the agent may stop this process with SIGTERM while it does)."""
-    tell(f"exit {code} {time.monotonic()!r}")
+def report_exit(code: int, in_collective: bool = False) -> None:
+    """(In a rank's shim) the user's program has ended with exit code ``code`` (``in_collective``: by an error
+    raised in a collective it waited in): tell the clock before the interpreter shuts down (the agent may stop
+    this process with SIGTERM while it does)."""
+    tell(f"exit {code} {time.monotonic()!r}" + (" collective" if in_collective else ""))
 
 
 def exit_code(error: BaseException | None) -> int:
@@ -116,6 +124,7 @@ class RankState:
     ended: float | None = None  # when it ended or said it was ending (time.monotonic())
     code: int | None = None  # the exit code its program said it ended with
     waiting: tuple[float, str] | None = None  # (since, where) while blocked in a collective, or when it ended
+    left: tuple[float, str] | None = None  # the collective it was last seen out of again
     stack: tuple[float, str] | None = None  # (when, its main thread's stack) when last asked
     hung: str | None = None  # why dsfunc stopped it as hung (dsfunc.launcher.hangs)
     asked: threading.Event = field(default_factory=threading.Event)  # set when a stack arrives
@@ -212,14 +221,16 @@ class ExitClock:
         state = self._ranks[peer.rank]
         kind, _, rest = line.partition(" ")
         if kind == "exit":
-            code, at = rest.split()[:2]
+            code, at, *how = rest.split()
             state.code = int(code)
             state.ended = _earlier(state.ended, float(at))
+            if how == ["collective"] and state.waiting is None:
+                state.waiting = state.left  # [Note: a wait that ends in an error]
         elif kind == "wait":
             since, _, where = rest.partition(" ")
             state.waiting = (float(since), where)
         elif kind == "run":
-            state.waiting = None
+            state.left, state.waiting = state.waiting, None
         elif kind == "stack":
             state.stack = (time.monotonic(), json.loads(rest))
             state.asked.set()

@@ -81,6 +81,16 @@ def _waiting_in(frame) -> str | None:
     return f"{frame.f_code.co_name} at {where}"
 
 
+def raised_in_collective(error: BaseException) -> bool:
+    """Whether ``error`` was raised inside one of torch.distributed's collectives (a process group's timeout)."""
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(_COLLECTIVES):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _stack(thread_id: int, launcher_files: tuple[str, ...]) -> str:
     """The innermost frames of the thread's stack, without the launcher's own outer ones."""
     frame = sys._current_frames().get(thread_id)

@@ -24,14 +24,17 @@ def first_failed(failures: dict, states: dict[int, RankState]) -> list[int]:
     :meth:`~dsfunc.launcher.exits.ExitClock.ranks`); else as torch elastic's agent orders
     them: by its timestamps, then in the order it noticed them (a rank it stopped itself comes after the ones
     that had failed). Ranks whose program had ended with code 0 come last either way, those the agent's
-    SIGTERM stopped after those that died otherwise in their shutdown (a crash at exit).
+    SIGTERM stopped after those that died otherwise in their shutdown (a crash at exit). A rank dsfunc stopped as
+    hung comes first: the ranks waiting for it fail because it is stopped, and on a loaded host its death may be
+    seen after theirs.
     """
     ended = {r: states[r].ended if r in states else None for r in failures}
     noticed = list(failures)
 
-    def finished(rank: int) -> tuple[bool, bool]:
+    def finished(rank: int) -> tuple[bool, bool, bool]:
+        hung = rank in states and states[rank].hung is not None  # dsfunc stopped it: the others' failures follow
         done = rank in states and states[rank].code == 0
-        return done, done and failures[rank].exitcode == -signal.SIGTERM
+        return not hung, done, done and failures[rank].exitcode == -signal.SIGTERM
 
     if all(t is not None for t in ended.values()):
         return sorted(failures, key=lambda r: (finished(r), ended[r], r))

@@ -27,7 +27,7 @@ from dsfunc.distributed.env import rank_env_from_launcher
 from dsfunc.errors import Error
 from dsfunc.launcher.cores import check_cores_here, rank_cores
 from dsfunc.launcher.exits import exit_code, report_exit, report_start
-from dsfunc.launcher.hangs import sample_waits
+from dsfunc.launcher.hangs import raised_in_collective, sample_waits
 
 
 def _redirect_output(log_dir: str, stamp: str, rank: str) -> None:
@@ -98,7 +98,7 @@ def _run(mode: str, target: str, argv: list[str], agent_reports: bool) -> None:
             sys.path[0] = os.path.dirname(os.path.abspath(target))
             runpy.run_path(target, run_name="__main__")
     except Exception as error:  # noqa: BLE001 - reported like an uncaught exception
-        report_exit(exit_code(error))
+        report_exit(exit_code(error), raised_in_collective(error))
         _record_and_exit(error, show=not agent_reports)
     except BaseException as error:  # sys.exit, KeyboardInterrupt: the program ends here, before the interpreter
         report_exit(exit_code(error))

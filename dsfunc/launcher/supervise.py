@@ -184,19 +184,35 @@ def _relay_srun_errors(stream, failures: list[tuple[str, int]]) -> None:
         failures.extend(f for f in map(srun_task_failure, lines) if f is not None and f[1] != 0)
 
 
+def ending_failure(failures: list[tuple[str, int]]) -> tuple[str, int]:
+    """The failure that ended the step: the first srun reported that is not one of the tasks it then stopped
+    itself with SIGTERM (``--kill-on-bad-exit``), which it may report first."""
+    stopped = 128 + signal.SIGTERM
+    return next((f for f in failures if f[1] != stopped), failures[0])
+
+
 def supervise_srun(proc: subprocess.Popen) -> int:
     """:func:`supervise_nodes` for an srun started with ``stderr=PIPE`` (binary). srun exits with the highest
-    code of its tasks, and once one fails it stops the others with SIGTERM (143): the job's code is that of
-    the first task srun reports failed, read from its stderr."""
+    code of its tasks; once one fails it stops the others itself (``--kill-on-bad-exit``, SIGTERM: 143). So a
+    failure is acted on once srun has exited and its stderr is read to the end: srun reports a task's exit
+    before it may have forwarded that task's last output (its traceback), and stopping srun then would lose
+    it. The job's code is that of the task whose failure ended the step (:func:`ending_failure`); srun is stopped by
+    dsfunc only when it has not ended :data:`STOP_GRACE_S` after reporting one."""
     failures: list[tuple[str, int]] = []
     relay = threading.Thread(target=_relay_srun_errors, args=(proc.stderr, failures), daemon=True)
     relay.start()
+    first_seen: list[float] = []
 
-    def first_failure() -> tuple[str, int] | None:
+    def cause() -> tuple[str, int] | None:
         if proc.poll() is not None:
-            relay.join(timeout=5)  # srun is gone: its last lines may name the failed task
-        return failures[0] if failures else None
+            relay.join(timeout=STOP_GRACE_S)  # srun is gone: read every task's last output, and its report
+            return ending_failure(failures) if failures else None
+        if failures and not first_seen:
+            first_seen.append(time.monotonic())
+        if first_seen and time.monotonic() - first_seen[0] > STOP_GRACE_S:
+            return ending_failure(failures)
+        return None
 
-    code = supervise_nodes([proc], ["srun"], terminate, first_failure)
-    relay.join(timeout=5)
+    code = supervise_nodes([proc], ["srun"], terminate, cause)
+    relay.join(timeout=STOP_GRACE_S)
     return code

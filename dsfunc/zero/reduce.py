@@ -176,12 +176,15 @@ class ZeroReducer:
         self._grads, self._stored = {}, {}
         return grads
 
-    def so_far(self, unit: Unit) -> tuple[torch.Tensor | None, bool]:
+    def so_far(self, unit: Unit, copy: bool = False) -> tuple[torch.Tensor | None, bool]:
         """``unit``'s gradient of the step so far, ending nothing: ``(its reduced sum, True)`` once a reduction
         of it ran (this rank's shard at stages 1-3), else ``(this rank's own sum, False)`` (stages 0-1 before the
-        last micro-batch), ``(None, False)`` before any. The in-flight reductions are waited for."""
+        last micro-batch), ``(None, False)`` before any. The in-flight reductions are waited for. A sum gone to
+        the host (offload_optimizer) comes back as a copy on the device when ``copy`` (to read, not write)."""
         self._drain()
         if unit.name in self._stored:
+            if copy:
+                return self.store.take(unit, self._stored[unit.name]), True
             raise InputError("the step's gradients are on their way to the host (offload_optimizer); read them "
                              "without offloading")
         if unit.name in self._grads:

@@ -119,7 +119,7 @@ def test_unimplemented_sections_accepted_when_off(section):
         ({"log_level": "info"}, 'log_level = "info": dsfunc does not support log_level yet'),
         ({"sparse_gradients": False}, "sparse_gradients: sparse compression of dense nn.Embedding gradients"),
         ({"disable_allgather": True}, "disable_allgather = true"),
-        ({"gradient_allreduce_op": "max"}, 'gradient_allreduce_op = "max" is invalid: expected one of "mean", "sum"'),
+        ({"gradient_allreduce_op": "max"}, 'Invalid gradient_allreduce_op: gradient_allreduce_op = "max" is invalid: expected one of "mean", "sum"'),
         ({"torch_autocast": {"enabled": True}}, "torch_autocast.enabled = true"),
         ({"hybrid_engine": {"enabled": True}}, "the hybrid (RLHF) engine"),
         ({"tensor_parallel": {"autotp_size": 2}}, "dsfunc does not support tensor parallelism yet"),

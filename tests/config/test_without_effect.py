@@ -87,6 +87,8 @@ def test_a_bad_type_is_still_an_error(zero_section, expected):
          "zero_optimization: offload_param has no effect in dsfunc at stage 0 (nor in DeepSpeed"),
         ({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_param": {"device": "cpu"}}},
          "zero_optimization: offload_param has no effect in dsfunc at stage 2"),
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},  # DeepSpeed accepts it alone
+         "zero_optimization: offload_param has no effect in dsfunc without offload_optimizer"),
     ],
 )
 def test_keys_of_other_sections_are_named(extra, expected):

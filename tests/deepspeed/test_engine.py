@@ -248,6 +248,8 @@ def test_config_comes_from_exactly_one_place(tmp_path):
     assert engine.train_batch_size() == 4
     with pytest.raises(ValueError, match="needs the model"):
         initialize(config=str(path))
+    with pytest.raises(AssertionError, match="passed as the first positional argument, which is args"):
+        initialize(MLP(), config=str(path))  # DeepSpeed asserts, and its tests catch AssertionError
     with pytest.raises(ValueError, match="parallelism.*not supported"):
         initialize(model=MLP(), config=str(path), mpu=object())
 

@@ -359,6 +359,10 @@ def test_the_first_failure_is_the_earliest_end_the_clock_saw():
     # both programs ended with code 0: the agent's SIGTERM is no cause, a crash in a shutdown is
     crashed = {0: _Failure(-15), 1: _Failure(-11)}
     assert first_failed(crashed, _states({0: 5.1, 1: 5.2}, {0: 0, 1: 0})) == [1, 0]
+    # a rank dsfunc stopped as hung is the cause even when its death is seen after the failure it caused
+    hung = _states({0: 5.1, 1: 5.2}, {0: 1})
+    hung[1].hung = "it has not reached the collective rank 0 waited in"
+    assert first_failed(failures, hung) == [1, 0]
     assert exit_code_of(failures, 1, _states({1: 5.1}, {1: 3})) == 3  # it said 3, then SIGTERM ended its shutdown
     assert exit_code_of(failures, 1, {}) == 128 + 15
     assert [exit_code(e) for e in (None, SystemExit(4), SystemExit(None), SystemExit("bye"), ValueError())] == [

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dsfunc.launcher.supervise import srun_task_failure
+from dsfunc.launcher.supervise import ending_failure, srun_task_failure
 from tests.launcher.scripts.harness import (
     SCRIPTS,
     STOPPED_WITHIN_S,
@@ -114,3 +114,16 @@ def test_sigint_stops_the_srun_job_without_orphans(job):
 )
 def test_srun_task_failure_lines(line, expected):
     assert srun_task_failure(line) == expected
+
+
+@pytest.mark.parametrize(
+    "reported, expected",
+    [
+        ([("rank 1 on vm", 1), ("rank 0 on vm", 143)], ("rank 1 on vm", 1)),
+        ([("rank 0 on vm", 143), ("rank 1 on vm", 1)], ("rank 1 on vm", 1)),  # srun's own SIGTERM reported first
+        ([("rank 0 on vm", 143), ("rank 1 on vm", 137)], ("rank 1 on vm", 137)),
+        ([("rank 1 on vm", 143), ("rank 0 on vm", 143)], ("rank 1 on vm", 143)),  # a rank SIGTERMed from outside
+    ],
+)
+def test_the_failure_that_ended_the_step_is_not_one_srun_stopped(reported, expected):
+    assert ending_failure(reported) == expected

@@ -20,6 +20,7 @@ from dsfunc.deepspeed.utils import (
     z3_leaf_module,
     z3_leaf_parameter,
 )
+from dsfunc.deepspeed.zero_config import DeepSpeedZeroConfig
 from dsfunc.zero import make_plan
 from tests.models import config
 from tests.multiprocess import run_world
@@ -162,3 +163,17 @@ def test_experts_that_differ_between_ranks_train_once_their_block_is_a_leaf(stag
         if stage == 3:
             assert r["gathered"] and r["after"] == (0,)  # gathered inside unwrap_model_for_generation only
         assert all(torch.allclose(r["full"][k], want[k], rtol=1e-6, atol=1e-7) for k in want)
+
+
+def test_the_configs_leaf_module_section_marks_leaves_before_the_units_are_planned():
+    net = nn.Sequential(Net(), nn.Linear(2, 2))
+    cfg = config(micro=1, world=1, stage=3)
+    cfg["zero_optimization"]["leaf_module"] = {"names": "0", "name_suffixes": ["inner"], "classes": []}
+    state = dsfunc.init_state(net, cfg)
+    assert [u.module for u in state.program.plan.units] == [None, "0"]  # the leaf's units merged into it
+    assert names(net, get_z3_leaf_modules(net)) == ["0.blocks.0.inner", "0.blocks.1.inner", "0"]
+    section = DeepSpeedZeroConfig(leaf_module={"classes": "my.Class"})  # deepspeed.runtime.zero.config's
+    assert section.leaf_module.classes == ["my.Class"] and section.leaf_module.names == []
+    assert DeepSpeedZeroConfig().leaf_module.classes[0].endswith("MixtralSparseMoeBlock")
+    with pytest.raises(ValueError, match=r"leaf_module.names = 3 is invalid: expected a string or a list of strings"):
+        dsfunc.init_state(Net(), {**cfg, "zero_optimization": {"stage": 3, "leaf_module": {"names": 3}}})

@@ -2,7 +2,8 @@
 after every backward (gradient accumulation 2, ZeRO stages 0-3, on the ranks it is launched on) and
 ``safe_set_full_grad`` before a step (lr 0: the gradients do not depend on the optimizer's rounding); a frozen
 parameter's answers. Writes ``<out>.<backend>.rank<r>.pt``: per stage, each read gradient (or ``"ValueError"`` where
-the helper raised), what the frozen parameter gave, the set gradient read back, then the set parameter.
+the helper raised), what the frozen parameter gave, the set gradient read back, then the set parameter. With
+``--offload``, stages 1-3 with the optimizer offloaded to the host, the gradients read only.
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/deepspeed/scripts/ds_full_grad.py --backend deepspeed --out x
 """
@@ -19,6 +20,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--backend", choices=["deepspeed", "dsfunc"], required=True)
 parser.add_argument("--out", required=True)
 parser.add_argument("--local_rank", type=int, default=-1)
+parser.add_argument("--offload", action="store_true")
 args = parser.parse_args()
 deepspeed = importlib.import_module(args.backend)
 utils = importlib.import_module(f"{args.backend}.utils")
@@ -32,6 +34,8 @@ def run(stage):
     net[0].bias.requires_grad_(False)  # frozen: DeepSpeed's helpers answer None for it
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "Adam", "params": {"lr": 0.0, "torch_adam": True}}}
+    if args.offload:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
     g = torch.Generator().manual_seed(1 + rank)  # each rank its own data: reduced and local gradients differ
     seen = []
@@ -45,7 +49,7 @@ def run(stage):
         frozen = [utils.safe_get_full_grad(net[0].bias), utils.safe_get_full_fp32_param(net[0].bias),
                   utils.safe_get_full_optimizer_state(net[0].bias, "exp_avg")]
         seen.append("frozen: None" if all(v is None for v in frozen) else "frozen: a value")
-        if i == 3:
+        if i == 3 and not args.offload:
             utils.safe_set_full_grad(net[2].bias, torch.tensor([3.0, -2.0]))
             seen.append(utils.safe_get_full_grad(net[2].bias).clone())
         engine.step()
@@ -54,5 +58,6 @@ def run(stage):
     return seen
 
 
-torch.save({stage: run(stage) for stage in range(4)}, f"{args.out}.{args.backend}.rank{rank}.pt")
+stages = range(1, 4) if args.offload else range(4)
+torch.save({stage: run(stage) for stage in stages}, f"{args.out}.{args.backend}.rank{rank}.pt")
 leave_together()

@@ -6,7 +6,8 @@ folders runs in its own pytest process on the CPU (``DS_ACCELERATOR=cpu``, gloo)
 installed DeepSpeed) and ``dsfunc`` (this repository's dsfunc answering ``import deepspeed``). One file per
 process: DeepSpeed's ``DistributedTest`` ends the whole session when a test hangs, and a file's hang must
 not hide the rest. The outcome of every test id goes to ``OUT/<side>.json``; ``OUT/table.csv`` lists each id
-with its outcome on both sides, and the counts are printed.
+with its outcome on both sides, and the counts are printed: all, and those that exercise public API (the ids
+``internal.txt`` lists, with why, reach into DeepSpeed's internals or features dsfunc does not build).
 
 ``python tests/deepspeed/upstream/run.py --repo DEEPSPEED_GIT_DIR --out OUT`` runs both sides;
 ``--side dsfunc --select OUT/ds.json`` runs under dsfunc only the tests that passed under DeepSpeed (what the
@@ -29,6 +30,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
+INTERNAL = Path(__file__).with_name("internal.txt")
 FOLDERS = ("runtime", "checkpoint", "launcher", "utils", "comm")
 SIDES = ("ds", "dsfunc")
 
@@ -128,6 +130,17 @@ def run_side(tests: Path, side: str, files: list[str], select: set[str] | None, 
     return results
 
 
+def internal_prefixes(path: Path = INTERNAL) -> list[str]:
+    """The test-id prefixes ``internal.txt`` judges internal (a file, a class or one id, before its " # why")."""
+    lines = (line.split(" # ")[0].strip() for line in path.read_text().splitlines() if not line.startswith("#"))
+    return [line for line in lines if line]
+
+
+def is_internal(test_id: str, prefixes: list[str]) -> bool:
+    """Whether ``test_id`` is one of ``prefixes`` or a test under one."""
+    return any(test_id == p or test_id.startswith((p + "::", p + "[")) for p in prefixes)
+
+
 def write_table(out: Path) -> None:
     """``table.csv``: each test id with its outcome under DeepSpeed and dsfunc, and the pass counts."""
     sides = {s: json.loads((out / f"{s}.json").read_text()) for s in SIDES if (out / f"{s}.json").exists()}
@@ -142,6 +155,11 @@ def write_table(out: Path) -> None:
     if set(SIDES) <= set(sides):
         both = sum(sides["ds"][i] == "passed" and sides["dsfunc"].get(i) == "passed" for i in sides["ds"])
         print(f"dsfunc passes {both} of the {sum(v == 'passed' for v in sides['ds'].values())} that pass under DeepSpeed")
+        prefixes = internal_prefixes()
+        public = [i for i, v in sides["ds"].items() if v == "passed" and not is_internal(i, prefixes)]
+        ours = sum(sides["dsfunc"].get(i) == "passed" for i in public)
+        print(f"public API: dsfunc passes {ours} of the {len(public)} that pass under DeepSpeed "
+              f"({100 * ours / max(1, len(public)):.0f}%; internal.txt lists the others)")
 
 
 def main(argv: list[str] | None = None) -> None:
