@@ -213,7 +213,8 @@ def _step_grad(param: Tensor, copy: bool = False) -> tuple[Workspace, Unit, Para
     engine = engine_of(workspace)
     runtime = engine.steps.runtime
     stage = workspace.plan.stage
-    off_boundary = stage == 2 and workspace.host is None and not engine.is_gradient_accumulation_boundary()
+    offloaded = engine.state.program.run.grads.off_device
+    off_boundary = stage == 2 and not offloaded and not engine.is_gradient_accumulation_boundary()
     if runtime is None or not runtime.has_gradients or off_boundary:
         raise ValueError(_NO_GRADIENTS)
     total, reduced = runtime.reducer.so_far(unit, copy)
