@@ -24,8 +24,11 @@ class LeafModules:
     suffixes (whole components)."""
 
     classes: tuple[str, ...] = DEFAULT_CLASSES
+    """Module classes, by ``__name__`` or fully qualified name; DeepSpeed's default: the HF MoE blocks above."""
     names: tuple[str, ...] = ()
+    """Module paths in the model (``model.layers.3.mlp``), as ``named_modules`` gives them."""
     name_suffixes: tuple[str, ...] = ()
+    """Path endings, matched on whole components (``mlp`` marks ``layers.0.mlp``, not ``layers.0.gate_mlp``)."""
 
 
 def leaf_modules(value: Any, path: str) -> LeafModules:
