@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from dsfunc.batch import LossFn
 from dsfunc.compile import compile_forwards
@@ -35,6 +36,7 @@ from dsfunc.config import (
 from dsfunc.distributed import comm
 from dsfunc.distributed.env import rank_variable
 from dsfunc.distributed.init import join_launched_world
+from dsfunc.distributed.mesh import Mesh, no_mesh, pipeline_mesh, run_mesh
 from dsfunc.errors import InputError, NotSupportedError
 from dsfunc.frozen import FrozenDict
 from dsfunc.graphs import GraphedStep
@@ -85,6 +87,7 @@ def init_state(
     param_groups: ParamGroups | None = None,
     lr_schedule: LrSchedule | None = None,
     pipeline: int | Mapping[str, Any] | PipelineConfig | None = None,
+    mesh: Mesh | DeviceMesh | None = None,
 ) -> TrainState:
     """Build the training state for ``model`` as the DeepSpeed ``config`` describes.
 
@@ -140,31 +143,34 @@ def init_state(
     _fit_threads_to_host()
     placement = place(model, config, pipeline, loss_fn)
     if placement is not None:
-        with placement.pipeline.scope():  # ZeRO over the stage's data-parallel ranks
-            return _build(placement.module, config, None, optimizer=optimizer, seed=seed,
-                          unit_modules=placement.module.unit_modules() if unit_modules is None else unit_modules,
-                          param_init_fn=param_init_fn, device=device, compile=compile,
-                          activation_checkpointing=activation_checkpointing, in_place=in_place,
-                          param_groups=param_groups, lr_schedule=lr_schedule, pipeline=placement.pipeline)
+        no_mesh(mesh, "a pipeline")
+        topology = placement.pipeline.topology
+        return _build(placement.module, config, None, optimizer=optimizer, seed=seed,
+                      unit_modules=placement.module.unit_modules() if unit_modules is None else unit_modules,
+                      param_init_fn=param_init_fn, device=device, compile=compile,
+                      activation_checkpointing=activation_checkpointing, in_place=in_place,
+                      param_groups=param_groups, lr_schedule=lr_schedule, pipeline=placement.pipeline,
+                      mesh=pipeline_mesh(topology.stages, topology.data))
     if unit_modules is None and isinstance(model, StageModule):  # a layer list's units are its layers
         unit_modules = model.unit_modules()
     return _build(model, config, loss_fn, optimizer=optimizer, seed=seed, unit_modules=unit_modules,
                   param_init_fn=param_init_fn, device=device, compile=compile,
                   activation_checkpointing=activation_checkpointing, in_place=in_place, param_groups=param_groups,
-                  lr_schedule=lr_schedule, pipeline=None)
+                  lr_schedule=lr_schedule, pipeline=None, mesh=run_mesh(config, mesh, _default_device(device)))
 
 
 def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: Any, seed: int,
            unit_modules: Sequence[str] | None, param_init_fn: Callable[[nn.Module], None] | None,
            device: torch.device | str | None, compile: bool | Mapping[str, Any] | None,
            activation_checkpointing: str | Mapping[str, Any] | None, in_place: bool,
-           param_groups: ParamGroups | None, lr_schedule: LrSchedule | None, pipeline: Pipeline | None) -> TrainState:
-    """:func:`init_state` for one module (a pipeline stage's, inside its data-parallel scope)."""
-    cfg = Config.load(config, world_size=comm.world_size())
+           param_groups: ParamGroups | None, lr_schedule: LrSchedule | None, pipeline: Pipeline | None,
+           mesh: Mesh) -> TrainState:
+    """:func:`init_state` for one module (a pipeline stage's, its ZeRO over the stage's data-parallel ranks)."""
+    cfg = Config.load(config, world_size=mesh.batch_ranks)
     announce_without_effect(cfg)
-    device = torch.device(device) if device is not None else _default_device()
+    device = _default_device(device)
     zero = cfg.zero_optimization
-    plan, groups = _plan(model, zero.stage, unit_modules, param_groups)
+    plan, groups = _plan(model, zero.stage, unit_modules, param_groups, mesh.zero)
     if zero.stage == 3:
         mark_leaf_parameters(model)
     skeleton = model if in_place else make_skeleton(model)
@@ -192,7 +198,7 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
         compute_dtype=cfg.compute_dtype, comm_dtype=comm_dtype,
         persistent_buffers=tuple(k for k in model.state_dict() if k in buffers),
         step_fn=_step_fn(compile_options, pipeline), segment_norm=segment_norm_fn(plan, device), offload=host,
-        pipeline=pipeline,
+        pipeline=pipeline, mesh=mesh,
     )
     state = _first_state(program, params, buffers, seed)
     workspace.refresh(state.params)
@@ -216,13 +222,12 @@ def _first_state(program: Program, params: dict[str, torch.Tensor], buffers: dic
     )
 
 
-def _plan(model: nn.Module, stage: int, unit_modules: Sequence[str] | None,
-          param_groups: ParamGroups | None) -> tuple[ShardingPlan, list[str]]:
+def _plan(model: nn.Module, stage: int, unit_modules: Sequence[str] | None, param_groups: ParamGroups | None,
+          group: comm.Group) -> tuple[ShardingPlan, list[str]]:
     """The sharding plan, with units split by parameter group when there are several groups, and the
     groups in order."""
     groups = param_groups.order(n for n, p in model.named_parameters() if p.requires_grad) if param_groups else []
-    plan = make_plan(model, stage=stage, world_size=comm.world_size(), rank=comm.rank(), unit_modules=unit_modules,
-                     labels=param_groups.label_of if len(groups) > 1 else None)
+    plan = make_plan(model, stage=stage, group=group, unit_modules=unit_modules, labels=param_groups.label_of if len(groups) > 1 else None)
     return plan, groups
 
 
@@ -347,20 +352,18 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
     program = state.program
     if program.pipeline is None:
         return _full_params(state)
-    with program.pipeline.scope():
-        mine = _full_params(state)
-    return program.pipeline.gather_stages(mine)
+    return program.pipeline.gather_stages(_full_params(state))
 
 
 def _full_params(state: TrainState) -> dict[str, torch.Tensor]:
-    """:func:`full_params` of one module (a pipeline stage's, inside its data-parallel scope)."""
+    """:func:`full_params` of one module (a pipeline stage's)."""
     program = state.program
     plan = program.plan
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
         shard = state.params[unit.name].to(program.device)  # an offloaded master is gathered on the device
         flat = torch.empty(plan.padded_size(unit), dtype=torch.float32, device=shard.device)
-        comm.all_gather_flat(flat, shard) if plan.ways > 1 else flat.copy_(shard)
+        comm.all_gather_flat(flat, shard, plan.group) if plan.ways > 1 else flat.copy_(shard)
         for slot, view in zip(unit.params, unit_views(unit, flat)):
             for alias in slot.aliases:
                 out[alias] = view.clone()
@@ -413,7 +416,9 @@ def _fit_threads_to_host() -> None:
         torch.set_num_threads(threads)
 
 
-def _default_device() -> torch.device:
+def _default_device(given: torch.device | str | None = None) -> torch.device:
+    if given is not None:
+        return torch.device(given)
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -18,6 +18,7 @@ from torch import nn
 
 from dsfunc.batch import LossFn
 from dsfunc.config import Config
+from dsfunc.distributed.mesh import Mesh
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.update import ChainUpdate
 from dsfunc.scaling import LossScaler
@@ -53,3 +54,4 @@ class Program:
     # this rank's stage when the model is pipelined: a dsfunc.pipeline.runtime.Pipeline (not named here: that
     # module builds on the step, whose program this is)
     pipeline: Any = None
+    mesh: Mesh | None = None  # the run's axes and groups (dsfunc.distributed.mesh)

@@ -57,7 +57,7 @@ def materialize(
         values = {k: v.to(device=device, dtype=torch.float32) for k, v in values.items()}
         flat = flatten_unit(unit, values, plan.padded_size(unit))
         if not alike:
-            comm.broadcast(flat, src=0)
+            comm.broadcast(flat, plan.group)
         INIT_STATS.max_elements = max(INIT_STATS.max_elements, flat.numel())
         shard = flat if plan.ways == 1 else local_shard(plan, unit, flat)
         params[unit.name] = shard if host is None else host.to_host(shard)
@@ -70,7 +70,7 @@ def materialize(
         placeholders.forget(p)
     if not alike:
         for t in buffers.values():
-            comm.broadcast(t, src=0)
+            comm.broadcast(t, plan.group)
     return params, buffers
 
 

@@ -25,7 +25,7 @@ def global_norm_and_loss(plan: ShardingPlan, grads: Mapping[str, torch.Tensor], 
         sumsq = kernels.sum_of_squares(list(grads.values()))
     if plan.world_size > 1:
         packed = torch.stack([sumsq if plan.ways > 1 else torch.zeros_like(sumsq), loss.float()])
-        comm.all_reduce_sum(packed)
+        comm.all_reduce_sum(packed, plan.group)
         sumsq = packed[0] if plan.ways > 1 else sumsq
         loss = packed[1] / plan.world_size
     return sumsq, loss
@@ -60,7 +60,7 @@ def segment_norm_fn(plan: ShardingPlan, device: torch.device) -> Callable[[Any],
         }
         if plan.ways > 1:
             packed = torch.cat(list(sums.values())).to(device)  # offloaded shards: reduce on the device (NCCL)
-            comm.all_reduce_sum(packed)
+            comm.all_reduce_sum(packed, plan.group)
             sums = dict(zip(sums, packed.to(host).split([s.numel() for s in sums.values()])))
         return {name: s.sqrt()[seg[name]].to(squares[name].dtype) for name, s in sums.items()}
 
