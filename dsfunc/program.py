@@ -21,6 +21,7 @@ from dsfunc.config import Config
 from dsfunc.distributed.mesh import Mesh
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.update import ChainUpdate
+from dsfunc.parallel.tensor import TensorParallel
 from dsfunc.scaling import LossScaler
 from dsfunc.zero.binding import Slots
 from dsfunc.zero.gather import Workspace
@@ -55,3 +56,4 @@ class Program:
     # module builds on the step, whose program this is)
     pipeline: Any = None
     mesh: Mesh | None = None  # the run's axes and groups (dsfunc.distributed.mesh)
+    tensor: TensorParallel | None = None  # the parameters split over the mesh's tp axis (dsfunc.parallel.tensor)
