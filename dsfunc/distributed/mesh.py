@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dsfunc.config import mesh_sections
@@ -92,9 +93,16 @@ def make_mesh(*, tp: int = 1, sp: int = 1, pp: int = 1, device_type: str = "cpu"
     sizes = {"pp": pp, "dp": world // per_replica, "sp": sp, "tp": tp}
     if not comm.is_distributed():
         return Mesh(sizes, None, {})
-    names = tuple(a for a in AXES if sizes[a] > 1 or a == "dp")
-    device_mesh = init_device_mesh(device_type, tuple(sizes[a] for a in names), mesh_dim_names=names)
-    return from_device_mesh(device_mesh, flatten=True)
+    key = (id(dist.group.WORLD), device_type, tuple(sizes.values()))
+    if key not in _MADE:  # once per process group: each mesh's groups live as long as it
+        names = tuple(a for a in AXES if sizes[a] > 1 or a == "dp")
+        device_mesh = init_device_mesh(device_type, tuple(sizes[a] for a in names), mesh_dim_names=names)
+        _MADE.clear()
+        _MADE[key] = from_device_mesh(device_mesh, flatten=True)
+    return _MADE[key]
+
+
+_MADE: dict[tuple[Any, ...], Mesh] = {}  # the last mesh make_mesh built, by its world and shape
 
 
 def from_device_mesh(device_mesh: DeviceMesh, *, flatten: bool = True) -> Mesh:

@@ -7,12 +7,13 @@ from typing import Any
 
 import torch
 import transformers
+from torch.distributed.device_mesh import init_device_mesh
 
 import dsfunc
 
 GLOBAL_BATCH, SEQ, VOCAB, STEPS = 8, 12, 64, 8
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
-SGD = {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}}
+SGD = {"type": "SGD", "params": {"lr": 4.0, "momentum": 0.9}}
 
 
 def llama(heads: int = 4, kv_heads: int = 2) -> transformers.LlamaForCausalLM:
@@ -50,5 +51,23 @@ def train(config: dict[str, Any], **init: Any) -> tuple[list[float], dict[str, t
     return losses, dsfunc.full_params(state)
 
 
-def train_rank(rank: int, world_size: int, config: dict[str, Any], init: dict[str, Any]) -> Any:
+def train_rank(rank: int, world_size: int, config: dict[str, Any], mesh_dims: tuple[str, ...] | None = None,
+               tp_plan: dict[str, str] | None = None) -> Any:
+    """:func:`train` on a spawned rank; ``mesh_dims``: on a torch DeviceMesh of these dimensions (2 ranks each)
+    given to init_state instead of the one the config describes."""
+    init: dict[str, Any] = {"tp_plan": tp_plan} if tp_plan is not None else {}
+    if mesh_dims is not None:
+        init["mesh"] = init_device_mesh("cpu", (2,) * len(mesh_dims), mesh_dim_names=mesh_dims)
     return train(config, **init)
+
+
+def errors(rank: int, world_size: int) -> list[str]:
+    """What init_state says, on 2 ranks at tp 2, to a model whose KV heads do not split and to one no plan fits."""
+    out = []
+    for model in (llama(heads=4, kv_heads=1), torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))):
+        try:
+            dsfunc.init_state(model, ds_config(ADAMW, 1, 1, tp=2), loss_fn=lambda m, b: m(b).sum())
+        except dsfunc.InputError as e:
+            out.append(str(e))
+    torch.distributed.barrier()  # a rank outside a 1-rank group of the mesh does not wait for its making
+    return out
