@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -48,8 +48,6 @@ from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.groups import ParamGroups
 from dsfunc.optim.torch_optimizer import TorchOptimizerUpdate
 from dsfunc.optim.update import ChainUpdate
-from dsfunc.parallel.autotp import Plan
-from dsfunc.parallel.tensor import check_tensor_parallel, tensor_parallel
 from dsfunc.pipeline.place import place
 from dsfunc.pipeline.runtime import Pipeline
 from dsfunc.pipeline.stage import StageModule
@@ -68,6 +66,10 @@ from dsfunc.zero.norms import segment_norm_fn
 from dsfunc.zero.offload import HostOffload
 from dsfunc.zero.placeholders import full_shape
 from dsfunc.zero.reduce import grad_dtype
+
+if TYPE_CHECKING:
+    from dsfunc.parallel.autotp import Plan
+    from dsfunc.parallel.tensor import TensorParallel
 
 logger = logging.getLogger("dsfunc")
 
@@ -175,13 +177,10 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     announce_without_effect(cfg)
     device = _default_device(device)
     zero = cfg.zero_optimization
-    if mesh.size("tp") > 1:
-        check_tensor_parallel(model, zero.offload_optimizer is not None,
-                              None if cfg.optimizer is None else cfg.optimizer.type)
     if zero.stage == 3:
         mark_leaf_parameters(model)
     skeleton = model if in_place else make_skeleton(model)
-    tensor = tensor_parallel(skeleton, mesh, cfg.tensor_parallel, tp_plan)  # None at tp 1
+    tensor = _split(model, skeleton, cfg, mesh, tp_plan)
     # a split model's units hold each rank's tp parts: the skeleton's (local) shapes
     plan, groups = _plan(model if tensor is None else skeleton, zero.stage, unit_modules, param_groups, mesh.zero)
     if tensor is not None:
@@ -219,6 +218,19 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     workspace.refresh(state.params)
     slots.restore(state.buffers)
     return state
+
+
+def _split(model: nn.Module, skeleton: nn.Module, cfg: Config, mesh: Mesh,
+           tp_plan: Plan | None) -> TensorParallel | None:
+    """Split the skeleton over the mesh's tp axis (:mod:`dsfunc.parallel.tensor`, imported with DTensor only
+    then); None at tp 1."""
+    if mesh.size("tp") == 1 and tp_plan is None:
+        return None
+    from dsfunc.parallel.tensor import check_tensor_parallel, tensor_parallel
+
+    check_tensor_parallel(model, cfg.zero_optimization.offload_optimizer is not None,
+                          None if cfg.optimizer is None else cfg.optimizer.type)
+    return tensor_parallel(skeleton, mesh, cfg.tensor_parallel, tp_plan)
 
 
 def _first_state(program: Program, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -21,12 +21,14 @@ from dsfunc.config import Config
 from dsfunc.distributed.mesh import Mesh
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.update import ChainUpdate
-from dsfunc.parallel.tensor import TensorParallel
 from dsfunc.scaling import LossScaler
 from dsfunc.zero.binding import Slots
 from dsfunc.zero.gather import Workspace
 from dsfunc.zero.layout import ShardingPlan
 from dsfunc.zero.offload import HostOffload
+
+if TYPE_CHECKING:
+    from dsfunc.parallel.tensor import TensorParallel
 
 # train_step's signature, (state, batch, ...) -> state; TrainState is not named here because the state's
 # module names this one

@@ -67,7 +67,18 @@ class Mesh:
         return self.size("dp")
 
     def describe(self) -> str:
+        """The axes and their sizes, ``pp 1 x dp 2 x sp 1 x tp 2``."""
         return " x ".join(f"{a} {self.size(a)}" for a in AXES)
+
+    def check_same(self, other: Mesh | DeviceMesh) -> None:
+        """Raise unless ``other`` is this mesh (or torch's mesh it was made of): a state is laid out on one."""
+        same = other is self or (self.device_mesh is not None and other is self.device_mesh)
+        if not same and isinstance(other, Mesh):
+            same = dict(other.sizes) == dict(self.sizes) and other.zero.ranks == self.zero.ranks
+        if not same:
+            shown = other.describe() if isinstance(other, Mesh) else f"a DeviceMesh {other.mesh_dim_names}"
+            raise InputError(f"the mesh given ({shown}) is not the state's ({self.describe()}): a state is laid "
+                             "out on the mesh init_state(mesh=...) was given; pass that one, or none")
 
 
 def _check_axis(axis: str) -> None:

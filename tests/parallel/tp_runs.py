@@ -41,12 +41,16 @@ def batch(step: int) -> dict[str, torch.Tensor]:
 def train(config: dict[str, Any], **init: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
     """8 steps on this rank's data-parallel slice of each global batch: the losses, and the full parameters."""
     state = dsfunc.init_state(llama(), config, **init)
+    train_step = dsfunc.train_step
+    if "mesh" in init:  # the composed step, its shard() naming the mesh the state was built on
+        train_step = dsfunc.make_train_step(dsfunc.scale_loss()(dsfunc.shard(mesh=init["mesh"])(dsfunc.accumulate()(
+            dsfunc.value_and_grad()))))
     mesh = state.program.mesh
     dp, rank = mesh.size("dp"), mesh.group("dp").rank
     losses = []
     for step in range(STEPS):
         mine = {k: v.chunk(dp)[rank] for k, v in batch(step).items()}
-        state = dsfunc.train_step(state, mine)
+        state = train_step(state, mine)
         losses.append(float(state.metrics.loss))
     return losses, dsfunc.full_params(state)
 
