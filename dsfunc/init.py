@@ -138,6 +138,12 @@ def init_state(
         each rank builds and trains its own stage, ZeRO runs over the stage's data-parallel ranks
         (``world_size / stages``, which the config's batch sizes count), ``loss_fn(outputs, labels)`` runs on the
         last stage, and a step's batch is ``(inputs, labels)``.
+      mesh: the ranks' named axes (:mod:`dsfunc.distributed.mesh`): a torch ``DeviceMesh`` with dimensions among
+        ``pp``, ``dp``, ``sp``, ``tp`` (or a :class:`~dsfunc.distributed.mesh.Mesh`); default: the one the
+        config describes (``tensor_parallel.autotp_size``, ``sequence_parallel_size``, the rest ``dp``). ZeRO
+        shards over ``dp x sp``; the config's batch sizes count ``dp``; each rank's step gets its ``dp`` slice.
+      tp_plan: module path pattern (``*``: one path component) -> ``"colwise"``/``"rowwise"`` or a torch
+        ``ParallelStyle``, replacing the config's and the model's own tp plan (:mod:`dsfunc.parallel.autotp`).
 
     Returns:
       A :class:`TrainState`; every rank of the process group must call this. A process that a launcher

@@ -63,6 +63,11 @@ def test_explicit_tp_plan_trains_like_one_process():
     assert_like_one_process(results, "SGD")
 
 
+def test_deepspeed_engine_with_autotp_trains_like_one_process():
+    results = run_world(runs.engine_rank, 2, runs.ds_config(runs.SGD, 1, 1, tp=2), timeout=900)
+    assert_like_one_process(results, "SGD")
+
+
 def test_errors_name_what_does_not_split():
     heads, no_plan = run_world(runs.errors, 2, timeout=900)[0]
     assert "num_key_value_heads (1) is not divisible by the 2 tensor-parallel ranks" in heads

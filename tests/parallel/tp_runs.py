@@ -10,6 +10,7 @@ import transformers
 from torch.distributed.device_mesh import init_device_mesh
 
 import dsfunc
+import dsfunc.parallel
 
 GLOBAL_BATCH, SEQ, VOCAB, STEPS = 8, 12, 64, 8
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
@@ -52,6 +53,10 @@ def train(config: dict[str, Any], **init: Any) -> tuple[list[float], dict[str, t
         mine = {k: v.chunk(dp)[rank] for k, v in batch(step).items()}
         state = train_step(state, mine)
         losses.append(float(state.metrics.loss))
+    if mesh.size("tp") > 1:
+        where = dsfunc.parallel.placements(state)
+        assert where["model.layers.0.self_attn.k_proj.weight"]["tp"] == "Shard(dim=0)", where
+        assert where["model.norm.weight"]["tp"] == "Replicate()", where
     return losses, dsfunc.full_params(state)
 
 
@@ -75,3 +80,19 @@ def errors(rank: int, world_size: int) -> list[str]:
             out.append(str(e))
     torch.distributed.barrier()  # a rank outside a 1-rank group of the mesh does not wait for its making
     return out
+
+
+def engine_rank(rank: int, world_size: int, config: dict[str, Any]) -> Any:
+    """:func:`train` through the DeepSpeed engine (the model trained in place): forward, backward, step per
+    micro-batch."""
+    engine, *_ = dsfunc.initialize(model=llama(), config=config)
+    mesh = engine.state.program.mesh
+    dp, rank = mesh.size("dp"), mesh.group("dp").rank
+    losses = []
+    for step in range(STEPS):
+        mine = {k: v.chunk(dp)[rank] for k, v in batch(step).items()}
+        for micro in range(config["gradient_accumulation_steps"]):
+            engine.backward(engine(**{k: v.chunk(2)[micro] for k, v in mine.items()}).loss)
+            engine.step()
+        losses.append(float(engine.state.metrics.loss))
+    return losses, dsfunc.full_params(engine.state)
