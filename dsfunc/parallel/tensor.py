@@ -91,20 +91,22 @@ def tensor_parallel(skeleton: nn.Module, mesh: Mesh, section: TensorParallelConf
     parallelize_module(skeleton, device_mesh, plan)
     split: dict[str, SplitParam] = {}
     for path, module in skeleton.named_modules():
-        owned = {attr: p for attr, p in module._parameters.items() if isinstance(p, DTensor)}
-        for attr, p in owned.items():
+        specs = {}  # this module's DTensor parameters (a row-parallel bias is one too, replicated)
+        for attr, p in list(module._parameters.items()):
+            if not isinstance(p, DTensor):
+                continue
             name = f"{path}.{attr}" if path else attr
             for placement in p.placements:
                 if isinstance(placement, Shard) and p.shape[placement.dim] % tp:
                     raise InputError(f"{name} has {p.shape[placement.dim]} rows along dim {placement.dim}, not "
                                      f"divisible by the {tp} tensor-parallel ranks: choose an autotp_size that "
                                      "divides it, or leave the module out of the tp plan")
+            specs[attr] = SplitParam(tuple(p.placements), p.shape, tuple(p.stride()))
             if any(isinstance(pl, Shard) for pl in p.placements):
-                split[name] = SplitParam(tuple(p.placements), p.shape, tuple(p.stride()))
+                split[name] = specs[attr]
             module._parameters[attr] = nn.Parameter(p.to_local(), requires_grad=p.requires_grad)
-        if owned:
-            _view_as_dtensors(module, device_mesh, {attr: split.get(f"{path}.{attr}" if path else attr, SplitParam(
-                tuple(p.placements), p.shape, tuple(p.stride()))) for attr, p in owned.items()})
+        if specs:
+            _view_as_dtensors(module, device_mesh, specs)
     return TensorParallel(mesh.group("tp"), device_mesh, split)
 
 
