@@ -13,13 +13,15 @@ state's compute copies (:mod:`dsfunc.zero.binding`), so it holds the trained val
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from dsfunc.batch import LossFn
 from dsfunc.compile import compile_forwards
@@ -36,6 +38,7 @@ from dsfunc.config.leaf_modules import LeafModules
 from dsfunc.distributed import comm
 from dsfunc.distributed.env import rank_variable
 from dsfunc.distributed.init import join_launched_world
+from dsfunc.distributed.mesh import Mesh, no_mesh, pipeline_mesh, run_mesh
 from dsfunc.errors import InputError, NotSupportedError
 from dsfunc.frozen import FrozenDict
 from dsfunc.graphs import GraphedStep
@@ -71,6 +74,10 @@ from dsfunc.zero.offload import placement as placement_from_config
 from dsfunc.zero.placeholders import full_shape
 from dsfunc.zero.reduce import grad_dtype
 
+if TYPE_CHECKING:
+    from dsfunc.parallel.autotp import Plan
+    from dsfunc.parallel.tensor import TensorParallel
+
 logger = logging.getLogger("dsfunc")
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, None: torch.float32}
@@ -92,6 +99,8 @@ def init_state(
     param_groups: ParamGroups | None = None,
     lr_schedule: LrSchedule | None = None,
     pipeline: int | Mapping[str, Any] | PipelineConfig | None = None,
+    mesh: Mesh | DeviceMesh | None = None,
+    tp_plan: Plan | None = None,
 ) -> TrainState:
     """Build the training state for ``model`` as the DeepSpeed ``config`` describes.
 
@@ -136,6 +145,12 @@ def init_state(
         each rank builds and trains its own stage, ZeRO runs over the stage's data-parallel ranks
         (``world_size / stages``, which the config's batch sizes count), ``loss_fn(outputs, labels)`` runs on the
         last stage, and a step's batch is ``(inputs, labels)``.
+      mesh: the ranks' named axes (:mod:`dsfunc.distributed.mesh`): a torch ``DeviceMesh`` with dimensions among
+        ``pp``, ``dp``, ``sp``, ``tp`` (or a :class:`~dsfunc.distributed.mesh.Mesh`); default: the one the
+        config describes (``tensor_parallel.autotp_size``, ``sequence_parallel_size``, the rest ``dp``). ZeRO
+        shards over ``dp x sp``; the config's batch sizes count ``dp``; each rank's step gets its ``dp`` slice.
+      tp_plan: module path pattern (``*``: one path component) -> ``"colwise"``/``"rowwise"`` or a torch
+        ``ParallelStyle``, replacing the config's and the model's own tp plan (:mod:`dsfunc.parallel.autotp`).
 
     Returns:
       A :class:`TrainState`; every rank of the process group must call this. A process that a launcher
@@ -147,18 +162,21 @@ def init_state(
     _fit_threads_to_host()
     placement = place(model, config, pipeline, loss_fn)
     if placement is not None:
-        with placement.pipeline.scope():  # ZeRO over the stage's data-parallel ranks
-            return _build(placement.module, config, None, optimizer=optimizer, seed=seed,
-                          unit_modules=placement.module.unit_modules() if unit_modules is None else unit_modules,
-                          param_init_fn=param_init_fn, device=device, compile=compile,
-                          activation_checkpointing=activation_checkpointing, in_place=in_place,
-                          param_groups=param_groups, lr_schedule=lr_schedule, pipeline=placement.pipeline)
+        no_mesh(mesh, "a pipeline")
+        topology = placement.pipeline.topology
+        return _build(placement.module, config, None, optimizer=optimizer, seed=seed,
+                      unit_modules=placement.module.unit_modules() if unit_modules is None else unit_modules,
+                      param_init_fn=param_init_fn, device=device, compile=compile,
+                      activation_checkpointing=activation_checkpointing, in_place=in_place,
+                      param_groups=param_groups, lr_schedule=lr_schedule, pipeline=placement.pipeline,
+                      mesh=pipeline_mesh(topology.stages, topology.data))
     if unit_modules is None and isinstance(model, StageModule):  # a layer list's units are its layers
         unit_modules = model.unit_modules()
     return _build(model, config, loss_fn, optimizer=optimizer, seed=seed, unit_modules=unit_modules,
                   param_init_fn=param_init_fn, device=device, compile=compile,
                   activation_checkpointing=activation_checkpointing, in_place=in_place, param_groups=param_groups,
-                  lr_schedule=lr_schedule, pipeline=None)
+                  lr_schedule=lr_schedule, pipeline=None, mesh=run_mesh(config, mesh, _default_device(device)),
+                  tp_plan=tp_plan)
 
 
 def _mark_leaves(model: nn.Module, leaves: LeafModules) -> None:
@@ -176,17 +194,22 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
            unit_modules: Sequence[str] | None, param_init_fn: Callable[[nn.Module], None] | None,
            device: torch.device | str | None, compile: bool | Mapping[str, Any] | None,
            activation_checkpointing: str | Mapping[str, Any] | None, in_place: bool,
-           param_groups: ParamGroups | None, lr_schedule: LrSchedule | None, pipeline: Pipeline | None) -> TrainState:
-    """:func:`init_state` for one module (a pipeline stage's, inside its data-parallel scope)."""
-    cfg = Config.load(config, world_size=comm.world_size())
+           param_groups: ParamGroups | None, lr_schedule: LrSchedule | None, pipeline: Pipeline | None,
+           mesh: Mesh, tp_plan: Plan | None = None) -> TrainState:
+    """:func:`init_state` for one module (a pipeline stage's, its ZeRO over the stage's data-parallel ranks)."""
+    cfg = Config.load(config, world_size=mesh.batch_ranks)
     announce_without_effect(cfg)
-    device = torch.device(device) if device is not None else _default_device()
+    device = _default_device(device)
     zero = cfg.zero_optimization
     _mark_leaves(model, zero.leaf_module)
-    plan, groups = _plan(model, zero.stage, unit_modules, param_groups)
     if zero.stage == 3:
         mark_leaf_parameters(model)
     skeleton = model if in_place else make_skeleton(model)
+    tensor = _split(model, skeleton, cfg, mesh, tp_plan)
+    # a split model's units hold each rank's tp parts: the skeleton's (local) shapes
+    plan, groups = _plan(model if tensor is None else skeleton, zero.stage, unit_modules, param_groups, mesh.zero)
+    if tensor is not None:
+        plan = dataclasses.replace(plan, tp=tensor.group, split=frozenset(tensor.split))
     comm_dtype = _COMM_DTYPES[cfg.communication_data_type]
     gas = cfg.gradient_accumulation_steps
     placement = placement_from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype,
@@ -195,7 +218,10 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     if pipeline is not None and placement.masters is not None:
         raise NotSupportedError("ZeRO-Offload with pipeline parallelism is not supported by dsfunc; remove the "
                                 "offload_optimizer/offload_param sections or the pipeline")
-    params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn, placement)
+    params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn, placement,
+                                  local=None if tensor is None else tensor.local_value)
+    if tensor is not None:
+        tensor.sync(buffers)
     slots = Slots(skeleton, plan, buffers.keys())
     scaler = LossScaler.from_config(cfg.fp16)
     update = _update(cfg, plan, optimizer, param_groups, groups, lr_schedule)
@@ -214,11 +240,25 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
         compute_dtype=cfg.compute_dtype, comm_dtype=comm_dtype,
         persistent_buffers=tuple(k for k in model.state_dict() if k in buffers),
         step_fn=_step_fn(compile_options, pipeline), segment_norm=segment_norm_fn(plan, device),
+        mesh=mesh, tensor=tensor,
     )
     state = _first_state(program, params, buffers, seed)
     workspace.refresh(state.params)
     slots.restore(state.buffers)
     return state
+
+
+def _split(model: nn.Module, skeleton: nn.Module, cfg: Config, mesh: Mesh,
+           tp_plan: Plan | None) -> TensorParallel | None:
+    """Split the skeleton over the mesh's tp axis (:mod:`dsfunc.parallel.tensor`, imported with DTensor only
+    then); None at tp 1."""
+    if mesh.size("tp") == 1 and tp_plan is None:
+        return None
+    from dsfunc.parallel.tensor import check_tensor_parallel, tensor_parallel
+
+    check_tensor_parallel(model, cfg.zero_optimization.offload_optimizer is not None,
+                          None if cfg.optimizer is None else cfg.optimizer.type)
+    return tensor_parallel(skeleton, mesh, cfg.tensor_parallel, tp_plan)
 
 
 def _first_state(program: Program, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
@@ -237,13 +277,12 @@ def _first_state(program: Program, params: dict[str, torch.Tensor], buffers: dic
     )
 
 
-def _plan(model: nn.Module, stage: int, unit_modules: Sequence[str] | None,
-          param_groups: ParamGroups | None) -> tuple[ShardingPlan, list[str]]:
+def _plan(model: nn.Module, stage: int, unit_modules: Sequence[str] | None, param_groups: ParamGroups | None,
+          group: comm.Group) -> tuple[ShardingPlan, list[str]]:
     """The sharding plan, with units split by parameter group when there are several groups, and the
     groups in order."""
     groups = param_groups.order(n for n, p in model.named_parameters() if p.requires_grad) if param_groups else []
-    plan = make_plan(model, stage=stage, world_size=comm.world_size(), rank=comm.rank(), unit_modules=unit_modules,
-                     labels=param_groups.label_of if len(groups) > 1 else None)
+    plan = make_plan(model, stage=stage, group=group, unit_modules=unit_modules, labels=param_groups.label_of if len(groups) > 1 else None)
     return plan, groups
 
 
@@ -370,23 +409,22 @@ def full_params(state: TrainState) -> dict[str, torch.Tensor]:
     program.run.wait()  # the masters are final
     if program.run.pipeline is None:
         return _full_params(state)
-    with program.run.pipeline.scope():
-        mine = _full_params(state)
-    return program.run.pipeline.gather_stages(mine)
+    return program.run.pipeline.gather_stages(_full_params(state))
 
 
 def _full_params(state: TrainState) -> dict[str, torch.Tensor]:
-    """:func:`full_params` of one module (a pipeline stage's, inside its data-parallel scope)."""
+    """:func:`full_params` of one module (a pipeline stage's)."""
     program = state.program
     plan = program.plan
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
         shard = state.params[unit.name].to(program.device)  # an offloaded master is gathered on the device
         flat = torch.empty(plan.padded_size(unit), dtype=torch.float32, device=shard.device)
-        comm.all_gather_flat(flat, shard) if plan.ways > 1 else flat.copy_(shard)
+        comm.all_gather_flat(flat, shard, plan.group) if plan.ways > 1 else flat.copy_(shard)
         for slot, view in zip(unit.params, unit_views(unit, flat)):
+            value = view.clone() if program.tensor is None else program.tensor.full_value(slot.name, view)
             for alias in slot.aliases:
-                out[alias] = view.clone()
+                out[alias] = value if len(slot.aliases) == 1 else value.clone()
     for name in program.persistent_buffers + plan.frozen:
         out[name] = state.buffers[name].detach().clone()
     order = [k for k, _ in program.skeleton.state_dict(keep_vars=True).items()]
@@ -436,7 +474,9 @@ def _fit_threads_to_host() -> None:
         torch.set_num_threads(threads)
 
 
-def _default_device() -> torch.device:
+def _default_device(given: torch.device | str | None = None) -> torch.device:
+    if given is not None:
+        return torch.device(given)
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -11,19 +11,23 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from dsfunc.batch import LossFn
 from dsfunc.config import Config
+from dsfunc.distributed.mesh import Mesh
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.update import ChainUpdate
 from dsfunc.run import RunContext
 from dsfunc.scaling import LossScaler
 from dsfunc.zero.binding import Slots
 from dsfunc.zero.layout import ShardingPlan
+
+if TYPE_CHECKING:
+    from dsfunc.parallel.tensor import TensorParallel
 
 # train_step's signature, (state, batch, ...) -> state; TrainState is not named here because the state's
 # module names this one
@@ -48,3 +52,5 @@ class Program:
     persistent_buffers: tuple[str, ...]
     step_fn: StepFn
     segment_norm: Callable[[Any], Any] | None = None
+    mesh: Mesh | None = None  # the run's axes and groups (dsfunc.distributed.mesh)
+    tensor: TensorParallel | None = None  # the parameters split over the mesh's tp axis (dsfunc.parallel.tensor)

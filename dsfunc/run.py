@@ -10,7 +10,6 @@ where host work may still be in flight — explicitly, by the next step, a check
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Mapping
 from typing import Any, Protocol
@@ -28,7 +27,6 @@ class Pipeline(Protocol):
 
     topology: Any  # dsfunc.pipeline.topology.Topology
 
-    def scope(self) -> contextlib.AbstractContextManager[None]: ...
     def norm_and_loss(self, plan: ShardingPlan, grads: Mapping[str, torch.Tensor],
                       loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
     def gather_stages(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...

@@ -9,7 +9,6 @@ only then reads the client state (:mod:`.trust`) and the tensors into the templa
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,7 +29,7 @@ from dsfunc.checkpoint.tags import PathLike, check_tag, find_checkpoint
 from dsfunc.checkpoint.trust import pickle_client_state, read_client_state
 from dsfunc.distributed import comm
 from dsfunc.distributed.init import check_one_world
-from dsfunc.errors import InputError, InputTypeError
+from dsfunc.errors import InputError, InputTypeError, NotSupportedError
 from dsfunc.state import TrainState
 
 DEFAULT_TIMEOUT = 300.0  # seconds every rank gets to arrive at a save or load
@@ -78,8 +77,7 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
     tag = arrive("save_checkpoint", tag, timeout, state.program.config.checkpoint.tag_validation)
     meta = describe(state, tag)
     client = collective(lambda: pickle_client_state(client_state) if comm.rank() == 0 else None)
-    with _scope(state):  # a pipeline stage's units are sharded over its data-parallel ranks
-        tensors = save_dict(state, staged=async_save)
+    tensors = save_dict(state, staged=async_save)
     job = functools.partial(write_checkpoint, Path(save_dir), tag, tensors, meta, client, save_latest, timeout)
     if not async_save:
         return job()
@@ -144,8 +142,7 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
     folder, meta = collective(lambda: _open(Path(load_dir), tag, state, selection, verify))
     client = collective(lambda: read_client_state(folder, trust_pickle))
     index = collective(lambda: read_listed_index(folder, meta, trust_pickle=trust_pickle))
-    with _scope(state):
-        targets, copy_back = load_dict(state, wanted(meta, state, selection))
+    targets, copy_back = load_dict(state, wanted(meta, state, selection))
     try:
         read_tensors(targets, folder, index)
         with torch.no_grad():
@@ -160,15 +157,8 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
         ) from e
     new = dataclasses.replace(state)
     state.mark_donated()
-    with _scope(new):
-        new.program.run.workspace.refresh(new.params)
+    new.program.run.workspace.refresh(new.params)
     return new, client
-
-
-def _scope(state: TrainState) -> contextlib.AbstractContextManager[None]:
-    """Collectives over the state's data-parallel ranks: a pipeline stage's (the world's otherwise)."""
-    pipeline = state.program.run.pipeline
-    return contextlib.nullcontext() if pipeline is None else pipeline.scope()
 
 
 def wait_for_checkpoint() -> str | None:
@@ -185,6 +175,10 @@ def _check_state(state: Any, caller: str) -> None:
     if not isinstance(state, TrainState):
         raise InputTypeError(f"{caller} expects a TrainState from dsfunc.init_state, got {type(state).__name__}")
     state.check_usable()
+    if state.program.tensor is not None:
+        raise NotSupportedError(f"{caller} of a tensor-parallel state is not supported by dsfunc yet (a checkpoint "
+                                "describes the global model; resharding tp parts is to come): use "
+                                "dsfunc.full_params(state) to save the whole model")
 
 
 def _executor() -> ThreadPoolExecutor:

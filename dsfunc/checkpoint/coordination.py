@@ -68,11 +68,12 @@ def side_group() -> dist.ProcessGroup:
     return _side().group
 
 
-def mesh(device_type: str) -> DeviceMesh:
-    """A DeviceMesh for DTensors of ``device_type`` over :func:`side_group`, or over the group collectives run
-    over now (a pipeline stage's data-parallel ranks, whose shards of a unit the DTensor splits)."""
+def mesh(device_type: str, over: comm.Group) -> DeviceMesh:
+    """A DeviceMesh for DTensors of ``device_type`` over ``over`` (the ranks a unit is sharded over): over
+    :func:`side_group` when that is the world (its collectives then stay off the training group), else over
+    ``over``'s own group (a pipeline stage's data-parallel ranks)."""
     side = _side()
-    group = comm.current_group()
+    group = None if over.process_group is None or over.size == comm.world_size() else over.process_group
     key = device_type if group is None else f"{device_type}/{id(group)}"
     if key not in side.meshes:
         side.meshes[key] = DeviceMesh.from_group(side.group if group is None else group, device_type)

@@ -20,7 +20,6 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from dsfunc.checkpoint.coordination import mesh
-from dsfunc.distributed import comm
 from dsfunc.optim.transforms import ScheduleState
 from dsfunc.state import TrainState
 from dsfunc.zero.layout import chunk_range
@@ -71,7 +70,8 @@ def save_dict(state: TrainState, *, staged: bool) -> dict[str, Any]:
     tensors always go through host memory: DCP then coordinates on the gloo side group with CPU
     tensors only.
     """
-    plan, world, rank = state.program.plan, comm.world_size(), comm.rank()
+    plan = state.program.plan
+    world, rank = plan.world_size, plan.rank
     copy = (lambda t: t.detach().to("cpu", copy=True)) if staged else (lambda t: t.detach().cpu())
     out: dict[str, Any] = {}
     for e in entries(state):
@@ -86,7 +86,7 @@ def save_dict(state: TrainState, *, staged: bool) -> dict[str, Any]:
         start, stop = chunk_range(numel, world, rank)
         local = e.tensor[: stop - start] if plan.ways > 1 else e.tensor[start:stop]
         local = copy(local)
-        out[e.key] = DTensor.from_local(local, mesh(local.device.type), [Shard(0)], shape=(numel,),
+        out[e.key] = DTensor.from_local(local, mesh(local.device.type, plan.group), [Shard(0)], shape=(numel,),
                                         stride=(1,), run_check=False)
     return out
 
@@ -116,6 +116,6 @@ def load_dict(
         unit = plan.unit(e.unit)
         start, stop = plan.local_range(unit)
         e.tensor[stop - start:].zero_()  # the padding tail stays zero
-        out[e.key] = DTensor.from_local(on_host(e.tensor[: stop - start]), mesh("cpu"), [Shard(0)],
+        out[e.key] = DTensor.from_local(on_host(e.tensor[: stop - start]), mesh("cpu", plan.group), [Shard(0)],
                                         shape=(unit.numel,), stride=(1,), run_check=False)
     return out, copy_back

@@ -60,11 +60,12 @@ from dsfunc.config.activation_checkpointing import (
 )
 from dsfunc.config.announce import announce_without_effect
 from dsfunc.config.compile import CompileConfig, parse_compile
-from dsfunc.config.config import Config
+from dsfunc.config.config import Config, mesh_sections
 from dsfunc.config.errors import ConfigError
 from dsfunc.config.flops_profiler import FlopsProfilerConfig
 from dsfunc.config.monitor import CometConfig, MonitorConfig, WandbConfig
 from dsfunc.config.optimizer import OptimizerConfig, parse_optimizer
+from dsfunc.config.parallel import TensorParallelConfig, parse_tensor_parallel
 from dsfunc.config.pipeline import PipelineConfig, parse_pipeline
 from dsfunc.config.precision import BF16Config, FP16Config
 from dsfunc.config.scheduler import SchedulerConfig, parse_scheduler
@@ -85,12 +86,15 @@ __all__ = [
     "OptimizerConfig",
     "PipelineConfig",
     "SchedulerConfig",
+    "TensorParallelConfig",
     "WandbConfig",
     "ZeroConfig",
     "announce_without_effect",
+    "mesh_sections",
     "parse_activation_checkpointing",
     "parse_compile",
     "parse_optimizer",
     "parse_pipeline",
     "parse_scheduler",
+    "parse_tensor_parallel",
 ]

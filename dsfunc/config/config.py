@@ -18,6 +18,7 @@ from dsfunc.config.checks import (
     _bool,
     _choice,
     _flag,
+    _integer,
     _number,
     _optional,
     _print_steps,
@@ -28,6 +29,7 @@ from dsfunc.config.errors import ConfigError
 from dsfunc.config.flops_profiler import FlopsProfilerConfig
 from dsfunc.config.monitor import CometConfig, MonitorConfig, WandbConfig
 from dsfunc.config.optimizer import OptimizerConfig, _optimizer
+from dsfunc.config.parallel import TensorParallelConfig, _tensor_parallel, parse_tensor_parallel
 from dsfunc.config.pipeline import PIPELINE_WITHOUT_EFFECT, PipelineConfig, _pipeline, parse_pipeline
 from dsfunc.config.precision import (
     _BF16_FIXED,
@@ -136,6 +138,12 @@ class Config:
     """Pipeline parallelism: stages and schedule (dsfunc.pipeline)."""
     checkpoint: CheckpointConfig = CheckpointConfig()  # noqa: RUF009
     """What a save does when the ranks give different tags (tag_validation)."""
+    tensor_parallel: TensorParallelConfig = TensorParallelConfig()  # noqa: RUF009
+    """AutoTP training: the mesh's tp axis and how layers are split over it (dsfunc.parallel)."""
+    sequence_parallel_size: int = _key(1, _integer(ge=1))
+    """Ranks the sequence is split over (the mesh's sp axis, Ulysses); ZeRO shards over dp x sp, the batch sizes
+    count dp (world / sp / ...), as DeepSpeed's.
+    """
     raw: Mapping[str, Any] = FrozenDict()
     """Not a key: the user's dict as given, frozen (checkpoints record it; without_effect reads the keys given
     from it).
@@ -246,7 +254,8 @@ class Config:
             section = getattr(self, name)
             out[name] = None if section is None else {"type": section.type, "params": thaw(section.params)}
         for name in ("fp16", "bf16", "zero_optimization", "tensorboard", "csv_monitor", "wandb", "comet",
-                     "flops_profiler", "compile", "activation_checkpointing", "pipeline", "checkpoint"):
+                     "flops_profiler", "compile", "activation_checkpointing", "pipeline", "checkpoint",
+                     "tensor_parallel"):
             out[name] = thaw(dataclasses.asdict(getattr(self, name)))
         for f in dataclasses.fields(self):
             if "check" in f.metadata:
@@ -275,6 +284,7 @@ _TOP = _Schema(
         "activation_checkpointing": _Spec(ActivationCheckpointingConfig(), _activation_checkpointing),
         "pipeline": _Spec(PipelineConfig(), _pipeline),
         "checkpoint": _Spec(CheckpointConfig(), _checkpoint),
+        "tensor_parallel": _Spec(TensorParallelConfig(), _tensor_parallel),
     }
     | _specs_of(Config),
     fixed=_UNSUPPORTED_TOP,
@@ -288,3 +298,13 @@ def pipeline_section(source: Any) -> PipelineConfig:
     if isinstance(source, Config):
         return source.pipeline
     return parse_pipeline(_read_source(source).get("pipeline"))
+
+
+def mesh_sections(source: Any) -> tuple[TensorParallelConfig, int, PipelineConfig]:
+    """The ``tensor_parallel`` section, ``sequence_parallel_size`` and the ``pipeline`` section of a config source,
+    read before the rest: the mesh they describe decides the data-parallel size the batch triple counts."""
+    if isinstance(source, Config):
+        return source.tensor_parallel, source.sequence_parallel_size, source.pipeline
+    raw = _read_source(source)
+    sp = _integer(ge=1)(raw.get("sequence_parallel_size", 1), "sequence_parallel_size")
+    return parse_tensor_parallel(raw.get("tensor_parallel")), sp, parse_pipeline(raw.get("pipeline"))

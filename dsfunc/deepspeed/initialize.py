@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsfunc.config import Config
+from dsfunc.config import Config, mesh_sections
 from dsfunc.data import DistributedLoader, check_dataset
 from dsfunc.deepspeed.arguments import config_source
 from dsfunc.deepspeed.engine import Engine
@@ -109,7 +109,9 @@ def initialize(
         join_world(distributed_port)
     local_rank = _local_rank(args)
     pipelined = isinstance(model, PipelineModule)
-    world = comm.world_size() // model.num_stages if pipelined else comm.world_size()  # the data-parallel ranks
+    tensor, sp, _ = mesh_sections(source)
+    # the data-parallel ranks (a world the mesh does not divide is init_state's error)
+    world = comm.world_size() // (model.num_stages if pipelined else tensor.size * sp) or comm.world_size()
     cfg = Config.load(source, world_size=world)
     if training_data is not None:
         check_dataset(training_data)
@@ -130,7 +132,8 @@ def initialize(
     if training_data is not None:
         cuda = state.program.device.type == "cuda"
         loader = DistributedLoader(
-            training_data, cfg.train_micro_batch_size_per_gpu, rank=comm.rank() % world, world_size=world,
+            training_data, cfg.train_micro_batch_size_per_gpu, rank=state.program.mesh.group("dp").rank,
+            world_size=state.program.mesh.size("dp"),
             shuffle=not pipelined,  # DeepSpeed's pipeline engine reads its data in order
             drop_last=cfg.dataloader_drop_last, collate_fn=collate_fn, num_workers=2 if cuda else 0,
             pin_memory=cuda,

@@ -96,8 +96,7 @@ class PipelineEngine(Engine):
         batches = self._micro_batches(data_iter)
         self.module.eval()
         pipeline = self.state.program.run.pipeline
-        with pipeline.scope():
-            loss = pipeline.evaluate(self.state, batches)
+        loss = pipeline.evaluate(self.state, batches)
         self.module.train()
         return loss
 

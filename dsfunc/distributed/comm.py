@@ -5,16 +5,15 @@ size 1: the collective is the identity), always reduce with SUM (gloo's AVG is u
 the 1/world factor into the loss), and hide the rename of the flat collectives in torch 2.13
 (``all_gather_into_tensor`` -> ``all_gather_single``).
 
-[Note: the data-parallel group] Collectives run over the whole world unless :func:`over` names a group:
-a pipeline stage's ZeRO runs over that stage's data-parallel ranks (:mod:`dsfunc.pipeline`), so the
-program enters ``over(its group)`` around everything it does (init, step, gathers) and every collective,
-``rank()`` and ``world_size()`` here are then the group's.
+[Note: groups are passed explicitly] Every collective names the :class:`Group` it runs over: ZeRO's
+(a unit is sharded and reduced over the mesh's dp x sp ranks, :mod:`dsfunc.distributed.mesh`), a pipeline's,
+a tied module's or the tensor-parallel ranks'. The plan and the program carry them; ``rank()`` and
+``world_size()`` here always answer for the whole world.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import dataclasses
 from typing import Protocol
 
 import torch
@@ -37,24 +36,35 @@ class Done:
         return True
 
 
-_GROUP: list[dist.ProcessGroup | None] = [None]  # the group collectives run over (None: the world)
+@dataclasses.dataclass(frozen=True, eq=False)
+class Group:
+    """Which ranks a collective runs over: their global ranks in group order, this process's index among them,
+    and torch's group (None: the default group, or no process group at all when there is one rank)."""
 
+    ranks: tuple[int, ...]
+    rank: int
+    process_group: dist.ProcessGroup | None = None
 
-@contextlib.contextmanager
-def over(group: dist.ProcessGroup | None) -> Iterator[None]:
-    """Run the collectives of the enclosed code over ``group`` (None: the world); see [Note: the data-parallel
-    group]."""
-    outer = _GROUP[0]
-    _GROUP[0] = group if group is not None else outer
-    try:
-        yield
-    finally:
-        _GROUP[0] = outer
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
 
+    @classmethod
+    def lone(cls) -> Group:
+        """This process alone (no collective runs)."""
+        return cls((rank(),), 0, None)
 
-def current_group() -> dist.ProcessGroup | None:
-    """The group :func:`over` set (None: the world)."""
-    return _GROUP[0]
+    @classmethod
+    def world(cls) -> Group:
+        """Every rank of the default group (this process alone when there is none)."""
+        return cls(tuple(range(world_size())), rank(), None)
+
+    @classmethod
+    def of(cls, process_group: dist.ProcessGroup | None) -> Group:
+        """The group torch's ``process_group`` is (None: the world); this process must be one of its ranks."""
+        if process_group is None or not is_distributed():
+            return cls.world()
+        return cls(tuple(dist.get_process_group_ranks(process_group)), dist.get_rank(process_group), process_group)
 
 
 def is_distributed() -> bool:
@@ -62,49 +72,51 @@ def is_distributed() -> bool:
 
 
 def rank() -> int:
-    return dist.get_rank(_GROUP[0]) if is_distributed() else 0
+    """This process's rank in the world."""
+    return dist.get_rank() if is_distributed() else 0
 
 
 def world_size() -> int:
-    return dist.get_world_size(_GROUP[0]) if is_distributed() else 1
+    """The number of ranks in the world."""
+    return dist.get_world_size() if is_distributed() else 1
 
 
-def all_reduce_sum(tensor: torch.Tensor, *, async_op: bool = False) -> Pending:
-    """Sum ``tensor`` in place over all ranks."""
-    if world_size() == 1:
+def all_reduce_sum(tensor: torch.Tensor, group: Group, *, async_op: bool = False) -> Pending:
+    """Sum ``tensor`` in place over ``group``."""
+    if group.size == 1:
         return Done()
-    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=_GROUP[0], async_op=async_op)
+    work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group.process_group, async_op=async_op)
     return work if async_op else Done()
 
 
-def reduce_scatter_sum(output: torch.Tensor, flat: torch.Tensor, *, async_op: bool = False) -> Pending:
-    """``output`` (length S) gets this rank's chunk of the sum over ranks of ``flat`` (length W*S)."""
-    if world_size() == 1:
+def reduce_scatter_sum(output: torch.Tensor, flat: torch.Tensor, group: Group, *,
+                       async_op: bool = False) -> Pending:
+    """``output`` (length S) gets this rank's chunk of the sum over ``group`` of ``flat`` (length W*S)."""
+    if group.size == 1:
         output.copy_(flat)
         return Done()
-    work = _reduce_scatter_flat(output, flat, op=dist.ReduceOp.SUM, group=_GROUP[0], async_op=async_op)
+    work = _reduce_scatter_flat(output, flat, op=dist.ReduceOp.SUM, group=group.process_group, async_op=async_op)
     return work if async_op else Done()
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0) -> None:
-    """Overwrite ``tensor`` in place with rank ``src``'s values (a rank of the :func:`over` group; bool tensors
-    travel as bytes: gloo has no bool broadcast)."""
-    if world_size() == 1:
+def broadcast(tensor: torch.Tensor, group: Group, src: int = 0) -> None:
+    """Overwrite ``tensor`` in place with the values of ``group``'s rank ``src`` (bool tensors travel as bytes:
+    gloo has no bool broadcast)."""
+    if group.size == 1:
         return
     dense = tensor if tensor.is_contiguous() else tensor.contiguous()
-    group = _GROUP[0]
-    source = src if group is None else dist.get_global_rank(group, src)
-    dist.broadcast(dense.view(torch.uint8) if dense.dtype == torch.bool else dense, src=source, group=group)
+    dist.broadcast(dense.view(torch.uint8) if dense.dtype == torch.bool else dense, src=group.ranks[src],
+                   group=group.process_group)
     if dense is not tensor:
         tensor.copy_(dense)
 
 
-def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, *, async_op: bool = False) -> Pending:
-    """``output`` (length W*S) gets every rank's ``shard`` (length S), concatenated in rank order."""
-    if world_size() == 1:
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Group, *, async_op: bool = False) -> Pending:
+    """``output`` (length W*S) gets the ``shard`` (length S) of every rank of ``group``, in group order."""
+    if group.size == 1:
         if output.data_ptr() != shard.data_ptr():
             output.copy_(shard)
         return Done()
-    work = _all_gather_flat(output, shard, group=_GROUP[0], async_op=async_op)
+    work = _all_gather_flat(output, shard, group=group.process_group, async_op=async_op)
     return work if async_op else Done()
 

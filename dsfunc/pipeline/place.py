@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from dsfunc.config import PipelineConfig, parse_pipeline
@@ -76,10 +75,9 @@ def sync_tied(module: StageModule, topology: Topology) -> None:
     for key, group in topology.tied_groups.items():
         if group is None:
             continue
-        first = topology.global_rank(min(topology.tied_holders[key]), topology.replica)
         for t in [*module.tied_modules[key].parameters(), *module.tied_modules[key].buffers()]:
             if not t.is_meta:
-                dist.broadcast(t.data, src=first, group=group)
+                comm.broadcast(t.data, group)  # the group's ranks are in stage order: its first holds it first
 
 
 def _layers(model: Any) -> list[Any]:

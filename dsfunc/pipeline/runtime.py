@@ -2,7 +2,7 @@
 micro-batch runtime.
 
 A pipelined state is an ordinary state over this rank's stage module, its ZeRO over the stage's
-data-parallel ranks ([Note: the data-parallel group] in :mod:`dsfunc.distributed.comm`). Its step is the
+data-parallel ranks (its plan's group, :meth:`Topology.data`). Its step is the
 ordinary one (:func:`dsfunc.step.make_train_step`) with :meth:`Pipeline.grad_fn` as the gradient function:
 
 * the runtime binds the stage's parameters once for the whole step (:meth:`MicroBatchRuntime.run_backwards`)
@@ -18,7 +18,6 @@ ordinary one (:func:`dsfunc.step.make_train_step`) with :meth:`Pipeline.grad_fn`
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -59,21 +58,10 @@ class Pipeline:
         self.uncounted = {f"{TIED_PREFIX}.{key}" for key, holders in topology.tied_holders.items()
                           if min(holders) != topology.stage}
 
-    def scope(self) -> contextlib.AbstractContextManager[None]:
-        """Collectives over this stage's data-parallel ranks."""
-        return comm.over(self.topology.data_group)
-
     # -- the step ------------------------------------------------------------------------------------
     def step_fn(self) -> Callable[..., TrainState]:
-        """``train_step`` of a pipelined state: the ordinary step over :meth:`grad_fn`, its collectives over
-        the stage's data-parallel ranks."""
-        inner = make_train_step(self.grad_fn())
-
-        def step(state: TrainState, batch: Batch, donate: bool = True) -> TrainState:
-            with self.scope():
-                return inner(state, batch, donate)
-
-        return step
+        """``train_step`` of a pipelined state: the ordinary step over :meth:`grad_fn`."""
+        return make_train_step(self.grad_fn())
 
     def grad_fn(self) -> GradFn:
         """``scale_loss(pipelined)``: the step's gradients of this stage, reduced over its replicas."""
@@ -104,8 +92,7 @@ class Pipeline:
             name = f"{TIED_PREFIX}.{key}"
             if group is not None and grads.get(name) is not None:
                 summed = grads[name].float()
-                with comm.over(group):
-                    comm.all_reduce_sum(summed)
+                comm.all_reduce_sum(summed, group)
                 grads[name] = summed
         return GradResult(loss, grads)
 
@@ -164,8 +151,7 @@ class Pipeline:
             return sumsq, loss
         packed = torch.stack([sumsq.float(), loss.float() if self.topology.is_last_stage else torch.zeros_like(
             loss, dtype=torch.float32)])
-        with comm.over(self.topology.pipe_group):
-            comm.all_reduce_sum(packed)
+        comm.all_reduce_sum(packed, self.topology.pipe)
         return packed[0], packed[1]
 
     def gather_stages(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ group orders its ranks by stage, as ``torch.distributed.pipelining`` expects (st
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch.distributed as dist
 
@@ -27,7 +28,7 @@ class Topology:
     pipe_group: dist.ProcessGroup | None  # this replica's ranks, one per stage (None on one rank; one rank when
     # there is one stage: torch's PipelineStage needs a group as large as the stages)
     data_group: dist.ProcessGroup | None  # this stage's replicas (None only on one rank: the world)
-    tied_groups: dict[str, dist.ProcessGroup | None]  # tie key -> this replica's stages holding it
+    tied_groups: dict[str, comm.Group | None]  # tie key -> this replica's stages holding it (None: this one only)
     tied_holders: dict[str, list[int]]  # tie key -> the stages holding it (the keys this stage holds)
 
     @property
@@ -40,6 +41,16 @@ class Topology:
 
     def global_rank(self, stage: int, replica: int) -> int:
         return stage * self.data_parallel + replica
+
+    @functools.cached_property
+    def data(self) -> comm.Group:
+        """This stage's replicas: its ZeRO's group."""
+        return comm.Group.of(self.data_group)
+
+    @functools.cached_property
+    def pipe(self) -> comm.Group:
+        """This replica's ranks, one per stage."""
+        return comm.Group.of(self.pipe_group)
 
 
 def check_world(stages: int, world: int) -> int:
@@ -74,12 +85,12 @@ def make_topology(stages: int, tied_stages: dict[str, list[int]]) -> Topology:
     for s in range(stages):
         g = group([s * dp + r for r in range(dp)])
         data = g if s == stage else data
-    tied: dict[str, dist.ProcessGroup | None] = {}
+    tied: dict[str, comm.Group | None] = {}
     holders_of: dict[str, list[int]] = {}
     for key in sorted(tied_stages):
         holders = sorted(set(tied_stages[key]))
         for r in range(dp):
             g = group([s * dp + r for s in holders]) if len(holders) > 1 else None
             if r == replica and stage in holders:
-                tied[key], holders_of[key] = g, holders
+                tied[key], holders_of[key] = (None if g is None else comm.Group.of(g)), holders
     return Topology(stages, dp, stage, replica, pipe, data, tied, holders_of)

@@ -187,10 +187,11 @@ class Workspace:
                 if self.plan.stage:
                     size = self.plan.shard_size(unit)
                     src = buf[self.plan.rank * size : (self.plan.rank + 1) * size]
-                    works.append((comm.all_gather_flat(buf, src, async_op=True), src))
+                    works.append((comm.all_gather_flat(buf, src, self.plan.group, async_op=True), src))
                 continue
             src = self._shard(unit, master)
-            works.append((comm.all_gather_flat(buf, src, async_op=True) if self.plan.stage else _copy(buf, src), src))
+            works.append((comm.all_gather_flat(buf, src, self.plan.group, async_op=True) if self.plan.stage
+                          else _copy(buf, src), src))
         for work, _ in works:
             work.wait()
         self._synced(master)
@@ -276,7 +277,7 @@ class Workspace:
         if self.plan.ways == 1:
             return shard
         full = torch.empty(self.plan.padded_size(unit), dtype=shard.dtype, device=shard.device)
-        comm.all_gather_flat(full, shard)
+        comm.all_gather_flat(full, shard, self.plan.group)
         return full
 
     @torch.no_grad()
@@ -285,7 +286,7 @@ class Workspace:
         become every rank's master, and the compute copies are rebuilt from them."""
         for unit in units:
             full = self._exposure.master.pop(unit.name)
-            comm.broadcast(full, src=src)
+            comm.broadcast(full, self.plan.group, src=src)
             master = self.master[unit.name]
             if full is not master:  # sharded, or offloaded
                 start = self.plan.rank * master.numel() if self.plan.ways > 1 else 0
@@ -336,7 +337,7 @@ class Workspace:
         hide = torch.autograd._unsafe_preserve_version_counter(buf)
         with torch.no_grad(), hide, _on_stream(self.source.stream, self.device) as stream:
             src = self.source.to_device(unit, src)
-            work = comm.all_gather_flat(buf, src, async_op=True)
+            work = comm.all_gather_flat(buf, src, self.plan.group, async_op=True)
             if stream is not None:
                 work = _AfterStream(work, stream)
         self.gathering.inflight[unit.name] = (work, src, hide)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from dsfunc.distributed.comm import Group
 from dsfunc.errors import InputError
 from dsfunc.zero.leaf import leaf_units
 from dsfunc.zero.placeholders import full_shape
@@ -73,9 +74,20 @@ class ShardingPlan:
 
     units: tuple[Unit, ...]
     stage: int
-    world_size: int
-    rank: int
+    group: Group  # the ranks each unit is sharded and its gradients reduced over (the mesh's dp x sp)
     frozen: tuple[str, ...] = ()  # parameters that do not train: kept replicated, like buffers
+    tp: Group | None = None  # the tensor-parallel ranks the parameters in ``split`` are split over
+    split: frozenset[str] = frozenset()  # parameters whose values differ over tp (the others are replicated)
+
+    @property
+    def world_size(self) -> int:
+        """The ranks of :attr:`group`."""
+        return self.group.size
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in :attr:`group`."""
+        return self.group.rank
 
     @property
     def ways(self) -> int:
@@ -125,8 +137,7 @@ def make_plan(
     model: nn.Module,
     *,
     stage: int,
-    world_size: int,
-    rank: int,
+    group: Group,
     unit_modules: Sequence[str] | None = None,
     labels: Callable[[str], str] | None = None,
 ) -> ShardingPlan:
@@ -175,7 +186,7 @@ def make_plan(
                               module=None if path == ROOT else path, params=tuple(slots), label=label))
     if not units:
         raise InputError("the model has no trainable parameters (every parameter has requires_grad=False)")
-    return ShardingPlan(tuple(units), stage, world_size, rank, tuple(frozen))
+    return ShardingPlan(tuple(units), stage, group, tuple(frozen))
 
 
 @torch.no_grad()

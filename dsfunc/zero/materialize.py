@@ -41,12 +41,14 @@ INIT_STATS = InitStats()
 def materialize(
     model: nn.Module, skeleton: nn.Module, plan: ShardingPlan, device: torch.device, seed: int,
     param_init_fn: Callable[[nn.Module], None] | None, placement: Placement | None = None,
+    local: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """This rank's fp32 master shards (by unit) and its buffers (and frozen parameters) by name.
 
     The masters are made on ``device`` (the broadcast from rank 0 runs there) and kept there, or where
     ``placement`` keeps them (host memory with the optimizer offloaded): this is where the state's masters, and
-    so its optimizer state (initialised like them), are placed.
+    so its optimizer state (initialised like them), are placed. ``local(name, value)``: this rank's part of a
+    parameter's value (its tp part, :mod:`dsfunc.parallel.tensor`).
     """
     on_meta = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
     source = _MetaSource(skeleton, device, seed, param_init_fn) if on_meta else None
@@ -54,10 +56,12 @@ def materialize(
     params = {}
     for unit in plan.units:
         values, alike = _values(tensors, [slot.name for slot in unit.params], source)
+        if local is not None:
+            values = {k: local(k, v) for k, v in values.items()}
         values = {k: v.to(device=device, dtype=torch.float32) for k, v in values.items()}
         flat = flatten_unit(unit, values, plan.padded_size(unit))
         if not alike:
-            comm.broadcast(flat, src=0)
+            comm.broadcast(flat, plan.group)
         INIT_STATS.max_elements = max(INIT_STATS.max_elements, flat.numel())
         shard = flat if plan.ways == 1 else local_shard(plan, unit, flat)
         params[unit.name] = shard if placement is None else placement.place_master(shard)
@@ -70,7 +74,7 @@ def materialize(
         placeholders.forget(p)
     if not alike:
         for t in buffers.values():
-            comm.broadcast(t, src=0)
+            comm.broadcast(t, plan.group)
     return params, buffers
 
 

@@ -72,7 +72,7 @@ def partition(param: nn.Parameter) -> None:
         return
     device = comm_device()
     flat = param.detach().reshape(-1).to(device, copy=True)
-    comm.broadcast(flat, src=0)
+    comm.broadcast(flat, comm.Group.world())  # zero.Init partitions over the world, as DeepSpeed's does
     param.ds_tensor = _piece(flat)
     if "ds_id" not in param.__dict__:
         param.ds_id = next_ds_id()
@@ -84,7 +84,7 @@ def full_value(param: torch.Tensor) -> torch.Tensor:
     """The value of placeholder ``param`` (all-gathered from the pieces: a collective), full shape."""
     piece: torch.Tensor = param.ds_tensor
     out = torch.empty(piece.numel() * comm.world_size(), dtype=piece.dtype, device=piece.device)
-    comm.all_gather_flat(out, piece)
+    comm.all_gather_flat(out, piece, comm.Group.world())
     return out[: param.ds_numel].view(param.ds_shape)
 
 
@@ -126,6 +126,6 @@ class Exposed:
             device = p.ds_tensor.device
             if modifier_rank is not None:
                 flat = p.detach().reshape(-1).to(device=device, dtype=p.ds_tensor.dtype, copy=True)
-                comm.broadcast(flat, src=modifier_rank)
+                comm.broadcast(flat, comm.Group.world(), src=modifier_rank)
                 p.ds_tensor.copy_(_piece(flat))
             _empty(p, device)

@@ -146,12 +146,12 @@ class ZeroReducer:
         elif stage == 0:
             chunks = full.split(self.bucket_size)
             for chunk in chunks[:-1]:
-                self._in_flight.append((comm.all_reduce_sum(chunk, async_op=True), lambda: None))
-            work = comm.all_reduce_sum(chunks[-1], async_op=True)
+                self._in_flight.append((comm.all_reduce_sum(chunk, self.plan.group, async_op=True), lambda: None))
+            work = comm.all_reduce_sum(chunks[-1], self.plan.group, async_op=True)
             self._in_flight.append((work, lambda u=unit, t=full: self._store(u, t, last, exact, followed)))
         else:
             out = torch.empty(self.plan.shard_size(unit), dtype=full.dtype, device=full.device)
-            work = comm.reduce_scatter_sum(out, full, async_op=True)
+            work = comm.reduce_scatter_sum(out, full, self.plan.group, async_op=True)
             self._in_flight.append((work, lambda u=unit, t=out, keep=full: self._store(u, t, last, exact, followed)))
         self._drain(keep=self.max_inflight)
 

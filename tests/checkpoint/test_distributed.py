@@ -127,7 +127,7 @@ def full_moments(state: dsfunc.TrainState) -> dict[str, torch.Tensor]:
         if unit in state.params and leaf.shape == state.params[unit].shape:
             n = plan.unit(unit).numel
             full = torch.empty(plan.padded_size(plan.unit(unit)), device=leaf.device)
-            comm.all_gather_flat(full, leaf) if plan.ways > 1 else full.copy_(leaf)
+            comm.all_gather_flat(full, leaf, plan.group) if plan.ways > 1 else full.copy_(leaf)
             out[str(accessor)] = full[:n].cpu()
     return out
 

@@ -21,6 +21,7 @@ from dsfunc.deepspeed.utils import (
     z3_leaf_parameter,
 )
 from dsfunc.deepspeed.zero_config import DeepSpeedZeroConfig
+from dsfunc.distributed import comm
 from dsfunc.zero import make_plan
 from tests.models import config
 from tests.multiprocess import run_world
@@ -76,7 +77,7 @@ def test_the_leaf_functions_answer_as_deepspeeds():
 
 
 def units(model: nn.Module, stage: int = 3) -> list[str | None]:
-    return [u.module for u in make_plan(model, stage=stage, world_size=1, rank=0).units]
+    return [u.module for u in make_plan(model, stage=stage, group=comm.Group.lone()).units]
 
 
 def test_a_leaf_merges_the_units_inside_it():

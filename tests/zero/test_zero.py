@@ -10,6 +10,7 @@ import torch
 
 import dsfunc
 from dsfunc import zero
+from dsfunc.distributed import comm
 from tests.models import CLIP, MLP, SGD, config, mlp_batches, relative_diff, torch_sgd
 from tests.multiprocess import run_world
 
@@ -79,7 +80,7 @@ def test_memory_per_rank_follows_the_zero_formula():
     world = 4
     results = trained_ranks(world, 2, 1)
     torch.manual_seed(0)
-    plan = zero.make_plan(MLP(width=10, depth=3), stage=3, world_size=world, rank=0)
+    plan = zero.make_plan(MLP(width=10, depth=3), stage=3, group=comm.Group(tuple(range(world)), 0))
     psi = sum(u.numel for u in plan.units)
     padded = sum(plan.padded_size(u) for u in plan.units)
     for per_stage in results:

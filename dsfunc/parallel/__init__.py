@@ -1,0 +1,6 @@
+"""Model parallelism over the mesh's axes: tensor parallelism (:mod:`dsfunc.parallel.tensor`), its plans
+(:mod:`dsfunc.parallel.autotp`), and where each parameter lives (:func:`placements`)."""
+
+from dsfunc.parallel.placements import placements
+
+__all__ = ["placements"]
