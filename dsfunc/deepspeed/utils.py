@@ -258,26 +258,28 @@ def safe_set_full_grad(param: Tensor, value: Tensor) -> None:
 # (every rank calls them, as with the full ones).
 
 
-def _local_piece(full: Tensor | None) -> Tensor | None:
-    """This rank's piece of a full value (see the note), padded with zeros."""
+def _local_piece(param: Tensor, full: Tensor | None) -> Tensor | None:
+    """This rank's piece of ``param``'s full value (see the note), padded with zeros."""
     if full is None:
         return None
-    flat, world = full.reshape(-1), comm.world_size()
+    group = _locate(param)[0].plan.group
+    flat, world = full.reshape(-1), group.size
     chunk = -(-flat.numel() // world)
     padded = flat.new_zeros(chunk * world)
     padded[: flat.numel()] = flat
-    return padded[comm.rank() * chunk : (comm.rank() + 1) * chunk].clone()
+    return padded[group.rank * chunk : (group.rank + 1) * chunk].clone()
 
 
 def _from_pieces(param: Tensor, piece: Tensor) -> Tensor:
     """The full fp32 value whose pieces the ranks hold (every rank gives its own ``piece``)."""
-    _workspace, _unit, slot = _locate(param)
-    chunk = -(-slot.numel // comm.world_size())
+    workspace, _unit, slot = _locate(param)
+    group = workspace.plan.group
+    chunk = -(-slot.numel // group.size)
     if piece.numel() != chunk:
         raise InputError(f"the value has {piece.numel()} elements; this rank's partition of the parameter has {chunk} "
-                         f"(ceil({slot.numel} / {comm.world_size()} ranks))")
-    full = torch_empty(chunk * comm.world_size(), dtype=torch_float32, device=piece.device)
-    comm.all_gather_flat(full, piece.reshape(-1).to(torch_float32))
+                         f"(ceil({slot.numel} / {group.size} ranks))")
+    full = torch_empty(chunk * group.size, dtype=torch_float32, device=piece.device)
+    comm.all_gather_flat(full, piece.reshape(-1).to(torch_float32), group)
     return full[: slot.numel].view(slot.shape)
 
 
@@ -293,7 +295,7 @@ def safe_get_local_fp32_param(param: Tensor) -> Tensor | None:
     if not param.requires_grad:  # a frozen parameter has none, as in DeepSpeed
         return None
     _zero3(param)
-    return _local_piece(safe_get_full_fp32_param(param))
+    return _local_piece(param, safe_get_full_fp32_param(param))
 
 
 def safe_get_local_optimizer_state(param: Tensor, optim_state_key: str) -> Tensor | None:
@@ -301,7 +303,7 @@ def safe_get_local_optimizer_state(param: Tensor, optim_state_key: str) -> Tenso
     if not param.requires_grad:  # a frozen parameter has none, as in DeepSpeed
         return None
     _zero3(param)
-    return _local_piece(safe_get_full_optimizer_state(param, optim_state_key))
+    return _local_piece(param, safe_get_full_optimizer_state(param, optim_state_key))
 
 
 def safe_get_local_grad(param: Tensor) -> Tensor | None:
@@ -309,7 +311,7 @@ def safe_get_local_grad(param: Tensor) -> Tensor | None:
     if not param.requires_grad:  # a frozen parameter has none, as in DeepSpeed
         return None
     _zero3(param)
-    return _local_piece(safe_get_full_grad(param))
+    return _local_piece(param, safe_get_full_grad(param))
 
 
 def safe_set_local_fp32_param(param: Tensor, value: Tensor) -> None:
