@@ -73,6 +73,7 @@ import optree
 import torch
 from torch import nn
 
+from dsfunc.batch import model_inputs, scalar_loss
 from dsfunc.errors import InputError, UsageError
 from dsfunc.zero.backward_by_units import DeferredMicro, UnitGroups
 from dsfunc.zero.hooks import tensors_in
@@ -140,19 +141,23 @@ class MicroBatchRuntime:
         self.groups = UnitGroups(backward_group)  # see [Note: backward by units]
 
     # -- a micro-batch ------------------------------------------------------------------------------
-    def forward(self, fn: Callable[[nn.Module, Any], T], inputs: Any, *, micro: tuple[int, int] = (0, 1)) -> T:
-        """Bind the parameters, move ``inputs`` to the device and return ``fn(model, inputs)``.
+    def forward(self, fn: Callable[[nn.Module, Any], T] | None, inputs: Any, *, micro: tuple[int, int] = (0, 1)) -> T:
+        """Bind the parameters, move ``inputs`` to the device and return ``fn(model, inputs)``, or with ``fn``
+        None the model's own output for them (:func:`~dsfunc.batch.model_inputs`; called from here, so a batch
+        reaches the model through no frame of dsfunc's more).
 
         ``micro`` is ``(index, count)`` of this micro-batch in the optimizer step: it seeds dropout and
         tells the reducer which micro-batch is the last. If ``fn`` raises, this forward is dropped
         (everything it bound is unbound on this rank) and the error propagates.
         """
         inputs = self._to_device(inputs)
+        args, kwargs = model_inputs(inputs) if fn is None else ((), {})
         index = self._forwards
         self.begin_forward(micro)
+        model = self.program.skeleton
         try:
             with micro_batch_rng(self.state, micro[0], index):
-                out = fn(self.program.skeleton, inputs)
+                out = model(*args, **kwargs) if fn is None else fn(model, inputs)
         except BaseException:
             self.drop_forward()
             raise
@@ -184,7 +189,7 @@ class MicroBatchRuntime:
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale, for a script that calls ``backward()`` on it itself (fp16)."""
-        self._check_loss(loss)
+        scalar_loss(loss)
         self._prescaled = True
         return loss * self.state.scaler.scale
 
@@ -199,7 +204,7 @@ class MicroBatchRuntime:
         """
         if self.phase is Phase.IDLE:
             self._expect(Phase.FORWARD, "backward")
-        self._check_loss(loss)
+        scalar_loss(loss)
         if loss.grad_fn is None or not self.leaves:
             raise InputError(
                 "the loss has no graph: it does not depend on any trainable parameter bound for this "
@@ -541,12 +546,6 @@ class MicroBatchRuntime:
     def _expect(self, phase: Phase, call: str) -> None:
         if self.phase is not phase:
             raise UsageError(f"micro-batch runtime: {call}() in phase {self.phase.name}, expected {phase.name}")
-
-    @staticmethod
-    def _check_loss(loss: Any) -> None:
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise InputError(f"backward() needs a scalar floating-point loss, got {what}")
 
     def _to_device(self, inputs: Any) -> Any:
         device = self.program.device
