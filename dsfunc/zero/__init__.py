@@ -10,7 +10,8 @@ What each stage keeps per rank (Ψ = parameter count):
 
 Modules: :mod:`~dsfunc.zero.layout` (units, flat buffers, the ``torch.chunk`` split), ``binding``
 (parameters into the skeleton), ``gather`` (compute copies; stage-3 gather and free), ``reduce``
-(gradients over ranks), ``hooks`` (module hooks), ``runtime`` (one micro-batch's forward/backward),
+(gradients over ranks), ``hooks`` (module hooks), ``runtime`` (one micro-batch's forward/backward; what it keeps
+of the step in ``micro_batch``),
 ``materialize`` (from ``meta``), ``norms`` (norms over shards), ``memory`` (bytes per rank), ``offload``
 (ZeRO-Offload: the host buffers masters, gradients and parameters travel through), and
 ``context``: DeepSpeed's ``zero.Init``, ``zero.GatheredParameters`` and ``unwrap_model_for_generation``, which
