@@ -32,6 +32,7 @@ from dsfunc.config import (
     parse_activation_checkpointing,
     parse_compile,
 )
+from dsfunc.config.dtypes import DTYPES
 from dsfunc.distributed import comm
 from dsfunc.distributed.env import rank_variable
 from dsfunc.distributed.init import join_launched_world
@@ -66,7 +67,6 @@ from dsfunc.zero.reduce import grad_dtype
 
 logger = logging.getLogger("dsfunc")
 
-_COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, None: torch.float32}
 
 
 def init_state(
@@ -168,7 +168,7 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     if zero.stage == 3:
         mark_leaf_parameters(model)
     skeleton = model if in_place else make_skeleton(model)
-    comm_dtype = _COMM_DTYPES[cfg.communication_data_type]
+    comm_dtype = DTYPES[cfg.communication_data_type or "fp32"]
     host = HostOffload.from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype, grad_dtype=(
         grad_dtype(cfg.compute_dtype, comm_dtype, plan.world_size, cfg.gradient_accumulation_steps)))
     if pipeline is not None and host is not None:
