@@ -35,7 +35,7 @@ from dsfunc.config import (
 from dsfunc.config.dtypes import DTYPES
 from dsfunc.distributed import comm
 from dsfunc.distributed.env import rank_variable
-from dsfunc.distributed.init import join_launched_world
+from dsfunc.distributed.process_group import join_launched_world
 from dsfunc.errors import InputError, NotSupportedError
 from dsfunc.frozen import FrozenDict
 from dsfunc.graphs import GraphedStep
@@ -46,8 +46,8 @@ from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.groups import ParamGroups
 from dsfunc.optim.torch_optimizer import TorchOptimizerUpdate
 from dsfunc.optim.update import ChainUpdate
+from dsfunc.pipeline.pipelined import Pipeline
 from dsfunc.pipeline.place import place
-from dsfunc.pipeline.runtime import Pipeline
 from dsfunc.pipeline.stage import StageModule
 from dsfunc.program import Program
 from dsfunc.remat import checkpoint_units

@@ -50,6 +50,6 @@ class Program:
     step_fn: StepFn
     segment_norm: Callable[[Any], Any] | None = None
     offload: HostOffload | None = None  # the host side when the optimizer is offloaded (dsfunc.zero.offload)
-    # this rank's stage when the model is pipelined: a dsfunc.pipeline.runtime.Pipeline (not named here: that
+    # this rank's stage when the model is pipelined: a dsfunc.pipeline.pipelined.Pipeline (not named here: that
     # module builds on the step, whose program this is)
     pipeline: Any = None

@@ -32,7 +32,7 @@ from torch.nn.modules.module import (
 from torch.utils.hooks import RemovableHandle
 
 from dsfunc.distributed import comm
-from dsfunc.distributed.init import join_world
+from dsfunc.distributed.process_group import join_world
 from dsfunc.errors import NotSupportedError
 from dsfunc.zero.gather import Workspace, owner
 from dsfunc.zero.layout import Unit

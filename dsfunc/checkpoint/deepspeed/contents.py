@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dsfunc.checkpoint.deepspeed.layout import DeepSpeedFiles, find_files
+from dsfunc.checkpoint.deepspeed.folder import DeepSpeedFiles, find_files
 from dsfunc.checkpoint.deepspeed.shards import MOMENTS, ShardIndex, build_index
 from dsfunc.checkpoint.deepspeed.unpickle import DeepSpeedObject, load_file
 from dsfunc.checkpoint.errors import CheckpointCorruptError
