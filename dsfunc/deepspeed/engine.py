@@ -55,10 +55,10 @@ from dsfunc.deepspeed.engine_surface import EngineSurface
 from dsfunc.deepspeed.lr_schedules import engine_scheduler
 from dsfunc.deepspeed.step_in_progress import StepInProgress, transformed
 from dsfunc.deepspeed.views import EngineOptimizer, GroupView, schedule_count
+from dsfunc.deepspeed.zero_context import gathered_state_dict
 from dsfunc.errors import InputError, NotSupportedError, UsageError
 from dsfunc.monitor import Monitor, tokens_in
 from dsfunc.state import TrainState
-from dsfunc.zero.context import gathered_state_dict
 from dsfunc.zero.runtime import Phase
 
 logger = logging.getLogger("dsfunc")
