@@ -114,6 +114,7 @@ class MicroBatchRuntime:
         """``ranks``: how many ranks' gradients ``reducer`` sums (the seed divides by it). ``backward_group``:
         micro-batches whose backward runs together, unit by unit (see [Note: backward by units])."""
         self.state = state
+        self.program: Program = state.program
         self.reducer = reducer
         self.ranks = ranks
         self.phase = Phase.IDLE
@@ -127,12 +128,8 @@ class MicroBatchRuntime:
         self.groups = UnitGroups(backward_group)  # see [Note: backward by units]
 
     @property
-    def program(self) -> Program:
-        return self.state.program
-
-    @property
     def workspace(self) -> Workspace:
-        return self.state.program.workspace
+        return self.program.workspace
 
     @property
     def leaves(self) -> list[torch.Tensor]:
@@ -289,7 +286,7 @@ class MicroBatchRuntime:
         if self.tally.loss_sum is None:
             if not self.has_gradients:
                 raise UsageError("no micro-batch has run backward() in this runtime yet")
-            return torch.full((), float("nan"), device=self.workspace.device)
+            return torch.full((), float("nan"), device=self.program.workspace.device)
         return _divided(self.tally.loss_sum, self.tally.losses)
 
     def evaluate(self, fn: Callable[[nn.Module, Any], T], inputs: Any, *, grad_mode: bool = False) -> T:
@@ -322,20 +319,20 @@ class MicroBatchRuntime:
     def _bind(self, *, grad: bool) -> None:
         self.bound.grad = grad
         self.bound.active = True
-        self.workspace.active = self
+        self.program.workspace.active = self
         self.bound.views = {}
         for unit in self.program.plan.units:
-            if not self.workspace.lazy(unit):
+            if not self.program.workspace.lazy(unit):
                 self._bind_unit(unit)
         self.bound.write_back = self.program.slots.bind_buffers(self.state.buffers, self.program.compute_dtype)
 
     def _unbind(self) -> None:
         """Put the skeleton's resident tensors back, write buffers back, free lazy units: on this rank only."""
         self.program.slots.restore(self.state.buffers)
-        self.workspace.active = None
+        self.program.workspace.active = None
         self.bound.active = False
         self.bound.views = {}
-        self.workspace.release_all()
+        self.program.workspace.release_all()
         if self.bound.write_back is not None:
             self.bound.write_back()
             self.bound.write_back = None
@@ -367,7 +364,7 @@ class MicroBatchRuntime:
         if unit.name in bound.views:
             self.program.slots.bind_unit(unit.name, bound.views[unit.name])
             return
-        flat = self.workspace.ensure(unit, self.state.params)
+        flat = self.program.workspace.ensure(unit, self.state.params)
         if bound.grad:
             params = self._resident_leaves(unit, flat)
             if params is not None:
@@ -388,7 +385,7 @@ class MicroBatchRuntime:
         """The unit's resident parameters when they can be its autograd leaves: they view ``flat``, which they fill
         (no padding to assemble), and hold no gradient or hook of the script's own."""
         if (self._streaming or self.direct_backward or flat.numel() != unit.numel
-                or not self.workspace.shows(unit, flat)):
+                or not self.program.workspace.shows(unit, flat)):
             return None
         params = self.program.slots.residents(unit.name)
         for p in params:
@@ -445,8 +442,8 @@ class MicroBatchRuntime:
     def _on_grad(self, unit: Unit, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
         self._hand(unit, grad)
-        if self.workspace.lazy(unit) and not self.groups.hold:  # held: the next micro-batch's backward reads it too
-            self.workspace.release(unit)
+        if self.program.workspace.lazy(unit) and not self.groups.hold:  # held: the next micro-batch's backward reads it too
+            self.program.workspace.release(unit)
 
     def _hand(self, unit: Unit, grad: torch.Tensor) -> None:
         """Give the reducer ``unit``'s gradient of this micro-batch."""
@@ -467,21 +464,21 @@ class MicroBatchRuntime:
     def unit_forward_begins(self, unit: Unit, args: Any = (), kwargs: Any = None) -> tuple[Any, Any] | None:
         """Before a unit module's forward: a lazy unit gathered and bound; grouped, the call's inputs cut from the
         graph (the new ``(args, kwargs)`` are returned)."""
-        if self.workspace.lazy(unit):
+        if self.program.workspace.lazy(unit):
             if self.bound.grad and unit.name not in self.bound.order:
                 self.bound.order.append(unit.name)
-            self.workspace.ensure(unit, self.state.params)  # a unit run twice in one forward is re-gathered
+            self.program.workspace.ensure(unit, self.state.params)  # a unit run twice in one forward is re-gathered
             self._bind_unit(unit)
-            self.workspace.prefetch(self.workspace.next_units(unit), self.state.params)
+            self.program.workspace.prefetch(self.program.workspace.next_units(unit), self.state.params)
         if not (self.bound.grad and self.groups.on(self.micro)):
             return None
         return self.groups.cut(args, kwargs or {})
 
     def unit_forward_ends(self, unit: Unit, output: Any) -> None:
         """After a unit module's forward: a lazy unit freed, and a hook on its outputs for its backward."""
-        lazy, grouped = self.workspace.lazy(unit), self.bound.grad and self.groups.on(self.micro)
+        lazy, grouped = self.program.workspace.lazy(unit), self.bound.grad and self.groups.on(self.micro)
         if lazy:
-            self.workspace.release(unit)
+            self.program.workspace.release(unit)
         if not (lazy or grouped):
             return
         views = self.bound.views.get(unit.name) if grouped else None
@@ -494,13 +491,13 @@ class MicroBatchRuntime:
                               views: list[torch.Tensor] | None = None) -> torch.Tensor:
         if views is not None:  # grouped: the unit's recomputed forward reads this micro-batch's own views
             self.program.slots.bind_unit(unit.name, views)
-        if not self.workspace.lazy(unit):
+        if not self.program.workspace.lazy(unit):
             return grad
-        self.workspace.ensure(unit, self.state.params)
+        self.program.workspace.ensure(unit, self.state.params)
         order = self.bound.order
         i = order.index(unit.name) if unit.name in order else 0
         if i > 0:
-            self.workspace.prefetch([self.program.plan.unit(order[i - 1])], self.state.params)
+            self.program.workspace.prefetch([self.program.plan.unit(order[i - 1])], self.state.params)
         return grad
 
     # -- backward by units (see [Note: backward by units]) ---------------------------------------------
@@ -512,7 +509,7 @@ class MicroBatchRuntime:
         finally:
             _BACKWARDS_RUNNING[0] -= 1
             self.program.slots.restore(self.state.buffers)  # the views the segments bound
-            self.workspace.release_all()
+            self.program.workspace.release_all()
         self.reducer.end_micro(last=index == count - 1)
 
     def _segment(self, d: DeferredMicro, roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
