@@ -7,7 +7,7 @@ error that names the sizes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import optree
@@ -18,6 +18,35 @@ from dsfunc.errors import InputError, InputTypeError
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]  # loss_fn(model, batch) -> a scalar
+
+
+def model_inputs(batch: Batch) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(args, kwargs)`` a model without a ``loss_fn`` is called with: a dict's items by name, a tuple's or
+    list's by position, anything else as the one argument."""
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def loss_in(out: Any) -> Any:
+    """The loss in a forward's output: the output itself, or its ``loss`` (a mapping's item, an object's
+    attribute, as a Hugging Face output holds it)."""
+    return out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", out)
+
+
+def scalar_loss(loss: Any) -> torch.Tensor:
+    """``loss`` as a 0-d tensor: the one check every client's loss passes (the functional step's, the engine's
+    backward, a pipeline's last stage)."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"a tensor of shape {tuple(loss.shape)}"
+        raise InputError(
+            f"the loss must be a scalar floating-point tensor, got {what}: reduce it over the batch (e.g. .mean()) "
+            "in loss_fn, or in the model when it returns the loss itself (a tensor, or an object or mapping with "
+            ".loss)"
+        )
+    return loss.reshape(())
 
 
 def split_batch(batch: Batch, count: int, micro_size: int | None) -> list[Batch]:

@@ -87,7 +87,7 @@ def export(argv: Sequence[str] | None = None) -> int:
 
 def _holds_checkpoint(path: Path) -> bool:
     """Whether ``path`` is a checkpoint folder or a ``save_dir`` holding one (or a ``latest`` file)."""
-    from dsfunc.checkpoint.layout import LATEST_FILE
+    from dsfunc.checkpoint.paths import LATEST_FILE
     from dsfunc.checkpoint.tags import available_tags, is_checkpoint_folder
 
     return path.is_dir() and (is_checkpoint_folder(path) or (path / LATEST_FILE).is_file()

@@ -16,16 +16,16 @@ them did; whoever created it returns its reduced gradients, the others return ``
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dsfunc.batch import Batch, LossFn, split_batch
+from dsfunc.batch import Batch, LossFn, loss_in, model_inputs, scalar_loss, split_batch
 from dsfunc.distributed.mesh import Mesh
-from dsfunc.errors import InputError, UsageError
+from dsfunc.errors import UsageError
 from dsfunc.state import TrainState
 from dsfunc.zero.runtime import MicroBatchRuntime, local_runtime, zero_runtime
 
@@ -74,8 +74,8 @@ def value_and_grad(loss_fn: LossFn | None = None) -> GradFn:
 
     def grad_fn(ctx: GradContext, batch: Batch) -> GradResult:
         runtime = ctx.runtime or local_runtime(ctx.state)
-        fn = loss_fn or ctx.state.program.loss_fn
-        loss = runtime.forward(lambda model, b: compute_loss(fn, model, b), batch, micro=ctx.micro)
+        # None: the model itself is called with the batch (see MicroBatchRuntime.forward)
+        loss = scalar_loss(loss_in(runtime.forward(loss_fn or ctx.state.program.loss_fn, batch, micro=ctx.micro)))
         runtime.backward(loss, ctx.cotangent)
         runtime.end()
         if ctx.runtime is not None:
@@ -110,17 +110,14 @@ def scale_loss() -> GradTransform:
     """Multiply the loss by the current loss scale (``state.scaler.scale``) before backward; gradients
     stay scaled and the update unscales them."""
 
-    def transform(inner: GradFn) -> GradFn:
-        def grad_fn(ctx: GradContext, batch: Batch) -> GradResult:
-            if ctx.state.program.scaler.unscaled:  # bf16 or fp32: a scale of 1 for good, no device op for it
-                return inner(ctx, batch)
-            scale = ctx.state.scaler.scale
-            cotangent = scale if isinstance(ctx.cotangent, float) and ctx.cotangent == 1.0 else ctx.cotangent * scale
-            return inner(ctx.replace(cotangent=cotangent), batch)
+    def scaled(ctx: GradContext) -> GradContext:
+        if ctx.state.program.scaler.unscaled:  # bf16 or fp32: a scale of 1 for good, no device op for it
+            return ctx
+        scale = ctx.state.scaler.scale
+        return ctx.replace(cotangent=scale if isinstance(ctx.cotangent, float) and ctx.cotangent == 1.0
+                           else ctx.cotangent * scale)
 
-        return grad_fn
-
-    return transform
+    return _around(scaled, _unchanged)
 
 
 def shard(mesh: Mesh | DeviceMesh | None = None) -> GradTransform:
@@ -131,22 +128,56 @@ def shard(mesh: Mesh | DeviceMesh | None = None) -> GradTransform:
     The ranks are the state's mesh's ``dp x sp`` (tensor-parallel parts are each rank's own): the mesh is the
     state's, chosen by ``init_state(mesh=...)``; ``mesh`` here names it too, and must be that one."""
 
-    def transform(inner: GradFn) -> GradFn:
-        def grad_fn(ctx: GradContext, batch: Batch) -> GradResult:
-            if mesh is not None:
-                ctx.state.program.mesh.check_same(mesh)
-            if ctx.runtime is not None or ctx.micro[1] != 1:
-                raise UsageError(
-                    "shard() must be outside accumulate() and value_and_grad(): compose "
-                    "shard()(accumulate()(value_and_grad(loss_fn))) so one reduction covers every micro-batch"
-                )
-            runtime = zero_runtime(ctx.state)
-            inner(ctx.replace(runtime=runtime), batch)
-            return GradResult(*runtime.finish())
+    def with_runtime(ctx: GradContext) -> GradContext:
+        if mesh is not None:
+            ctx.state.program.mesh.check_same(mesh)
+        if ctx.runtime is not None or ctx.micro[1] != 1:
+            raise UsageError(
+                "shard() must be outside accumulate() and value_and_grad(): compose "
+                "shard()(accumulate()(value_and_grad(loss_fn))) so one reduction covers every micro-batch"
+            )
+        return ctx.replace(runtime=zero_runtime(ctx.state))
 
-        return grad_fn
+    return _around(with_runtime, lambda ctx, result: GradResult(*ctx.runtime.finish()))
+
+
+Enter = Callable[[GradContext], GradContext]
+Leave = Callable[[GradContext, GradResult], GradResult]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Around:
+    """A gradient function wrapped by transforms that only change the context going in and the result coming
+    out (:func:`scale_loss`, :func:`shard`): nested ones run in one call, so a batch reaches the model through
+    one frame for them all. ``layers`` are ``(enter, leave)`` pairs, outermost first."""
+
+    inner: GradFn
+    layers: tuple[tuple[Enter, Leave], ...]
+
+    def __call__(self, ctx: GradContext, batch: Batch) -> GradResult:
+        entered = []
+        for enter, _ in self.layers:
+            ctx = enter(ctx)
+            entered.append(ctx)
+        result = self.inner(ctx, batch)
+        for (_, leave), inner_ctx in zip(reversed(self.layers), reversed(entered)):
+            result = leave(inner_ctx, result)
+        return result
+
+
+def _around(enter: Enter, leave: Leave) -> GradTransform:
+    """The transform that runs its gradient function between ``enter`` and ``leave``."""
+
+    def transform(inner: GradFn) -> GradFn:
+        if isinstance(inner, _Around):
+            return _Around(inner.inner, ((enter, leave), *inner.layers))
+        return _Around(inner, ((enter, leave),))
 
     return transform
+
+
+def _unchanged(ctx: GradContext, result: GradResult) -> GradResult:
+    return result
 
 
 def default_grad_fn(loss_fn: LossFn | None = None) -> GradFn:
@@ -158,18 +189,6 @@ def compute_loss(loss_fn: LossFn | None, model: nn.Module, batch: Batch) -> torc
     """The scalar loss of ``batch``: ``loss_fn(model, batch)``, or the model's own output (a tensor, or a
     mapping/object with a ``loss``) called with the batch's tuple or dict."""
     if loss_fn is not None:
-        out = loss_fn(model, batch)
-    elif isinstance(batch, Mapping):
-        out = model(**batch)
-    elif isinstance(batch, (tuple, list)):
-        out = model(*batch)
-    else:
-        out = model(batch)
-    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", out)
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-        what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else f"a tensor of shape {tuple(loss.shape)}"
-        raise InputError(
-            f"the loss must be a scalar floating-point tensor, got {what}. Pass loss_fn=lambda model, "
-            "batch: ... to dsfunc.init_state, or make the model return the loss (or an object with .loss)"
-        )
-    return loss.reshape(())
+        return scalar_loss(loss_in(loss_fn(model, batch)))
+    args, kwargs = model_inputs(batch)
+    return scalar_loss(loss_in(model(*args, **kwargs)))

@@ -34,11 +34,12 @@ from dsfunc.config import (
     parse_activation_checkpointing,
     parse_compile,
 )
+from dsfunc.config.dtypes import DTYPES
 from dsfunc.config.leaf_modules import LeafModules
 from dsfunc.distributed import comm
 from dsfunc.distributed.env import rank_variable
-from dsfunc.distributed.init import join_launched_world
 from dsfunc.distributed.mesh import Mesh, no_mesh, pipeline_mesh, run_mesh
+from dsfunc.distributed.process_group import join_launched_world
 from dsfunc.errors import InputError, NotSupportedError
 from dsfunc.frozen import FrozenDict
 from dsfunc.graphs import GraphedStep
@@ -49,8 +50,8 @@ from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.groups import ParamGroups
 from dsfunc.optim.torch_optimizer import TorchOptimizerUpdate
 from dsfunc.optim.update import ChainUpdate
+from dsfunc.pipeline.pipelined import Pipeline
 from dsfunc.pipeline.place import place
-from dsfunc.pipeline.runtime import Pipeline
 from dsfunc.pipeline.stage import StageModule
 from dsfunc.program import Program
 from dsfunc.remat import checkpoint_units
@@ -80,7 +81,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("dsfunc")
 
-_COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, None: torch.float32}
 
 
 def init_state(
@@ -210,7 +210,7 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     plan, groups = _plan(model if tensor is None else skeleton, zero.stage, unit_modules, param_groups, mesh.zero)
     if tensor is not None:
         plan = dataclasses.replace(plan, tp=tensor.group, split=frozenset(tensor.split))
-    comm_dtype = _COMM_DTYPES[cfg.communication_data_type]
+    comm_dtype = DTYPES[cfg.communication_data_type or "fp32"]
     gas = cfg.gradient_accumulation_steps
     placement = placement_from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype,
                                       grad_dtype=grad_dtype(cfg.compute_dtype, comm_dtype, plan.world_size, gas),

@@ -10,6 +10,7 @@ the metrics, without a host sync.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -46,12 +47,8 @@ def make_train_step(grad_fn: GradFn | None = None, optimizer: Transform | None =
     Returns:
       A function like :func:`train_step`; call it in place of ``dsfunc.train_step``.
     """
-    grad_fn = grad_fn or default_grad_fn()
-
-    def step(state: TrainState, batch: Batch, donate: bool = True) -> TrainState:
-        return _run_step(state, batch, donate, grad_fn, optimizer)
-
-    return step
+    # a partial, not a closure: one frame less between train_step and the model
+    return functools.partial(_run_step, grad_fn=grad_fn or default_grad_fn(), optimizer=optimizer)
 
 
 def train_step(state: TrainState, batch: Batch, *, donate: bool = True) -> TrainState:
@@ -77,7 +74,7 @@ def check_min_scale(state: TrainState) -> None:
         check.raise_if_dead(state.program.scaler, state.scaler)
 
 
-def _run_step(state: TrainState, batch: Batch, donate: bool, grad_fn: GradFn, optimizer: Any) -> TrainState:
+def _run_step(state: TrainState, batch: Batch, donate: bool = True, *, grad_fn: GradFn, optimizer: Any) -> TrainState:
     state.check_usable()
     check_min_scale(state)
     if not donate:

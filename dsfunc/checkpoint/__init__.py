@@ -6,7 +6,7 @@ not is named in a :class:`CheckpointTimeoutError`, never a hang); :func:`export_
 One module per concept:
 
 * :mod:`.api`: the calls themselves, orchestrating the rest;
-* :mod:`.layout`: what a checkpoint folder and ``save_dir`` hold, file by file;
+* :mod:`.paths`: what a checkpoint folder and ``save_dir`` hold, file by file;
 * :mod:`.keys`: the state's tensors under world-size-independent keys, which is why any world size, ZeRO
   stage and precision loads any checkpoint (**resharding**);
 * :mod:`.publish`: the write, rename and ``latest`` protocol that makes a save appear whole or not at all
@@ -42,7 +42,7 @@ from dsfunc.checkpoint.errors import (
 )
 from dsfunc.checkpoint.export import export_fp32
 from dsfunc.checkpoint.hf import export_hf
-from dsfunc.checkpoint.layout import META_FILE
+from dsfunc.checkpoint.paths import META_FILE
 from dsfunc.checkpoint.tags import available_tags, find_checkpoint
 
 __all__ = [

@@ -28,7 +28,7 @@ from dsfunc.checkpoint.publish import write_checkpoint
 from dsfunc.checkpoint.tags import PathLike, check_tag, find_checkpoint
 from dsfunc.checkpoint.trust import pickle_client_state, read_client_state
 from dsfunc.distributed import comm
-from dsfunc.distributed.init import check_one_world
+from dsfunc.distributed.process_group import check_one_world
 from dsfunc.errors import InputError, InputTypeError, NotSupportedError
 from dsfunc.state import TrainState
 

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from dsfunc.checkpoint.coordination import collective, side_group
 from dsfunc.checkpoint.disk import disk_text
 from dsfunc.checkpoint.errors import CheckpointCorruptError, CheckpointError
-from dsfunc.checkpoint.layout import META_DATA, tensor_file
+from dsfunc.checkpoint.paths import META_DATA, tensor_file
 from dsfunc.checkpoint.pickle_bounds import check_torch_record
 from dsfunc.checkpoint.trust import load_plain_pickle, refused_global
 from dsfunc.distributed import comm

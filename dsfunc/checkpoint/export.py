@@ -32,7 +32,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from dsfunc.checkpoint.dcp_io import read_tensors
-from dsfunc.checkpoint.deepspeed.layout import is_deepspeed_folder
+from dsfunc.checkpoint.deepspeed.folder import is_deepspeed_folder
 from dsfunc.checkpoint.deepspeed.weights import deepspeed_weights
 from dsfunc.checkpoint.metadata import read_listed_index, read_meta, verify_files
 from dsfunc.checkpoint.publish import atomic_file

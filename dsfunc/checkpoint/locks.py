@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from dsfunc.checkpoint.errors import CheckpointTimeoutError
-from dsfunc.checkpoint.layout import LOCK_FILE, OWNER_FILE
+from dsfunc.checkpoint.paths import LOCK_FILE, OWNER_FILE
 
 
 @contextlib.contextmanager

@@ -27,7 +27,7 @@ from dsfunc.checkpoint.dcp_io import data_files, read_index
 from dsfunc.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from dsfunc.checkpoint.files import NotRegularFileError, open_regular
 from dsfunc.checkpoint.keys import entries
-from dsfunc.checkpoint.layout import META_DATA, META_FILE, OWNER_FILE
+from dsfunc.checkpoint.paths import META_DATA, META_FILE, OWNER_FILE
 from dsfunc.checkpoint.tags import available_tags
 from dsfunc.distributed import comm
 from dsfunc.frozen import thaw

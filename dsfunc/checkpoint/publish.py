@@ -26,14 +26,14 @@ from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dsfunc.checkpoint import layout, locks
+from dsfunc.checkpoint import locks, paths
 from dsfunc.checkpoint.coordination import collective
 from dsfunc.checkpoint.dcp_io import failure_text, write_failure_text, write_tensors
 from dsfunc.checkpoint.disk import check_space, disk_text, local_bytes
 from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.files import is_folder
-from dsfunc.checkpoint.layout import CLIENT_FILE, LATEST_FILE, META_FILE, OWNER_FILE, tensor_file
 from dsfunc.checkpoint.metadata import digest, hash_share
+from dsfunc.checkpoint.paths import CLIENT_FILE, LATEST_FILE, META_FILE, OWNER_FILE, tensor_file
 from dsfunc.checkpoint.recovery import write_recovery_script
 from dsfunc.checkpoint.tags import read_latest
 from dsfunc.distributed import comm
@@ -92,7 +92,7 @@ def _latest_now(save_dir: Path) -> str:
 def _temporary(save_dir: Path, tag: str, timeout: float) -> Iterator[Path]:
     """(rank 0) The folder the ranks write into, claimed by this process while the block runs and removed
     after it unless it was published; made after tidying what dead saves left behind."""
-    tmp = layout.temporary(save_dir, tag)
+    tmp = paths.temporary(save_dir, tag)
     with contextlib.ExitStack() as stack:
         try:
             save_dir.mkdir(parents=True, exist_ok=True)
@@ -113,9 +113,9 @@ def _temporary(save_dir: Path, tag: str, timeout: float) -> Iterator[Path]:
 def _tidy(save_dir: Path) -> None:
     """(under the lock of ``save_dir``) Put back what saves that died between their renames moved aside, and
     remove the temporary folders of saves that died and ``latest`` files never moved into place."""
-    for old in layout.replaced_tags(save_dir):
+    for old in paths.replaced_tags(save_dir):
         _recover(save_dir, old)
-    for stale in layout.temporaries(save_dir):
+    for stale in paths.temporaries(save_dir):
         if not is_folder(stale) or locks.abandoned(stale):
             _remove(stale)
 
@@ -129,7 +129,7 @@ def _check_replaceable(final: Path) -> None:
 
 def _recover(save_dir: Path, tag: str) -> None:
     """Undo a save of ``tag`` that died between moving the old folder aside and moving the new one in."""
-    old, final = layout.replaced(save_dir, tag), save_dir / tag
+    old, final = paths.replaced(save_dir, tag), save_dir / tag
     if _complete(final) or not _complete(old):
         _remove(old)
         return
@@ -162,7 +162,7 @@ def _publish(save_dir: Path, tmp: Path, tag: str, meta: dict[str, Any], client: 
         _check_replaceable(final)
         (tmp / OWNER_FILE).unlink()  # the lock protects the folder until it has its final name
         if os.path.lexists(final):
-            old = layout.replaced(save_dir, tag)
+            old = paths.replaced(save_dir, tag)
             _remove(old)
             os.rename(final, old)
         os.rename(tmp, final)
@@ -174,10 +174,10 @@ def _settle(save_dir: Path, tag: str, save_latest: bool, timeout: float) -> None
     """(rank 0) After ``tag`` is in place: remove what it replaced, and point ``latest`` at it."""
     with locks.hold(save_dir, timeout):
         _fsync_dir(save_dir)
-        _remove(layout.replaced(save_dir, tag))
+        _remove(paths.replaced(save_dir, tag))
         if not save_latest:
             return
-        pending = layout.temporary(save_dir, LATEST_FILE)
+        pending = paths.temporary(save_dir, LATEST_FILE)
         try:
             _write_durably(pending, tag.encode())
             os.replace(pending, save_dir / LATEST_FILE)

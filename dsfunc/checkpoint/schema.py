@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dsfunc.checkpoint.errors import CheckpointCorruptError
-from dsfunc.checkpoint.layout import CLIENT_FILE, META_DATA
+from dsfunc.checkpoint.paths import CLIENT_FILE, META_DATA
 
 #: The dtypes a checkpoint may name, by the name the metadata records (``"float32"``).
 DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in vars(torch).values()

@@ -1,7 +1,7 @@
 """Which checkpoint a directory and a tag name: the one place that reads ``latest`` and decides what is complete.
 
 A folder is a checkpoint when it is a complete dsfunc checkpoint (it holds ``dsfunc_checkpoint.json``) or a
-DeepSpeed checkpoint (it holds a ``*model_states.pt`` file; :mod:`dsfunc.checkpoint.deepspeed.layout`).
+DeepSpeed checkpoint (it holds a ``*model_states.pt`` file; :mod:`dsfunc.checkpoint.deepspeed.folder`).
 DeepSpeed writes ``latest`` the same way, so a DeepSpeed ``save_dir`` and its tags resolve here too.
 
 A tag is checked by one rule on save and on load (:func:`check_tag`), the tag ``latest`` names too; and a
@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dsfunc.checkpoint.deepspeed.layout import is_deepspeed_folder
+from dsfunc.checkpoint.deepspeed.folder import is_deepspeed_folder
 from dsfunc.checkpoint.errors import CheckpointCorruptError, CheckpointNotFoundError
 from dsfunc.checkpoint.files import is_folder, read_small
-from dsfunc.checkpoint.layout import LATEST_FILE, META_FILE, replaced
+from dsfunc.checkpoint.paths import LATEST_FILE, META_FILE, replaced
 from dsfunc.errors import InputError
 
 PathLike = str | os.PathLike

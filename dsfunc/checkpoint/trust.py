@@ -32,7 +32,7 @@ from typing import IO, Any
 import torch
 
 from dsfunc.checkpoint.errors import CheckpointError
-from dsfunc.checkpoint.layout import CLIENT_FILE
+from dsfunc.checkpoint.paths import CLIENT_FILE
 from dsfunc.checkpoint.pickle_bounds import check_pickle, check_torch_file
 
 #: The trust model of :func:`~dsfunc.load_checkpoint` and ``dsfunc export``, in one sentence (the README's

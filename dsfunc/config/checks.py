@@ -13,6 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from dsfunc.config.dtypes import DTYPES
 from dsfunc.config.errors import ConfigError, _auto, _bad, _join, _or, _show, _unknown, _unsupported
 from dsfunc.config.schema import Check, Rule, _parse, _Schema, _Spec
 
@@ -164,7 +165,7 @@ def _print_steps(value: Any, path: str) -> int | None:
     return _STEPS(value, path)
 
 
-_DTYPE_NAME = _optional(_choice("fp32", "fp16", "bf16"))
+_DTYPE_NAME = _optional(_choice(*DTYPES))
 _LR = _NON_NEGATIVE
 
 

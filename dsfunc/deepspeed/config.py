@@ -13,10 +13,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import torch
-
 from dsfunc.config import Config, ConfigError
 from dsfunc.config.batch import _check_triple, _resolve_batch
+from dsfunc.config.dtypes import DTYPES
 from dsfunc.deepspeed.engine_config import _FROM_CONFIG, _OFF
 from dsfunc.deepspeed.namespace import other_name
 from dsfunc.deepspeed.precision_config import get_bfloat16_config, get_float16_config  # noqa: F401 - DeepSpeed's names here too
@@ -29,7 +28,6 @@ DeepSpeedConfigError = ConfigError
 ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER = "adagrad", "adam", "adamw", "lamb"
 TORCH_ADAM_PARAM, ADAM_W_MODE, ADAM_W_MODE_DEFAULT = "torch_adam", "adam_w_mode", True
 
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # DeepSpeedConfig's attributes that the engine has as accessors of the same name and value
 _SHARED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
@@ -64,7 +62,7 @@ class DeepSpeedConfig:
         self.zero_enabled = cfg.zero_optimization.stage > 0
         self.float16_config = cfg.fp16
         self.bfloat16_config = cfg.bf16
-        self.communication_data_type = _DTYPES.get(cfg.communication_data_type)
+        self.communication_data_type = DTYPES.get(cfg.communication_data_type)
         self.prescale_gradients = cfg.prescale_gradients
         self.gradient_allreduce_op = cfg.gradient_allreduce_op
         self.disable_allgather = False

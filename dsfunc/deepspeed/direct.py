@@ -23,8 +23,8 @@ import optree
 import torch
 from torch import nn
 
+from dsfunc.deepspeed.engine_runtime import EngineRuntime
 from dsfunc.deepspeed.step_in_progress import StepInProgress, transformed
-from dsfunc.zero.runtime import MicroBatchRuntime
 
 
 def install(module: nn.Module, steps: StepInProgress) -> list[Any]:
@@ -68,7 +68,7 @@ def _zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
                 p.grad.detach_().zero_()
 
 
-def _begin(steps: StepInProgress) -> tuple[str, StepInProgress, MicroBatchRuntime, bool]:
+def _begin(steps: StepInProgress) -> tuple[str, StepInProgress, EngineRuntime, bool]:
     """Open the binding of a direct call: a training forward of the current micro-batch, or an evaluation."""
     if steps.trains_now():
         runtime = steps.begin()
@@ -78,7 +78,7 @@ def _begin(steps: StepInProgress) -> tuple[str, StepInProgress, MicroBatchRuntim
     return "eval", steps, runtime, runtime.begin_evaluation()
 
 
-def _end(token: tuple[str, StepInProgress, MicroBatchRuntime, bool], output: Any) -> None:
+def _end(token: tuple[str, StepInProgress, EngineRuntime, bool], output: Any) -> None:
     kind, steps, runtime, opened = token
     if kind == "train":
         if output is None:  # the forward raised

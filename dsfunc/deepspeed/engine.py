@@ -1,7 +1,8 @@
 """DeepSpeed's ``DeepSpeedEngine`` as a shell over a :class:`~dsfunc.TrainState` and the micro-batch runtime.
 
 The engine holds the current state (``engine.state``) and translates DeepSpeed's calls onto the one
-micro-batch runtime :func:`dsfunc.train_step` also uses (:mod:`dsfunc.zero.runtime`): ``engine(...)``
+micro-batch runtime :func:`dsfunc.train_step` also uses (:mod:`dsfunc.zero.runtime`; the engine's adds a script's
+own backward and the declared boundary, :mod:`dsfunc.deepspeed.engine_runtime`): ``engine(...)``
 (or a call of the module itself) is the runtime's ``forward``, ``engine.backward(loss)`` (or
 ``loss.backward()``) its ``backward`` and ``engine.step()`` its ``end``; at the accumulation boundary
 the step's gradients go to :func:`dsfunc.apply_gradients`, which also advances the lr schedule unless
@@ -26,7 +27,7 @@ The training loop, as DeepSpeed's: forwards with autograd enabled are training f
 module's mode); under ``torch.no_grad()`` they are evaluations. A micro-batch may hold several forwards
 and backwards before its ``engine.step()`` (a GAN); their gradients add up, each backward divided by the
 accumulation steps. ``loss.backward()`` instead of ``engine.backward(loss)`` works as in DeepSpeed (under
-fp16 use ``engine.scale(loss).backward()``; see :mod:`dsfunc.zero.runtime`); the engine then does not
+fp16 use ``engine.scale(loss).backward()``; see :mod:`dsfunc.deepspeed.engine_runtime`); the engine then does not
 see the loss, so ``engine.state.metrics.loss`` is nan for such steps. ``zero_grad()`` does nothing: it
 never discards the step's gradients, nor the graph of a forward whose backward is still to come.
 
@@ -55,10 +56,10 @@ from dsfunc.deepspeed.engine_surface import EngineSurface
 from dsfunc.deepspeed.lr_schedules import engine_scheduler
 from dsfunc.deepspeed.step_in_progress import StepInProgress, transformed
 from dsfunc.deepspeed.views import EngineOptimizer, GroupView, schedule_count
+from dsfunc.deepspeed.zero_context import gathered_state_dict
 from dsfunc.errors import InputError, NotSupportedError, UsageError
 from dsfunc.monitor import Monitor, tokens_in
 from dsfunc.state import TrainState
-from dsfunc.zero.context import gathered_state_dict
 from dsfunc.zero.runtime import Phase
 
 logger = logging.getLogger("dsfunc")

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from dsfunc.config import Config
+from dsfunc.config.dtypes import DTYPES
 from dsfunc.config.offload import OffloadConfig
 from dsfunc.frozen import thaw
 
 _LOWER_CASE_OPTIMIZERS = {"adam", "adamw", "lamb", "adagrad"}  # DeepSpeed's own: named in lower case
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 # What DeepSpeed 0.19.8 returns for the sections a dsfunc config can only hold switched off
 _OFF = {
@@ -121,7 +121,7 @@ _FROM_CONFIG = {
     },
     "get_data_types": lambda cfg: (
         cfg.compute_dtype,
-        _DTYPES[cfg.grad_accum_dtype] if cfg.grad_accum_dtype else cfg.compute_dtype,
+        DTYPES[cfg.grad_accum_dtype] if cfg.grad_accum_dtype else cfg.compute_dtype,
     ),
     "optimizer_params": lambda cfg: _thawed(cfg.raw.get("optimizer", {}).get("params")),
     "scheduler_name": lambda cfg: cfg.scheduler.type if cfg.scheduler else None,
@@ -195,7 +195,7 @@ class ConfigAccessors:
         """The dtype gradients are reduced in (DeepSpeed's property: the compute dtype when unset; dsfunc
         reduces in fp32 then, see ``communication_data_type`` in the config)."""
         cfg: Config = self.state.program.config
-        return _DTYPES[cfg.communication_data_type] if cfg.communication_data_type else torch.float32
+        return DTYPES[cfg.communication_data_type] if cfg.communication_data_type else torch.float32
 
     def optimizer_name(self) -> str | None:
         """The config's optimizer type (lower case, as DeepSpeed), or the class name of the client optimizer."""

@@ -34,7 +34,7 @@ from dsfunc.deepspeed.translate import (
 )
 from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, group_views
 from dsfunc.distributed import comm
-from dsfunc.distributed.init import init_distributed, join_world
+from dsfunc.distributed.process_group import init_distributed, join_world
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.init import init_state
 from dsfunc.optim.base import chain

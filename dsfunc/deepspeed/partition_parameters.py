@@ -1,5 +1,5 @@
 """``deepspeed.runtime.zero.partition_parameters``: ZeRO-3's context managers and parameter status
-(:mod:`dsfunc.zero`), and the tensor-constructor hook libraries swap around ``zero.Init``.
+(:mod:`dsfunc.deepspeed.zero_context`), and the tensor-constructor hook libraries swap around ``zero.Init``.
 
 DeepSpeed's ``zero.Init`` wraps torch's tensor constructors (``torch.empty``, ``torch.arange``, ...) with
 :func:`zero_wrapper_for_fp_tensor_constructor` to place them and cast them to the ZeRO dtype;
@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from dsfunc.deepspeed.accelerator import get_accelerator
-from dsfunc.zero import GatheredParameters, Init, ZeroParamStatus, register_external_parameter
+from dsfunc.deepspeed.zero_context import GatheredParameters, Init, register_external_parameter
+from dsfunc.zero.placeholders import ZeroParamStatus
 
 _orig_torch_arange = torch.arange  # DeepSpeed's name for the unwrapped constructor
 partitioned_param_data_shape = [0]  # the shape of a ZeRO-3 parameter that is not gathered (DeepSpeed's name)

@@ -2,7 +2,7 @@
 
 ``engine.train_batch(data_iter)`` pulls ``gradient_accumulation_steps`` ``(inputs, labels)`` micro-batches
 on the first and last stages (the others read nothing, as in DeepSpeed) and runs :func:`dsfunc.train_step`,
-the pipelined step of :mod:`dsfunc.pipeline.runtime`; it returns the step's mean loss, the same on every
+the pipelined step of :mod:`dsfunc.pipeline.pipelined`; it returns the step's mean loss, the same on every
 rank. ``eval_batch`` runs the schedule's forwards only. ``engine(x)``, ``engine.backward`` and
 ``engine.step`` are refused, as in DeepSpeed: the schedule runs the micro-batches.
 """

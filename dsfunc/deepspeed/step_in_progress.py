@@ -12,9 +12,10 @@ import logging
 
 import torch
 
+from dsfunc.deepspeed.engine_runtime import EngineRuntime
 from dsfunc.state import TrainState
 from dsfunc.step import apply_gradients, check_min_scale
-from dsfunc.zero.runtime import MicroBatchRuntime, Phase, zero_runtime
+from dsfunc.zero.runtime import Phase, zero_runtime
 
 logger = logging.getLogger("dsfunc")
 
@@ -34,7 +35,7 @@ class StepInProgress:
     def __init__(self, state: TrainState, *, trains: bool) -> None:
         self.state = state  # replaced at every optimizer step; the replaced ones are donated
         self.trains = trains  # whether there is an optimizer: without one every forward is an evaluation
-        self.runtime: MicroBatchRuntime | None = None
+        self.runtime: EngineRuntime | None = None
         self.micro_steps = 0
         # the client's word on whether the current micro-batch ends the optimizer step (DeepSpeed's
         # set_gradient_accumulation_boundary: accelerate runs the step's backwards and calls step() once)
@@ -80,16 +81,16 @@ class StepInProgress:
             return self.boundary
         return (self.micro_steps + 1) % self.accumulation_steps == 0
 
-    def begin(self) -> MicroBatchRuntime:
+    def begin(self) -> EngineRuntime:
         """The runtime of the step in progress, opened now if this is the step's first training forward."""
         if self.runtime is None:
             check_min_scale(self.state)
-            self.runtime = zero_runtime(self.state, direct_backward=True)
+            self.runtime = zero_runtime(self.state, EngineRuntime)
         return self.runtime
 
-    def for_evaluation(self) -> MicroBatchRuntime:
+    def for_evaluation(self) -> EngineRuntime:
         """A runtime to evaluate on: the open step's (its bindings stay valid), else a fresh one."""
-        return self.runtime if self.runtime is not None else zero_runtime(self.state, direct_backward=True)
+        return self.runtime if self.runtime is not None else zero_runtime(self.state, EngineRuntime)
 
     def end_micro_batch(self) -> bool:
         """Close the current micro-batch (after its backwards); True if it ended the optimizer step."""

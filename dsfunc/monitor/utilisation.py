@@ -16,10 +16,9 @@ from typing import Any
 import optree
 import torch
 
+from dsfunc.config.dtypes import dtype_name
 from dsfunc.monitor.flops import FlopCount, count_flops
 from dsfunc.monitor.peak import device_name, peak_tflops
-
-_DTYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def _meta(t: Any) -> Any:
@@ -74,7 +73,7 @@ class Utilisation:
                     f"copy ({self.failure})")
         c = self.count
         device = self.program.device
-        dtype = _DTYPE.get(self.program.compute_dtype, str(self.program.compute_dtype))
+        dtype = dtype_name(self.program.compute_dtype)
         line = (f"[dsfunc] model FLOPs per sample: {c.per_sample:.4g} (forward {c.forward / c.samples:.4g} + "
                 f"backward {c.backward / c.samples:.4g}, torch.utils.flop_counter on a meta copy); ")
         if self.peak is None:

@@ -19,7 +19,7 @@ from dsfunc.config import PipelineConfig, parse_pipeline
 from dsfunc.config.config import pipeline_section
 from dsfunc.distributed import comm
 from dsfunc.errors import InputError, InputTypeError
-from dsfunc.pipeline.runtime import Pipeline
+from dsfunc.pipeline.pipelined import Pipeline
 from dsfunc.pipeline.stage import StageModule
 from dsfunc.pipeline.topology import Topology, check_world, make_topology
 

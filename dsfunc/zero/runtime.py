@@ -1,9 +1,9 @@
 """The micro-batch runtime: the one implementation of a micro-batch's forward, backward and reduction.
 
 Every caller runs micro-batches through a :class:`MicroBatchRuntime`: the gradient transforms of
-:mod:`dsfunc.grad` (``value_and_grad`` inside ``accumulate`` inside ``shard``) and the DeepSpeed engine,
-which only translates ``engine(...)``, ``engine.backward(loss)`` and ``engine.step()`` onto
-:meth:`~MicroBatchRuntime.forward`, :meth:`~MicroBatchRuntime.backward` and :meth:`~MicroBatchRuntime.end`.
+:mod:`dsfunc.grad` (``value_and_grad`` inside ``accumulate`` inside ``shard``), a pipeline's schedule
+(:meth:`~MicroBatchRuntime.run_backwards`) and the DeepSpeed engine, whose protocol (a script's own backward, the
+boundary it declares) :class:`~dsfunc.deepspeed.engine_runtime.EngineRuntime` adds on top.
 One runtime serves one optimizer step::
 
     runtime = zero_runtime(state)                      # or local_runtime(state): no collectives
@@ -24,14 +24,9 @@ The backward seed makes the step's gradient the mean over every micro-batch of e
 ``loss * loss_scale / ranks / micro_count`` (``ranks`` is the number of ranks the reducer sums over).
 ``torch.autograd.backward`` is called here and nowhere else.
 
-[Note: a backward the runtime does not run] A script may call ``loss.backward()`` itself. The gradients
-still reach the micro-batch's leaves, and the runtime applies the seed there, as each unit's gradient
-arrives: ``1 / ranks / micro_count`` (a gradient is linear in the seed, so this is the mean the seed
-gives). DeepSpeed scales at the forward's outputs instead, which counts twice an output computed from
-another (a Hugging Face output's ``loss`` from its ``logits``). A loss the runtime never sees is not in
-the mean loss (``nan`` when no loss of the step was seen). Under fp16 the loss must be multiplied by the
-loss scale before its backward (:meth:`MicroBatchRuntime.scale`), so a direct ``loss.backward()`` of an
-unscaled loss is an error then.
+A script's own ``loss.backward()`` is the DeepSpeed engine's business ([Note: a backward the runtime does not run] in
+:mod:`dsfunc.deepspeed.engine_runtime`, whose runtime extends this one); here a gradient that arrives from a backward
+no runtime runs is an error.
 
 [Note: gradients as they come] Where the reducer wants each unit's gradient as backward makes it (its
 collective, or its copy to the host, then runs beside the rest of backward: ``Reducer.streams``), a unit is
@@ -73,16 +68,19 @@ import optree
 import torch
 from torch import nn
 
+from dsfunc.batch import model_inputs, scalar_loss
 from dsfunc.errors import InputError, UsageError
 from dsfunc.zero.backward_by_units import DeferredMicro, UnitGroups
 from dsfunc.zero.hooks import tensors_in
 from dsfunc.zero.layout import Unit, unit_views
+from dsfunc.zero.micro_batch import Bound, Tally
 from dsfunc.zero.reduce import Grads, LocalReducer, Reducer, ZeroReducer
 from dsfunc.zero.rng import micro_batch_rng
 
 if TYPE_CHECKING:
     from dsfunc.program import Program
     from dsfunc.state import TrainState
+    from dsfunc.zero.gather import Workspace
 
 T = TypeVar("T")
 
@@ -90,6 +88,11 @@ T = TypeVar("T")
 # unit, while the parameters' own gradients and the assembled copy are both held (see collect)
 _ASSEMBLED_ELEMENTS = 1 << 22
 _BACKWARDS_RUNNING = [0]  # how many MicroBatchRuntime.backward calls are inside autograd right now
+
+
+def backward_running() -> bool:
+    """Whether a runtime's backward is inside autograd now (else a gradient comes from a script's own)."""
+    return _BACKWARDS_RUNNING[0] > 0
 
 
 class Phase(enum.Enum):
@@ -103,56 +106,54 @@ class Phase(enum.Enum):
 class MicroBatchRuntime:
     """Binds a state's parameters into its model for each micro-batch and collects the gradients."""
 
-    def __init__(self, state: TrainState, reducer: Reducer, *, ranks: int = 1, direct_backward: bool = False,
-                 backward_group: int = 1) -> None:
-        """``ranks``: how many ranks' gradients ``reducer`` sums (the seed divides by it). ``direct_backward``: a
-        script may call ``backward()`` on a loss itself (the DeepSpeed engine; see [Note: the module's parameters
-        as leaves]). ``backward_group``: micro-batches whose backward runs together, unit by unit (see [Note:
-        backward by units])."""
+    # a script may call backward() on a loss itself: its gradients must not sit on the module's parameters (see
+    # [Note: the module's parameters as leaves]); the engine's runtime says so
+    direct_backward = False
+
+    def __init__(self, state: TrainState, reducer: Reducer, *, ranks: int = 1, backward_group: int = 1) -> None:
+        """``ranks``: how many ranks' gradients ``reducer`` sums (the seed divides by it). ``backward_group``:
+        micro-batches whose backward runs together, unit by unit (see [Note: backward by units])."""
         self.state = state
         self.program: Program = state.program
-        self.workspace = self.program.run.workspace
         self.reducer = reducer
         self.ranks = ranks
         self.phase = Phase.IDLE
         self.micro: tuple[int, int] = (0, 1)
-        self.leaves: list[torch.Tensor] = []  # every autograd leaf bound in this micro-batch
-        # each bound unit's leaves: its flat leaf, or its resident parameters (a list)
-        self._unit_leaves: list[tuple[Unit, torch.Tensor | list[nn.Parameter]]] = []
+        self.bound = Bound()
+        self.tally = Tally()
+        workspace = state.program.run.workspace
         # see [Note: gradients as they come]
-        self._streaming = (reducer.streams or any(self.workspace.lazy(u) for u in self.program.plan.units)
-                           or not self.program.scaler.unscaled)
-        self._param_leaves = not self._streaming and not direct_backward  # [Note: the module's parameters as leaves]
-        self._bound = False
-        self._grad_binding = True  # False while an evaluation is bound: views without leaves
-        self._views: dict[str, list[torch.Tensor]] = {}
-        self._order: list[str] = []  # lazy units in the order this micro-batch's forwards ran them
-        self._write_back: Callable[[], None] | None = None
-        self._forwards = 0  # forwards run in this micro-batch (each draws its own dropout masks)
-        self._backwards = 0  # backwards in this micro-batch, the runtime's and the script's own
-        self._micro_loss: torch.Tensor | None = None
-        self._micro_losses = 0  # losses added into _micro_loss
-        self._declared = False  # place() was called: each backward's loss is a micro-batch's (see place)
-        self._prescaled = False  # scale() multiplied a loss by the loss scale for a direct backward
-        self._loss_sum: torch.Tensor | None = None
-        self._losses = 0
-        self._micros_ended = 0
+        self._streaming = (reducer.streams or any(workspace.lazy(u) for u in state.program.plan.units)
+                           or not state.program.scaler.unscaled)
         self.groups = UnitGroups(backward_group)  # see [Note: backward by units]
 
+    @property
+    def workspace(self) -> Workspace:
+        return self.program.run.workspace
+
+    @property
+    def leaves(self) -> list[torch.Tensor]:
+        """Every autograd leaf bound in the open micro-batch."""
+        return self.bound.leaves
+
     # -- a micro-batch ------------------------------------------------------------------------------
-    def forward(self, fn: Callable[[nn.Module, Any], T], inputs: Any, *, micro: tuple[int, int] = (0, 1)) -> T:
-        """Bind the parameters, move ``inputs`` to the device and return ``fn(model, inputs)``.
+    def forward(self, fn: Callable[[nn.Module, Any], T] | None, inputs: Any, *, micro: tuple[int, int] = (0, 1)) -> T:
+        """Bind the parameters, move ``inputs`` to the device and return ``fn(model, inputs)``, or with ``fn``
+        None the model's own output for them (:func:`~dsfunc.batch.model_inputs`; called from here, so a batch
+        reaches the model through no frame of dsfunc's more).
 
         ``micro`` is ``(index, count)`` of this micro-batch in the optimizer step: it seeds dropout and
         tells the reducer which micro-batch is the last. If ``fn`` raises, this forward is dropped
         (everything it bound is unbound on this rank) and the error propagates.
         """
         inputs = self._to_device(inputs)
-        index = self._forwards
+        args, kwargs = model_inputs(inputs) if fn is None else ((), {})
+        index = self.tally.forwards
         self.begin_forward(micro)
+        model = self.program.skeleton
         try:
             with micro_batch_rng(self.state, micro[0], index):
-                out = fn(self.program.skeleton, inputs)
+                out = model(*args, **kwargs) if fn is None else fn(model, inputs)
         except BaseException:
             self.drop_forward()
             raise
@@ -169,24 +170,10 @@ class MicroBatchRuntime:
                 f"micro-batch runtime: a forward for micro-batch {micro} while micro-batch {self.micro} is "
                 "open; call end() first"
             )
-        if not self._bound:
+        if not self.bound.active:
             self._bind(grad=True)
-        self._forwards += 1
+        self.tally.forwards += 1
         self.phase = Phase.FORWARD
-
-    def place(self, micro: tuple[int, int]) -> None:
-        """Move the open micro-batch to ``micro``: its place in the step, declared by the client between its
-        forward and its backward (DeepSpeed's ``set_gradient_accumulation_boundary``). The backwards and
-        ``end()`` from now on tell the reducer that place, and each backward's loss counts as one micro-batch's
-        in :meth:`mean_loss` (such a client runs one micro-batch per backward between its declarations)."""
-        self.micro = micro
-        self._declared = True
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the loss scale, for a script that calls ``backward()`` on it itself (fp16)."""
-        self._check_loss(loss)
-        self._prescaled = True
-        return loss * self.state.scaler.scale
 
     def backward(self, loss: torch.Tensor, loss_scale: torch.Tensor | float = 1.0, *,
                  retain_graph: bool = False, mean_over_micro: bool = True) -> None:
@@ -199,14 +186,14 @@ class MicroBatchRuntime:
         """
         if self.phase is Phase.IDLE:
             self._expect(Phase.FORWARD, "backward")
-        self._check_loss(loss)
+        scalar_loss(loss)
         if loss.grad_fn is None or not self.leaves:
             raise InputError(
                 "the loss has no graph: it does not depend on any trainable parameter bound for this "
                 "micro-batch (computed under torch.no_grad(), detached, or from the original module instead "
                 "of the model the step binds); compute it from the outputs of this micro-batch's forward"
             )
-        seed = _divided(loss_scale, self.ranks, self.micro[1] if mean_over_micro else 1)
+        seed = self.seed(loss_scale, self.micro[1] if mean_over_micro else 1)
         loss = loss.reshape(())
         # the seed as backward's incoming gradient: the numbers of backpropagating loss * seed, without its two
         # multiplications (forward and backward) and the ones it would be seeded with
@@ -220,10 +207,8 @@ class MicroBatchRuntime:
         else:
             with self._backward_scope():
                 torch.autograd.backward(loss, grad_tensors=seed, inputs=self.leaves, retain_graph=retain_graph)
-        value = loss.detach().float()
-        self._micro_loss = value if self._micro_loss is None else self._micro_loss + value
-        self._micro_losses += 1
-        self._backwards += 1
+        self.tally.add_loss(loss)
+        self.tally.backwards += 1
         self.phase = Phase.BACKWARD
 
     @contextlib.contextmanager
@@ -242,10 +227,11 @@ class MicroBatchRuntime:
             _BACKWARDS_RUNNING[0] -= 1
         self._unbind()
 
-    def seed(self, loss_scale: torch.Tensor | float, micro_count: int) -> torch.Tensor | float:
-        """What a loss is multiplied by before a backward the caller runs in :meth:`run_backwards`:
-        ``loss_scale / ranks / micro_count``, the seed :meth:`backward` applies itself."""
-        return _divided(loss_scale, self.ranks, micro_count)
+    def seed(self, value: torch.Tensor | float, micro_count: int) -> torch.Tensor | float:
+        """``value / ranks / micro_count``: the one place the mean over ranks and micro-batches is made. The seed
+        :meth:`backward` applies (``value`` the loss scale), what a loss is multiplied by before a backward the
+        caller runs in :meth:`run_backwards`, and what a script's own backward's gradients are multiplied by."""
+        return _divided(value, self.ranks, micro_count)
 
     def run_backwards(self, run: Callable[[], torch.Tensor], *, micro: tuple[int, int] = (0, 1)) -> None:
         """Bind the parameters and call ``run()``, which runs forwards and backwards itself (a pipeline
@@ -255,40 +241,35 @@ class MicroBatchRuntime:
         self.begin_forward(micro)
         with self._backward_scope(), micro_batch_rng(self.state, micro[0], 0):
             loss = run()
-        self._micro_loss = loss.detach().float()
-        self._backwards += 1
+        self.tally.micro_loss = loss.detach().float()
+        self.tally.backwards += 1
         self.phase = Phase.BACKWARD
 
     def end(self) -> None:
         """Let the reducer finish this micro-batch: units no loss reached still join the collectives.
         A forward after the last backward is dropped."""
         self.collect()
-        if self._backwards == 0:
+        if self.tally.backwards == 0:
             self._expect(Phase.BACKWARD, "end")
         self._end_micro()
 
     def drop_forward(self) -> None:
         """Drop the forwards since the last backward (unbound on this rank; nothing reaches the reducer)."""
         self.collect()  # a backward the script ran itself is not dropped with them
-        if self._bound:
+        if self.bound.active:
             self._unbind()
         if self.phase is Phase.FORWARD:
-            self.phase = Phase.BACKWARD if self._backwards else Phase.IDLE
+            self.phase = Phase.BACKWARD if self.tally.backwards else Phase.IDLE
             if self.phase is Phase.IDLE:
-                self._forwards, self.leaves, self._unit_leaves, self._order = 0, [], [], []
+                self.tally.forwards = 0
+                self.bound.reset()
                 self.groups.calls = []
-
-    @property
-    def micro_backwards(self) -> int:
-        """Backwards (the runtime's and the script's own) in the current micro-batch."""
-        self.collect()
-        return self._backwards
 
     @property
     def has_gradients(self) -> bool:
         """True once a backward reached this optimizer step (its gradients would be lost by dropping it)."""
         self.collect()
-        return self._backwards > 0 or self._micros_ended > 0
+        return self.tally.backwards > 0 or self.tally.micros_ended > 0
 
     def finish(self) -> tuple[torch.Tensor, Grads]:
         """The mean loss of the micro-batches run, and the reduced gradients (after the last ``end``)."""
@@ -302,11 +283,11 @@ class MicroBatchRuntime:
     def mean_loss(self) -> torch.Tensor:
         """The mean over micro-batches of the losses backpropagated so far (``nan`` when every backward
         was the script's own, whose loss the runtime never sees)."""
-        if self._loss_sum is None:
+        if self.tally.loss_sum is None:
             if not self.has_gradients:
                 raise UsageError("no micro-batch has run backward() in this runtime yet")
-            return torch.full((), float("nan"), device=self.workspace.device)
-        return _divided(self._loss_sum, self._losses)
+            return torch.full((), float("nan"), device=self.program.run.workspace.device)
+        return _divided(self.tally.loss_sum, self.tally.losses)
 
     def evaluate(self, fn: Callable[[nn.Module, Any], T], inputs: Any, *, grad_mode: bool = False) -> T:
         """``fn(model, inputs)`` under ``torch.no_grad()``: an evaluation, bound and unbound around it
@@ -325,7 +306,7 @@ class MicroBatchRuntime:
     def begin_evaluation(self) -> bool:
         """Bind the parameters without autograd leaves for an evaluation the caller runs; False (nothing
         to undo) when a forward's binding is already in place."""
-        if self._bound:
+        if self.bound.active:
             return False
         self._bind(grad=False)
         return True
@@ -336,74 +317,75 @@ class MicroBatchRuntime:
 
     # -- binding -------------------------------------------------------------------------------------
     def _bind(self, *, grad: bool) -> None:
-        self._grad_binding = grad
-        self._bound = True
-        self.workspace.active = self
-        self._views = {}
+        self.bound.grad = grad
+        self.bound.active = True
+        self.program.run.workspace.active = self
+        self.bound.views = {}
         for unit in self.program.plan.units:
-            if not self.workspace.lazy(unit):
+            if not self.program.run.workspace.lazy(unit):
                 self._bind_unit(unit)
-        self._write_back = self.program.slots.bind_buffers(self.state.buffers, self.program.compute_dtype)
+        self.bound.write_back = self.program.slots.bind_buffers(self.state.buffers, self.program.compute_dtype)
 
     def _unbind(self) -> None:
         """Put the skeleton's resident tensors back, write buffers back, free lazy units: on this rank only."""
         self.program.slots.restore(self.state.buffers)
-        self.workspace.active = None
-        self._bound = False
-        self._views = {}
-        self.workspace.release_all()
-        if self._write_back is not None:
-            self._write_back()
-            self._write_back = None
+        self.program.run.workspace.active = None
+        self.bound.active = False
+        self.bound.views = {}
+        self.program.run.workspace.release_all()
+        if self.bound.write_back is not None:
+            self.bound.write_back()
+            self.bound.write_back = None
 
     def _end_micro(self) -> None:
         self.collect()  # what a backward the script ran itself left in the leaves
-        if self._bound:
+        if self.bound.active:
             self._unbind()
         index, count = self.micro
         if self.groups.losses:  # its backward runs with its group's
-            self.groups.defer(self.micro, self.leaves, self._unit_leaves, self._order)
+            self.groups.defer(self.micro, self.bound.leaves, self.bound.unit_leaves, self.bound.order)
         else:
             self.reducer.end_micro(last=index == count - 1)
         if self.groups.due(self.micro):
             self._backward_group()
-        if self._micro_loss is not None:
-            self._loss_sum = self._micro_loss if self._loss_sum is None else self._loss_sum + self._micro_loss
-            self._losses += self._micro_losses if self._declared else 1
-        self._micros_ended += 1
-        self._micro_loss, self._forwards, self._backwards, self._prescaled = None, 0, 0, False
-        self._micro_losses = 0
-        self.leaves, self._unit_leaves, self._order = [], [], []
+        self.tally.end_micro(self._losses_in_micro())
+        self.bound.reset()
         self.phase = Phase.IDLE
+
+    def _losses_in_micro(self) -> int:
+        """How many micro-batches' losses the open micro-batch's loss counts as in :meth:`mean_loss`."""
+        return 1
 
     def _bind_unit(self, unit: Unit) -> None:
         """Make ``unit``'s parameters visible to the skeleton: views of a fresh autograd leaf (a training
         binding) or of the compute copy itself (an evaluation); or, where they can be the leaves, its resident
         parameters as they are ([Note: the module's parameters as leaves])."""
-        if unit.name in self._views:
-            self.program.slots.bind_unit(unit.name, self._views[unit.name])
+        bound = self.bound
+        if unit.name in bound.views:
+            self.program.slots.bind_unit(unit.name, bound.views[unit.name])
             return
-        flat = self.workspace.ensure(unit, self.state.params)
-        if self._grad_binding:
+        flat = self.program.run.workspace.ensure(unit, self.state.params)
+        if bound.grad:
             params = self._resident_leaves(unit, flat)
             if params is not None:
-                self.leaves.extend(params)
-                self._unit_leaves.append((unit, params))
+                bound.leaves.extend(params)
+                bound.unit_leaves.append((unit, params))
                 return
             flat = flat.detach().requires_grad_()
             if self._streaming:
                 me = weakref.ref(self)  # weak: a cycle leaf -> hook -> runtime -> leaf would keep whole states alive
                 flat.register_post_accumulate_grad_hook(lambda t, u=unit: me()._on_grad(u, t))
-            self.leaves.append(flat)
-            self._unit_leaves.append((unit, flat))
+            bound.leaves.append(flat)
+            bound.unit_leaves.append((unit, flat))
         views = unit_views(unit, flat)
-        self._views[unit.name] = views
+        bound.views[unit.name] = views
         self.program.slots.bind_unit(unit.name, views)
 
     def _resident_leaves(self, unit: Unit, flat: torch.Tensor) -> list[nn.Parameter] | None:
         """The unit's resident parameters when they can be its autograd leaves: they view ``flat``, which they fill
         (no padding to assemble), and hold no gradient or hook of the script's own."""
-        if not self._param_leaves or flat.numel() != unit.numel or not self.workspace.shows(unit, flat):
+        if (self._streaming or self.direct_backward or flat.numel() != unit.numel
+                or not self.program.run.workspace.shows(unit, flat)):
             return None
         params = self.program.slots.residents(unit.name)
         for p in params:
@@ -416,11 +398,11 @@ class MicroBatchRuntime:
         """Hand the reducer the gradients left in the leaves (when it does not take them as they come), last bound
         first: the order backward finishes a chain of units in, which hooks would have given. The reducer keeps
         that order, and the norm sums in it, so a run trains bit for bit the same either way."""
-        if self._streaming or all(leaf.grad is None for leaf in self.leaves):  # (it is called after every phase)
+        if self._streaming or all(leaf.grad is None for leaf in self.bound.leaves):  # (called after every phase)
             return
         batch: list[tuple[Unit, list[torch.Tensor]]] = []  # units whose gradients are assembled by one cat
         elements = 0  # in batch
-        for unit, leaves in reversed(self._unit_leaves):
+        for unit, leaves in reversed(self.bound.unit_leaves):
             if isinstance(leaves, torch.Tensor):
                 self._hand_assembled(batch)
                 if leaves.grad is not None:
@@ -460,48 +442,46 @@ class MicroBatchRuntime:
     def _on_grad(self, unit: Unit, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
         self._hand(unit, grad)
-        if self.workspace.lazy(unit) and not self.groups.followed:  # the next micro-batch's backward reads it too
-            self.workspace.release(unit)
+        if self.program.run.workspace.lazy(unit) and not self.groups.followed:  # the next micro-batch's backward reads it
+            self.program.run.workspace.release(unit)
 
     def _hand(self, unit: Unit, grad: torch.Tensor) -> None:
         """Give the reducer ``unit``'s gradient of this micro-batch."""
-        if not _BACKWARDS_RUNNING[0]:  # see [Note: a backward the runtime does not run]
-            grad = self._direct_seed(grad)
+        if not backward_running():
+            grad = self._gradient_of_own_backward(grad)
         index, count = self.micro
         self.reducer.add(unit, grad, last=index == count - 1, followed=self.groups.followed)
 
-    def _direct_seed(self, grad: torch.Tensor) -> torch.Tensor:
-        """A unit's gradient from a backward the script called itself, times the seed."""
-        if not self._prescaled and not self.program.scaler.unscaled:
-            raise UsageError(
-                "loss.backward() was called directly, but fp16 training needs the loss multiplied by the "
-                "loss scale before its backward; call engine.backward(loss), or engine.scale(loss).backward()"
-            )
-        self._backwards += 1
-        return grad / (self.ranks * self.micro[1])
+    def _gradient_of_own_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        """A unit's gradient from a backward no runtime ran (a script's own ``loss.backward()``), as it goes to the
+        reducer: only the engine's runtime takes those (:mod:`dsfunc.deepspeed.engine_runtime`)."""
+        raise UsageError(
+            "a gradient reached this micro-batch's parameters from a backward the runtime did not run (a "
+            "loss.backward() in loss_fn?); return the loss instead: the step runs its backward"
+        )
 
     # -- unit module hooks (see [Note: lazy binding at stage 3]) ---------------------------------------
     def unit_forward_begins(self, unit: Unit, args: Any = (), kwargs: Any = None) -> tuple[Any, Any] | None:
         """Before a unit module's forward: a lazy unit gathered and bound; grouped, the call's inputs cut from the
         graph (the new ``(args, kwargs)`` are returned)."""
-        if self.workspace.lazy(unit):
-            if self._grad_binding and unit.name not in self._order:
-                self._order.append(unit.name)
-            self.workspace.ensure(unit, self.state.params)  # a unit run twice in one forward is re-gathered
+        if self.program.run.workspace.lazy(unit):
+            if self.bound.grad and unit.name not in self.bound.order:
+                self.bound.order.append(unit.name)
+            self.program.run.workspace.ensure(unit, self.state.params)  # a unit run twice in one forward is re-gathered
             self._bind_unit(unit)
-            self.workspace.prefetch(self.workspace.next_units(unit), self.state.params)
-        if not (self._grad_binding and self.groups.on(self.micro)):
+            self.program.run.workspace.prefetch(self.program.run.workspace.next_units(unit), self.state.params)
+        if not (self.bound.grad and self.groups.on(self.micro)):
             return None
         return self.groups.cut(args, kwargs or {})
 
     def unit_forward_ends(self, unit: Unit, output: Any) -> None:
         """After a unit module's forward: a lazy unit freed, and a hook on its outputs for its backward."""
-        lazy, grouped = self.workspace.lazy(unit), self._grad_binding and self.groups.on(self.micro)
+        lazy, grouped = self.program.run.workspace.lazy(unit), self.bound.grad and self.groups.on(self.micro)
         if lazy:
-            self.workspace.release(unit)
+            self.program.run.workspace.release(unit)
         if not (lazy or grouped):
             return
-        views = self._views.get(unit.name) if grouped else None
+        views = self.bound.views.get(unit.name) if grouped else None
         me = weakref.ref(self)
         for t in tensors_in(output):
             if t.requires_grad:
@@ -511,12 +491,13 @@ class MicroBatchRuntime:
                               views: list[torch.Tensor] | None = None) -> torch.Tensor:
         if views is not None:  # grouped: the unit's recomputed forward reads this micro-batch's own views
             self.program.slots.bind_unit(unit.name, views)
-        if not self.workspace.lazy(unit):
+        if not self.program.run.workspace.lazy(unit):
             return grad
-        self.workspace.ensure(unit, self.state.params)
-        i = self._order.index(unit.name) if unit.name in self._order else 0
+        self.program.run.workspace.ensure(unit, self.state.params)
+        order = self.bound.order
+        i = order.index(unit.name) if unit.name in order else 0
         if i > 0:
-            self.workspace.prefetch([self.program.plan.unit(self._order[i - 1])], self.state.params)
+            self.program.run.workspace.prefetch([self.program.plan.unit(order[i - 1])], self.state.params)
         return grad
 
     # -- backward by units (see [Note: backward by units]) ---------------------------------------------
@@ -528,12 +509,13 @@ class MicroBatchRuntime:
         finally:
             _BACKWARDS_RUNNING[0] -= 1
             self.program.slots.restore(self.state.buffers)  # the views the segments bound
-            self.workspace.release_all()
+            self.program.run.workspace.release_all()
         self.reducer.end_micro(last=index == count - 1)
 
     def _segment(self, d: DeferredMicro, roots: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         """Micro-batch ``d``'s backward from ``roots`` to its leaves and to the unit inputs cut in its forward."""
-        self.micro, self.leaves, self._unit_leaves, self._order = d.micro, d.leaves, d.unit_leaves, d.order
+        self.micro = d.micro
+        self.bound.leaves, self.bound.unit_leaves, self.bound.order = d.leaves, d.unit_leaves, d.order
         torch.autograd.backward(roots, grad_tensors=grads, inputs=d.leaves + d.cut_leaves())
         self.collect()
 
@@ -541,12 +523,6 @@ class MicroBatchRuntime:
     def _expect(self, phase: Phase, call: str) -> None:
         if self.phase is not phase:
             raise UsageError(f"micro-batch runtime: {call}() in phase {self.phase.name}, expected {phase.name}")
-
-    @staticmethod
-    def _check_loss(loss: Any) -> None:
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise InputError(f"backward() needs a scalar floating-point loss, got {what}")
 
     def _to_device(self, inputs: Any) -> Any:
         device = self.program.device
@@ -564,18 +540,20 @@ def _divided(value: torch.Tensor | float, *divisors: int) -> torch.Tensor | floa
     return value
 
 
-def zero_runtime(state: TrainState, *, direct_backward: bool = False) -> MicroBatchRuntime:
-    """A runtime whose gradients are reduced over the ranks as the state's ZeRO stage says (``direct_backward``:
-    see :class:`MicroBatchRuntime`)."""
+R = TypeVar("R", bound=MicroBatchRuntime)
+
+
+def zero_runtime(state: TrainState, kind: type[R] = MicroBatchRuntime) -> R:
+    """A runtime of class ``kind`` whose gradients are reduced over the ranks as the state's ZeRO stage says."""
     program = state.program
     run = program.run
     reducer = ZeroReducer(program.plan, comm_dtype=program.comm_dtype, device=run.workspace.device,
                           bucket_size=program.config.zero_optimization.reduce_bucket_size, store=run.grads,
                           narrow=program.update.reads_16_bit_grads)
-    group = 1 if direct_backward else run.grads.backward_group
+    group = 1 if kind.direct_backward else run.grads.backward_group
     # the seed's 1/ranks makes the reducer's sum a mean; gradient_allreduce_op "sum" keeps the sum
     ranks = 1 if program.config.gradient_allreduce_op == "sum" else program.plan.world_size
-    return MicroBatchRuntime(state, reducer, ranks=ranks, direct_backward=direct_backward, backward_group=group)
+    return kind(state, reducer, ranks=ranks, backward_group=group)
 
 
 def local_runtime(state: TrainState) -> MicroBatchRuntime:

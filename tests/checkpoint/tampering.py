@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from dsfunc.checkpoint.layout import META_FILE
 from dsfunc.checkpoint.metadata import digest
+from dsfunc.checkpoint.paths import META_FILE
 
 
 class Payload:

@@ -10,8 +10,8 @@ from torch import nn
 
 import dsfunc
 import dsfunc as deepspeed
+from dsfunc.deepspeed.zero_context import gathered_state_dict
 from dsfunc.zero import GatheredParameters, Init, ZeroParamStatus
-from dsfunc.zero.context import gathered_state_dict
 from tests.models import MLP, config, mlp_batches
 from tests.multiprocess import run_world
 

@@ -111,49 +111,14 @@ def test_two_forwards_of_one_micro_batch_draw_different_dropout_masks():
     torch.testing.assert_close(again, first, rtol=0, atol=0)  # the same (step, micro-batch, forward): same masks
 
 
-class LossAndLogits(MLP):
-    """Returns a mapping of the loss and the logits it is computed from, as a Hugging Face model does."""
-
-    def forward(self, x, y):
-        logits = super().forward(x)
-        return {"logits": logits, "loss": torch.nn.functional.cross_entropy(logits, y)}
-
-
-def test_a_backward_the_script_calls_itself_gets_the_seed_at_the_leaves():
-    state = dsfunc.init_state(LossAndLogits(), config(micro=2, gas=2))
-    micros = mlp_batches(2, 2)
-    reference, direct = local_runtime(state), local_runtime(state)
-    for i, micro in enumerate(micros):
-        reference.backward(reference.forward(_loss, micro, micro=(i, 2))["loss"])
-        reference.end()
-        direct.forward(_loss, micro, micro=(i, 2))["loss"].backward()  # loss.backward(), as DeepSpeed scripts may
-        assert direct.phase is Phase.FORWARD
-        direct.end()
-    _, expected = reference.finish()
-    loss, grads = direct.finish()
-    for name in expected:
-        torch.testing.assert_close(grads[name], expected[name], rtol=1e-6, atol=0)
-    assert torch.isnan(loss)  # the runtime never saw the loss
-
-
-def test_a_direct_backward_under_fp16_needs_the_scaled_loss():
-    cfg = config(micro=2)
-    cfg["fp16"] = {"enabled": True}
-    state = dsfunc.init_state(MLP(), cfg)
-    runtime = zero_runtime(state)
-    batch = mlp_batches(1, 2)[0]
-    with pytest.raises(dsfunc.UsageError, match=r"fp16 training needs the loss multiplied by the loss scale"):
-        runtime.forward(_loss, batch).backward()
-    assert all(leaf.grad is None for leaf in runtime.leaves)
-    runtime.drop_forward()
-    runtime.scale(runtime.forward(_loss, batch)).backward()
-    runtime.end()
-    _, grads = runtime.finish()
-    reference = zero_runtime(state)
-    reference.backward(reference.forward(_loss, batch), state.scaler.scale)
-    reference.end()
-    for name, g in reference.finish()[1].items():
-        torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=0)
+def test_a_backward_the_runtime_does_not_run_is_refused():
+    """Only the engine's runtime takes a script's own backward (tests/deepspeed/test_engine_runtime.py); in the
+    functional step's a gradient from one would miss the seed, so it is an error."""
+    state = dsfunc.init_state(MLP(), config(micro=2))
+    runtime = local_runtime(state)
+    runtime.forward(_loss, mlp_batches(1, 2)[0]).backward()
+    with pytest.raises(dsfunc.UsageError, match="from a backward the runtime did not run"):
+        runtime.end()
 
 
 def test_a_failing_forward_leaves_nothing_bound():

@@ -3,7 +3,7 @@
 :func:`dsfunc.load_checkpoint` (and the engine's ``load_checkpoint``) recognise a DeepSpeed checkpoint
 folder and come here. One module per concept:
 
-* :mod:`.layout`: which files a DeepSpeed tag folder holds, and the layouts refused (model/pipeline
+* :mod:`.folder`: which files a DeepSpeed tag folder holds, and the layouts refused (model/pipeline
   parallel, mixture of experts, NVMe offload);
 * :mod:`.unpickle`: reading DeepSpeed's pickles without DeepSpeed and without running their code;
 * :mod:`.shards`: where each parameter lies in the shard files, and reading pieces of it one shard at a time;
@@ -13,6 +13,6 @@ folder and come here. One module per concept:
 * :mod:`.load`: the load itself;
 * :mod:`.weights`: its weights by name, streamed, for ``dsfunc export``.
 
-The package imports nothing itself: :mod:`dsfunc.checkpoint.tags` uses :mod:`.layout`, which must not pull
+The package imports nothing itself: :mod:`dsfunc.checkpoint.tags` uses :mod:`.folder`, which must not pull
 in the loader (that imports the tags).
 """

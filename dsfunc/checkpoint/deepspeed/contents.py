@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from dsfunc.checkpoint.deepspeed.layout import DeepSpeedFiles, find_files
+from dsfunc.checkpoint.deepspeed.folder import DeepSpeedFiles, find_files
 from dsfunc.checkpoint.deepspeed.shards import MOMENTS, ShardIndex, build_index
 from dsfunc.checkpoint.deepspeed.unpickle import DeepSpeedObject, load_file
 from dsfunc.checkpoint.errors import CheckpointCorruptError
 from dsfunc.checkpoint.pickle_bounds import check_tensor
+from dsfunc.config.dtypes import dtype_name
 
 # what DeepSpeed's engine itself writes into the model-states file (engine.py _common_checkpoint_state and
 # the MoE/universal-checkpoint extras); every other key is the client state the user passed
@@ -30,7 +31,6 @@ DEEPSPEED_KEYS = frozenset({
     "checkpoint_parallel_dimensions", "ds_config", "ds_version", "universal_checkpoint_info", "num_experts",
     "ds_autoep_layers", "autoep_layers", "folding",
 })
-_PRECISIONS = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +105,7 @@ def _optimizer_states(main: Mapping[str, Any], first: Mapping[str, Any] | None) 
 
 def _precision(module: Mapping[str, torch.Tensor], index: ShardIndex) -> str:
     dtypes = {module[n].dtype for n in index.trainable if n in module}
-    return next((_PRECISIONS[d] for d in dtypes if d in _PRECISIONS), "fp32")
+    return next((dtype_name(d) for d in dtypes if d in (torch.float16, torch.bfloat16)), "fp32")
 
 
 def _scaler(main: Mapping[str, Any], first: Mapping[str, Any] | None) -> Scaler | None:

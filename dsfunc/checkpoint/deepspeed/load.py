@@ -15,7 +15,7 @@ from typing import Any
 from dsfunc.checkpoint.compat import Selection
 from dsfunc.checkpoint.coordination import collective
 from dsfunc.checkpoint.deepspeed.contents import open_checkpoint
-from dsfunc.checkpoint.deepspeed.layout import is_deepspeed_folder
+from dsfunc.checkpoint.deepspeed.folder import is_deepspeed_folder
 from dsfunc.checkpoint.deepspeed.mapping import fill, plan_import
 from dsfunc.checkpoint.errors import CheckpointError, CheckpointNotFoundError
 from dsfunc.checkpoint.tags import PathLike, find_checkpoint

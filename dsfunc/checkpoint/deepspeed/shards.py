@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from dsfunc.checkpoint.deepspeed.layout import DeepSpeedFiles
+from dsfunc.checkpoint.deepspeed.folder import DeepSpeedFiles
 from dsfunc.checkpoint.deepspeed.unpickle import load_file
 from dsfunc.checkpoint.errors import (
     CheckpointCorruptError,

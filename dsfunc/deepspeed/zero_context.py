@@ -1,4 +1,5 @@
-"""The ZeRO context managers DeepSpeed scripts use: ``zero.Init`` and ``zero.GatheredParameters``.
+"""The ZeRO context managers DeepSpeed scripts use, ``zero.Init`` and ``zero.GatheredParameters``, and DeepSpeed's
+other ``deepspeed.zero`` names (:mod:`dsfunc.zero` answers them from here).
 
 ``Init`` builds a model without memory, as DeepSpeed's does: each parameter made under it keeps the value
 its construction gave it, but once its module is built (attached to a parent, or when the block ends) it
@@ -32,8 +33,8 @@ from torch.nn.modules.module import (
 from torch.utils.hooks import RemovableHandle
 
 from dsfunc.distributed import comm
-from dsfunc.distributed.init import join_world
-from dsfunc.errors import NotSupportedError
+from dsfunc.distributed.process_group import join_world
+from dsfunc.errors import NotSupportedError, unsupported
 from dsfunc.zero.gather import Workspace, owner
 from dsfunc.zero.layout import Unit
 from dsfunc.zero.placeholders import Exposed, is_placeholder, partition
@@ -191,3 +192,9 @@ def gathered_state_dict(module: nn.Module, *, to_rank: int = 0,
         finally:
             workspace.hide(unit)
     return {k: out[k] for k in held if k in out} if mine else None
+
+
+MiCS_Init = unsupported("deepspeed.zero.MiCS_Init", "MiCS sharding", "use deepspeed.zero.Init")
+TiledLinear = unsupported("deepspeed.zero.TiledLinear", "ZeRO-3 tiled linear layers", "use torch.nn.Linear")
+TiledLinearReturnBias = unsupported("deepspeed.zero.TiledLinearReturnBias", "ZeRO-3 tiled linear layers",
+                                    "use torch.nn.Linear")

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dsfunc import kernels
-from dsfunc.batch import Batch, split_batch
+from dsfunc.batch import Batch, scalar_loss, split_batch
 from dsfunc.distributed import comm
 from dsfunc.errors import InputError
 from dsfunc.grad import GradContext, GradFn, GradResult, scale_loss
@@ -97,11 +97,9 @@ class Pipeline:
         return GradResult(loss, grads)
 
     def _stage_loss(self, output: Any, target: Any) -> torch.Tensor:
-        loss = self.loss_fn(output, target)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-            raise InputError("the pipeline's loss_fn(outputs, labels) must return a scalar floating-point tensor")
-        self._losses.append(loss.detach().float().reshape(()))
-        return loss.float().reshape(()) * self._seed
+        loss = scalar_loss(self.loss_fn(output, target))
+        self._losses.append(loss.detach().float())
+        return loss.float() * self._seed
 
     def schedule(self, program: Program, micro_batches: int) -> Any:
         """The schedule over the program's stage module (made on first use; torch infers the shapes then)."""
