@@ -43,6 +43,7 @@ from dsfunc.optim.base import Transform, multi_transform
 from dsfunc.optim.from_config import LrSchedule, lr_schedule_of, update_from_config
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.groups import ParamGroups
+from dsfunc.optim.muon import muon_groups
 from dsfunc.optim.torch_optimizer import TorchOptimizerUpdate
 from dsfunc.optim.update import ChainUpdate
 from dsfunc.pipeline.place import place
@@ -59,6 +60,7 @@ from dsfunc.zero.hooks import install_input_cast, install_unit_hooks
 from dsfunc.zero.layout import ShardingPlan, make_plan, unit_views
 from dsfunc.zero.leaf import mark_leaf_parameters
 from dsfunc.zero.materialize import materialize
+from dsfunc.zero.matrices import matrix_shards
 from dsfunc.zero.norms import segment_norm_fn
 from dsfunc.zero.offload import HostOffload
 from dsfunc.zero.placeholders import full_shape
@@ -164,6 +166,10 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     announce_without_effect(cfg)
     device = torch.device(device) if device is not None else _default_device()
     zero = cfg.zero_optimization
+    muon = optimizer is None and cfg.optimizer is not None and cfg.optimizer.type == "muon"
+    if muon:  # DeepSpeed splits every group into a Muon half and an Adam half: so do the units
+        shapes = {n: tuple(full_shape(p)) for n, p in model.named_parameters() if p.requires_grad}
+        param_groups = muon_groups(shapes, cfg.optimizer.params, param_groups)
     plan, groups = _plan(model, zero.stage, unit_modules, param_groups)
     if zero.stage == 3:
         mark_leaf_parameters(model)
@@ -177,7 +183,8 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn, host)
     slots = Slots(skeleton, plan, buffers.keys())
     scaler = LossScaler.from_config(cfg.fp16)
-    update = _update(cfg, plan, optimizer, param_groups, groups, lr_schedule)
+    update = _update(cfg, plan, optimizer, param_groups, groups, lr_schedule,
+                     matrix_shards(plan, device) if muon else None)
     workspace = Workspace(
         plan, slots=slots, compute_dtype=cfg.compute_dtype, device=device,
         persistence_threshold=zero.stage3_param_persistence_threshold,
@@ -265,15 +272,17 @@ def _restore_forwards(skeleton: nn.Module) -> None:
 
 
 def _update(cfg: Config, plan: ShardingPlan, optimizer: Any, param_groups: ParamGroups | None, groups: list[str],
-            lr_schedule: LrSchedule | None) -> ChainUpdate | FusedAdam | TorchOptimizerUpdate:
-    """The update the program applies: the config's (per parameter group), or the one given."""
+            lr_schedule: LrSchedule | None, matrices: Any = None) -> ChainUpdate | FusedAdam | TorchOptimizerUpdate:
+    """The update the program applies: the config's (per parameter group), or the one given. ``matrices``: the
+    units' matrix layout, for a config's Muon."""
     unit_groups = {u.name: u.label for u in plan.units}
     if optimizer is None:
         options = None
         if groups:
             opts = param_groups.options
             options = {None: opts.get(groups[0], {})} if len(groups) == 1 else {g: opts.get(g, {}) for g in groups}
-        return update_from_config(cfg, lr_schedule, group_options=options, unit_groups=unit_groups)
+        return update_from_config(cfg, lr_schedule, group_options=options, unit_groups=unit_groups,
+                                  matrices=matrices)
     if isinstance(optimizer, torch.optim.Optimizer):
         return _torch_update(cfg, plan, optimizer, groups, lr_schedule)
     if param_groups is not None and param_groups.options or lr_schedule is not None:
