@@ -223,3 +223,10 @@ def test_a_flat_shard_without_its_layout_is_a_clear_error():
     flat = {"unit": torch.ones(12)}
     with pytest.raises(InputError, match="matrices"):
         tx.update(flat, tx.init(flat), flat)
+
+
+def test_the_engine_shows_deepspeeds_two_groups():
+    """DeepSpeed's engine optimizer holds the Muon half first, then the Adam half, each with its lr."""
+    engine, optimizer, _, _ = dsfunc.initialize(model=Tiny(), config=muon_config(1, 0))
+    assert engine.get_lr() == [MUON_LR, ADAM_LR]
+    assert [(g["use_muon"], len(g["params"])) for g in optimizer.param_groups] == [(True, 7), (False, 11)]
