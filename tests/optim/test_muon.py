@@ -67,7 +67,15 @@ def batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def muon_config(world: int, stage: int) -> dict:
+OFFLOAD = {
+    "none": {},
+    "optimizer": {"offload_optimizer": {"device": "cpu"}},
+    "param": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+}
+SETUPS = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "optimizer"), (3, "param")]
+
+
+def muon_config(world: int, stage: int, offload: str = "none") -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1,
@@ -76,7 +84,7 @@ def muon_config(world: int, stage: int) -> dict:
             "params": {"muon_lr": MUON_LR, "adam_lr": ADAM_LR, "weight_decay": DECAY},
         },
         "gradient_clipping": CLIP,
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **OFFLOAD[offload]},
     }
 
 
@@ -118,11 +126,11 @@ def reference(world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
 
 
-def train_ranks(rank: int, world: int, stages: list[int]) -> dict:
+def train_ranks(rank: int, world: int, setups: list[tuple[int, str]]) -> dict:
     out = {}
-    for stage in stages:
+    for stage, offload in setups:
         torch.manual_seed(0)
-        state = dsfunc.init_state(Tiny(), muon_config(world, stage), loss_fn=loss_fn)
+        state = dsfunc.init_state(Tiny(), muon_config(world, stage, offload), loss_fn=loss_fn)
         norms = []
         for x, y in batches(world):
             mine = slice(rank * MICRO, (rank + 1) * MICRO)
@@ -133,8 +141,9 @@ def train_ranks(rank: int, world: int, stages: list[int]) -> dict:
             for s in optree.tree_leaves(state.opt_state, is_leaf=lambda s: isinstance(s, ScaleByMuonState))
             if isinstance(s, ScaleByMuonState)
         ]
-        out[stage] = {
+        out[stage, offload] = {
             "full": dsfunc.full_params(state),
+            "offloaded": state.program.offload is not None,
             "norms": norms,
             "units": [u.name for u in state.program.plan.units],
             "momentum": sorted(muon_state[0].momentum),
@@ -144,11 +153,13 @@ def train_ranks(rank: int, world: int, stages: list[int]) -> dict:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_muon_matches_the_reference_at_every_stage(world):
+    """ZeRO 0-3, and ZeRO-Offload (the optimizer at stage 2; optimizer and parameters at stage 3)."""
     expected, norms = reference(world)
     assert min(norms) > CLIP  # the clip is active at every step: a wrong clip factor shows
-    results = run_world(train_ranks, world, [0, 1, 2, 3], timeout=600)
+    results = run_world(train_ranks, world, SETUPS, timeout=600)
     for rank, result in enumerate(results):
-        for stage, got in result.items():
+        for (stage, offload), got in result.items():
+            assert got["offloaded"] == (offload != "none")
             assert got["units"][:3] == ["root[adam-params]", "root[muon-params]", "blocks.0[muon-params]"]
             # one state buffer per Muon unit (its momentum), where Adam keeps two
             assert got["momentum"] == ["blocks.0[muon-params]", "blocks.1[muon-params]", "root[muon-params]"]
