@@ -181,6 +181,8 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
         raise NotSupportedError("ZeRO-Offload with pipeline parallelism is not supported by dsfunc; remove the "
                                 "offload_optimizer/offload_param sections or the pipeline")
     params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn, host)
+    if cfg.bf16.bf16_master_weights_and_grads:  # DeepSpeed's bf16 masters: the fp32 values rounded to nearest
+        params = {name: p.to(torch.bfloat16) for name, p in params.items()}
     slots = Slots(skeleton, plan, buffers.keys())
     scaler = LossScaler.from_config(cfg.fp16)
     update = _update(cfg, plan, optimizer, param_groups, groups, lr_schedule,
@@ -368,11 +370,11 @@ def _full_params(state: TrainState) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
         shard = state.params[unit.name].to(program.device)  # an offloaded master is gathered on the device
-        flat = torch.empty(plan.padded_size(unit), dtype=torch.float32, device=shard.device)
+        flat = torch.empty(plan.padded_size(unit), dtype=shard.dtype, device=shard.device)  # bf16 masters: bf16
         comm.all_gather_flat(flat, shard) if plan.ways > 1 else flat.copy_(shard)
         for slot, view in zip(unit.params, unit_views(unit, flat)):
             for alias in slot.aliases:
-                out[alias] = view.clone()
+                out[alias] = view.float()
     for name in program.persistent_buffers + plan.frozen:
         out[name] = state.buffers[name].detach().clone()
     order = [k for k, _ in program.skeleton.state_dict(keep_vars=True).items()]

@@ -25,6 +25,7 @@ from dsfunc.optim.aliases import adagrad, adam, adamw, lamb, sgd
 from dsfunc.optim.base import Transform, multi_transform, named_chain
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.groups import GROUP_METADATA, plain
+from dsfunc.optim.low_precision import low_precision
 from dsfunc.optim.muon import MatrixShards, muon_half
 from dsfunc.optim.transforms import clip_by_global_norm, scale_by_factor
 from dsfunc.optim.update import ChainUpdate
@@ -90,13 +91,16 @@ def update_from_config(cfg: Config, schedule_for: LrSchedule | None = None, *,
               for label, section in sections.items()}
     groups = dict(unit_groups or {})
     optimizer = chains[None] if None in chains else multi_transform(chains, groups)
+    low = cfg.bf16.bf16_optimizer_states
+    if low:  # moments (and masters) in bf16: the transform chain rounds them as it stores them
+        optimizer = low_precision(optimizer, cfg.bf16.rounding)
     chain = named_chain(
         ("unscale", scale_by_factor("grad_scale")),
         ("clip", clip_by_global_norm(cfg.gradient_clipping)),
         ("optimizer", optimizer),
     )
     fused = None
-    if momentum is None:
+    if momentum is None and not low:
         fused = FusedAdam.from_sections(sections, schedules, groups, cfg.gradient_clipping, chain)
     return fused if fused is not None else ChainUpdate(chain)
 
