@@ -12,6 +12,11 @@ and the Adam half is DeepSpeed's ``adam_update`` with decoupled decay (Muon's Ad
 eps 1e-10). Which parameters take Muon is DeepSpeed's rule (:func:`takes_muon`): at least 2-D and named neither
 ``embed`` nor ``lm_head``.
 
+Where dsfunc differs from DeepSpeed: Newton-Schulz runs in fp32 (DeepSpeed: fp16 for ``ns_method: "gram"``, bf16
+for ``"standard"``, fp32 where the device lacks them; dsfunc accepts both names and runs the standard iteration,
+of which gram is a faster arrangement). Clipping scales the gradients Muon's momentum takes in, at every stage, as
+DeepSpeed's stage 0 does; its ZeRO 1-3 take the global norm over Muon's orthogonalised update and clip that.
+
 [Note: whole matrices under ZeRO] A unit's flat buffer is split over ranks wherever the split falls, so a
 matrix may straddle two ranks' shards, and Newton-Schulz needs the whole matrix. DeepSpeed all-reduces the full
 gradient of such a matrix and keeps a whole momentum buffer for every matrix that touches a rank's partition

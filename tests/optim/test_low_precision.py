@@ -210,3 +210,25 @@ def test_bad_bf16_state_configs_are_clear_errors(bf16, zero, match):
         dsfunc.Config.load(
             {"train_batch_size": 4, "bf16": {"enabled": True, **bf16}, "zero_optimization": zero}
         )
+
+
+def test_bf16_states_resume_exactly(tmp_path):
+    """3 steps, save, 3 more equals a resumed run's 3 more, bit for bit (the stochastic bits' step included)."""
+
+    def fresh() -> dsfunc.TrainState:
+        torch.manual_seed(0)
+        return dsfunc.init_state(MLP(width=10, depth=3), bf16_config(2, "AdamW", "stochastic"))
+
+    batches = mlp_batches(6, MICRO)
+    state = fresh()
+    for batch in batches[:3]:
+        state = dsfunc.train_step(state, batch)
+    dsfunc.save_checkpoint(state, str(tmp_path))
+    for batch in batches[3:]:
+        state = dsfunc.train_step(state, batch)
+    resumed, _ = dsfunc.load_checkpoint(str(tmp_path), fresh())
+    assert {p.dtype for p in resumed.params.values()} == {torch.bfloat16}
+    for batch in batches[3:]:
+        resumed = dsfunc.train_step(resumed, batch)
+    a, b = dsfunc.full_params(state), dsfunc.full_params(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -241,3 +241,22 @@ def test_the_engine_shows_deepspeeds_two_groups():
     engine, optimizer, _, _ = dsfunc.initialize(model=Tiny(), config=muon_config(1, 0))
     assert engine.get_lr() == [MUON_LR, ADAM_LR]
     assert [(g["use_muon"], len(g["params"])) for g in optimizer.param_groups] == [(True, 7), (False, 11)]
+
+
+def test_muon_resumes_exactly(tmp_path):
+    def fresh() -> dsfunc.TrainState:
+        torch.manual_seed(0)
+        return dsfunc.init_state(Tiny(), muon_config(1, 1), loss_fn=loss_fn)
+
+    data = batches(1)
+    state = fresh()
+    for batch in data[:2]:
+        state = dsfunc.train_step(state, batch)
+    dsfunc.save_checkpoint(state, str(tmp_path))
+    for batch in data[2:]:
+        state = dsfunc.train_step(state, batch)
+    resumed, _ = dsfunc.load_checkpoint(str(tmp_path), fresh())
+    for batch in data[2:]:
+        resumed = dsfunc.train_step(resumed, batch)
+    a, b = dsfunc.full_params(state), dsfunc.full_params(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
