@@ -374,7 +374,7 @@ def _full_params(state: TrainState) -> dict[str, torch.Tensor]:
         comm.all_gather_flat(flat, shard) if plan.ways > 1 else flat.copy_(shard)
         for slot, view in zip(unit.params, unit_views(unit, flat)):
             for alias in slot.aliases:
-                out[alias] = view.float()
+                out[alias] = view.to(torch.float32, copy=True)
     for name in program.persistent_buffers + plan.frozen:
         out[name] = state.buffers[name].detach().clone()
     order = [k for k, _ in program.skeleton.state_dict(keep_vars=True).items()]
