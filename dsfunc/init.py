@@ -48,6 +48,7 @@ from dsfunc.optim.base import Transform, multi_transform
 from dsfunc.optim.from_config import LrSchedule, lr_schedule_of, update_from_config
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.groups import ParamGroups
+from dsfunc.optim.muon import muon_groups
 from dsfunc.optim.torch_optimizer import TorchOptimizerUpdate
 from dsfunc.optim.update import ChainUpdate
 from dsfunc.pipeline.pipelined import Pipeline
@@ -70,6 +71,7 @@ from dsfunc.zero.leaf import (
     set_z3_leaf_modules_by_suffix,
 )
 from dsfunc.zero.materialize import materialize
+from dsfunc.zero.matrices import matrix_shards
 from dsfunc.zero.norms import segment_norm_fn
 from dsfunc.zero.offload import placement as placement_from_config
 from dsfunc.zero.placeholders import full_shape
@@ -202,6 +204,10 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     device = _default_device(device)
     zero = cfg.zero_optimization
     _mark_leaves(model, zero.leaf_module)
+    muon = optimizer is None and cfg.optimizer is not None and cfg.optimizer.type == "muon"
+    if muon:  # DeepSpeed splits every group into a Muon half and an Adam half: so do the units
+        shapes = {n: tuple(full_shape(p)) for n, p in model.named_parameters() if p.requires_grad}
+        param_groups = muon_groups(shapes, cfg.optimizer.params, param_groups)
     if zero.stage == 3:
         mark_leaf_parameters(model)
     skeleton = model if in_place else make_skeleton(model)
@@ -222,9 +228,12 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
                                   local=None if tensor is None else tensor.local_value)
     if tensor is not None:
         tensor.sync(buffers)
+    if cfg.bf16.bf16_master_weights_and_grads:  # DeepSpeed's bf16 masters: the fp32 values rounded to nearest
+        params = {name: p.to(torch.bfloat16) for name, p in params.items()}
     slots = Slots(skeleton, plan, buffers.keys())
     scaler = LossScaler.from_config(cfg.fp16)
-    update = _update(cfg, plan, optimizer, param_groups, groups, lr_schedule)
+    update = _update(cfg, plan, optimizer, param_groups, groups, lr_schedule,
+                     matrix_shards(plan, device) if muon else None)
     workspace = Workspace(
         plan, slots=slots, compute_dtype=cfg.compute_dtype, device=device,
         persistence_threshold=zero.stage3_param_persistence_threshold,
@@ -326,15 +335,17 @@ def _restore_forwards(skeleton: nn.Module) -> None:
 
 
 def _update(cfg: Config, plan: ShardingPlan, optimizer: Any, param_groups: ParamGroups | None, groups: list[str],
-            lr_schedule: LrSchedule | None) -> ChainUpdate | FusedAdam | TorchOptimizerUpdate:
-    """The update the program applies: the config's (per parameter group), or the one given."""
+            lr_schedule: LrSchedule | None, matrices: Any = None) -> ChainUpdate | FusedAdam | TorchOptimizerUpdate:
+    """The update the program applies: the config's (per parameter group), or the one given. ``matrices``: the
+    units' matrix layout, for a config's Muon."""
     unit_groups = {u.name: u.label for u in plan.units}
     if optimizer is None:
         options = None
         if groups:
             opts = param_groups.options
             options = {None: opts.get(groups[0], {})} if len(groups) == 1 else {g: opts.get(g, {}) for g in groups}
-        return update_from_config(cfg, lr_schedule, group_options=options, unit_groups=unit_groups)
+        return update_from_config(cfg, lr_schedule, group_options=options, unit_groups=unit_groups,
+                                  matrices=matrices)
     if isinstance(optimizer, torch.optim.Optimizer):
         return _torch_update(cfg, plan, optimizer, groups, lr_schedule)
     if param_groups is not None and param_groups.options or lr_schedule is not None:
@@ -419,10 +430,11 @@ def _full_params(state: TrainState) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for unit in plan.units:
         shard = state.params[unit.name].to(program.device)  # an offloaded master is gathered on the device
-        flat = torch.empty(plan.padded_size(unit), dtype=torch.float32, device=shard.device)
+        flat = torch.empty(plan.padded_size(unit), dtype=shard.dtype, device=shard.device)  # bf16 masters: bf16
         comm.all_gather_flat(flat, shard, plan.group) if plan.ways > 1 else flat.copy_(shard)
         for slot, view in zip(unit.params, unit_views(unit, flat)):
-            value = view.clone() if program.tensor is None else program.tensor.full_value(slot.name, view)
+            value = view if program.tensor is None else program.tensor.full_value(slot.name, view)
+            value = value.to(torch.float32, copy=True)  # bf16 masters come out in fp32, as every other's
             for alias in slot.aliases:
                 out[alias] = value if len(slot.aliases) == 1 else value.clone()
     for name in program.persistent_buffers + plan.frozen:

@@ -26,7 +26,7 @@ Where dsfunc deliberately differs from DeepSpeed:
 * The batch triple follows DeepSpeed's inference, but a train batch that does not divide evenly is reported as
   such (DeepSpeed floor-divides and then fails with a mismatch assertion); every batch error prints all three
   values, the world size, the rule and values that would work.
-* Optimizer types are matched case-insensitively; Adam, AdamW, SGD, Lamb and Adagrad are supported. As in
+* Optimizer types are matched case-insensitively; Adam, AdamW, SGD, Lamb, Adagrad and Muon are supported. As in
   DeepSpeed, ``"Adam"`` runs decoupled AdamW math unless ``adam_w_mode`` is false; ``"AdamW"`` with
   ``adam_w_mode: false`` is an error (DeepSpeed silently keeps AdamW). Params are validated and completed with
   DeepSpeed's defaults.

@@ -186,6 +186,7 @@ class Config:
                 "fp16.enabled and bf16.enabled are both true: bfloat16 and fp16 modes cannot be "
                 "simultaneously enabled. Enable only one of them."
             )
+        _check_bf16_masters(self.bf16, self.zero_optimization)
 
     @classmethod
     def load(cls, source: Any, *, world_size: int | None = None) -> Config:
@@ -308,3 +309,24 @@ def mesh_sections(source: Any) -> tuple[TensorParallelConfig, int, PipelineConfi
     raw = _read_source(source)
     sp = _integer(ge=1)(raw.get("sequence_parallel_size", 1), "sequence_parallel_size")
     return parse_tensor_parallel(raw.get("tensor_parallel")), sp, parse_pipeline(raw.get("pipeline"))
+
+
+def _check_bf16_masters(bf16: BF16Config, zero: Any) -> None:
+    """DeepSpeed's rules for bf16 master weights and optimizer states, and what dsfunc does not do with them."""
+    if not (bf16.bf16_master_weights_and_grads or bf16.bf16_optimizer_states):
+        return
+    if bf16.bf16_optimizer_states and not bf16.bf16_master_weights_and_grads:
+        raise ConfigError("bf16.bf16_optimizer_states requires bf16.bf16_master_weights_and_grads (as in DeepSpeed): "
+                          "set both to true")
+    if not bf16.enabled:
+        raise ConfigError("bf16.bf16_master_weights_and_grads needs bf16.enabled = true")
+    if zero.stage not in (1, 2, 3):
+        raise ConfigError(f"bf16.bf16_master_weights_and_grads is only supported with ZeRO stage 1, 2 or 3 (as in "
+                          f"DeepSpeed); zero_optimization.stage is {zero.stage}")
+    if zero.offload_optimizer is not None:
+        raise ConfigError("bf16.bf16_master_weights_and_grads with zero_optimization.offload_optimizer is not "
+                          "supported by dsfunc (its host Adam keeps fp32 masters); remove the offload, or these keys")
+    if not bf16.bf16_optimizer_states:
+        raise ConfigError("bf16.bf16_master_weights_and_grads without bf16.bf16_optimizer_states needs ZeRO-Offload "
+                          "in DeepSpeed, which dsfunc does not support with bf16 masters; set "
+                          "bf16.bf16_optimizer_states to true as well")

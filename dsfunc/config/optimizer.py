@@ -5,7 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dsfunc.config.checks import _LR, _NON_NEGATIVE, _betas, _bool, _canonical_type, _only, _reject
+from dsfunc.config.checks import (
+    _LR,
+    _NON_NEGATIVE,
+    _betas,
+    _bool,
+    _canonical_type,
+    _choice,
+    _number,
+    _only,
+    _optional,
+    _reject,
+)
 from dsfunc.config.errors import ConfigError
 from dsfunc.config.schema import _REQUIRED, _TYPE_AND_PARAMS, _parse, _Schema, _Spec, _TypedSection
 
@@ -15,7 +26,9 @@ class OptimizerConfig(_TypedSection):
     """``optimizer``: canonical lower-case ``type`` and its complete, validated ``params``."""
 
 
-_OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "lamb": "Lamb", "adagrad": "Adagrad"}
+_OPTIMIZER_NAMES = {
+    "adam": "Adam", "adamw": "AdamW", "sgd": "SGD", "lamb": "Lamb", "adagrad": "Adagrad", "muon": "Muon",
+}
 _MAX_GRAD_NORM = _reject(
     "'max_grad_norm' is not supported as an optimizer parameter, please switch to using the deepspeed "
     "parameter 'gradient_clipping' (a top-level key, e.g. \"gradient_clipping\": 1.0)."
@@ -56,6 +69,24 @@ _OPTIMIZER_PARAMS = {
         "initial_accumulator_value": _Spec(0.0, _NON_NEGATIVE),
         "eps": _Spec(1e-10, _EPS),
     },
+    # DeepSpeed's engine splits every parameter group into a Muon half (lr, momentum, weight_decay, ns_method)
+    # and an Adam half (lr, betas, eps, weight_decay); muon_lr / adam_lr override lr for one half, and a half
+    # with no lr at all takes MuonWithAuxAdam's default (0.02 for Muon, 3e-4 for Adam).
+    "muon": {
+        "lr": _Spec(None, _optional(_LR)),
+        "muon_lr": _Spec(None, _optional(_LR)),
+        "adam_lr": _Spec(None, _optional(_LR)),
+        "momentum": _Spec(0.95, _number(ge=0.0, lt=1.0)),
+        "weight_decay": _Spec(0.0, _NON_NEGATIVE),
+        "ns_method": _Spec("gram", _choice("gram", "standard")),
+        "betas": _Spec((0.9, 0.95), _betas),
+        "eps": _Spec(1e-10, _EPS),
+        "adam_w_mode": _Spec(True, _bool),
+        "torch_adam": _Spec(False, _bool),
+    },
+}
+_MUON_FIXED = {
+    "per_head_muon": _only(False, feature="per-head Muon (Newton-Schulz per attention head)"),
 }
 _OPTIMIZER_SECTION = _Schema(
     specs=_TYPE_AND_PARAMS,
@@ -88,7 +119,7 @@ def _optimizer(value: Any, path: str) -> OptimizerConfig:
     kind = _canonical_type(section["type"], f"{path}.type", _OPTIMIZER_NAMES, "optimizer")
     schema = _Schema(
         _OPTIMIZER_PARAMS[kind],
-        fixed={"max_grad_norm": _MAX_GRAD_NORM},
+        fixed={"max_grad_norm": _MAX_GRAD_NORM, **(_MUON_FIXED if kind == "muon" else {})},
         what=f'optimizer type "{_OPTIMIZER_NAMES[kind]}"',
     )
     params = _parse(section["params"], f"{path}.params", schema)

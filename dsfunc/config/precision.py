@@ -10,6 +10,7 @@ from dsfunc.config.checks import (
     _NON_NEGATIVE,
     _accepted,
     _bool,
+    _choice,
     _integer,
     _number,
     _only,
@@ -56,6 +57,15 @@ class BF16Config:
 
     enabled: bool = _key(False, _bool)
     """Run forward and backward in bfloat16, with fp32 master weights and no loss scaling."""
+    bf16_master_weights_and_grads: bool = _key(False, _bool)
+    """Keep the master weights in bf16 (2 bytes a parameter instead of 4), as DeepSpeed (ZeRO 1-3 only). The
+    gradients keep dsfunc's rule (bf16 where that holds their sum exactly, else fp32)."""
+    bf16_optimizer_states: bool = _key(False, _bool)
+    """Keep the optimizer's moments in bf16 too (needs bf16_master_weights_and_grads, as in DeepSpeed)."""
+    rounding: str = _key("nearest", _choice("nearest", "stochastic"))
+    """A dsfunc key: how bf16 masters and moments are rounded after each update. ``nearest`` (DeepSpeed's: its
+    fused and CPU Adam compute in fp32 and round to nearest once); ``stochastic`` rounds up with probability
+    equal to the remainder, so that small updates are not lost on average."""
 
 
 _NOT_FOR_BF16 = _reject(
@@ -79,8 +89,6 @@ BF16_WITHOUT_EFFECT = {
 _BF16_FIXED = {
     "immediate_grad_update": _accepted(_bool),
     "check_grad_overflow": _accepted(_bool),
-    "bf16_master_weights_and_grads": _only(False, feature="bf16 master weights (dsfunc keeps fp32 masters)"),
-    "bf16_optimizer_states": _only(False, feature="bf16 optimizer states"),
 } | {
     key: _NOT_FOR_BF16
     for key in (

@@ -21,7 +21,7 @@ from dsfunc.config.dtypes import DTYPES
 from dsfunc.config.offload import OffloadConfig
 from dsfunc.frozen import thaw
 
-_LOWER_CASE_OPTIMIZERS = {"adam", "adamw", "lamb", "adagrad"}  # DeepSpeed's own: named in lower case
+_LOWER_CASE_OPTIMIZERS = {"adam", "adamw", "lamb", "adagrad", "muon"}  # DeepSpeed's own: named in lower case
 
 # What DeepSpeed 0.19.8 returns for the sections a dsfunc config can only hold switched off
 _OFF = {
@@ -31,8 +31,6 @@ _OFF = {
     "autotuning_end_profile_step": 5,
     "autotuning_metric": "throughput",
     "autotuning_profile_model_info": False,
-    "bf16_master_weights_and_gradients": False,
-    "bf16_optimizer_states": False,
     "fp16_master_weights_and_gradients": False,
     "checkpoint_serialization_enabled": True,
     "checkpoint_writer_enabled": False,
@@ -109,6 +107,8 @@ _FROM_CONFIG = {
     "fp16_enabled": lambda cfg: cfg.fp16.enabled,
     "fp16_auto_cast": lambda cfg: cfg.fp16.auto_cast,
     "bfloat16_enabled": lambda cfg: cfg.bf16.enabled,
+    "bf16_master_weights_and_gradients": lambda cfg: cfg.bf16.bf16_master_weights_and_grads,
+    "bf16_optimizer_states": lambda cfg: cfg.bf16.bf16_optimizer_states,
     "loss_scale": lambda cfg: cfg.fp16.loss_scale,
     "dynamic_loss_scale": lambda cfg: cfg.fp16.loss_scale == 0,
     "initial_dynamic_scale": lambda cfg: 2**cfg.fp16.initial_scale_power,

@@ -13,10 +13,12 @@ import torch
 from dsfunc.errors import InputError, UsageError
 from dsfunc.optim.from_config import LrSchedule, group_section, lr_schedule_of
 from dsfunc.optim.groups import ParamGroups, plain
+from dsfunc.optim.muon import muon_groups
 from dsfunc.optim.torch_optimizer import TorchOptimizerUpdate
 from dsfunc.optim.transforms import ScheduleState
 from dsfunc.schedules import Schedule
 from dsfunc.state import TrainState
+from dsfunc.zero.placeholders import full_shape
 
 
 class Viewed(Protocol):
@@ -63,6 +65,12 @@ def group_views(state: TrainState, param_groups: ParamGroups | None, schedule_fo
     program = state.program
     cfg, plan = program.config, program.plan
     labels = list(dict.fromkeys(u.label for u in plan.units))
+    if cfg.optimizer is not None and cfg.optimizer.type == "muon" and not isinstance(program.update,
+                                                                                    TorchOptimizerUpdate):
+        # the groups init_state trained: each split in a Muon and an Adam half, in DeepSpeed's order
+        shapes = {n: tuple(full_shape(p)) for n, p in program.skeleton.named_parameters() if p.requires_grad}
+        param_groups = muon_groups(shapes, cfg.optimizer.params, param_groups)
+        labels = [label for label in param_groups.options if label in labels] if labels != [None] else labels
     options = param_groups.options if param_groups is not None else {}
     if labels == [None] and param_groups is not None:  # one group: its options went into the plain layout
         first = param_groups.order(n for n, p in program.skeleton.named_parameters() if p.requires_grad)
@@ -76,8 +84,12 @@ def group_views(state: TrainState, param_groups: ParamGroups | None, schedule_fo
             hyper = {k: plain(v) for k, v in group.items() if k != "params"}
             lr, schedule = float(group.get("initial_lr", group["lr"])), own.schedules[index]
         else:
-            section = group_section(cfg.optimizer, options.get(label, {}), label)
+            own_options = dict(options.get(label, {}))
+            use_muon = own_options.pop("use_muon", None)  # a Muon half's: DeepSpeed's groups carry it too
+            section = group_section(cfg.optimizer, own_options, label)
             hyper = {k: plain(v) for k, v in section.params.items()}
+            if use_muon is not None:
+                hyper["use_muon"] = use_muon
             lr = float(section.params["lr"])
             schedule = schedule_for(lr) if schedule_for is not None else lr_schedule_of(cfg, lr)
         params = [p for u in plan.units if u.label == label for p in program.slots.residents(u.name)]

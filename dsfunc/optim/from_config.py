@@ -25,6 +25,8 @@ from dsfunc.optim.aliases import adagrad, adam, adamw, lamb, sgd
 from dsfunc.optim.base import Transform, multi_transform, named_chain
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.groups import GROUP_METADATA, plain
+from dsfunc.optim.low_precision import low_precision
+from dsfunc.optim.muon import MatrixShards, muon_half
 from dsfunc.optim.transforms import clip_by_global_norm, scale_by_factor
 from dsfunc.optim.update import ChainUpdate
 from dsfunc.schedules import (
@@ -53,7 +55,8 @@ LrSchedule = Callable[[float], "Schedule | None"]  # a parameter group's lr -> t
 
 def update_from_config(cfg: Config, schedule_for: LrSchedule | None = None, *,
                        group_options: Mapping[str | None, Mapping[str, Any]] | None = None,
-                       unit_groups: Mapping[str, str | None] | None = None) -> ChainUpdate | FusedAdam:
+                       unit_groups: Mapping[str, str | None] | None = None,
+                       matrices: Mapping[str, MatrixShards] | None = None) -> ChainUpdate | FusedAdam:
     """The update ``cfg`` describes.
 
     Args:
@@ -64,6 +67,8 @@ def update_from_config(cfg: Config, schedule_for: LrSchedule | None = None, *,
         :class:`~dsfunc.optim.groups.ParamGroups`); ``{None: options}`` (or None) is one group, whose
         state keeps the plain layout.
       unit_groups: unit name -> its group's label (a plan with groups splits units by group).
+      matrices: unit name -> where its matrices lie in its flat shard (Muon, :mod:`dsfunc.optim.muon`); a
+        group's ``use_muon`` option (True / False) says which half of a Muon config it is.
     """
     if cfg.optimizer is None:
         raise InputError(
@@ -71,22 +76,31 @@ def update_from_config(cfg: Config, schedule_for: LrSchedule | None = None, *,
             '"optimizer": {"type": "AdamW", "params": {"lr": 3e-4}}, or pass optimizer=... to init_state'
         )
     options = dict(group_options) if group_options else {None: {}}
-    sections = {label: group_section(cfg.optimizer, opts, label) for label, opts in options.items()}
+    halves = {label: opts.get("use_muon") for label, opts in options.items()}
+    sections = {label: group_section(cfg.optimizer, {k: v for k, v in opts.items() if k != "use_muon"}, label)
+                for label, opts in options.items()}
+    for label, section in sections.items():
+        if section.type == "muon" and halves[label] is None:
+            muon_half(section.params, None, None, None)  # raises: Muon's halves come from the parameters
     momentum = None
     if schedule_for is None:
         schedule_for = lambda lr: lr_schedule_of(cfg, lr)  # the config's rule, per group
         momentum = _momentum_schedule(cfg.scheduler) if cfg.scheduler is not None else None
     schedules = {label: schedule_for(float(section.params["lr"])) for label, section in sections.items()}
-    chains = {label: _optimizer_chain(section, schedules[label], momentum) for label, section in sections.items()}
+    chains = {label: _optimizer_chain(section, schedules[label], momentum, halves[label], matrices)
+              for label, section in sections.items()}
     groups = dict(unit_groups or {})
     optimizer = chains[None] if None in chains else multi_transform(chains, groups)
+    low = cfg.bf16.bf16_optimizer_states
+    if low:  # moments (and masters) in bf16: the transform chain rounds them as it stores them
+        optimizer = low_precision(optimizer, cfg.bf16.rounding)
     chain = named_chain(
         ("unscale", scale_by_factor("grad_scale")),
         ("clip", clip_by_global_norm(cfg.gradient_clipping)),
         ("optimizer", optimizer),
     )
     fused = None
-    if momentum is None:
+    if momentum is None and not low:
         fused = FusedAdam.from_sections(sections, schedules, groups, cfg.gradient_clipping, chain)
     return fused if fused is not None else ChainUpdate(chain)
 
@@ -106,7 +120,8 @@ def group_section(base: OptimizerConfig, options: Mapping[str, Any], label: str 
 def lr_schedule(cfg: Config) -> Schedule | None:
     """The config's lr schedule for the optimizer's own lr (``None`` without a scheduler section: the
     optimizer's constant lr)."""
-    return lr_schedule_of(cfg, float(cfg.optimizer.params["lr"]) if cfg.optimizer is not None else None)
+    lr = cfg.optimizer.params["lr"] if cfg.optimizer is not None else None
+    return lr_schedule_of(cfg, None if lr is None else float(lr))
 
 
 def lr_schedule_of(cfg: Config, group_lr: float | None) -> Schedule | None:
@@ -153,8 +168,10 @@ def momentum_schedule_from_config(type: str, params: Mapping[str, Any]) -> Sched
     return _momentum_schedule(parse_scheduler({"type": type, "params": dict(params)}))
 
 
-def _optimizer_chain(section: OptimizerConfig, schedule: Schedule | None,
-                     momentum: Schedule | None) -> Transform:
+def _optimizer_chain(section: OptimizerConfig, schedule: Schedule | None, momentum: Schedule | None,
+                     use_muon: bool | None = None, matrices: Mapping[str, MatrixShards] | None = None) -> Transform:
+    if section.type == "muon":
+        return muon_half(section.params, use_muon, schedule, matrices)
     kwargs = {k: v for k, v in section.params.items() if k not in _NO_EFFECT}
     if schedule is not None:
         kwargs["lr"] = schedule

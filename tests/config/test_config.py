@@ -133,7 +133,9 @@ def test_to_dict_is_json_and_loads_back_to_the_same_values():
             "torch_adam": False,
         },
     }
-    assert d["zero_optimization"]["overlap_comm"] is False and d["bf16"] == {"enabled": True}
+    assert d["zero_optimization"]["overlap_comm"] is False
+    assert d["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False,
+                         "rounding": "nearest"}
     assert d["data_types"] == {"grad_accum_dtype": None}
     again = Config.load(d, world_size=c.world_size)
     assert again.to_dict() == d

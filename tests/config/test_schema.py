@@ -177,7 +177,7 @@ def test_unknown_key_without_close_match_lists_valid_keys():
         ),
         (
             {"optimizer": {"type": 3}},
-            "optimizer.type = 3 is invalid: expected one of Adam, AdamW, SGD, Lamb, Adagrad.",
+            "optimizer.type = 3 is invalid: expected one of Adam, AdamW, SGD, Lamb, Adagrad, Muon.",
         ),
         ({"optimizer": {"params": {}}}, "optimizer.type is required."),
         (

@@ -1,0 +1,251 @@
+"""Muon (Keller Jordan, 2024): momentum orthogonalised by a Newton-Schulz iteration, for hidden weight matrices,
+with Adam for every other parameter (embeddings, the LM head, norms, biases), as DeepSpeed's ``"type": "Muon"``.
+
+The math is DeepSpeed's ``muon_update`` (``deepspeed/runtime/zero/muon/original_muon.py``)::
+
+    m = m.lerp(g, 1 - momentum)                      # an EMA of the gradients (not torch SGD's m * mu + g)
+    u = g.lerp(m, momentum) if nesterov else m       # nesterov: DeepSpeed's default
+    u = newton_schulz(u) * sqrt(max(1, rows / cols))
+    p = p * (1 - lr * weight_decay) - lr * u
+
+and the Adam half is DeepSpeed's ``adam_update`` with decoupled decay (Muon's Adam defaults: betas (0.9, 0.95),
+eps 1e-10). Which parameters take Muon is DeepSpeed's rule (:func:`takes_muon`): at least 2-D and named neither
+``embed`` nor ``lm_head``.
+
+Where dsfunc differs from DeepSpeed: Newton-Schulz runs in fp32 (DeepSpeed: fp16 for ``ns_method: "gram"``, bf16
+for ``"standard"``, fp32 where the device lacks them; dsfunc accepts both names and runs the standard iteration,
+of which gram is a faster arrangement). Clipping scales the gradients Muon's momentum takes in, at every stage, as
+DeepSpeed's stage 0 does; its ZeRO 1-3 take the global norm over Muon's orthogonalised update and clip that.
+
+[Note: whole matrices under ZeRO] A unit's flat buffer is split over ranks wherever the split falls, so a
+matrix may straddle two ranks' shards, and Newton-Schulz needs the whole matrix. DeepSpeed all-reduces the full
+gradient of such a matrix and keeps a whole momentum buffer for every matrix that touches a rank's partition
+(the straddling ones on both ranks). dsfunc keeps the momentum sharded exactly like the master weights: the
+momentum step and the nesterov blend are elementwise, so each rank makes its shard of the blend, the blend of a
+Muon unit is all-gathered (one collective per unit, of the unit's size in fp32), and each rank orthogonalises
+only the matrices that overlap its shard and keeps its slice. A straddling matrix is orthogonalised on both of
+its ranks, from the same gathered values, so both slices come from one result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+from dsfunc.errors import InputError
+from dsfunc.optim.aliases import adam
+from dsfunc.optim.base import (
+    Params,
+    ScalarOrSchedule,
+    Transform,
+    Updates,
+    _check,
+    _map,
+    named_chain,
+)
+from dsfunc.optim.groups import ParamGroups
+from dsfunc.optim.transforms import add_decayed_weights, scale_by_learning_rate
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c), DeepSpeed's and Keller Jordan's
+NO_MUON_NAMES = ("embed", "lm_head")  # DeepSpeed's set_optimizer_flags: these matrices take Adam
+
+
+def takes_muon(name: str, shape: tuple[int, ...]) -> bool:
+    """DeepSpeed's rule for which parameters Muon updates: matrices (2-D or more) whose name contains neither
+    ``embed`` nor ``lm_head`` (case-insensitive); the rest take Adam."""
+    return len(shape) >= 2 and not any(word in name.lower() for word in NO_MUON_NAMES)
+
+
+def newton_schulz(g: Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The orthogonal factor of ``g`` (its last two dims; leading dims are a batch), approximately: Frobenius
+    normalisation, then ``steps`` quintic iterations ``X = a X + (b A + c A A) X`` with ``A = X X^T``, on the wide
+    orientation, in ``dtype`` (DeepSpeed's GPU default is fp16/bf16; fp32 here, so equal to a reference in
+    fp32 to rounding)."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.to(dtype)
+    tall = g.size(-2) > g.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
+    for _ in range(steps):
+        A = x @ x.mT
+        B = b * A + c * A @ A
+        x = a * x + B @ x
+    return x.mT if tall else x
+
+
+def orthogonalize(u: Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Muon's update for one parameter's blended momentum ``u``: Newton-Schulz scaled by ``sqrt(max(1, rows /
+    cols))`` (a 4-D conv filter as ``(out, -1)``), in ``u``'s shape and dtype."""
+    _check(
+        u.ndim >= 2,
+        f"Muon orthogonalises matrices; got a tensor of shape {tuple(u.shape)}: give 1-D "
+        "parameters to the Adam half (dsfunc.optim.muon.takes_muon)",
+    )
+    x = u.reshape(len(u), -1) if u.ndim == 4 else u
+    rows, cols = x.size(-2), x.size(-1)
+    out = newton_schulz(x, steps, dtype) * math.sqrt(max(1.0, rows / cols))
+    return out.reshape(u.shape).to(u.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixShards:
+    """Where a Muon unit's matrices lie in its flat buffer and how this rank holds it (see [Note: whole
+    matrices under ZeRO]): ``gather(shard) -> flat`` returns the whole (padded) flat buffer from every rank's
+    shard."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    local: tuple[int, int]  # this rank's [start, stop) in the flat buffer
+    gather: Callable[[Tensor], Tensor]
+
+    def orthogonalize(self, shard: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
+        """This rank's slice of every matrix's :func:`orthogonalize`, laid out like ``shard``."""
+        start, stop = self.local
+        flat = self.gather(shard)
+        out = torch.zeros_like(shard)
+        for shape, offset in zip(self.shapes, self.offsets):
+            lo, hi = max(offset, start), min(offset + math.prod(shape), stop)
+            if lo >= hi:
+                continue  # another rank's matrix
+            full = flat[offset : offset + math.prod(shape)].view(shape)
+            mine = orthogonalize(full, steps, dtype).reshape(-1)[lo - offset : hi - offset]
+            out[lo - start : hi - start] = mine.to(shard.device)
+        return out
+
+
+class ScaleByMuonState(NamedTuple):
+    """State of :func:`scale_by_muon`: the momentum (one buffer, where Adam keeps two)."""
+
+    momentum: Updates
+
+
+def scale_by_muon(
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    matrices: Mapping[str, MatrixShards] | None = None,
+    ns_dtype: torch.dtype = torch.float32,
+) -> Transform:
+    """Muon's direction: the momentum EMA, the nesterov blend, then :func:`orthogonalize`.
+
+    Without ``matrices`` each leaf is one whole parameter in its own shape. With them, each leaf is a flat
+    shard (a ZeRO unit's, keyed by unit name) whose matrices ``matrices[key]`` describes.
+    """
+    _check(0.0 <= momentum < 1.0, f"Muon's momentum must be in [0, 1), got {momentum!r}")
+    _check(ns_steps >= 1, f"ns_steps must be >= 1, got {ns_steps!r}")
+
+    def init(params: Params) -> ScaleByMuonState:
+        return ScaleByMuonState(_map(torch.zeros_like, params))
+
+    def direction(key: str | None, u: Tensor) -> Tensor:
+        if matrices is None:
+            return orthogonalize(u, ns_steps, ns_dtype)
+        _check(key in matrices, f"scale_by_muon: no matrix layout for {key!r}; it has {sorted(matrices)}")
+        return matrices[key].orthogonalize(u, ns_steps, ns_dtype)
+
+    def update(
+        updates: Updates, state: ScaleByMuonState, params: Params | None = None, **extra: Any
+    ) -> tuple[Updates, ScaleByMuonState]:
+        m = _map(lambda m, g: m.lerp(g, 1 - momentum), state.momentum, updates)
+        blend = _map(lambda g, m: g.lerp(m, momentum), updates, m) if nesterov else m
+        if isinstance(blend, Mapping):
+            out = {key: direction(key, u) for key, u in blend.items()}
+        else:
+            out = _map(lambda u: direction(None, u), blend)
+        return out, ScaleByMuonState(m)
+
+    return Transform(init, update)
+
+
+def muon(
+    lr: ScalarOrSchedule = 0.02,
+    momentum: float = 0.95,
+    weight_decay: float = 0.0,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    matrices: Mapping[str, MatrixShards] | None = None,
+    ns_dtype: torch.dtype = torch.float32,
+) -> Transform:
+    """Muon for hidden weight matrices (DeepSpeed's defaults): ``p = p * (1 - lr * wd) - lr * muon_direction``.
+    State keys: ``muon``, ``weight_decay``, ``lr``.
+
+    >>> tx = muon(lr=0.1)
+    >>> w = {"w": torch.ones(2, 3)}
+    >>> updates, _ = tx.update({"w": torch.eye(2, 3)}, tx.init(w), w)
+    >>> updates["w"].shape
+    torch.Size([2, 3])
+    """
+    return named_chain(
+        ("muon", scale_by_muon(momentum, nesterov, ns_steps, matrices, ns_dtype)),
+        ("weight_decay", add_decayed_weights(weight_decay)),
+        ("lr", scale_by_learning_rate(lr)),
+    )
+
+
+# DeepSpeed's engine (_MUON_HALF_KEYS, _ADAM_HALF_KEYS): the keys each half of a parameter group takes
+MUON_KEYS = ("lr", "momentum", "weight_decay", "ns_method")
+ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+DEFAULT_LR = {True: 0.02, False: 3e-4}  # MuonWithAuxAdam's, for a half that no setting gives an lr
+
+
+def half_options(params: Mapping[str, Any], group: Mapping[str, Any], use_muon: bool) -> dict[str, Any]:
+    """One half's options, resolved as DeepSpeed's ``_muon_param_groups`` does, most specific last: the config's
+    shared value, then ``muon_lr`` / ``adam_lr``, then the parameter group's own (only that half's keys)."""
+    keys, override = (MUON_KEYS, "muon_lr") if use_muon else (ADAM_KEYS, "adam_lr")
+    lr = params[override] if params.get(override) is not None else params.get("lr")
+    options = {"lr": DEFAULT_LR[use_muon] if lr is None else lr}
+    options.update({k: v for k, v in group.items() if k in keys})
+    return options
+
+
+def muon_half(
+    params: Mapping[str, Any],
+    use_muon: bool | None,
+    schedule: ScalarOrSchedule | None,
+    matrices: Mapping[str, MatrixShards] | None,
+) -> Transform:
+    """The update of one half of a DeepSpeed Muon group: :func:`muon` for hidden matrices, else Adam
+    (decoupled decay unless ``adam_w_mode`` is false). ``params`` is the half's validated ``optimizer.params``
+    with its lr resolved (:func:`half_options`)."""
+    if use_muon is None:
+        raise InputError(
+            '"type": "Muon" updates some parameters with Muon and the rest with Adam, which needs '
+            "the parameters: build the state with dsfunc.init_state (or dsfunc.initialize), which "
+            "splits them by DeepSpeed's rule (dsfunc.optim.muon.takes_muon)"
+        )
+    lr = schedule if schedule is not None else params["lr"]
+    if use_muon:
+        return muon(lr, params["momentum"], params["weight_decay"], matrices=matrices)
+    return adam(lr, params["betas"], params["eps"], params["weight_decay"], adam_w_mode=params["adam_w_mode"])
+
+
+def muon_groups(
+    shapes: Mapping[str, tuple[int, ...]], params: Mapping[str, Any], groups: ParamGroups | None = None
+) -> ParamGroups:
+    """DeepSpeed's split of every parameter group into a Muon half and an Adam half (by :func:`takes_muon`),
+    labelled as DeepSpeed names them (``muon-params``, ``adam-params``; ``<group>-muon-params`` when there are
+    groups), each with its resolved options (:func:`half_options`) and ``use_muon``.
+
+    Args:
+      shapes: every trainable parameter's name and (whole) shape.
+      params: the config's validated Muon ``optimizer.params``.
+      groups: the caller's parameter groups, each split in two.
+    """
+    bases = groups.order(shapes) if groups is not None else [None]
+    labels, options = {}, {}
+    for name, shape in shapes.items():
+        base, half = groups.label_of(name) if groups is not None else None, takes_muon(name, shape)
+        word = "muon" if half else "adam"
+        labels[name] = f"{word}-params" if base is None else f"{base}-{word}-params"
+        options.setdefault((bases.index(base), not half), (labels[name], base, half))
+    ordered = {}
+    for _, (label, base, half) in sorted(options.items()):
+        own = groups.options.get(base, {}) if groups is not None else {}
+        ordered[label] = {**half_options(params, own, half), "use_muon": half}
+    return ParamGroups(label=labels, options=ordered)

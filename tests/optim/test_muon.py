@@ -1,0 +1,262 @@
+"""Muon (``"type": "Muon"``): ZeRO 0-3 on 1 and 2 gloo ranks against a one-process reference written here from
+the published algorithm (Keller Jordan's Muon as DeepSpeed runs it: momentum EMA, nesterov blend, quintic
+Newton-Schulz, aspect scaling, decoupled decay; Adam for the rest), with clipping; DeepSpeed's config keys and
+its split of the parameters."""
+
+from __future__ import annotations
+
+import math
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dsfunc
+from dsfunc.config import ConfigError, parse_optimizer
+from dsfunc.errors import InputError
+from dsfunc.optim import ParamGroups
+from dsfunc.optim.from_config import optimizer_from_config
+from dsfunc.optim.muon import ScaleByMuonState, muon, muon_groups, takes_muon
+from tests.multiprocess import run_world
+
+STEPS, MICRO, SEQ, VOCAB = 5, 2, 5, 11
+MUON_LR, ADAM_LR, DECAY, CLIP = 0.05, 0.01, 0.1, 0.3
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.gate = nn.Linear(6, 10), nn.Linear(6, 10, bias=False)  # tall matrices (10, 6)
+        self.down = nn.Linear(10, 6)  # a wide one (6, 10); 180 Muon elements: 2 ranks split gate's middle
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.tanh(self.up(self.norm(h))) * torch.sigmoid(self.gate(h)))
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 6)
+        self.proj = nn.Linear(6, 6, bias=False)  # a Muon matrix in the root unit
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.lm_head = nn.Linear(6, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.proj(self.embed(x))
+        for block in self.blocks:
+            h = block(h)
+        return self.lm_head(h)
+
+
+def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [
+        (
+            torch.randint(0, VOCAB, (MICRO * world, SEQ), generator=g),
+            torch.randint(0, VOCAB, (MICRO * world, SEQ), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+OFFLOAD = {
+    "none": {},
+    "optimizer": {"offload_optimizer": {"device": "cpu"}},
+    "param": {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+}
+SETUPS = [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "optimizer"), (3, "param")]
+
+
+def muon_config(world: int, stage: int, offload: str = "none") -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {
+            "type": "Muon",
+            "params": {"muon_lr": MUON_LR, "adam_lr": ADAM_LR, "weight_decay": DECAY},
+        },
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **OFFLOAD[offload]},
+    }
+
+
+def reference_ns(g: torch.Tensor) -> torch.Tensor:
+    """Newton-Schulz as published: quintic (3.4445, -4.7750, 2.0315), 5 steps, on the wide orientation."""
+    x = g.T if g.shape[0] > g.shape[1] else g
+    x = x / (x.norm() + 1e-7)
+    for _ in range(5):
+        a = x @ x.T
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
+    return x.T if g.shape[0] > g.shape[1] else x
+
+
+def reference(world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, one parameter at a time: clip the global batch's gradients, then Muon (beta 0.95, nesterov)
+    on hidden matrices and Adam (betas 0.9, 0.95, eps 1e-10) on the rest, both with decoupled decay."""
+    torch.manual_seed(0)
+    model = Tiny()
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    norms = []
+    for t, (x, y) in enumerate(batches(world), start=1):
+        model.zero_grad()
+        loss_fn(model, (x, y)).backward()
+        norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters()))
+        norms.append(norm.item())
+        coef = max(1.0, (norm.item() + 1e-6) / CLIP)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                g, s = p.grad / coef, state.setdefault(name, {})
+                if p.ndim == 2 and "embed" not in name and "lm_head" not in name:
+                    m = s["m"] = 0.95 * s.get("m", torch.zeros_like(p)) + 0.05 * g
+                    u = reference_ns(0.05 * g + 0.95 * m) * math.sqrt(max(1.0, p.shape[0] / p.shape[1]))
+                    p.mul_(1 - MUON_LR * DECAY).sub_(MUON_LR * u)
+                else:
+                    m = s["m"] = 0.9 * s.get("m", torch.zeros_like(p)) + 0.1 * g
+                    v = s["v"] = 0.95 * s.get("v", torch.zeros_like(p)) + 0.05 * g * g
+                    u = (m / (1 - 0.9**t)) / ((v / (1 - 0.95**t)).sqrt() + 1e-10)
+                    p.mul_(1 - ADAM_LR * DECAY).sub_(ADAM_LR * u)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, norms
+
+
+def train_ranks(rank: int, world: int, setups: list[tuple[int, str]]) -> dict:
+    out = {}
+    for stage, offload in setups:
+        torch.manual_seed(0)
+        state = dsfunc.init_state(Tiny(), muon_config(world, stage, offload), loss_fn=loss_fn)
+        norms = []
+        for x, y in batches(world):
+            mine = slice(rank * MICRO, (rank + 1) * MICRO)
+            state = dsfunc.train_step(state, (x[mine], y[mine]))
+            norms.append(state.metrics.grad_norm.item())
+        muon_state = [
+            s
+            for s in optree.tree_leaves(state.opt_state, is_leaf=lambda s: isinstance(s, ScaleByMuonState))
+            if isinstance(s, ScaleByMuonState)
+        ]
+        out[stage, offload] = {
+            "full": dsfunc.full_params(state),
+            "offloaded": state.program.offload is not None,
+            "norms": norms,
+            "units": [u.name for u in state.program.plan.units],
+            "momentum": sorted(muon_state[0].momentum),
+        }
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_muon_matches_the_reference_at_every_stage(world):
+    """ZeRO 0-3, and ZeRO-Offload (the optimizer at stage 2; optimizer and parameters at stage 3)."""
+    expected, norms = reference(world)
+    assert min(norms) > CLIP  # the clip is active at every step: a wrong clip factor shows
+    results = run_world(train_ranks, world, SETUPS, timeout=600)
+    for rank, result in enumerate(results):
+        for (stage, offload), got in result.items():
+            assert got["offloaded"] == (offload != "none")
+            assert got["units"][:3] == ["root[adam-params]", "root[muon-params]", "blocks.0[muon-params]"]
+            # one state buffer per Muon unit (its momentum), where Adam keeps two
+            assert got["momentum"] == ["blocks.0[muon-params]", "blocks.1[muon-params]", "root[muon-params]"]
+            assert max(abs(a - b) for a, b in zip(got["norms"], norms)) < 1e-5, (rank, stage)
+            diff = max((got["full"][k] - v).abs().max().item() for k, v in expected.items())
+            assert diff < 1e-5, (world, rank, stage, diff)
+
+
+def test_muon_moves_hidden_matrices_by_an_orthogonal_step():
+    """One step from zero momentum on a square matrix: the update's singular values are the quintic's, near 1
+    (0.7-1.2), whatever the gradient's scale; lr * wd decays the weight first."""
+    g = torch.diag(torch.tensor([10.0, 1.0, 0.1])) @ torch.linalg.qr(torch.randn(3, 3))[0]
+    w = {"w": torch.ones(3, 3)}
+    tx = muon(lr=0.1, weight_decay=0.5)
+    updates, state = tx.update({"w": g}, tx.init(w), w)
+    step = (updates["w"] + 0.1 * 0.5 * w["w"]) / -0.1
+    assert torch.linalg.svdvals(step).min() > 0.6 and torch.linalg.svdvals(step).max() < 1.25
+    assert torch.allclose(state["muon"].momentum["w"], 0.05 * g)
+
+
+def test_deepspeed_rule_picks_the_muon_parameters():
+    assert takes_muon("blocks.0.attn.weight", (4, 4)) and takes_muon("conv.weight", (2, 3, 3, 3))
+    assert not takes_muon("blocks.0.attn.bias", (4,))
+    assert not takes_muon("model.embed_tokens.weight", (9, 4)) and not takes_muon("lm_head.weight", (9, 4))
+    assert not takes_muon("Embedding.weight", (9, 4))  # case-insensitive, as DeepSpeed's name.lower()
+
+
+def test_halves_resolve_lr_as_deepspeed_does():
+    """The config's shared value, then muon_lr / adam_lr, then the group's own; a half with no lr takes
+    MuonWithAuxAdam's default."""
+    shapes = {"w": (4, 4), "b": (4,), "v": (4, 4)}
+    plain = muon_groups(shapes, parse_optimizer({"type": "muon", "params": {}}).params)
+    assert plain.options == {
+        "muon-params": {"lr": 0.02, "use_muon": True},
+        "adam-params": {"lr": 3e-4, "use_muon": False},
+    }
+    params = parse_optimizer({"type": "Muon", "params": {"lr": 0.1, "adam_lr": 0.2, "momentum": 0.9}}).params
+    groups = ParamGroups(
+        label=lambda n: "x" if n == "v" else "y", options={"x": {"lr": 0.5, "betas": (0.8, 0.9)}}
+    )
+    split = muon_groups(shapes, params, groups)
+    assert split.label_of("v") == "x-muon-params" and split.label_of("b") == "y-adam-params"
+    assert split.options["x-muon-params"] == {"lr": 0.5, "use_muon": True}  # betas are the Adam half's
+    assert split.options["y-muon-params"] == {"lr": 0.1, "use_muon": True}
+    assert split.options["y-adam-params"] == {"lr": 0.2, "use_muon": False}
+
+
+def test_config_keys_and_defaults_are_deepspeeds():
+    params = parse_optimizer({"type": "muon", "params": {}}).params
+    assert params == {
+        "lr": None,
+        "muon_lr": None,
+        "adam_lr": None,
+        "momentum": 0.95,
+        "weight_decay": 0.0,
+        "ns_method": "gram",
+        "betas": (0.9, 0.95),
+        "eps": 1e-10,
+        "adam_w_mode": True,
+        "torch_adam": False,
+    }
+    with pytest.raises(ConfigError, match="per_head_muon"):
+        parse_optimizer({"type": "Muon", "params": {"per_head_muon": True}})
+    with pytest.raises(ConfigError, match="ns_method"):
+        parse_optimizer({"type": "Muon", "params": {"ns_method": "svd"}})
+    with pytest.raises(InputError, match="init_state"):
+        optimizer_from_config("Muon", {}, None)
+
+
+def test_a_flat_shard_without_its_layout_is_a_clear_error():
+    tx = muon()
+    flat = {"unit": torch.ones(12)}
+    with pytest.raises(InputError, match="matrices"):
+        tx.update(flat, tx.init(flat), flat)
+
+
+def test_the_engine_shows_deepspeeds_two_groups():
+    """DeepSpeed's engine optimizer holds the Muon half first, then the Adam half, each with its lr."""
+    engine, optimizer, _, _ = dsfunc.initialize(model=Tiny(), config=muon_config(1, 0))
+    assert engine.get_lr() == [MUON_LR, ADAM_LR]
+    assert [(g["use_muon"], len(g["params"])) for g in optimizer.param_groups] == [(True, 7), (False, 11)]
+
+
+def test_muon_resumes_exactly(tmp_path):
+    def fresh() -> dsfunc.TrainState:
+        torch.manual_seed(0)
+        return dsfunc.init_state(Tiny(), muon_config(1, 1), loss_fn=loss_fn)
+
+    data = batches(1)
+    state = fresh()
+    for batch in data[:2]:
+        state = dsfunc.train_step(state, batch)
+    dsfunc.save_checkpoint(state, str(tmp_path))
+    for batch in data[2:]:
+        state = dsfunc.train_step(state, batch)
+    resumed, _ = dsfunc.load_checkpoint(str(tmp_path), fresh())
+    for batch in data[2:]:
+        resumed = dsfunc.train_step(resumed, batch)
+    a, b = dsfunc.full_params(state), dsfunc.full_params(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
