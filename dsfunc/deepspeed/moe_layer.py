@@ -17,7 +17,7 @@ class MoE(layer.MoE):
 
 
 def bind_all(model: object) -> None:
-    """What ``deepspeed.initialize`` does first: every DeepSpeed MoE layer of ``model`` gets its groups."""
+    """What ``deepspeed.initialize`` does first: every MoE layer of ``model`` without groups gets the registry's."""
     for module in model.modules():
-        if isinstance(module, MoE) and module.expert_groups is None:
-            module.set_deepspeed_parallelism()
+        if isinstance(module, layer.MoE) and module.expert_groups is None:
+            module.bind(expert_groups.groups_of(module.ep_size))

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
 from dsfunc.errors import InputError
 from dsfunc.experts import routing
+from dsfunc.experts.groups import copy_sharing
 from dsfunc.experts.routing import Routes
 
 NOISE_POLICIES = (None, "None", "Jitter", "RSample")
@@ -37,6 +40,9 @@ class TopKGate(nn.Module):
         self.drop_tokens = drop_tokens
         self.use_rts = use_rts
         self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TopKGate:
+        return copy_sharing(self, memo, self.ep_group)
 
     def forward(self, tokens: Tensor, used_token: Tensor | None = None) -> Routes:
         """The routes of ``tokens`` ``[S, M]`` (``used_token``: a 0/1 mask of the tokens to route, top-1 only)."""

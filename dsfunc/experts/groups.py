@@ -10,6 +10,7 @@ over them, its initial weights broadcast from the first of them). ``data_first``
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any
 
@@ -69,3 +70,15 @@ def make_expert_groups(ep_size: int, *, data_first: bool = False) -> ExpertGroup
             if rank in ranks:
                 mine[kind], mine[f"{kind}_ranks"] = group, tuple(ranks)
     return ExpertGroups(ep_size, mine["ep_ranks"], mine["data_ranks"], mine["ep"], mine["data"])
+
+
+def copy_sharing(obj: Any, memo: dict[int, Any], *handles: Any) -> Any:
+    """A deep copy of ``obj`` (a module holding process groups) that shares ``handles``: a process group is a
+    handle to the run's communicators, which cannot be copied (a copied model, e.g. dsfunc's skeleton, keeps them)."""
+    for handle in handles:
+        if handle is not None:
+            memo[id(handle)] = handle
+    new = obj.__class__.__new__(obj.__class__)
+    memo[id(obj)] = new
+    new.__dict__.update(copy.deepcopy(obj.__dict__, memo))
+    return new

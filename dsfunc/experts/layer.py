@@ -13,6 +13,7 @@ with ``ep_size > 1``: :func:`dsfunc.init_state` (and ``deepspeed.initialize``) b
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 from dsfunc.errors import InputError, UsageError
 from dsfunc.experts import dispatch
 from dsfunc.experts.gate import TopKGate, check
-from dsfunc.experts.groups import ExpertGroups, make_expert_groups
+from dsfunc.experts.groups import ExpertGroups, copy_sharing, make_expert_groups
 from dsfunc.experts.local import Experts
 
 logger = logging.getLogger("dsfunc")
@@ -42,6 +43,9 @@ class MOELayer(nn.Module):
         self.num_local_experts = num_local_experts
         if use_tutel:
             logger.warning("Tutel optimization requested but not installed. Proceeding without Tutel.")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MOELayer:
+        return copy_sharing(self, memo, self.ep_group)
 
     def _set_ep_group(self, ep_group: torch.distributed.ProcessGroup | None) -> None:
         """Exchange tokens (and agree on capacity) over ``ep_group``."""

@@ -57,7 +57,8 @@ def materialize(
         values = {k: v.to(device=device, dtype=torch.float32) for k, v in values.items()}
         flat = flatten_unit(unit, values, plan.padded_size(unit))
         if not alike:
-            comm.broadcast(flat, src=0)
+            with comm.over(unit.group):  # an expert's from the first of its expert-data-parallel ranks
+                comm.broadcast(flat, src=0)
         INIT_STATS.max_elements = max(INIT_STATS.max_elements, flat.numel())
         shard = flat if plan.ways == 1 else local_shard(plan, unit, flat)
         params[unit.name] = shard if host is None else host.to_host(shard)

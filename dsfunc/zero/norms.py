@@ -1,7 +1,9 @@
 """Norms over sharded gradients and parameters: one collective for the global norm, Lamb's per-parameter norms.
 
 At stages 1-3 each rank holds a shard of every unit, so a norm is a sum of squares per rank and one
-all-reduce. The step's loss rides along in that all-reduce (the mean loss over ranks).
+all-reduce. The step's loss rides along in that all-reduce (the mean loss over ranks). At stage 0 every rank
+holds all of a unit, but a unit replicated over a group of its own only (an expert, :mod:`dsfunc.experts`)
+differs between groups: its squares are summed over the world, each divided by its group's size.
 """
 
 from __future__ import annotations
@@ -10,9 +12,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from dsfunc import kernels
 from dsfunc.distributed import comm
+from dsfunc.errors import NotSupportedError
 from dsfunc.zero.layout import ShardingPlan
 
 
@@ -21,8 +25,15 @@ def global_norm_and_loss(plan: ShardingPlan, grads: Mapping[str, torch.Tensor], 
     """The sum of squares of every rank's ``grads`` (inf/nan anywhere make it non-finite, on every rank
     alike) and the mean of ``loss`` over ranks, with one small all-reduce. ``sumsq``: this rank's sum of
     squares, already taken (on the device, before offloaded gradients left it)."""
+    own = [u for u in plan.units if u.group is not None and plan.ways == 1]
     if sumsq is None:
-        sumsq = kernels.sum_of_squares(list(grads.values()))
+        sumsq = kernels.sum_of_squares([g for name, g in grads.items() if not any(u.name == name for u in own)])
+    elif own:
+        raise NotSupportedError("a precomputed sum of squares with units reduced over groups of their own")
+    if own:  # replicated over their own group only (experts): each distinct copy counted once, over the world
+        parts = torch.stack([kernels.sum_of_squares([grads[u.name]]) / dist.get_world_size(u.group) for u in own])
+        comm.all_reduce_sum(parts)
+        sumsq = sumsq + parts.sum()
     if plan.world_size > 1:
         packed = torch.stack([sumsq if plan.ways > 1 else torch.zeros_like(sumsq), loss.float()])
         comm.all_reduce_sum(packed)
