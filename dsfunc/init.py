@@ -41,6 +41,7 @@ from dsfunc.distributed.env import rank_variable
 from dsfunc.distributed.mesh import Mesh, no_mesh, pipeline_mesh, run_mesh
 from dsfunc.distributed.process_group import join_launched_world
 from dsfunc.errors import InputError, NotSupportedError
+from dsfunc.experts.layer import bind_experts
 from dsfunc.frozen import FrozenDict
 from dsfunc.graphs import GraphedStep
 from dsfunc.launcher.cores import THREADS_VARIABLE, busy_cores, threads_per_rank
@@ -288,10 +289,12 @@ def _first_state(program: Program, params: dict[str, torch.Tensor], buffers: dic
 
 def _plan(model: nn.Module, stage: int, unit_modules: Sequence[str] | None, param_groups: ParamGroups | None,
           group: comm.Group) -> tuple[ShardingPlan, list[str]]:
-    """The sharding plan, with units split by parameter group when there are several groups, and the
-    groups in order."""
+    """The sharding plan, with units split by parameter group when there are several groups and each MoE layer's
+    experts a unit reduced over their expert-data-parallel ranks, and the groups in order."""
     groups = param_groups.order(n for n, p in model.named_parameters() if p.requires_grad) if param_groups else []
-    plan = make_plan(model, stage=stage, group=group, unit_modules=unit_modules, labels=param_groups.label_of if len(groups) > 1 else None)
+    experts = {path: comm.Group.of(g.data) for path, g in bind_experts(model).items() if g.data is not None}
+    plan = make_plan(model, stage=stage, group=group, unit_modules=unit_modules,
+                     labels=param_groups.label_of if len(groups) > 1 else None, unit_groups=experts)
     return plan, groups
 
 

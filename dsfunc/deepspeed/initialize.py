@@ -21,6 +21,7 @@ from dsfunc.data import DistributedLoader, check_dataset
 from dsfunc.deepspeed.arguments import config_source
 from dsfunc.deepspeed.engine import Engine
 from dsfunc.deepspeed.groups import Groups, freeze_all_but, labelled, parameter_groups
+from dsfunc.deepspeed.moe_layer import bind_all
 from dsfunc.deepspeed.pipe import PipelineModule
 from dsfunc.deepspeed.pipe_engine import PipelineEngine
 from dsfunc.deepspeed.translate import (
@@ -126,6 +127,7 @@ def initialize(
     trains = cfg.optimizer is not None or own_step is not None
     param_groups = labelled(model, groups) if groups is not None and trains else None
     update = own_step if own_step is not None else None if trains else chain()  # without optimizer: evaluates
+    bind_all(model)  # each MoE layer's expert groups, in DeepSpeed's registry (deepspeed.utils.groups)
     state = init_state(model, cfg, optimizer=update, seed=seed, in_place=True, param_groups=param_groups,
                        lr_schedule=client_lr)
     loader = None

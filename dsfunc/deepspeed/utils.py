@@ -13,6 +13,7 @@ other names of DeepSpeed's utils import and raise when called.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import random
 from collections.abc import Iterator
@@ -30,6 +31,7 @@ from torch import empty as torch_empty
 from torch import float32 as torch_float32
 
 from dsfunc.deepspeed.live_engines import engine_of
+from dsfunc.deepspeed.namespace import ALIASES
 from dsfunc.distributed import comm
 from dsfunc.errors import InputError, unsupported
 from dsfunc.optim.transforms import ScaleByAdamState
@@ -347,4 +349,6 @@ def __getattr__(name: str) -> Any:
     """Any other public name of DeepSpeed's utils imports, and raises when called."""
     if name.startswith("_"):
         raise AttributeError(name)
+    if f"utils.{name}" in ALIASES:  # a DeepSpeed submodule dsfunc answers (``from deepspeed.utils import groups``)
+        return importlib.import_module(ALIASES[f"utils.{name}"])
     return unsupported(f"deepspeed.utils.{name}", "a DeepSpeed utility dsfunc does not provide")

@@ -120,3 +120,14 @@ def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Group, *, 
     work = _all_gather_flat(output, shard, group=group.process_group, async_op=async_op)
     return work if async_op else Done()
 
+
+
+def all_to_all(output: torch.Tensor, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """``output`` gets, in rank order, the ``i``-th equal chunk (along dim 0) of every rank ``i``'s ``tensor``
+    over ``group`` (the experts' token exchange, :mod:`dsfunc.experts.dispatch`)."""
+    dist.all_to_all_single(output, tensor, group=group)
+
+
+def all_reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Replace ``tensor`` in place by its elementwise maximum over ``group`` (integer counts: exact)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)

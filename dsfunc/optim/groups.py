@@ -28,7 +28,7 @@ import torch
 
 from dsfunc.errors import InputError
 
-GROUP_METADATA = ("name", "names", "param_names")  # keys scripts put in a group to name it; no option
+GROUP_METADATA = ("name", "names", "param_names", "moe")  # keys scripts put in a group to name or mark it (DeepSpeed's MoE split: "moe"); no option
 
 
 def plain(value: Any) -> Any:

@@ -17,12 +17,13 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
 from dsfunc.distributed.comm import Group
-from dsfunc.errors import InputError
+from dsfunc.errors import InputError, NotSupportedError
 from dsfunc.zero.leaf import leaf_units
 from dsfunc.zero.placeholders import full_shape
 
@@ -51,6 +52,9 @@ class Unit:
     module: str | None  # the module whose forward brackets this unit's use; None for the root unit
     params: tuple[ParamSlot, ...]
     label: str | None = None  # the parameter group, when the plan has groups
+    # the process group its gradients are reduced over and its values replicated within, when not the plan's
+    # ranks: an expert's expert-data-parallel ranks (:mod:`dsfunc.experts`); None: the plan's
+    group: Group | None = None
 
     @property
     def numel(self) -> int:
@@ -140,13 +144,22 @@ def make_plan(
     group: Group,
     unit_modules: Sequence[str] | None = None,
     labels: Callable[[str], str] | None = None,
+    unit_groups: Mapping[str, Any] | None = None,
 ) -> ShardingPlan:
     """Group ``model``'s trainable parameters into units (``unit_modules`` overrides the default; ZeRO-3 leaf
     modules merge the units inside them, at every stage, :mod:`dsfunc.zero.leaf`).
 
-    ``labels`` maps a parameter's (first) name to its group: units are then split by group.
+    ``labels`` maps a parameter's (first) name to its group: units are then split by group. ``unit_groups``
+    maps modules whose parameters are reduced over ranks of their own (experts) to that process group: each is
+    a unit of its own, even inside another unit's module.
     """
+    unit_groups = dict(unit_groups or {})
+    if unit_groups and stage > 0:
+        raise NotSupportedError(
+            f"MoE expert parallelism at ZeRO stage {stage} is not supported by dsfunc yet (experts are reduced over "
+            "their own ranks, which ZeRO's sharding does not take yet); use zero_optimization.stage 0")
     modules = leaf_units(model, find_unit_modules(model) if unit_modules is None else unit_modules)
+    modules = [*(m for m in modules if m not in unit_groups), *unit_groups]
     for path in modules:
         model.get_submodule(path)  # raises AttributeError naming the bad path
     names_of: dict[int, list[str]] = {}
@@ -156,7 +169,7 @@ def make_plan(
         tensors[id(p)] = p
 
     def owner(name: str) -> str:
-        for path in modules:
+        for path in [*unit_groups, *modules]:  # an expert module inside a unit's module owns its parameters
             if name.startswith(path + "."):
                 return path
         return ROOT
@@ -183,7 +196,8 @@ def make_plan(
                 slots.append(ParamSlot(name, tuple(shape), offset, aliases))
                 offset += math.prod(shape)
             units.append(Unit(name=path if label is None else f"{path}[{label}]",
-                              module=None if path == ROOT else path, params=tuple(slots), label=label))
+                              module=None if path == ROOT else path, params=tuple(slots), label=label,
+                              group=unit_groups.get(path)))
     if not units:
         raise InputError("the model has no trainable parameters (every parameter has requires_grad=False)")
     return ShardingPlan(tuple(units), stage, group, tuple(frozen))

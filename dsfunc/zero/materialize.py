@@ -61,7 +61,7 @@ def materialize(
         values = {k: v.to(device=device, dtype=torch.float32) for k, v in values.items()}
         flat = flatten_unit(unit, values, plan.padded_size(unit))
         if not alike:
-            comm.broadcast(flat, plan.group)
+            comm.broadcast(flat, unit.group or plan.group)  # an expert's from the first of its expert-data-parallel ranks
         INIT_STATS.max_elements = max(INIT_STATS.max_elements, flat.numel())
         shard = flat if plan.ways == 1 else local_shard(plan, unit, flat)
         params[unit.name] = shard if placement is None else placement.place_master(shard)

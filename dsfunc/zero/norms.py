@@ -4,6 +4,9 @@ At stages 1-3 each rank holds a shard of every unit, so a norm is a sum of squar
 all-reduce. The step's loss rides along in that all-reduce (the mean loss over ranks). With tensor
 parallelism a rank holds its tp part of the split parameters: their squares are summed over tp too, while
 the replicated parameters (the same on every tp rank) are counted once.
+At stage 0 every rank holds all of a unit, but a unit replicated over a group of its own only (an expert,
+:mod:`dsfunc.experts`) differs between groups: its squares are summed over the plan's ranks, each divided by its
+group's size.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 
 from dsfunc import kernels
 from dsfunc.distributed import comm
+from dsfunc.errors import NotSupportedError
 from dsfunc.zero.layout import ShardingPlan
 
 
@@ -25,8 +29,15 @@ def global_norm_and_loss(plan: ShardingPlan, grads: Mapping[str, torch.Tensor], 
     squares, already taken (on the device, before offloaded gradients left it)."""
     if plan.split:
         return _tensor_parallel_norm_and_loss(plan, grads, loss)
+    own = [u for u in plan.units if u.group is not None and plan.ways == 1]
     if sumsq is None:
-        sumsq = kernels.sum_of_squares(list(grads.values()))
+        sumsq = kernels.sum_of_squares([g for name, g in grads.items() if not any(u.name == name for u in own)])
+    elif own:
+        raise NotSupportedError("a precomputed sum of squares with units reduced over groups of their own")
+    if own:  # replicated over their own group only (experts): each distinct copy counted once, over the plan's ranks
+        parts = torch.stack([kernels.sum_of_squares([grads[u.name]]) / u.group.size for u in own])
+        comm.all_reduce_sum(parts, plan.group)
+        sumsq = sumsq + parts.sum()
     if plan.world_size > 1:
         packed = torch.stack([sumsq if plan.ways > 1 else torch.zeros_like(sumsq), loss.float()])
         comm.all_reduce_sum(packed, plan.group)

@@ -5,7 +5,8 @@ produces it. :class:`LocalReducer` sums this process's gradients (no collective;
 function without :func:`dsfunc.shard` gets). :class:`ZeroReducer` reduces over the data-parallel ranks as
 the ZeRO stage says:
 
-* stage 0: all-reduce of the full gradient, in chunks of ``reduce_bucket_size`` elements;
+* stage 0: all-reduce of the full gradient, in chunks of ``reduce_bucket_size`` elements (over the unit's own
+  group when it has one: an expert's, :mod:`dsfunc.experts`);
 * stage 1: local fp32 accumulation over micro-batches, one reduce-scatter per unit on the last one;
 * stages 2-3: a reduce-scatter per unit per micro-batch, only this rank's shard kept.
 
@@ -145,9 +146,10 @@ class ZeroReducer:
             self._store(unit, full, last, exact, followed)
         elif stage == 0:
             chunks = full.split(self.bucket_size)
+            group = unit.group or self.plan.group  # an expert's: its expert-data-parallel ranks
             for chunk in chunks[:-1]:
-                self._in_flight.append((comm.all_reduce_sum(chunk, self.plan.group, async_op=True), lambda: None))
-            work = comm.all_reduce_sum(chunks[-1], self.plan.group, async_op=True)
+                self._in_flight.append((comm.all_reduce_sum(chunk, group, async_op=True), lambda: None))
+            work = comm.all_reduce_sum(chunks[-1], group, async_op=True)
             self._in_flight.append((work, lambda u=unit, t=full: self._store(u, t, last, exact, followed)))
         else:
             out = torch.empty(self.plan.shard_size(unit), dtype=full.dtype, device=full.device)
