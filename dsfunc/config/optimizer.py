@@ -43,6 +43,7 @@ _ADAM = {
     "adam_w_mode": _Spec(True, _bool),
     "torch_adam": _Spec(False, _bool),
 }
+_TORCH_ADAMW_WEIGHT_DECAY = 0.01  # torch.optim.AdamW's default
 _OPTIMIZER_PARAMS = {
     "adam": _ADAM,
     "adamw": _ADAM,
@@ -124,6 +125,10 @@ def _optimizer(value: Any, path: str) -> OptimizerConfig:
     )
     params = _parse(section["params"], f"{path}.params", schema)
     _check_optimizer(kind, params, path)
+    given = section["params"] or {}
+    if kind in ("adam", "adamw") and params["torch_adam"] and params["adam_w_mode"] and "weight_decay" not in given:
+        # DeepSpeed hands the params to torch.optim.AdamW, whose own default decay applies (its fused Adams: 0)
+        params["weight_decay"] = _TORCH_ADAMW_WEIGHT_DECAY
     return OptimizerConfig(kind, params)
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
+import torch
 
 from dsfunc.config import FrozenDict, OptimizerConfig
 from tests.config.helpers import ADAM_DEFAULTS, error, load
@@ -69,6 +72,22 @@ def test_optimizer_params_optional_and_values_normalised():
     assert opt.params["lr"] == 1.0 and isinstance(opt.params["lr"], float)
     assert opt.params["betas"] == (0.8, 0.99)
     assert opt.params["torch_adam"] is True
+
+
+@pytest.mark.parametrize("kind", ["Adam", "AdamW"])
+def test_torch_adam_takes_torch_adamw_s_own_weight_decay_when_none_is_given(kind):
+    """DeepSpeed passes the params to torch.optim.AdamW under torch_adam, so torch's default decay applies there
+    (its fused Adams default to 0); an explicit value, or Adam with adam_w_mode false (torch.optim.Adam), keeps
+    its own."""
+    torch_default = inspect.signature(torch.optim.AdamW).parameters["weight_decay"].default
+    assert torch_default > 0
+    params = {"torch_adam": True}
+    assert load({"optimizer": {"type": kind, "params": params}}).optimizer.params["weight_decay"] == torch_default
+    assert load({"optimizer": {"type": kind, "params": {}}}).optimizer.params["weight_decay"] == 0.0
+    explicit = {"torch_adam": True, "weight_decay": 0.0}
+    assert load({"optimizer": {"type": kind, "params": explicit}}).optimizer.params["weight_decay"] == 0.0
+    l2 = {"optimizer": {"type": "Adam", "params": {"torch_adam": True, "adam_w_mode": False}}}
+    assert load(l2).optimizer.params["weight_decay"] == 0.0
 
 
 def test_adam_w_mode():
