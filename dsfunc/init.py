@@ -47,6 +47,7 @@ from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.groups import ParamGroups
 from dsfunc.optim.torch_optimizer import TorchOptimizerUpdate
 from dsfunc.optim.update import ChainUpdate
+from dsfunc.parallel.hf_attention import sequence_parallel
 from dsfunc.pipeline.place import place
 from dsfunc.pipeline.runtime import Pipeline
 from dsfunc.pipeline.stage import StageModule
@@ -174,6 +175,8 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     if zero.stage == 3:
         mark_leaf_parameters(model)
     skeleton = model if in_place else make_skeleton(model)
+    if mesh.size("sp") > 1:  # Ulysses: the model's attention routed, the loss over the split sequence
+        loss_fn = sequence_parallel(skeleton, loss_fn, mesh.group("sp"))
     comm_dtype = _COMM_DTYPES[cfg.communication_data_type]
     host = HostOffload.from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype, grad_dtype=(
         grad_dtype(cfg.compute_dtype, comm_dtype, plan.world_size, cfg.gradient_accumulation_steps)))
