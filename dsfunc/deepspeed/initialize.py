@@ -16,13 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsfunc.config import Config
+from dsfunc.config import Config, mesh_sections
 from dsfunc.data import DistributedLoader, check_dataset
 from dsfunc.deepspeed.arguments import config_source
 from dsfunc.deepspeed.engine import Engine
 from dsfunc.deepspeed.groups import Groups, freeze_all_but, labelled, parameter_groups
 from dsfunc.deepspeed.pipe import PipelineModule
 from dsfunc.deepspeed.pipe_engine import PipelineEngine
+from dsfunc.deepspeed.ulysses_sp import SequenceParallelGroups
 from dsfunc.deepspeed.translate import (
     ClientObjectError,
     check_fresh,
@@ -82,7 +83,8 @@ def initialize(
       lr_scheduler: a fresh torch lr scheduler built on ``optimizer``, or a callable ``f(optimizer)``;
         it replaces the config's ``scheduler`` section.
       distributed_port: MASTER_PORT when the environment does not set one.
-      mpu, mesh_param: model/sequence parallelism; not supported (must be None).
+      mpu: the groups ``UlyssesSPAttentionHF.register_with_transformers`` returns (Ulysses), or None.
+      mesh_param: not supported (must be None).
       dist_init_required: False says the script has initialised torch.distributed itself: without a process
         group it is an error (:func:`dsfunc.init_distributed`), as DeepSpeed's.
       collate_fn: builds micro-batches from samples of ``training_data``.
@@ -105,7 +107,9 @@ def initialize(
         join_world(distributed_port)
     local_rank = _local_rank(args)
     pipelined = isinstance(model, PipelineModule)
-    world = comm.world_size() // model.num_stages if pipelined else comm.world_size()  # the data-parallel ranks
+    mesh = mpu.mesh if mpu is not None else None  # register_with_transformers' (Ulysses)
+    tensor, sp, _ = mesh_sections(source)
+    world = comm.world_size() // (model.num_stages if pipelined else tensor.size * sp)  # the data-parallel ranks
     cfg = Config.load(source, world_size=world)
     if training_data is not None:
         check_dataset(training_data)
@@ -121,7 +125,7 @@ def initialize(
     param_groups = labelled(model, groups) if groups is not None and trains else None
     update = own_step if own_step is not None else None if trains else chain()  # without optimizer: evaluates
     state = init_state(model, cfg, optimizer=update, seed=seed, in_place=True, param_groups=param_groups,
-                       lr_schedule=client_lr)
+                       lr_schedule=client_lr, mesh=mesh)
     loader = None
     if training_data is not None:
         cuda = state.program.device.type == "cuda"
@@ -155,8 +159,9 @@ def _check_arguments(model: Any, mpu: Any, mesh_param: Any, config: Any, config_
         raise InputError("initialize needs the model to train: deepspeed.initialize(model=net, ...)")
     if not isinstance(model, nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if mpu is not None or mesh_param is not None:
-        raise InputError("model/sequence parallelism (mpu=, mesh_param=) is not supported by dsfunc; pass None")
+    if mpu is not None and not isinstance(mpu, SequenceParallelGroups) or mesh_param is not None:
+        raise InputError("model parallelism through mpu= (other than the groups UlyssesSPAttentionHF."
+                         "register_with_transformers returns) or mesh_param= is not supported by dsfunc; pass None")
     if config is not None and config_params is not None:
         raise InputError("pass the config as config= only (config_params= is its deprecated name)")
 

@@ -65,14 +65,12 @@ def route_attention(model: nn.Module, group: Group) -> None:
             sub._attn_implementation = routed
 
 
-def replace_attention(name: str, group: Group) -> None:
+def replace_attention(name: str, group: Group, *, in_eval: bool = True) -> None:
     """Replace the attention function registered as ``name`` by its Ulysses form, for every model of the process
-    (DeepSpeed ALST's ``register_with_transformers``)."""
+    (DeepSpeed ALST's ``register_with_transformers``; ``in_eval`` as in :func:`~dsfunc.parallel.ulysses.ulysses`)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    attn = _function(name)
-    if not hasattr(attn, "ulysses_inner"):
-        ALL_ATTENTION_FUNCTIONS[name] = ulysses(attn, group)
+    ALL_ATTENTION_FUNCTIONS[name] = ulysses(_function(name), group, in_eval=in_eval)
 
 
 def _function(name: str) -> Any:

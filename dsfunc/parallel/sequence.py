@@ -62,7 +62,7 @@ def split_sequence(batch: Mapping[str, Any], rank: int, size: int) -> dict[str, 
             if value.shape[1] != seq:
                 raise InputError(f"batch[{key!r}] has shape {tuple(value.shape)}: sequence parallelism splits "
                                  f"every [batch, seq] tensor, and input_ids has {seq} positions")
-            out[key] = value[:, rank * chunk:(rank + 1) * chunk]
+            out[key] = value[:, rank * chunk:(rank + 1) * chunk].contiguous()
     return out
 
 

@@ -85,15 +85,19 @@ def gather_sequence(x: Tensor, group: Group, dim: int = 1) -> Tensor:
 Attention = Callable[..., tuple[Tensor, Any]]
 
 
-def ulysses(attn: Attention, group: Group) -> Attention:
+def ulysses(attn: Attention, group: Group, *, in_eval: bool = True) -> Attention:
     """``attn`` (Hugging Face's signature, inputs ``[batch, heads, seq, head_dim]``) over the sequence split
     across ``group``: it sees every position of its ranks' heads, and returns this rank's positions of every
     head. The attention mask is dropped (attention is causal over the gathered sequence, whose position ids are
-    gathered for kernels that read them): padding is masked through labels of -100, as in DeepSpeed's ALST."""
+    gathered for kernels that read them): padding is masked through labels of -100, as in DeepSpeed's ALST. With
+    ``in_eval=False`` a module in eval mode runs ``attn`` alone on the whole sequence it was given (DeepSpeed's
+    ``disable_in_eval``: evaluation without the split)."""
     inner = getattr(attn, "ulysses_inner", attn)  # never around itself: one exchange per attention
 
     def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
                   *args: Any, **kwargs: Any) -> tuple[Tensor, Any]:
+        if not (in_eval or module.training):
+            return inner(module, query, key, value, attention_mask, *args, **kwargs)
         sp = group.size
         check_heads(query.shape[1], key.shape[1], sp)
         repeat = sp // key.shape[1] if key.shape[1] < sp else 1

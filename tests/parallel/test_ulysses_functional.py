@@ -4,11 +4,10 @@ one process on the same global batch: at sp 2 and sp 2 x dp 2, with AdamW + clip
 from __future__ import annotations
 
 import pytest
-import torch
 
 import dsfunc
 from tests.multiprocess import run_world
-from tests.parallel.ulysses_setup import ADAMW, GAS, SGD, STEPS, config, llama, replica_batch
+from tests.parallel.ulysses_setup import ADAMW, SGD, STEPS, config, llama, one_process, replica_batch
 
 pytest.importorskip("transformers")
 
@@ -24,23 +23,11 @@ def _train(rank: int, world: int, optimizer: dict, sp: int, stage: int) -> tuple
     return losses, dsfunc.full_params(state)
 
 
-def _reference(dp: int, optimizer: dict) -> tuple[list[float], dict]:
-    """One process: every replica's micro-batches in one step (the mean over them is the mean over replicas)."""
-    state = dsfunc.init_state(llama(), config(optimizer, gas=GAS * dp))
-    losses = []
-    for step in range(STEPS):
-        batches = [replica_batch(step, r) for r in range(dp)]
-        batch = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
-        state = dsfunc.train_step(state, batch)
-        losses.append(state.metrics.loss.item())
-    return losses, dsfunc.full_params(state)
-
-
 @pytest.mark.parametrize("world, sp, stage", [(2, 2, 0), (4, 2, 2)], ids=["sp2", "sp2xdp2-zero2"])
 @pytest.mark.parametrize("optimizer", [ADAMW, SGD], ids=["adamw-clip", "sgd-momentum"])
 def test_trains_like_one_process(world, sp, stage, optimizer):
     results = run_world(_train, world, optimizer, sp, stage, timeout=600)
-    want_losses, want = _reference(world // sp, optimizer)
+    want_losses, want = one_process(optimizer, [[replica_batch(s, r) for r in range(world // sp)] for s in range(STEPS)])
     for losses, params in results:
         assert max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses)) < 1e-5, (losses, want_losses)
         assert params.keys() == want.keys()
