@@ -23,7 +23,6 @@ from dsfunc.deepspeed.engine import Engine
 from dsfunc.deepspeed.groups import Groups, freeze_all_but, labelled, parameter_groups
 from dsfunc.deepspeed.pipe import PipelineModule
 from dsfunc.deepspeed.pipe_engine import PipelineEngine
-from dsfunc.deepspeed.ulysses_sp import SequenceParallelGroups
 from dsfunc.deepspeed.translate import (
     ClientObjectError,
     check_fresh,
@@ -33,6 +32,7 @@ from dsfunc.deepspeed.translate import (
     translatable,
     zero_tested,
 )
+from dsfunc.deepspeed.ulysses_sp import SequenceParallelGroups
 from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, group_views
 from dsfunc.distributed import comm
 from dsfunc.distributed.init import init_distributed, join_world

@@ -44,7 +44,6 @@ def _attention(q, k, v):
 
 def _distributed_attention(rank: int, world: int) -> dict:
     import torch.distributed as dist
-
     from dsfunc.sequence.layer import DistributedAttention
 
     torch.manual_seed(0)
@@ -67,7 +66,6 @@ def _distributed_attention(rank: int, world: int) -> dict:
 
 def _adapter(rank: int, world: int) -> list:
     import torch.distributed as dist
-
     from dsfunc.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
     ids = torch.tensor([[1, 10, 10, 10, 2, 2], [1, 20, 20, 20, 2, 2]])[rank:rank + 1]
