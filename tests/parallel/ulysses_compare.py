@@ -36,7 +36,7 @@ if args.optimizer == "adamw":
     section = {**ADAMW, "optimizer": {"type": "AdamW", "params": {**ADAMW["optimizer"]["params"], "torch_adam": True}}}
     client = None
 else:
-    section = {"gradient_clipping": SGD["gradient_clipping"]}
+    section = {"gradient_clipping": SGD["gradient_clipping"], "zero_allow_untested_optimizer": True}
     client = torch.optim.SGD(model.parameters(), **SGD["optimizer"]["params"])
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=client, mpu=mpu,
                                   config=config(section, sp=SP, stage=args.stage, gas=SP))
