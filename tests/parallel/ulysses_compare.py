@@ -3,7 +3,7 @@ Llama (GQA) with ``UlyssesSPAttentionHF.register_with_transformers``, ``deepspee
 through ``UlyssesSPDataLoaderAdapter`` and the loss aggregated over the sp group by token counts, as ALST's tutorial
 does, as sums (a rank whose positions are all padding adds 0) through a differentiable all-reduce (DeepSpeed's
 workaround: torch's differentiable all_gather mixes up ranks in backward over gloo when sp < world). Writes ``<out>.rank<r>.pt`` with the losses and the
-final parameters.
+final parameters and the grad norm of each step.
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/parallel/ulysses_compare.py --out x --optimizer adamw
 """
@@ -24,6 +24,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--optimizer", choices=["adamw", "sgd"], required=True)
 parser.add_argument("--stage", type=int, default=2)
+parser.add_argument("--clip", type=float, default=None, help="gradient_clipping instead of the optimizer's own")
 parser.add_argument("--local_rank", type=int, default=-1)
 args = parser.parse_args()
 SP = 2
@@ -38,12 +39,14 @@ if args.optimizer == "adamw":
 else:
     section = {"gradient_clipping": SGD["gradient_clipping"], "zero_allow_untested_optimizer": True}
     client = torch.optim.SGD(model.parameters(), **SGD["optimizer"]["params"])
+if args.clip is not None:
+    section["gradient_clipping"] = args.clip
 engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=client, mpu=mpu,
                                   config=config(section, sp=SP, stage=args.stage, gas=SP))
 group = mpu.get_sequence_parallel_group()
 loader = [rank_batch(step, rank) for step in range(STEPS)]
 shards = UlyssesSPDataLoaderAdapter(loader, mpu.get_sequence_parallel_rank(), group, SP, engine.device)
-losses = []
+losses, norms = [], []
 for _ in range(STEPS):
     for _ in range(SP):  # one draw: every sp rank's batch, in turn
         shard = next(shards)
@@ -58,8 +61,9 @@ for _ in range(STEPS):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    norms.append(float(engine.get_global_grad_norm()))
 params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 if args.stage == 3:
     raise SystemExit("stage 3 parameters need gathering; this script compares stages 0-2")
-torch.save({"losses": losses, "params": params}, f"{args.out}.rank{rank}.pt")
+torch.save({"losses": losses, "norms": norms, "params": params}, f"{args.out}.rank{rank}.pt")
 leave_together()
