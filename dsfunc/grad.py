@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from dsfunc.batch import Batch, LossFn, split_batch
+from dsfunc.distributed.mesh import Mesh
 from dsfunc.errors import InputError, UsageError
 from dsfunc.state import TrainState
 from dsfunc.zero.runtime import MicroBatchRuntime, local_runtime, zero_runtime
@@ -121,13 +123,18 @@ def scale_loss() -> GradTransform:
     return transform
 
 
-def shard() -> GradTransform:
+def shard(mesh: Mesh | DeviceMesh | None = None) -> GradTransform:
     """ZeRO data parallelism at the plan's stage: compute parameters come from the sharded fp32 master
     (gathered per unit at stage 3), and gradients are reduced over ranks into this rank's shard (the
-    full gradient at stage 0) as backward produces them. Gradients are the mean over ranks."""
+    full gradient at stage 0) as backward produces them. Gradients are the mean over ranks.
+
+    The ranks are the state's mesh's ``dp x sp`` (tensor-parallel parts are each rank's own): the mesh is the
+    state's, chosen by ``init_state(mesh=...)``; ``mesh`` here names it too, and must be that one."""
 
     def transform(inner: GradFn) -> GradFn:
         def grad_fn(ctx: GradContext, batch: Batch) -> GradResult:
+            if mesh is not None:
+                ctx.state.program.mesh.check_same(mesh)
             if ctx.runtime is not None or ctx.micro[1] != 1:
                 raise UsageError(
                     "shard() must be outside accumulate() and value_and_grad(): compose "

@@ -13,10 +13,11 @@ state's compute copies (:mod:`dsfunc.zero.binding`), so it holds the trained val
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -67,6 +68,10 @@ from dsfunc.zero.offload import HostOffload
 from dsfunc.zero.placeholders import full_shape
 from dsfunc.zero.reduce import grad_dtype
 
+if TYPE_CHECKING:
+    from dsfunc.parallel.autotp import Plan
+    from dsfunc.parallel.tensor import TensorParallel
+
 logger = logging.getLogger("dsfunc")
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, None: torch.float32}
@@ -89,6 +94,7 @@ def init_state(
     lr_schedule: LrSchedule | None = None,
     pipeline: int | Mapping[str, Any] | PipelineConfig | None = None,
     mesh: Mesh | DeviceMesh | None = None,
+    tp_plan: Plan | None = None,
 ) -> TrainState:
     """Build the training state for ``model`` as the DeepSpeed ``config`` describes.
 
@@ -133,6 +139,12 @@ def init_state(
         each rank builds and trains its own stage, ZeRO runs over the stage's data-parallel ranks
         (``world_size / stages``, which the config's batch sizes count), ``loss_fn(outputs, labels)`` runs on the
         last stage, and a step's batch is ``(inputs, labels)``.
+      mesh: the ranks' named axes (:mod:`dsfunc.distributed.mesh`): a torch ``DeviceMesh`` with dimensions among
+        ``pp``, ``dp``, ``sp``, ``tp`` (or a :class:`~dsfunc.distributed.mesh.Mesh`); default: the one the
+        config describes (``tensor_parallel.autotp_size``, ``sequence_parallel_size``, the rest ``dp``). ZeRO
+        shards over ``dp x sp``; the config's batch sizes count ``dp``; each rank's step gets its ``dp`` slice.
+      tp_plan: module path pattern (``*``: one path component) -> ``"colwise"``/``"rowwise"`` or a torch
+        ``ParallelStyle``, replacing the config's and the model's own tp plan (:mod:`dsfunc.parallel.autotp`).
 
     Returns:
       A :class:`TrainState`; every rank of the process group must call this. A process that a launcher
@@ -157,7 +169,8 @@ def init_state(
     return _build(model, config, loss_fn, optimizer=optimizer, seed=seed, unit_modules=unit_modules,
                   param_init_fn=param_init_fn, device=device, compile=compile,
                   activation_checkpointing=activation_checkpointing, in_place=in_place, param_groups=param_groups,
-                  lr_schedule=lr_schedule, pipeline=None, mesh=run_mesh(config, mesh, _default_device(device)))
+                  lr_schedule=lr_schedule, pipeline=None, mesh=run_mesh(config, mesh, _default_device(device)),
+                  tp_plan=tp_plan)
 
 
 def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: Any, seed: int,
@@ -165,25 +178,32 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
            device: torch.device | str | None, compile: bool | Mapping[str, Any] | None,
            activation_checkpointing: str | Mapping[str, Any] | None, in_place: bool,
            param_groups: ParamGroups | None, lr_schedule: LrSchedule | None, pipeline: Pipeline | None,
-           mesh: Mesh) -> TrainState:
+           mesh: Mesh, tp_plan: Plan | None = None) -> TrainState:
     """:func:`init_state` for one module (a pipeline stage's, its ZeRO over the stage's data-parallel ranks)."""
     cfg = Config.load(config, world_size=mesh.batch_ranks)
     announce_without_effect(cfg)
     device = _default_device(device)
     zero = cfg.zero_optimization
-    plan, groups = _plan(model, zero.stage, unit_modules, param_groups, mesh.zero)
     if zero.stage == 3:
         mark_leaf_parameters(model)
     skeleton = model if in_place else make_skeleton(model)
     if mesh.size("sp") > 1:  # Ulysses: the model's attention routed, the loss over the split sequence
         loss_fn = sequence_parallel(skeleton, loss_fn, mesh.group("sp"))
+    tensor = _split(model, skeleton, cfg, mesh, tp_plan)
+    # a split model's units hold each rank's tp parts: the skeleton's (local) shapes
+    plan, groups = _plan(model if tensor is None else skeleton, zero.stage, unit_modules, param_groups, mesh.zero)
+    if tensor is not None:
+        plan = dataclasses.replace(plan, tp=tensor.group, split=frozenset(tensor.split))
     comm_dtype = _COMM_DTYPES[cfg.communication_data_type]
     host = HostOffload.from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype, grad_dtype=(
         grad_dtype(cfg.compute_dtype, comm_dtype, plan.world_size, cfg.gradient_accumulation_steps)))
     if pipeline is not None and host is not None:
         raise NotSupportedError("ZeRO-Offload with pipeline parallelism is not supported by dsfunc; remove the "
                                 "offload_optimizer/offload_param sections or the pipeline")
-    params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn, host)
+    params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn, host,
+                                  local=None if tensor is None else tensor.local_value)
+    if tensor is not None:
+        tensor.sync(buffers)
     slots = Slots(skeleton, plan, buffers.keys())
     scaler = LossScaler.from_config(cfg.fp16)
     update = _update(cfg, plan, optimizer, param_groups, groups, lr_schedule)
@@ -201,12 +221,25 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
         compute_dtype=cfg.compute_dtype, comm_dtype=comm_dtype,
         persistent_buffers=tuple(k for k in model.state_dict() if k in buffers),
         step_fn=_step_fn(compile_options, pipeline), segment_norm=segment_norm_fn(plan, device), offload=host,
-        pipeline=pipeline, mesh=mesh,
+        pipeline=pipeline, mesh=mesh, tensor=tensor,
     )
     state = _first_state(program, params, buffers, seed)
     workspace.refresh(state.params)
     slots.restore(state.buffers)
     return state
+
+
+def _split(model: nn.Module, skeleton: nn.Module, cfg: Config, mesh: Mesh,
+           tp_plan: Plan | None) -> TensorParallel | None:
+    """Split the skeleton over the mesh's tp axis (:mod:`dsfunc.parallel.tensor`, imported with DTensor only
+    then); None at tp 1."""
+    if mesh.size("tp") == 1 and tp_plan is None:
+        return None
+    from dsfunc.parallel.tensor import check_tensor_parallel, tensor_parallel
+
+    check_tensor_parallel(model, cfg.zero_optimization.offload_optimizer is not None,
+                          None if cfg.optimizer is None else cfg.optimizer.type)
+    return tensor_parallel(skeleton, mesh, cfg.tensor_parallel, tp_plan)
 
 
 def _first_state(program: Program, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
@@ -368,8 +401,9 @@ def _full_params(state: TrainState) -> dict[str, torch.Tensor]:
         flat = torch.empty(plan.padded_size(unit), dtype=torch.float32, device=shard.device)
         comm.all_gather_flat(flat, shard, plan.group) if plan.ways > 1 else flat.copy_(shard)
         for slot, view in zip(unit.params, unit_views(unit, flat)):
+            value = view.clone() if program.tensor is None else program.tensor.full_value(slot.name, view)
             for alias in slot.aliases:
-                out[alias] = view.clone()
+                out[alias] = value if len(slot.aliases) == 1 else value.clone()
     for name in program.persistent_buffers + plan.frozen:
         out[name] = state.buffers[name].detach().clone()
     order = [k for k, _ in program.skeleton.state_dict(keep_vars=True).items()]

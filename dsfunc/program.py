@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from dsfunc.zero.binding import Slots
 from dsfunc.zero.gather import Workspace
 from dsfunc.zero.layout import ShardingPlan
 from dsfunc.zero.offload import HostOffload
+
+if TYPE_CHECKING:
+    from dsfunc.parallel.tensor import TensorParallel
 
 # train_step's signature, (state, batch, ...) -> state; TrainState is not named here because the state's
 # module names this one
@@ -55,3 +58,4 @@ class Program:
     # module builds on the step, whose program this is)
     pipeline: Any = None
     mesh: Mesh | None = None  # the run's axes and groups (dsfunc.distributed.mesh)
+    tensor: TensorParallel | None = None  # the parameters split over the mesh's tp axis (dsfunc.parallel.tensor)

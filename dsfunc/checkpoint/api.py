@@ -29,7 +29,7 @@ from dsfunc.checkpoint.tags import PathLike, check_tag, find_checkpoint
 from dsfunc.checkpoint.trust import pickle_client_state, read_client_state
 from dsfunc.distributed import comm
 from dsfunc.distributed.init import check_one_world
-from dsfunc.errors import InputError, InputTypeError
+from dsfunc.errors import InputError, InputTypeError, NotSupportedError
 from dsfunc.state import TrainState
 
 DEFAULT_TIMEOUT = 300.0  # seconds every rank gets to arrive at a save or load
@@ -173,6 +173,10 @@ def _check_state(state: Any, caller: str) -> None:
     if not isinstance(state, TrainState):
         raise InputTypeError(f"{caller} expects a TrainState from dsfunc.init_state, got {type(state).__name__}")
     state.check_usable()
+    if state.program.tensor is not None:
+        raise NotSupportedError(f"{caller} of a tensor-parallel state is not supported by dsfunc yet (a checkpoint "
+                                "describes the global model; resharding tp parts is to come): use "
+                                "dsfunc.full_params(state) to save the whole model")
 
 
 def _executor() -> ThreadPoolExecutor:

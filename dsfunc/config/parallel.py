@@ -18,7 +18,7 @@ from dsfunc.config.errors import _bad
 from dsfunc.config.schema import _key, _section
 from dsfunc.frozen import freeze
 
-PRESETS = ("llama", "qwen2", "mistral")  # DeepSpeed's presets that dsfunc's AutoTP applies (separate q/k/v)
+PRESETS = ("llama", "bloom", "chatglm", "mixtral", "deepseek_v2", "qwen2", "phi3")  # DeepSpeed's AutoTPPresets
 
 
 def _partition_config(value: Any, path: str) -> Mapping[str, Any]:
@@ -30,8 +30,8 @@ def _partition_config(value: Any, path: str) -> Mapping[str, Any]:
 def _preset(value: Any, path: str) -> str:
     text = _string(value, path)
     if text.lower() not in PRESETS:
-        raise _bad(path, value, "one of " + ", ".join(f'"{p}"' for p in PRESETS) + " (DeepSpeed's presets with "
-                   "separate q, k, v projections; give partition_config layer_specs for other models)")
+        raise _bad(path, value, "one of " + ", ".join(f'"{p}"' for p in PRESETS) + " (DeepSpeed's presets; give "
+                   "partition_config layer_specs for other models)")
     return text.lower()
 
 
@@ -48,7 +48,8 @@ class TensorParallelConfig:
     "skip"}], "use_default_specs": bool}``; a spec's regexes match parameter names (``...q_proj.weight``).
     """
     preset_model: str | None = _key(None, _optional(_preset))
-    """A built-in spec list: "llama", "qwen2", "mistral" (q/k/v/gate/up column, o/down row)."""
+    """One of DeepSpeed's built-in spec lists; dsfunc applies "llama" and "qwen2" (q/k/v/gate/up column, o/down row),
+    the others split fused projections into sub-parameters, which dsfunc does not yet."""
 
     @property
     def size(self) -> int:

@@ -202,10 +202,10 @@ class EngineSurface:
         return self.state.program.plan.rank
 
     def get_model_parallel_rank(self) -> int:
-        return 0
+        return self.get_tensor_parallel_rank()
 
     def get_tensor_parallel_rank(self) -> int:
-        return 0
+        return self.state.program.mesh.group("tp").rank
 
     @property
     def sequence_parallel_size(self) -> int:

@@ -109,7 +109,8 @@ def initialize(
     pipelined = isinstance(model, PipelineModule)
     mesh = mpu.mesh if mpu is not None else None  # register_with_transformers' (Ulysses)
     tensor, sp, _ = mesh_sections(source)
-    world = comm.world_size() // (model.num_stages if pipelined else tensor.size * sp)  # the data-parallel ranks
+    # the data-parallel ranks (a world the mesh does not divide is init_state's error)
+    world = comm.world_size() // (model.num_stages if pipelined else tensor.size * sp) or comm.world_size()
     cfg = Config.load(source, world_size=world)
     if training_data is not None:
         check_dataset(training_data)
@@ -130,7 +131,8 @@ def initialize(
     if training_data is not None:
         cuda = state.program.device.type == "cuda"
         loader = DistributedLoader(
-            training_data, cfg.train_micro_batch_size_per_gpu, rank=comm.rank() % world, world_size=world,
+            training_data, cfg.train_micro_batch_size_per_gpu, rank=state.program.mesh.group("dp").rank,
+            world_size=state.program.mesh.size("dp"),
             shuffle=not pipelined,  # DeepSpeed's pipeline engine reads its data in order
             drop_last=cfg.dataloader_drop_last, collate_fn=collate_fn, num_workers=2 if cuda else 0,
             pin_memory=cuda,

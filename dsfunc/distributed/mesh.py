@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dsfunc.config import mesh_sections
@@ -66,7 +67,18 @@ class Mesh:
         return self.size("dp")
 
     def describe(self) -> str:
+        """The axes and their sizes, ``pp 1 x dp 2 x sp 1 x tp 2``."""
         return " x ".join(f"{a} {self.size(a)}" for a in AXES)
+
+    def check_same(self, other: Mesh | DeviceMesh) -> None:
+        """Raise unless ``other`` is this mesh (or torch's mesh it was made of): a state is laid out on one."""
+        same = other is self or (self.device_mesh is not None and other is self.device_mesh)
+        if not same and isinstance(other, Mesh):
+            same = dict(other.sizes) == dict(self.sizes) and other.zero.ranks == self.zero.ranks
+        if not same:
+            shown = other.describe() if isinstance(other, Mesh) else f"a DeviceMesh {other.mesh_dim_names}"
+            raise InputError(f"the mesh given ({shown}) is not the state's ({self.describe()}): a state is laid "
+                             "out on the mesh init_state(mesh=...) was given; pass that one, or none")
 
 
 def _check_axis(axis: str) -> None:
@@ -92,9 +104,16 @@ def make_mesh(*, tp: int = 1, sp: int = 1, pp: int = 1, device_type: str = "cpu"
     sizes = {"pp": pp, "dp": world // per_replica, "sp": sp, "tp": tp}
     if not comm.is_distributed():
         return Mesh(sizes, None, {})
-    names = tuple(a for a in AXES if sizes[a] > 1 or a == "dp")
-    device_mesh = init_device_mesh(device_type, tuple(sizes[a] for a in names), mesh_dim_names=names)
-    return from_device_mesh(device_mesh, flatten=True)
+    key = (id(dist.group.WORLD), device_type, tuple(sizes.values()))
+    if key not in _MADE:  # once per process group: each mesh's groups live as long as it
+        names = tuple(a for a in AXES if sizes[a] > 1 or a == "dp")
+        device_mesh = init_device_mesh(device_type, tuple(sizes[a] for a in names), mesh_dim_names=names)
+        _MADE.clear()
+        _MADE[key] = from_device_mesh(device_mesh, flatten=True)
+    return _MADE[key]
+
+
+_MADE: dict[tuple[Any, ...], Mesh] = {}  # the last mesh make_mesh built, by its world and shape
 
 
 def from_device_mesh(device_mesh: DeviceMesh, *, flatten: bool = True) -> Mesh:

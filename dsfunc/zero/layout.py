@@ -76,6 +76,8 @@ class ShardingPlan:
     stage: int
     group: Group  # the ranks each unit is sharded and its gradients reduced over (the mesh's dp x sp)
     frozen: tuple[str, ...] = ()  # parameters that do not train: kept replicated, like buffers
+    tp: Group | None = None  # the tensor-parallel ranks the parameters in ``split`` are split over
+    split: frozenset[str] = frozenset()  # parameters whose values differ over tp (the others are replicated)
 
     @property
     def world_size(self) -> int:

@@ -41,12 +41,14 @@ INIT_STATS = InitStats()
 def materialize(
     model: nn.Module, skeleton: nn.Module, plan: ShardingPlan, device: torch.device, seed: int,
     param_init_fn: Callable[[nn.Module], None] | None, host: HostOffload | None = None,
+    local: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """This rank's fp32 master shards (by unit) and its buffers (and frozen parameters) by name.
 
     The masters are made on ``device`` (the broadcast from rank 0 runs there) and kept there, or in host
     memory when ``host`` offloads them: this is where the state's masters, and so its optimizer state
-    (initialised like them), are placed.
+    (initialised like them), are placed. ``local(name, value)``: this rank's part of a parameter's value (its tp
+    part, :mod:`dsfunc.parallel.tensor`).
     """
     on_meta = any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers())
     source = _MetaSource(skeleton, device, seed, param_init_fn) if on_meta else None
@@ -54,6 +56,8 @@ def materialize(
     params = {}
     for unit in plan.units:
         values, alike = _values(tensors, [slot.name for slot in unit.params], source)
+        if local is not None:
+            values = {k: local(k, v) for k, v in values.items()}
         values = {k: v.to(device=device, dtype=torch.float32) for k, v in values.items()}
         flat = flatten_unit(unit, values, plan.padded_size(unit))
         if not alike:

@@ -1,7 +1,9 @@
 """Norms over sharded gradients and parameters: one collective for the global norm, Lamb's per-parameter norms.
 
 At stages 1-3 each rank holds a shard of every unit, so a norm is a sum of squares per rank and one
-all-reduce. The step's loss rides along in that all-reduce (the mean loss over ranks).
+all-reduce. The step's loss rides along in that all-reduce (the mean loss over ranks). With tensor
+parallelism a rank holds its tp part of the split parameters: their squares are summed over tp too, while
+the replicated parameters (the same on every tp rank) are counted once.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ def global_norm_and_loss(plan: ShardingPlan, grads: Mapping[str, torch.Tensor], 
     """The sum of squares of every rank's ``grads`` (inf/nan anywhere make it non-finite, on every rank
     alike) and the mean of ``loss`` over ranks, with one small all-reduce. ``sumsq``: this rank's sum of
     squares, already taken (on the device, before offloaded gradients left it)."""
+    if plan.split:
+        return _tensor_parallel_norm_and_loss(plan, grads, loss)
     if sumsq is None:
         sumsq = kernels.sum_of_squares(list(grads.values()))
     if plan.world_size > 1:
@@ -29,6 +33,29 @@ def global_norm_and_loss(plan: ShardingPlan, grads: Mapping[str, torch.Tensor], 
         sumsq = packed[0] if plan.ways > 1 else sumsq
         loss = packed[1] / plan.world_size
     return sumsq, loss
+
+
+def _tensor_parallel_norm_and_loss(plan: ShardingPlan, grads: Mapping[str, torch.Tensor],
+                                   loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`global_norm_and_loss` when parameters are split over tp: the split parameters' squares summed over
+    ``plan.group`` and tp, the replicated ones' over ``plan.group`` only."""
+    split, replicated = [], []
+    for name, grad in grads.items():
+        unit = plan.unit(name)
+        start, stop = plan.local_range(unit)
+        for slot in unit.params:
+            lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, stop)
+            if lo < hi:
+                (split if slot.name in plan.split else replicated).append(grad[lo - start : hi - start])
+    zero = loss.new_zeros((), dtype=torch.float32)
+    sums = [kernels.sum_of_squares(part).float() if part else zero for part in (split, replicated)]
+    packed = torch.stack([*sums, loss.float()])
+    if plan.ways > 1:
+        comm.all_reduce_sum(packed, plan.group)
+    elif plan.world_size > 1:  # unsharded: every rank holds the same full gradients, only the loss differs
+        comm.all_reduce_sum(packed[2:], plan.group)
+    comm.all_reduce_sum(packed[:1], plan.tp)
+    return packed[0] + packed[1], packed[2] / plan.world_size
 
 
 def segment_norm_fn(plan: ShardingPlan, device: torch.device) -> Callable[[Any], Any]:
