@@ -52,6 +52,7 @@ from dsfunc.optim.groups import ParamGroups
 from dsfunc.optim.muon import muon_groups
 from dsfunc.optim.torch_optimizer import TorchOptimizerUpdate
 from dsfunc.optim.update import ChainUpdate
+from dsfunc.parallel.hf_attention import sequence_parallel
 from dsfunc.pipeline.pipelined import Pipeline
 from dsfunc.pipeline.place import place
 from dsfunc.pipeline.stage import StageModule
@@ -212,6 +213,8 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     if zero.stage == 3:
         mark_leaf_parameters(model)
     skeleton = model if in_place else make_skeleton(model)
+    if mesh.size("sp") > 1:  # Ulysses: the model's attention routed, the loss over the split sequence
+        loss_fn = sequence_parallel(skeleton, loss_fn, mesh.group("sp"))
     tensor = _split(model, skeleton, cfg, mesh, tp_plan)
     # a split model's units hold each rank's tp parts: the skeleton's (local) shapes
     plan, groups = _plan(model if tensor is None else skeleton, zero.stage, unit_modules, param_groups, mesh.zero)

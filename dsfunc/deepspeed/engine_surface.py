@@ -103,9 +103,8 @@ class EngineSurface:
     world_size: int
     global_rank: int
 
-    # Data parallelism is dsfunc's only parallelism: one model-parallel rank, no experts, no sequence split.
+    # One model-parallel rank, no experts (the sequence split is the mesh's sp axis: sequence_parallel_size).
     mp_world_size = 1
-    sequence_parallel_size = 1
     mpu = None
     has_moe_layers = False
     pipeline_parallelism = False
@@ -208,8 +207,14 @@ class EngineSurface:
     def get_tensor_parallel_rank(self) -> int:
         return self.state.program.mesh.group("tp").rank
 
+    @property
+    def sequence_parallel_size(self) -> int:
+        mesh = self.state.program.mesh
+        return mesh.size("sp") if mesh is not None else 1
+
     def get_sequence_parallel_group(self) -> Any:
-        return None
+        """The mesh's sp process group (None without a sequence split, as dsfunc has no group for it then)."""
+        return self.state.program.mesh.group("sp").process_group if self.sequence_parallel_size > 1 else None
 
     # -- optimizer params ---------------------------------------------------------------------------
     def _group_values(self, key: str) -> list[Any]:

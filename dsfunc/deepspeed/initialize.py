@@ -33,6 +33,7 @@ from dsfunc.deepspeed.translate import (
     translatable,
     zero_tested,
 )
+from dsfunc.deepspeed.ulysses_sp import SequenceParallelGroups
 from dsfunc.deepspeed.views import EngineLRScheduler, EngineOptimizer, group_views
 from dsfunc.distributed import comm
 from dsfunc.distributed.process_group import init_distributed, join_world
@@ -87,7 +88,8 @@ def initialize(
       lr_scheduler: a fresh torch lr scheduler built on ``optimizer``, or a callable ``f(optimizer)``;
         it replaces the config's ``scheduler`` section.
       distributed_port: MASTER_PORT when the environment does not set one.
-      mpu, mesh_param: model/sequence parallelism; not supported (must be None).
+      mpu: the groups ``UlyssesSPAttentionHF.register_with_transformers`` returns (Ulysses), or None.
+      mesh_param: not supported (must be None).
       dist_init_required: False says the script has initialised torch.distributed itself: without a process
         group it is an error (:func:`dsfunc.init_distributed`), as DeepSpeed's.
       collate_fn: builds micro-batches from samples of ``training_data``.
@@ -110,6 +112,7 @@ def initialize(
         join_world(distributed_port)
     local_rank = _local_rank(args)
     pipelined = isinstance(model, PipelineModule)
+    mesh = mpu.mesh if mpu is not None else None  # register_with_transformers' (Ulysses)
     tensor, sp, _ = mesh_sections(source)
     # the data-parallel ranks (a world the mesh does not divide is init_state's error)
     world = comm.world_size() // (model.num_stages if pipelined else tensor.size * sp) or comm.world_size()
@@ -129,7 +132,7 @@ def initialize(
     update = own_step if own_step is not None else None if trains else chain()  # without optimizer: evaluates
     bind_all(model)  # each MoE layer's expert groups, in DeepSpeed's registry (deepspeed.utils.groups)
     state = init_state(model, cfg, optimizer=update, seed=seed, in_place=True, param_groups=param_groups,
-                       lr_schedule=client_lr)
+                       lr_schedule=client_lr, mesh=mesh)
     loader = None
     if training_data is not None:
         cuda = state.program.device.type == "cuda"
@@ -167,8 +170,9 @@ def _check_arguments(args: Any, model: Any, mpu: Any, mesh_param: Any, config: A
                                       "deepspeed.initialize(model=net, ...)")
     if not isinstance(model, nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if mpu is not None or mesh_param is not None:
-        raise InputError("model/sequence parallelism (mpu=, mesh_param=) is not supported by dsfunc; pass None")
+    if mpu is not None and not isinstance(mpu, SequenceParallelGroups) or mesh_param is not None:
+        raise InputError("model parallelism through mpu= (other than the groups UlyssesSPAttentionHF."
+                         "register_with_transformers returns) or mesh_param= is not supported by dsfunc; pass None")
     if config is not None and config_params is not None:
         raise InputError("pass the config as config= only (config_params= is its deprecated name)")
 

@@ -64,6 +64,7 @@ ALIASES = {
     "runtime.pipe.engine": "dsfunc.deepspeed.pipe_engine",
     "runtime.lr_schedules": "dsfunc.deepspeed.lr_schedules",
     "runtime.sequence_parallel.ulysses_sp": "dsfunc.deepspeed.ulysses_sp",
+    "sequence.layer": "dsfunc.deepspeed.sequence_layer",
     "runtime.config": "dsfunc.deepspeed.config",
     "runtime.precision_config": "dsfunc.deepspeed.precision_config",
     "runtime.swap_tensor": "dsfunc.deepspeed.swap_tensor",
