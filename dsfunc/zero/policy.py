@@ -5,7 +5,8 @@ As FSDP2's ``OffloadPolicy`` is read at two lifecycle points of an ``FSDPParam``
 * :class:`GradStore` (by the reducer, :mod:`dsfunc.zero.reduce`): where a unit's reduced gradient sum lives
   between micro-batches, and how the next micro-batch gets it back to add to;
 * :class:`UpdateRunner` (by :func:`dsfunc.step.apply_gradients`): where the update reads its gradients, who runs
-  it, now or in the background, and what it already wrote of the compute copies;
+  it, now, in the background or ahead of the step (told the update to expect before backward), and what it
+  already wrote of the compute copies;
 * :class:`ShardSource` (by the :class:`~dsfunc.zero.gather.Workspace`): where a gather reads this rank's
   compute-dtype shard of a unit.
 
@@ -18,12 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from dsfunc.optim.update import RUN_NOW, UpdateContext
 from dsfunc.zero.layout import Unit
+
+if TYPE_CHECKING:
+    from dsfunc.state import TrainState
 
 Grads = Mapping[str, torch.Tensor | None]
 
@@ -87,6 +91,12 @@ class UpdateRunner(Protocol):
         """Return once the last step's update, if any still runs, is done (visibly: the step calls it first)."""
         ...
 
+    def expect(self, state: TrainState, update: Any) -> None:
+        """Before the step's backward: ``update`` (an update of :mod:`dsfunc.optim.update`) will be applied to
+        ``state``; a runner may start it unit by unit as the gradients land, and check it when the step's
+        scalars are known."""
+        ...
+
     def collect(self, grads: Grads) -> tuple[Grads, torch.Tensor | None]:
         """The gradients where the update reads them, and their sum of squares if taken on the way (else None)."""
         ...
@@ -114,6 +124,9 @@ class DeviceUpdate:
 
     def wait(self) -> None:
         """Nothing runs between steps."""
+
+    def expect(self, state: TrainState, update: Any) -> None:
+        """The update runs when the step's scalars are known, not before."""
 
     def collect(self, grads: Grads) -> tuple[Grads, torch.Tensor | None]:
         return grads, None
