@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from dsfunc.optim.update import RUN_NOW, UpdateContext
 from dsfunc.zero.layout import Unit
-
-if TYPE_CHECKING:
-    from dsfunc.state import TrainState
 
 Grads = Mapping[str, torch.Tensor | None]
 
@@ -91,10 +88,10 @@ class UpdateRunner(Protocol):
         """Return once the last step's update, if any still runs, is done (visibly: the step calls it first)."""
         ...
 
-    def expect(self, state: TrainState, update: Any) -> None:
-        """Before the step's backward: ``update`` (an update of :mod:`dsfunc.optim.update`) will be applied to
-        ``state``; a runner may start it unit by unit as the gradients land, and check it when the step's
-        scalars are known."""
+    def expect(self, state: Any, update: Any) -> None:
+        """Before the step's backward: ``update`` (an update of :mod:`dsfunc.optim.update`) will be applied to the
+        :class:`~dsfunc.TrainState` ``state``; a runner may start it unit by unit as the gradients land, and check
+        it when the step's scalars are known."""
         ...
 
     def collect(self, grads: Grads) -> tuple[Grads, torch.Tensor | None]:
@@ -125,7 +122,7 @@ class DeviceUpdate:
     def wait(self) -> None:
         """Nothing runs between steps."""
 
-    def expect(self, state: TrainState, update: Any) -> None:
+    def expect(self, state: Any, update: Any) -> None:
         """The update runs when the step's scalars are known, not before."""
 
     def collect(self, grads: Grads) -> tuple[Grads, torch.Tensor | None]:

@@ -22,7 +22,6 @@ from dsfunc.zero.offload.grads import HostGradMap
 from dsfunc.zero.offload.host import HostOffload
 
 if TYPE_CHECKING:
-    from dsfunc.state import TrainState
     from dsfunc.zero.gather import Workspace
     from dsfunc.zero.policy import StepScalars
 
@@ -38,7 +37,7 @@ class HostRunner:
         self.speculation = host.speculation  # each unit's update ahead of the step (None: off)
         self._step: StepExecutor | None = None
 
-    def expect(self, state: TrainState, update: Any) -> None:
+    def expect(self, state: Any, update: Any) -> None:
         """With ``speculative_update``, run ``update``'s own code with the scalars of a step that neither clips
         nor skips (a zero sum of squares), recording each unit's work to start as its gradient lands
         (:mod:`dsfunc.zero.offload.speculation`). Only an update that runs on the host unit by unit through its
