@@ -131,3 +131,31 @@ def test_deepspeed_s_super_offload_turns_it_on_and_its_cores_share_is_refused():
     base["zero_optimization"]["offload_optimizer"]["cpuadam_cores_perc"] = 0.5
     with pytest.raises(ConfigError, match="cpuadam_cores_perc = 0.5"):
         dsfunc.init_state(MLP(width=10, depth=3), base)
+
+
+def test_a_second_backward_of_the_last_micro_batch_undoes_and_restarts_the_speculative_update():
+    """The gradient a unit's update ran ahead with is replaced (another backward adds to it): that update is
+    undone before the buffer is written, and the unit's update starts again from the new sum."""
+    from dsfunc.zero.runtime import zero_runtime
+
+    params = {}
+    for speculative in (False, True):
+        state = make_state(1, 2, "adamw", speculative)
+        runner = state.program.run.runner
+        runner.expect(state, state.program.update)  # what train_step does before its backward
+        runtime = zero_runtime(state)
+        batch = mlp_batches(1, 2)[0]
+        loss = runtime.forward(lambda model, b: model(*b), batch, micro=(0, 1))
+        runtime.backward(loss, retain_graph=True)
+        runtime.backward(loss * 3)
+        runtime.end()
+        _, grads = runtime.finish()
+        state = dsfunc.apply_gradients(state, grads, loss.detach())
+        state.program.run.wait()
+        params[speculative] = dict(state.params)
+        if speculative:
+            units = set(state.params)
+            assert runner.speculation.undone == units and runner.speculation.stood == units
+            starts = [name for what, name in runner.speculation.log if what == "start"]
+            assert sorted(starts) == sorted(list(units) * 2)
+    assert same(params[False], params[True])
