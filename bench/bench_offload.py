@@ -10,7 +10,10 @@ D) to try in order, stopping at the first that does not fit. All trials: ZeRO-3 
 ``torch.utils.checkpoint`` around each block), micro-batch ``--micro`` of 1024 random tokens (``--accum``
 micro-batches per step), 2 warm-up
 steps and ``--steps`` timed steps. Settings: ``none``, ``opt`` (``offload_optimizer`` to pinned CPU
-memory), ``opt+param`` (and ``offload_param``). The entry ``deepspeed:SHAPE`` runs DeepSpeed 0.19.x's engine
+memory), ``opt+param`` (and ``offload_param``); ``+spec`` added to either (``opt+spec``, ``opt+param+spec``) turns
+on dsfunc's ``offload_optimizer.speculative_update`` (each unit's host update during backward, redone where the
+step clips or skips; the last column then says how many units' updates of the last step stood and were redone,
+and the host bytes their saved copies take). The entry ``deepspeed:SHAPE`` runs DeepSpeed 0.19.x's engine
 with ZeRO-Offload (its DeepSpeedCPUAdam, built on first use) on SHAPE with the ``opt`` setting, beside
 dsfunc's trial of the same shape and setting; ``deepspeed-SETTING:SHAPE`` with another setting. DeepSpeed
 builds the model under ``deepspeed.zero.Init`` (partitioned as it is made, its documented way for models
@@ -90,7 +93,8 @@ def run_dsfunc(cfg, setting: str, micro: int, steps: int):
     offload = cfg_ds["zero_optimization"].get("offload_optimizer")
     if offload is not None:
         offload.update(grad_accumulation_on_device=OPTIONS["device_sums"],
-                       micro_batches_per_backward=OPTIONS["backward_group"])
+                       micro_batches_per_backward=OPTIONS["backward_group"],
+                       speculative_update="spec" in setting.split("+"))
     box = [dsfunc.init_state(model, cfg_ds, param_init_fn=init_weights, device="cuda")]
 
     def step(batch) -> float:
@@ -100,6 +104,9 @@ def run_dsfunc(cfg, setting: str, micro: int, steps: int):
     elapsed, losses = timed(step, cfg, micro, steps)
     host = getattr(box[0].program.run.runner, "host", None)  # the run's HostOffload, if offloaded
     host_update = None if host is None else host.executor.seconds  # the last step's, in the worker
+    if host is not None and host.speculation is not None:  # the last step's units kept and redone, saved bytes
+        spec = host.speculation
+        host_update = (host_update, len(spec.stood), len(spec.undone), spec.host_bytes() / 2**30)
     if OPTIONS["profile"]:
         print(json.dumps({"profile": busy(step, next(batches(cfg, micro, 1)))}), flush=True)
     return elapsed, [float(x) for x in losses], model.flops_per_token(), host_update
@@ -221,7 +228,17 @@ def row(size: str, setting: str, system: str, r: dict) -> str:
         return f"| {size} ({billions(size):.1f}B) | {system} | {setting} | does not fit: {r['why']} | | | | | |"
     return (f"| {size} ({billions(size):.1f}B) | {system} | {setting} | {r['tokens']:,.0f} | {r['mfu']:.3f} | "
             f"{r['peak']:.1f} | {r['host']:.1f} | {r['loss'][0]:.3f}->{r['loss'][1]:.3f} | "
-            f"{'' if r.get('host_update') is None else format(r['host_update'], '.2f')} |")
+            f"{host_update(r.get('host_update'))} |")
+
+
+def host_update(measured) -> str:
+    """The host update column: seconds in the worker; with speculation, units kept / redone and saved GiB."""
+    if measured is None:
+        return ""
+    if isinstance(measured, list):
+        seconds, kept, redone, saved = measured
+        return f"{seconds:.2f} (speculated: {kept} kept, {redone} redone, {saved:.1f} GiB saved)"
+    return format(measured, ".2f")
 
 
 def main() -> None:

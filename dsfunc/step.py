@@ -80,6 +80,7 @@ def _run_step(state: TrainState, batch: Batch, donate: bool = True, *, grad_fn: 
     if not donate:
         state.program.run.wait()  # the copy reads every master: the last step's update is done first
     work = state if donate else optree.tree_map(lambda t: t.clone(), state)
+    work.program.run.runner.expect(work, _update_of(work.program, optimizer))  # it may start as gradients land
     # the last step's host update may still run: this forward waits for each unit as it gathers it
     result = grad_fn(GradContext(work), batch)
     new = apply_gradients(work, result.grads, result.loss, optimizer=optimizer)
@@ -123,7 +124,7 @@ def apply_gradients(
     else:
         sumsq, loss = global_norm_and_loss(program.plan, grads, loss, sumsq=sumsq)
     scale = state.scaler.scale
-    update = ChainUpdate(optimizer) if optimizer is not None else program.update
+    update = _update_of(program, optimizer)
     finite, overflow, grad_norm, grad_scale, skipped = kernels.step_scalars(
         sumsq, scale, update.clip_norm, program.scaler.unscaled)
     lowp = run.workspace.lowp_targets() if update.writes_compute_copy else {}
@@ -145,6 +146,11 @@ def apply_gradients(
     if not (new.scaler.dead.is_cuda and torch.cuda.is_current_stream_capturing()):  # dsfunc.graphs: after replay
         note_min_scale(new)
     return new
+
+
+def _update_of(program: Any, optimizer: Transform | None) -> Any:
+    """The update a step applies: ``optimizer``'s chain if given, else the program's own."""
+    return ChainUpdate(optimizer) if optimizer is not None else program.update
 
 
 class _StepScalars(NamedTuple):

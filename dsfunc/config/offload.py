@@ -5,7 +5,8 @@
 or Superchip offload, none of which dsfunc has: with offload on they must keep DeepSpeed's default
 (``tests/config/test_zero.py`` checks these defaults against DeepSpeed's own classes). With offload off
 any valid value is accepted, as DeepSpeed ignores them then. ``offload_optimizer`` has two keys of dsfunc's
-own, ``grad_accumulation_on_device`` and ``micro_batches_per_backward`` (:class:`OffloadConfig`).
+own, ``grad_accumulation_on_device``, ``micro_batches_per_backward`` and ``speculative_update`` (which DeepSpeed's
+``super_offload`` turns on; :class:`OffloadConfig`).
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsfunc.config import deepspeed_keys as ds
-from dsfunc.config.checks import _SIZE, _STEPS, _fields
+from dsfunc.config.checks import _SIZE, _STEPS, _bool, _fields
 from dsfunc.config.errors import ConfigError, _bad, _show
 from dsfunc.config.schema import Check, _as_is
 
 # DeepSpeed 0.19.8's defaults (runtime/zero/offload_config.py) of the keys that cannot apply to CPU offload
 OPTIMIZER_DEFAULTS: Mapping[str, Any] = {
     "nvme_path": None, "buffer_count": 4, "pipeline_read": False, "pipeline_write": False, "fast_init": False,
-    "ratio": 1.0, "super_offload": False, "cpuadam_cores_perc": 0.8,
+    "ratio": 1.0, "cpuadam_cores_perc": 0.8,
 }
 PARAM_DEFAULTS: Mapping[str, Any] = {
     "nvme_path": None, "buffer_count": 5, "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000,
@@ -56,12 +57,21 @@ class OffloadConfig:
     1 (default): each micro-batch's backward follows its forward. No effect under the DeepSpeed engine, whose
     script runs each backward itself.
     """
+    speculative_update: bool = False
+    """dsfunc's own key of ``offload_optimizer`` (``train_step``), which DeepSpeed's ``super_offload: true``
+    also turns on: each unit's host update starts as its gradient lands during the last backward, assuming the
+    step neither clips nor overflows, and is undone and redone when it does, so the result is bit for bit the
+    update's without it (:mod:`dsfunc.zero.offload.speculation`). It costs host memory for a copy of the
+    masters and optimizer state (12 bytes a parameter with Adam). Of SuperOffload only this is built; its
+    ``cpuadam_cores_perc`` must keep DeepSpeed's default. No effect under the DeepSpeed engine.
+    """
 
 
 def _offload_section(what: str, keys: Mapping[str, Any], defaults: Mapping[str, Any],
-                     own: Mapping[str, Check] | None = None):
+                     own: Mapping[str, Check] | None = None, turns_on: Mapping[str, str] | None = None):
     """The check of one offload section: ``None`` when off, else an :class:`OffloadConfig`. ``own``: the
-    section's keys that are dsfunc's, not DeepSpeed's."""
+    section's keys that are dsfunc's, not DeepSpeed's; ``turns_on``: DeepSpeed's keys that, true, set one of
+    them true."""
     check = _fields({"device": _as_is, **keys, **(own or {})})
 
     def parse(value: Any, path: str) -> OffloadConfig | None:
@@ -88,13 +98,16 @@ def _offload_section(what: str, keys: Mapping[str, Any], defaults: Mapping[str, 
                     f"{_show(default)} (DeepSpeed's default)."
                 )
         extra = {key: values[key] for key in own or {} if values[key] is not None}
+        extra.update({mine: True for theirs, mine in (turns_on or {}).items() if values[theirs]})
         return OffloadConfig(pin_memory=True if values["pin_memory"] is None else values["pin_memory"], **extra)
 
     return parse
 
 
 offload_optimizer = _offload_section("optimizer state", ds.OFFLOAD_OPTIMIZER, OPTIMIZER_DEFAULTS,
-                                    {"grad_accumulation_on_device": _SIZE, "micro_batches_per_backward": _STEPS})
+                                    {"grad_accumulation_on_device": _SIZE, "micro_batches_per_backward": _STEPS,
+                                     "speculative_update": _bool},
+                                    turns_on={"super_offload": "speculative_update"})
 offload_param = _offload_section("parameters", ds.OFFLOAD_PARAM, PARAM_DEFAULTS)
 
 

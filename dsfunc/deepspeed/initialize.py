@@ -225,6 +225,9 @@ def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, groups:
     if offload is not None and offload.micro_batches_per_backward > 1:
         logger.warning("offload_optimizer.micro_batches_per_backward has no effect under the engine, whose script "
                        "runs each micro-batch's backward itself; dsfunc.train_step honours it")
+    if offload is not None and offload.speculative_update:
+        logger.warning("offload_optimizer.speculative_update (or super_offload) has no effect under the engine, "
+                       "whose step is not known before the script's last backward; dsfunc.train_step honours it")
     return Config.load(raw, world_size=cfg.world_size), groups, client_lr, client_opt, client_sched
 
 

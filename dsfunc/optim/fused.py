@@ -16,7 +16,6 @@ units by group), and the op takes that group's hyper-parameters and lr. Where th
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -107,9 +106,8 @@ class FusedAdam:
             step = torch.add(adam.count, 1, out=torch.empty((), dtype=torch.float32, device=adam.count.device))
             names = [n for n in params if self.unit_groups.get(n) == label]
             if ctx.executor.on_host:
-                ctx.executor.run(names, functools.partial(
-                    _host_update, params=params, grads=grads, adam=adam, ctx=ctx, group=group, lr=lr, step=step,
-                    grad_scale=grad_scale, skip=skip))
+                ctx.executor.run(names, HostAdamWork(params=params, grads=grads, adam=adam, ctx=ctx, group=group,
+                                                     lr=lr, step=step, grad_scale=grad_scale, skip=skip))
             else:  # one call for the group's units with a 16-bit copy to write, one for those without
                 for lowp in (True, False):
                     part = [n for n in names if (n in ctx.lowp) is lowp]
@@ -130,17 +128,44 @@ class FusedAdam:
         return FrozenDict(params), {**opt_state, "optimizer": optimizer}
 
 
-def _host_update(names: list[str], *, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
-                 adam: Any, ctx: UpdateContext, group: AdamGroup, lr: torch.Tensor, step: torch.Tensor,
-                 grad_scale: torch.Tensor, skip: torch.Tensor) -> None:
-    """The host Adam of units ``names``, each unit's new compute copy written with it."""
-    host_adam_(
-        [params[n] for n in names], _JustInTime(grads, names), [adam.mu[n] for n in names],
-        [adam.nu[n] for n in names], grad_scale=grad_scale, lr=lr, step=step, skip=skip, beta1=group.beta1,
-        beta2=group.beta2, eps=group.eps, weight_decay=group.weight_decay, adam_w_mode=group.adam_w_mode,
-        bias_correction=group.bias_correction, lowp=_JustInTime(ctx.lowp, names),
-        done=lambda i: ctx.executor.unit_done(names[i], params[names[i]]),
-    )
+@dataclasses.dataclass(frozen=True, eq=False)
+class HostAdamWork:
+    """The host Adam of one parameter group's units (a :class:`~dsfunc.optim.update.UnitWork`), each unit's new
+    compute copy written with it. Its step scalars are fields, so that an update run ahead of the step under
+    assumed scalars can be checked against the step's own (:meth:`same`)."""
+
+    params: Mapping[str, torch.Tensor]
+    grads: Mapping[str, torch.Tensor]
+    adam: Any
+    ctx: UpdateContext
+    group: AdamGroup
+    lr: torch.Tensor
+    step: torch.Tensor
+    grad_scale: torch.Tensor
+    skip: torch.Tensor
+
+    def __call__(self, names: list[str]) -> None:
+        group, params = self.group, self.params
+        host_adam_(
+            [params[n] for n in names], _JustInTime(self.grads, names), [self.adam.mu[n] for n in names],
+            [self.adam.nu[n] for n in names], grad_scale=self.grad_scale, lr=self.lr, step=self.step, skip=self.skip,
+            beta1=group.beta1, beta2=group.beta2, eps=group.eps, weight_decay=group.weight_decay,
+            adam_w_mode=group.adam_w_mode, bias_correction=group.bias_correction,
+            lowp=_JustInTime(self.ctx.lowp, names),
+            done=lambda i: self.ctx.executor.unit_done(names[i], params[names[i]]),
+        )
+
+    def writes(self, name: str) -> list[torch.Tensor]:
+        return [self.params[name], self.adam.mu[name], self.adam.nu[name]]
+
+    def same(self, other: object, name: str) -> bool:
+        if not isinstance(other, HostAdamWork) or other.group != self.group:
+            return False
+        if any(a is not b for a, b in zip(self.writes(name), other.writes(name), strict=True)):
+            return False
+        mine = (self.lr, self.step, self.grad_scale, self.skip)
+        theirs = (other.lr, other.step, other.grad_scale, other.skip)
+        return all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(mine, theirs, strict=True))
 
 
 class _JustInTime(Sequence):

@@ -19,7 +19,22 @@ import torch
 from dsfunc.frozen import FrozenDict
 from dsfunc.optim.base import ByLabel, Transform, apply_updates
 
-UnitWork = Callable[[list[str]], None]  # updates the named units, telling the executor after each
+
+class UnitWork(Protocol):
+    """An update's work over units, which an executor may run now, later, or unit by unit ahead of the step."""
+
+    def __call__(self, names: list[str]) -> None:
+        """Update the named units in place, telling the executor after each (:meth:`UnitExecutor.unit_done`)."""
+        ...
+
+    def writes(self, name: str) -> list[torch.Tensor]:
+        """The tensors the update of unit ``name`` writes in place, its master first (what undoing it restores)."""
+        ...
+
+    def same(self, other: UnitWork, name: str) -> bool:
+        """Whether ``other`` writes unit ``name`` bit for bit what this does from the same gradient: the same
+        tensors, hyper-parameters and step scalars (a speculative update stands only then)."""
+        ...
 
 
 class UnitExecutor(Protocol):

@@ -5,7 +5,8 @@ As FSDP2's ``OffloadPolicy`` is read at two lifecycle points of an ``FSDPParam``
 * :class:`GradStore` (by the reducer, :mod:`dsfunc.zero.reduce`): where a unit's reduced gradient sum lives
   between micro-batches, and how the next micro-batch gets it back to add to;
 * :class:`UpdateRunner` (by :func:`dsfunc.step.apply_gradients`): where the update reads its gradients, who runs
-  it, now or in the background, and what it already wrote of the compute copies;
+  it, now, in the background or ahead of the step (told the update to expect before backward), and what it
+  already wrote of the compute copies;
 * :class:`ShardSource` (by the :class:`~dsfunc.zero.gather.Workspace`): where a gather reads this rank's
   compute-dtype shard of a unit.
 
@@ -87,6 +88,12 @@ class UpdateRunner(Protocol):
         """Return once the last step's update, if any still runs, is done (visibly: the step calls it first)."""
         ...
 
+    def expect(self, state: Any, update: Any) -> None:
+        """Before the step's backward: ``update`` (an update of :mod:`dsfunc.optim.update`) will be applied to the
+        :class:`~dsfunc.TrainState` ``state``; a runner may start it unit by unit as the gradients land, and check
+        it when the step's scalars are known."""
+        ...
+
     def collect(self, grads: Grads) -> tuple[Grads, torch.Tensor | None]:
         """The gradients where the update reads them, and their sum of squares if taken on the way (else None)."""
         ...
@@ -114,6 +121,9 @@ class DeviceUpdate:
 
     def wait(self) -> None:
         """Nothing runs between steps."""
+
+    def expect(self, state: Any, update: Any) -> None:
+        """The update runs when the step's scalars are known, not before."""
 
     def collect(self, grads: Grads) -> tuple[Grads, torch.Tensor | None]:
         return grads, None

@@ -127,7 +127,7 @@ def test_zero_keys_at_default_are_accepted(zero):
         ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}},
          "zero_optimization.offload_optimizer.ratio = 0.5: dsfunc's offload to the CPU has no use for it"),
         ({"offload_optimizer": {"device": "cpu", "nvme_path": "/nvme"}}, 'offload_optimizer.nvme_path = "/nvme"'),
-        ({"offload_optimizer": {"device": "cpu", "super_offload": True}}, "Remove the key or set it to false"),
+        ({"offload_optimizer": {"device": "cpu", "cpuadam_cores_perc": 0.5}}, "Remove the key or set it to 0.8"),
         ({"offload_param": {"device": "cpu", "offload_optimizer": 1}}, 'Unknown config key "zero_optimization.'),
         ({"offload_optimizer": {"device": "GPU"}}, 'device = "GPU" is invalid: expected "none", "cpu" or "nvme"'),
         ({"cpu_offload": True, "offload_optimizer": {"device": "cpu"}},

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -64,9 +65,22 @@ class HostExecutor:
         self._written = {name: threading.Event() for names, _ in jobs for name in names}
         self._copied = {}
         self._failed = False
+        self._future = self._worker().submit(self._run, jobs)
+
+    def submit(self, job: Callable[[], None]) -> Future:
+        """Run ``job`` in the worker after what is queued before it, as a future of its own (a unit's update
+        ahead of the step: :mod:`dsfunc.zero.offload.speculation`)."""
+        return self._worker().submit(self._run_one, job)
+
+    def _worker(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsfunc-host-update")
-        self._future = self._pool.submit(self._run, jobs)
+        return self._pool
+
+    def _run_one(self, job: Callable[[], None]) -> None:
+        torch.set_num_threads(self._threads)
+        with torch.no_grad():
+            job()
 
     def _run(self, jobs: list[tuple[list[str], UnitWork]]) -> None:
         stream = torch.cuda.stream(self._copy_stream) if self._cuda else contextlib.nullcontext()

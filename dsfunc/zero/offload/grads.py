@@ -28,6 +28,7 @@ from dsfunc.zero.layout import ShardingPlan, Unit
 from dsfunc.zero.offload.device_sums import DeviceSums
 from dsfunc.zero.offload.executor import HostExecutor
 from dsfunc.zero.offload.pinned import HostMemory
+from dsfunc.zero.offload.speculation import Speculation
 
 
 class HostGrads:
@@ -38,7 +39,7 @@ class HostGrads:
 
     def __init__(self, plan: ShardingPlan, *, memory: HostMemory, compute_device: torch.device, grad_bytes: int,
                  device_sums: DeviceSums, executor: HostExecutor, copies: torch.cuda.Stream | None,
-                 backward_group: int, micro_batches: int) -> None:
+                 backward_group: int, micro_batches: int, speculation: Speculation | None = None) -> None:
         self.plan = plan
         self.memory = memory
         self.compute_device = compute_device
@@ -47,6 +48,7 @@ class HostGrads:
         self.backward_group = backward_group  # micro-batches whose backward runs unit by unit
         self.micro_batches = micro_batches
         self._executor = executor  # the last step's update may still read a buffer
+        self.speculation = speculation  # each unit's update starts as its last sum lands (speculative_update)
         self._storage: dict[str, torch.Tensor] = {}  # unit -> the bytes of its host gradient buffer
         self._grads: dict[str, torch.Tensor] = {}  # unit -> its gradient shard there, in the dtype it came in
         self._sumsq: dict[str, torch.Tensor] = {}  # unit -> sum of squares of its gradient (device)
@@ -76,6 +78,8 @@ class HostGrads:
         if last:
             self._sumsq[unit.name] = kernels.sum_of_squares([grad])
         self._executor.wait_unit(unit.name)  # the last step's update may still read the buffer
+        if self.speculation is not None:  # and this step's, run ahead of it: undone, the buffer is written again
+            self.speculation.release(unit.name)
         nbytes = grad.numel() * dtype.itemsize
         storage = self._storage.get(unit.name)
         if storage is None or storage.numel() < nbytes:  # bytes for the widest dtype the unit's sums come in
@@ -85,6 +89,8 @@ class HostGrads:
                 grad.numel() * max(self.grad_bytes, dtype.itemsize), torch.uint8)
         buf = self._grads[unit.name] = storage[:nbytes].view(dtype)
         self._copies.copy(unit.name, buf, grad)
+        if last and self.speculation is not None:
+            self.speculation.landed(unit.name, buf, self._copies.landed.get(unit.name))
         return buf
 
     def take(self, unit: Unit, buf: torch.Tensor) -> torch.Tensor:

@@ -4,16 +4,19 @@ The update runs where the masters are, on the host (:mod:`dsfunc.optim.host_adam
 It reads the host gradients (:meth:`HostGrads.collect`), and as each unit's new master is final its new shard is
 staged and sent back to the device (:meth:`StepExecutor.unit_done`). At stage 3 the lazy units' share is left to
 the :class:`~dsfunc.zero.offload.executor.HostExecutor`, started once the step has refreshed the rest
-(:meth:`HostRunner.launch`): the next forward waits for each unit as it gathers it.
+(:meth:`HostRunner.launch`): the next forward waits for each unit as it gathers it. With ``speculative_update``
+each unit's update has started as its gradient landed, and stands where the step's scalars are the ones it
+assumed (:mod:`dsfunc.zero.offload.speculation`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dsfunc import kernels
 from dsfunc.optim.update import UnitWork, UpdateContext
 from dsfunc.zero.offload.grads import HostGradMap
 from dsfunc.zero.offload.host import HostOffload
@@ -31,7 +34,25 @@ class HostRunner:
         self.grads = host.grads
         self.shards = host.shards
         self.workspace = workspace
+        self.speculation = host.speculation  # each unit's update ahead of the step (None: off)
         self._step: StepExecutor | None = None
+
+    def expect(self, state: Any, update: Any) -> None:
+        """With ``speculative_update``, run ``update``'s own code with the scalars of a step that neither clips
+        nor skips (a zero sum of squares), recording each unit's work to start as its gradient lands
+        (:mod:`dsfunc.zero.offload.speculation`). Only an update that runs on the host unit by unit through its
+        executor (the fused Adam) hands it work; any other runs as without speculation."""
+        if self.speculation is None or not getattr(update, "writes_compute_copy", False):
+            return
+        program = state.program
+        scale = state.scaler.scale
+        finite, skip, norm, grad_scale, _ = kernels.step_scalars(
+            torch.zeros((), device=scale.device), scale, update.clip_norm, program.scaler.unscaled)
+        cpu = torch.device("cpu")
+        ctx = UpdateContext(loss_scale=scale.to(cpu), grad_norm=norm.to(cpu), grad_scale=grad_scale.to(cpu),
+                            finite=finite.to(cpu), skip=skip.to(cpu), lowp={}, segment_norm=program.segment_norm,
+                            executor=self.speculation)
+        self.speculation.expect(lambda grads: update.apply(state.params, grads, state.opt_state, ctx))
 
     def collect(self, grads: Mapping[str, torch.Tensor | None]) -> tuple[HostGradMap, torch.Tensor]:
         """The gradients in host memory, and their sum of squares (taken on the device)."""
@@ -43,7 +64,9 @@ class HostRunner:
         device's, is not the update's to write: its shards come back through :meth:`StepExecutor.unit_done`)."""
         host_lowp = self.shards.staging.staging_map(grads)  # each unit's buffer taken as the update reaches it
         scalars = type(scalars)(*(t.to(torch.device("cpu")) for t in scalars))
-        self._step = StepExecutor(self, host_lowp, skipped=not bool(scalars.finite))
+        if self.speculation is not None:
+            self.speculation.known()
+        self._step = StepExecutor(self, host_lowp, grads, skipped=not bool(scalars.finite))
         return UpdateContext(**scalars._asdict(), lowp=host_lowp, segment_norm=segment_norm, executor=self._step,
                              lr=lr)
 
@@ -66,14 +89,22 @@ class StepExecutor:
 
     on_host = True
 
-    def __init__(self, runner: HostRunner, lowp: Mapping[str, torch.Tensor], *, skipped: bool) -> None:
+    def __init__(self, runner: HostRunner, lowp: Mapping[str, torch.Tensor], grads: HostGradMap, *,
+                 skipped: bool) -> None:
         self._runner = runner
         self._lowp = lowp
+        self._grads = grads
         self._skipped = skipped
         self.sent: set[str] = set()  # units on their way back to the device
         self._background: set[str] = set()
 
     def run(self, names: list[str], work: UnitWork) -> None:
+        speculation = self._runner.speculation
+        if speculation is not None:  # the units whose update ran ahead of the step and stands are done
+            stood = speculation.settle(names, work, self._grads)
+            for name in stood:
+                self._finish(name, work.writes(name)[0], staged=False)
+            names = [n for n in names if n not in stood]
         workspace = self._runner.workspace
         later = [n for n in names if workspace.lazy(workspace.plan.unit(n))]
         now = [n for n in names if n not in later]
@@ -86,7 +117,12 @@ class StepExecutor:
 
     def unit_done(self, name: str, master: torch.Tensor) -> None:
         # a skipped update writes nothing, its staging buffer included: the unchanged master is cast into it
-        if self._send(name, master, staged=name in self._lowp and not self._skipped):
+        self._finish(name, master, staged=name in self._lowp and not self._skipped)
+
+    def _finish(self, name: str, master: torch.Tensor, staged: bool) -> None:
+        """Unit ``name``'s new ``master`` is final: its shard goes back (from the staging buffer the update
+        wrote, if ``staged``), its gradient buffers are free."""
+        if self._send(name, master, staged=staged):
             self.sent.add(name)
         runner = self._runner
         # after the send: the update may have written the shard over the gradient

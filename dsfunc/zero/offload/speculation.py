@@ -1,0 +1,142 @@
+"""The host update ahead of the step: each unit's starts as its gradient lands, checked once the norm is known.
+
+With the optimizer offloaded the host update waited for the global norm and the finite flag, which only the
+whole backward gives; SuperOffload (DeepSpeed's "speculation-then-validation") runs it during backward
+instead. Here (``offload_optimizer.speculative_update``) the step tells the runner, before its backward, the
+update it will apply (:meth:`~dsfunc.zero.offload.runner.HostRunner.expect`); the runner runs that update's
+own code with the scalars of a step that is neither clipped nor skipped, which records each unit's
+:class:`~dsfunc.optim.update.UnitWork` without running it (:meth:`Speculation.run`). As a unit's final
+gradient lands in host memory (:meth:`~dsfunc.zero.offload.grads.HostGrads.put` of the last micro-batch) the
+worker thread of the :class:`~dsfunc.zero.offload.executor.HostExecutor` saves what the unit's update writes
+(its master and optimizer state) into host buffers of its own and runs the update.
+
+[Note: speculation then validation] When the step's update reaches the unit (:meth:`Speculation.settle`) the
+speculative update stands if the step's work for the unit is the same (:meth:`UnitWork.same`: the same
+tensors, hyper-parameters and bitwise the same step scalars: grad scale, lr, step count, skip flag) and it
+read the gradient the update reads now; the update being a deterministic function of exactly those, the
+result is bit for bit the non-speculative one. Otherwise (the step clipped: its grad scale differs; it
+overflowed: skip; an lr given by the client) the saved tensors are copied back and the unit is updated as
+without speculation. A second gradient for a unit already updated (:meth:`Speculation.release`) undoes it
+the same way before its buffer is overwritten, and a step that ends before its update (an error in backward)
+is undone by the next :meth:`Speculation.expect`.
+
+Cost: host memory for the saved tensors, 12 bytes a parameter for Adam (fp32 master and two moments), kept
+between steps; a copy of them per step (24 bytes of host traffic a parameter beside the update's 28); and on a
+clipped or skipped step a copy back and the update again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+
+import torch
+
+from dsfunc.optim.update import UnitWork
+from dsfunc.zero.offload.executor import HostExecutor
+
+
+class Speculation:
+    """Each unit's expected update, run as its gradient lands, and what undoing it restores."""
+
+    on_host = True  # the expected update runs with this as its executor (it records, runs nothing)
+
+    def __init__(self, executor: HostExecutor, *, wait_start: bool) -> None:
+        self._executor = executor
+        # the compute device is the CPU: put() returns once the unit's update has begun (host and device share the
+        # cores, so nothing is lost, and the order of the log is the same every run)
+        self._wait_start = wait_start
+        self.grads: dict[str, torch.Tensor] = {}  # unit -> the gradient its speculative update read
+        self._work: dict[str, UnitWork] = {}  # unit -> the expected update's work over it (until the norm is known)
+        self._jobs: dict[str, tuple[Future, UnitWork]] = {}  # unit -> its speculative update, until settled
+        self._saved: dict[str, list[torch.Tensor]] = {}  # unit -> copies of what its update writes (kept)
+        # what happened when: ("landed", unit) as a gradient lands, ("start", unit) as its update begins, ("known", "")
+        # once the step's scalars are
+        self.log: list[tuple[str, str]] = []
+        self.stood: set[str] = set()  # this step's units whose speculative update stood
+        self.undone: set[str] = set()  # this step's units whose speculative update was undone
+
+    def expect(self, apply: Callable[[Mapping[str, torch.Tensor]], None]) -> None:
+        """A new step: ``apply(grads)`` runs its expected update with this as executor, reading ``grads``."""
+        for name in list(self._jobs):  # a step that ended before its update: undone
+            self.release(name)
+        self.grads, self._work, self.log, self.stood, self.undone = {}, {}, [], set(), set()
+        apply(self.grads)
+
+    def run(self, names: list[str], work: UnitWork) -> None:
+        """The expected update's work over ``names``: kept, to run unit by unit as each gradient lands."""
+        for name in names:
+            self._work[name] = work
+
+    def unit_done(self, name: str, master: torch.Tensor) -> None:
+        """Nothing is sent of a speculative update: the unit's new shard goes once the update stands."""
+
+    def landed(self, name: str, grad: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+        """Unit ``name``'s final gradient is ``grad`` in host memory (once ``copied`` has completed): its expected
+        update starts in the worker."""
+        work = self._work.get(name)
+        if work is None:
+            return
+        self.grads[name] = grad
+        self.log.append(("landed", name))
+        started = threading.Event()
+
+        def update() -> None:
+            started.set()
+            self.log.append(("start", name))
+            if copied is not None:
+                copied.synchronize()
+            targets = work.writes(name)
+            saved = self._saved.get(name)
+            if saved is None:
+                saved = self._saved[name] = [torch.empty_like(t) for t in targets]
+            for copy, target in zip(saved, targets, strict=True):
+                copy.copy_(target)
+            work([name])
+
+        self._jobs[name] = (self._executor.submit(update), work)
+        if self._wait_start:
+            started.wait()
+
+    def known(self) -> None:
+        """The step's scalars are known: no update starts ahead of it any more."""
+        self.log.append(("known", ""))
+        self._work = {}
+
+    def release(self, name: str) -> None:
+        """Unit ``name``'s gradient buffer is about to be written again: its speculative update, if any, is undone."""
+        job = self._jobs.pop(name, None)
+        if job is not None:
+            job[0].result()
+            self._undo(name, job[1])
+
+    def settle(self, names: list[str], work: UnitWork, grads: Mapping[str, torch.Tensor | None]) -> list[str]:
+        """The units of ``names`` whose speculative update stands for the step's ``work`` reading ``grads``
+        (see the note above); the others' is undone."""
+        stood = []
+        for name in names:
+            job = self._jobs.pop(name, None)
+            if job is None:
+                continue
+            future, expected = job
+            future.result()
+            if expected.same(work, name) and grads.get(name) is self.grads.get(name):
+                stood.append(name)
+                self.stood.add(name)
+            else:
+                self._undo(name, expected)
+        return stood
+
+    def _undo(self, name: str, work: UnitWork) -> None:
+        for target, copy in zip(work.writes(name), self._saved[name], strict=True):
+            target.copy_(copy)
+        self.undone.add(name)
+
+    def host_bytes(self) -> int:
+        """Host bytes of the saved copies."""
+        return sum(t.numel() * t.element_size() for saved in self._saved.values() for t in saved)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The saved copies held now."""
+        return [t for saved in self._saved.values() for t in saved]

@@ -1,0 +1,161 @@
+"""``offload_optimizer.speculative_update``: each unit's host update runs ahead of the step, as its gradient lands,
+and the run is bit for bit the run without it: on steps that clip, skip (fp16 overflow) or neither, with
+accumulation, at stages 2 and 3 on 1 and 2 gloo ranks. Each step also says which units' speculative update stood
+(neither clipped nor skipped) and which were undone and redone, so a run that never speculated cannot pass.
+"""
+
+from __future__ import annotations
+
+import optree
+import pytest
+import torch
+
+import dsfunc
+from dsfunc.config import ConfigError
+from tests.models import MLP, config, mlp_batches
+from tests.multiprocess import run_world
+
+STEPS = 4
+POISON = 2  # the fp16 case's step whose input holds an inf on rank 0
+CLIP = 1.5  # inside the MLP's gradient norms on these batches: some steps clip, others do not
+# name -> (optimizer type, gradient_clipping, accumulation steps, fp16)
+CASES = {
+    "adamw": ("AdamW", 0.0, 1, False),
+    "adamw accumulated": ("AdamW", 0.0, 2, False),
+    "adam clipped": ("Adam", CLIP, 2, False),
+    "fp16 overflow": ("AdamW", CLIP, 2, True),
+}
+
+
+def make_state(world: int, stage: int, case: str, speculative: bool) -> dsfunc.TrainState:
+    optimizer, clip, gas, fp16 = CASES[case]
+    torch.manual_seed(0)
+    extra = {"fp16": {"enabled": True, "initial_scale_power": 8}} if fp16 else {}
+    cfg = config(micro=2, gas=gas, world=world, stage=stage, gradient_clipping=clip,
+                 optimizer={"type": optimizer, "params": {"lr": 1e-2, "weight_decay": 0.01}},
+                 scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 3}}, **extra)
+    offload = {"device": "cpu", "speculative_update": speculative}
+    cfg["zero_optimization"].update(offload_optimizer=offload, stage3_param_persistence_threshold=0)
+    return dsfunc.init_state(MLP(width=10, depth=3), cfg)
+
+
+def train(state: dsfunc.TrainState, rank: int, world: int, poison: bool) -> tuple[dsfunc.TrainState, list]:
+    """``STEPS`` steps; per step, the number of units whose speculative update stood and were undone, and the
+    step's gradient norm."""
+    n = state.program.config.train_micro_batch_size_per_gpu * state.program.config.gradient_accumulation_steps
+    outcomes = []
+    for i, (x, y) in enumerate(mlp_batches(STEPS, n * world)):
+        x, y = x[rank * n : (rank + 1) * n].clone(), y[rank * n : (rank + 1) * n]
+        if poison and i == POISON and rank == 0:
+            x[0, 0] = float("inf")
+        state = dsfunc.train_step(state, (x, y))
+        speculation = state.program.run.runner.speculation
+        outcomes.append(None if speculation is None else (len(speculation.stood), len(speculation.undone),
+                                                          state.metrics.grad_norm.item()))
+    return state, outcomes
+
+
+def both_runs(rank: int, world: int) -> dict:
+    out = {}
+    for stage in (2, 3):
+        for case in CASES:
+            runs = {}
+            for speculative in (False, True):
+                state, outcomes = train(make_state(world, stage, case, speculative), rank, world, CASES[case][3])
+                state.program.run.wait()
+                metrics = state.metrics
+                runs[speculative] = {
+                    "params": dict(state.params), "opt_state": optree.tree_leaves(state.opt_state),
+                    "metrics": [metrics.loss, metrics.grad_norm, metrics.loss_scale, metrics.lr, metrics.skipped],
+                    "scaler": optree.tree_leaves(state.scaler), "outcomes": outcomes,
+                    "units": sum(1 for n, p in state.params.items() if p.numel() > 0),
+                }
+            out[stage, case] = runs
+    return out
+
+
+def same(a: list | dict, b: list | dict) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_speculative_update_is_bit_for_bit_the_update(world):
+    outcomes = {case: set() for case in CASES}  # whether each case had steps that clip or skip, and others
+    for rank, results in enumerate(run_world(both_runs, world)):
+        for (stage, case), runs in results.items():
+            where = f"world {world} rank {rank} stage {stage} {case}"
+            plain, ahead = runs[False], runs[True]
+            for part in ("params", "opt_state", "metrics", "scaler"):
+                assert same(plain[part], ahead[part]), f"{where}: {part} differ"
+            assert plain["outcomes"] == [None] * STEPS
+            units, clip = ahead["units"], CASES[case][1]
+            for step, (stood, undone, norm) in enumerate(ahead["outcomes"]):
+                wrong = (clip > 0 and norm + 1e-6 > clip) or (CASES[case][3] and step == POISON)
+                # a step that clips or skips redoes every unit; any other keeps every unit's speculative update
+                assert (stood, undone) == ((0, units) if wrong else (units, 0)), (where, step, ahead["outcomes"])
+                outcomes[case].add(wrong)
+    assert all(outcomes[case] == {False, True} for case in ("adam clipped", "fp16 overflow")), outcomes
+    assert all(outcomes[case] == {False} for case in ("adamw", "adamw accumulated")), outcomes
+
+
+def ordered(rank: int, world: int) -> dict:
+    state, _ = train(make_state(world, 3, "adamw accumulated", True), rank, world, poison=False)
+    host = state.program.run.runner.host
+    return {"log": list(host.speculation.log), "saved": host.speculation.host_bytes(),
+            "elements": sum(p.numel() for p in state.params.values()),
+            "units": [n for n, p in state.params.items() if p.numel() > 0]}
+
+
+def test_each_unit_s_update_starts_as_its_gradient_lands_before_the_norm_is_known():
+    """The executor's log of the last step: each unit's update began after its gradient landed and before the
+    step's scalars were known, the first before the last gradient landed (during backward)."""
+    (r,) = run_world(ordered, 1)
+    log = r["log"]
+    known = log.index(("known", ""))
+    for unit in r["units"]:
+        assert log.index(("landed", unit)) < log.index(("start", unit)) < known, log
+    first_start = min(i for i, (what, _) in enumerate(log) if what == "start")
+    last_landed = max(i for i, (what, _) in enumerate(log) if what == "landed")
+    assert first_start < last_landed, log
+    # undoing keeps the master and both Adam moments of every parameter in fp32: 12 host bytes a parameter
+    assert r["saved"] == 12 * r["elements"]
+
+
+def test_deepspeed_s_super_offload_turns_it_on_and_its_cores_share_is_refused():
+    base = config(micro=2, stage=2)
+    base["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "super_offload": True}
+    state = dsfunc.init_state(MLP(width=10, depth=3), base)
+    assert state.program.run.runner.speculation is not None
+    base["zero_optimization"]["offload_optimizer"]["cpuadam_cores_perc"] = 0.5
+    with pytest.raises(ConfigError, match="cpuadam_cores_perc = 0.5"):
+        dsfunc.init_state(MLP(width=10, depth=3), base)
+
+
+def test_a_second_backward_of_the_last_micro_batch_undoes_and_restarts_the_speculative_update():
+    """The gradient a unit's update ran ahead with is replaced (another backward adds to it): that update is
+    undone before the buffer is written, and the unit's update starts again from the new sum."""
+    from dsfunc.zero.runtime import zero_runtime
+
+    params = {}
+    for speculative in (False, True):
+        state = make_state(1, 2, "adamw", speculative)
+        runner = state.program.run.runner
+        runner.expect(state, state.program.update)  # what train_step does before its backward
+        runtime = zero_runtime(state)
+        batch = mlp_batches(1, 2)[0]
+        loss = runtime.forward(lambda model, b: model(*b), batch, micro=(0, 1))
+        runtime.backward(loss, retain_graph=True)
+        runtime.backward(loss * 3)
+        runtime.end()
+        _, grads = runtime.finish()
+        state = dsfunc.apply_gradients(state, grads, loss.detach())
+        state.program.run.wait()
+        params[speculative] = dict(state.params)
+        if speculative:
+            units = set(state.params)
+            assert runner.speculation.undone == units and runner.speculation.stood == units
+            starts = [name for what, name in runner.speculation.log if what == "start"]
+            assert sorted(starts) == sorted(list(units) * 2)
+    assert same(params[False], params[True])
