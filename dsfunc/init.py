@@ -41,7 +41,7 @@ from dsfunc.distributed.env import rank_variable
 from dsfunc.distributed.mesh import Mesh, no_mesh, pipeline_mesh, run_mesh
 from dsfunc.distributed.process_group import join_launched_world
 from dsfunc.errors import InputError, NotSupportedError
-from dsfunc.experts.layer import bind_experts
+from dsfunc.experts.layer import MoE, bind_experts
 from dsfunc.frozen import FrozenDict
 from dsfunc.graphs import GraphedStep
 from dsfunc.launcher.cores import THREADS_VARIABLE, busy_cores, threads_per_rank
@@ -210,6 +210,10 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     if muon:  # DeepSpeed splits every group into a Muon half and an Adam half: so do the units
         shapes = {n: tuple(full_shape(p)) for n, p in model.named_parameters() if p.requires_grad}
         param_groups = muon_groups(shapes, cfg.optimizer.params, param_groups)
+    if pipeline is not None and any(isinstance(m, MoE) for m in model.modules()):
+        raise NotSupportedError("MoE layers with expert parallelism inside a pipeline stage are not supported by "
+                                "dsfunc yet: train the MoE model without a pipeline")
+    bind_experts(model)  # before the skeleton is copied from the model: the copy keeps the MoE layers' groups
     if zero.stage == 3:
         mark_leaf_parameters(model)
     skeleton = model if in_place else make_skeleton(model)

@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dsfunc.distributed import comm
-from dsfunc.errors import InputError, NotSupportedError
+from dsfunc.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -61,9 +61,6 @@ def layout(world: int, ep_size: int, *, data_first: bool = False) -> tuple[list[
 
 def make_expert_groups(ep_size: int, *, data_first: bool = False) -> ExpertGroups:
     """This rank's :class:`ExpertGroups` for ``ep_size`` (a collective: every rank calls it, in the same order)."""
-    if comm.current_group() is not None:
-        raise NotSupportedError("MoE layers with expert parallelism inside a pipeline stage are not supported by "
-                                "dsfunc yet: train the MoE model without a pipeline")
     world, rank = comm.world_size(), comm.rank()
     experts, data = layout(world, ep_size, data_first=data_first)
     mine: dict[str, Any] = {}

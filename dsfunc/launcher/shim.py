@@ -106,6 +106,22 @@ def _run(mode: str, target: str, argv: list[str], agent_reports: bool) -> None:
             sys.exit(exit_code(error))
         raise
     report_exit(0)
+    _leave_together()
+
+
+def _leave_together() -> None:
+    """After a program that ended well, end the process group the program left open, every rank together: left
+    to the interpreter's exit, gloo's threads of a rank whose peer had already gone can abort the process
+    ("terminate called without an active exception"), a failed rank after all its work."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.barrier()
+        dist.destroy_process_group()
+    except RuntimeError:  # a peer failed meanwhile: the launcher reports that rank and stops this one
+        return
 
 
 RANK_ARGS_VARIABLE = "DSFUNC_RANK_ARGS"  # how the per-node agent passes this rank's arguments

@@ -143,7 +143,7 @@ def train_ranks(rank: int, world: int, setups: list[tuple[int, str]]) -> dict:
         ]
         out[stage, offload] = {
             "full": dsfunc.full_params(state),
-            "offloaded": state.program.offload is not None,
+            "offloaded": state.program.run.grads.off_device,
             "norms": norms,
             "units": [u.name for u in state.program.plan.units],
             "momentum": sorted(muon_state[0].momentum),

@@ -45,8 +45,8 @@ def relative(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
-@pytest.mark.parametrize("ranks", [2, 4], ids=["sp2", "sp2xdp2"])
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+# each optimizer at one mesh shape (the functional tests run both at both): the four pairs took 4 minutes of the suite
+@pytest.mark.parametrize(("ranks", "optimizer"), [(2, "sgd"), (4, "adamw")], ids=["sgd-sp2", "adamw-sp2xdp2"])
 def test_alst_script_trains_like_one_process_and_deepspeed(tmp_path, ranks, optimizer):
     pytest.importorskip("transformers")
     ours = launch(ranks, str(tmp_path / "dsfunc"), optimizer, dsfunc=True)
