@@ -9,52 +9,21 @@ the gradients, a rule dsfunc does not follow (its one rule is DeepSpeed's stage 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.multiprocess import free_port
+from tests.deepspeed.test_against_deepspeed import ROOT
+from tests.deepspeed.test_against_deepspeed import launch as launch_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SCRIPT = os.path.join(ROOT, "tests", "deepspeed", "scripts", "muon_compare.py")
+SCRIPT = str(Path(ROOT) / "tests" / "deepspeed" / "scripts" / "muon_compare.py")
 
 
 def launch(backend: str, out: str) -> None:
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
-    }
-    env.update(
-        DS_ACCELERATOR="cpu",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=ROOT,
-        TORCHDYNAMO_DISABLE="1",
-        ONEDNN_MAX_CPU_ISA="AVX2",
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        SCRIPT,
-        "--backend",
-        backend,
-        "--clip",
-        "0.3",
-        "--clip_stages",
-        "0",
-        "--out",
-        out,
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, (
-        f"{backend} exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
+    launch_ranks(backend, out, SCRIPT, ("--clip", "0.3", "--clip_stages", "0"), timeout=900,
+                 env={"TORCHDYNAMO_DISABLE": "1", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+
 
 
 def test_muon_trains_like_deepspeed_step_by_step(tmp_path):
