@@ -13,7 +13,8 @@ steps and ``--steps`` timed steps. Settings: ``none``, ``opt`` (``offload_optimi
 memory), ``opt+param`` (and ``offload_param``); ``+spec`` added to either (``opt+spec``, ``opt+param+spec``) turns
 on dsfunc's ``offload_optimizer.speculative_update`` (each unit's host update during backward, redone where the
 step clips or skips; the last column then says how many units' updates of the last step stood and were redone,
-and the host bytes their saved copies take). The entry ``deepspeed:SHAPE`` runs DeepSpeed 0.19.x's engine
+and the host bytes their saved copies take; ``--ahead`` bounds the elements that run ahead, as the copies of every
+unit's state do not fit beside 6B parameters' in 128 GiB of host memory). The entry ``deepspeed:SHAPE`` runs DeepSpeed 0.19.x's engine
 with ZeRO-Offload (its DeepSpeedCPUAdam, built on first use) on SHAPE with the ``opt`` setting, beside
 dsfunc's trial of the same shape and setting; ``deepspeed-SETTING:SHAPE`` with another setting. DeepSpeed
 builds the model under ``deepspeed.zero.Init`` (partitioned as it is made, its documented way for models
@@ -34,7 +35,7 @@ import torch
 
 PEAK_FLOPS = 790e12  # bf16 matmul rate measured on these H200s (BENCH.md)
 ACCUM = [1]  # --accum: micro-batches per optimizer step (set once by main)
-OPTIONS = {"device_sums": 0, "backward_group": 1, "profile": False}  # their flags (set once by main)
+OPTIONS = {"device_sums": 0, "backward_group": 1, "profile": False, "ahead": 0, "clip": 1.0}  # flags (set by main)
 
 
 def shape(name: str):
@@ -58,7 +59,7 @@ def config(micro: int, setting: str) -> dict:
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": ACCUM[0],
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
-        "gradient_clipping": 1.0,
+        "gradient_clipping": OPTIONS["clip"],
         "bf16": {"enabled": True},
         "zero_optimization": zero_section(setting),
         "steps_per_print": 10**9,
@@ -94,7 +95,7 @@ def run_dsfunc(cfg, setting: str, micro: int, steps: int):
     if offload is not None:
         offload.update(grad_accumulation_on_device=OPTIONS["device_sums"],
                        micro_batches_per_backward=OPTIONS["backward_group"],
-                       speculative_update="spec" in setting.split("+"))
+                       speculative_update="spec" in setting.split("+") and (OPTIONS["ahead"] or True))
     box = [dsfunc.init_state(model, cfg_ds, param_init_fn=init_weights, device="cuda")]
 
     def step(batch) -> float:
@@ -203,6 +204,7 @@ def trial(size: str, setting: str, system: str, args) -> dict:
     cmd = [sys.executable, __file__, "--one", size, setting, system, "--cap_gib", str(args.cap_gib),
            "--micro", str(args.micro), "--accum", str(args.accum), "--steps", str(args.steps),
            "--device_sums", str(args.device_sums), "--backward_group", str(args.backward_group),
+           "--ahead", str(args.ahead), "--clip", str(args.clip),
            *(["--profile"] if args.profile else [])]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.trial_timeout, check=False)
@@ -255,10 +257,14 @@ def main() -> None:
     parser.add_argument("--backward_group", type=int, default=1,
                         help="dsfunc's offload_optimizer.micro_batches_per_backward")
     parser.add_argument("--profile", action="store_true", help="print where one more step's device time goes")
+    parser.add_argument("--ahead", type=float, default=0,
+                        help="+spec: elements of the units whose update runs ahead (0: every unit)")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off), both systems")
     parser.add_argument("--one", nargs=3, metavar=("SIZE", "SETTING", "SYSTEM"))
     args = parser.parse_args()
     ACCUM[0] = args.accum
-    OPTIONS.update(device_sums=int(args.device_sums), backward_group=args.backward_group, profile=args.profile)
+    OPTIONS.update(device_sums=int(args.device_sums), backward_group=args.backward_group, profile=args.profile,
+                   ahead=int(args.ahead), clip=args.clip)
     if args.one:
         one(*args.one, args.cap_gib, args.micro, args.steps)
         return

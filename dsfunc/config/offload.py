@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsfunc.config import deepspeed_keys as ds
-from dsfunc.config.checks import _SIZE, _STEPS, _bool, _fields
+from dsfunc.config.checks import _SIZE, _STEPS, _fields
 from dsfunc.config.errors import ConfigError, _bad, _show
 from dsfunc.config.schema import Check, _as_is
 
@@ -57,14 +57,22 @@ class OffloadConfig:
     1 (default): each micro-batch's backward follows its forward. No effect under the DeepSpeed engine, whose
     script runs each backward itself.
     """
-    speculative_update: bool = False
+    speculative_update: bool | int = False
     """dsfunc's own key of ``offload_optimizer`` (``train_step``), which DeepSpeed's ``super_offload: true``
     also turns on: each unit's host update starts as its gradient lands during the last backward, assuming the
     step neither clips nor overflows, and is undone and redone when it does, so the result is bit for bit the
     update's without it (:mod:`dsfunc.zero.offload.speculation`). It costs host memory for a copy of the
-    masters and optimizer state (12 bytes a parameter with Adam). Of SuperOffload only this is built; its
-    ``cpuadam_cores_perc`` must keep DeepSpeed's default. No effect under the DeepSpeed engine.
+    masters and optimizer state (12 bytes a parameter with Adam). ``true``: every unit; a number: elements of
+    this rank's shards whose units run ahead, whole units in the order their gradients land (the copies of a
+    6B model would not fit beside it in 128 GiB of host memory; the rest wait for the step as without it).
+    Of SuperOffload only this is built; its ``cpuadam_cores_perc`` must keep DeepSpeed's default. No effect
+    under the DeepSpeed engine.
     """
+
+
+def _speculation(value: Any, path: str) -> bool | int:
+    """``speculative_update``: true or false, or elements (5e8-style numbers are fine)."""
+    return value if isinstance(value, bool) else _SIZE(value, path)
 
 
 def _offload_section(what: str, keys: Mapping[str, Any], defaults: Mapping[str, Any],
@@ -106,7 +114,7 @@ def _offload_section(what: str, keys: Mapping[str, Any], defaults: Mapping[str, 
 
 offload_optimizer = _offload_section("optimizer state", ds.OFFLOAD_OPTIMIZER, OPTIMIZER_DEFAULTS,
                                     {"grad_accumulation_on_device": _SIZE, "micro_batches_per_backward": _STEPS,
-                                     "speculative_update": _bool},
+                                     "speculative_update": _speculation},
                                     turns_on={"super_offload": "speculative_update"})
 offload_param = _offload_section("parameters", ds.OFFLOAD_PARAM, PARAM_DEFAULTS)
 

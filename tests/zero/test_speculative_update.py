@@ -159,3 +159,22 @@ def test_a_second_backward_of_the_last_micro_batch_undoes_and_restarts_the_specu
             starts = [name for what, name in runner.speculation.log if what == "start"]
             assert sorted(starts) == sorted(list(units) * 2)
     assert same(params[False], params[True])
+
+
+def test_a_budget_of_elements_runs_ahead_only_the_units_it_holds_bit_for_bit():
+    """``speculative_update: N``: only whole units within N elements run ahead (the first whose gradients land),
+    their copies alone are saved, and the rest wait for the step: still bit for bit the plain update."""
+    sizes = {n: p.numel() for n, p in make_state(1, 2, "adamw", False).params.items()}
+    budget = max(sizes.values())  # room for the largest unit alone: some units run ahead, not all
+    runs = {}
+    for speculative in (False, budget):
+        state, _ = train(make_state(1, 2, "adamw", speculative), 0, 1, poison=False)
+        state.program.run.wait()
+        runs[speculative] = state
+    speculation = runs[budget].program.run.runner.speculation
+    ahead = {name for what, name in speculation.log if what == "start"}
+    assert ahead and ahead == speculation.stood and len(ahead) < len(sizes)
+    assert sum(sizes[n] for n in ahead) <= budget
+    assert speculation.host_bytes() == 12 * sum(sizes[n] for n in ahead)
+    assert same(dict(runs[False].params), dict(runs[budget].params))
+    assert same(optree.tree_leaves(runs[False].opt_state), optree.tree_leaves(runs[budget].opt_state))

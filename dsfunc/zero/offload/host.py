@@ -37,13 +37,14 @@ class HostOffload:
     def __init__(self, plan: ShardingPlan, *, compute_device: torch.device, compute_dtype: torch.dtype,
                  pin_memory: bool, stream_params: bool, grad_dtype: torch.dtype = torch.float32,
                  device_sum_elements: int = 0, backward_group: int = 1, micro_batches: int = 1,
-                 speculative: bool = False) -> None:
+                 speculative: bool | int = False) -> None:
         self.plan = plan
         self.compute_device = compute_device
         self.memory = HostMemory(pin_memory and torch.cuda.is_available())
         self.executor = HostExecutor(compute_device)  # the update of lazy units, in the background
         # each unit's update ahead of the step, as its gradient lands (offload_optimizer.speculative_update)
-        self.speculation = (Speculation(self.executor, wait_start=compute_device.type != "cuda")
+        self.speculation = (Speculation(self.executor, wait_start=compute_device.type != "cuda",
+                                        elements=None if speculative is True else speculative)
                             if speculative else None)
         # gradients out on a GPU: the stream their copies to the host run on
         copies = torch.cuda.Stream(compute_device) if compute_device.type == "cuda" else None

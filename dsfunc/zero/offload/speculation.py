@@ -42,8 +42,11 @@ class Speculation:
 
     on_host = True  # the expected update runs with this as its executor (it records, runs nothing)
 
-    def __init__(self, executor: HostExecutor, *, wait_start: bool) -> None:
+    def __init__(self, executor: HostExecutor, *, wait_start: bool, elements: int | None = None) -> None:
         self._executor = executor
+        # None: every unit runs ahead; else the elements of those that may, whole units as they first land
+        self._elements = elements
+        self._sizes: dict[str, int] = {}  # unit -> its elements, of the units admitted within that budget
         # the compute device is the CPU: put() returns once the unit's update has begun (host and device share the
         # cores, so nothing is lost, and the order of the log is the same every run)
         self._wait_start = wait_start
@@ -76,7 +79,7 @@ class Speculation:
         """Unit ``name``'s final gradient is ``grad`` in host memory (once ``copied`` has completed): its expected
         update starts in the worker."""
         work = self._work.get(name)
-        if work is None:
+        if work is None or not self._admits(name, grad.numel()):
             return
         self.grads[name] = grad
         self.log.append(("landed", name))
@@ -98,6 +101,14 @@ class Speculation:
         self._jobs[name] = (self._executor.submit(update), work)
         if self._wait_start:
             started.wait()
+
+    def _admits(self, name: str, elements: int) -> bool:
+        """Whether unit ``name`` (``elements`` of gradient) runs ahead: within the budget of elements."""
+        if self._elements is not None and name not in self._sizes:
+            if sum(self._sizes.values()) + elements > self._elements:
+                return False
+            self._sizes[name] = elements
+        return True
 
     def known(self) -> None:
         """The step's scalars are known: no update starts ahead of it any more."""
