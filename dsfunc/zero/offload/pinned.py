@@ -1,24 +1,22 @@
 """Host buffers page-locked at their exact size.
 
 Only the buffers that take part in copies with the GPU are pinned (the masters and moments are read by the host
-alone), and they are pinned at their size rounded up to whole pages with ``cudaHostRegister``: torch's pinned allocator
+alone), and they are pinned at their exact size with ``cudaHostRegister``: torch's pinned allocator
 (``pin_memory=True``) rounds every allocation up to a power of two, 1.6x the bytes for a unit of 79M parameters.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 
 import torch
 
 logger = logging.getLogger("dsfunc")
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 class PinnedAllocator:
-    """Host tensors page-locked in whole pages of their own, unlocked when released or when their owner goes."""
+    """Host tensors page-locked at their exact size, unlocked when released or when their owner goes."""
 
     def __init__(self, owner: object) -> None:
         self.ptrs: set[int] = set()
@@ -26,18 +24,14 @@ class PinnedAllocator:
         weakref.finalize(owner, PinnedAllocator._unregister_all, self.ptrs)
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.failed or numel == 0:
-            return torch.empty(numel, dtype=dtype)
-        # whole pages of its own: registering a range that shares a page with one already registered fails (and
-        # leaves CUDA's last error set, which the next kernel launch then raises)
-        span = -(-numel * dtype.itemsize // PAGE) * PAGE
-        raw = torch.empty(span + PAGE, dtype=torch.uint8)
-        start = -raw.data_ptr() % PAGE
-        out = raw[start : start + numel * dtype.itemsize].view(dtype)
-        if int(torch.cuda.cudart().cudaHostRegister(out.data_ptr(), span, 0)) != 0:
+        out = torch.empty(numel, dtype=dtype)
+        if self.failed or out.numel() == 0:
+            return out
+        cudart = torch.cuda.cudart()
+        if int(cudart.cudaHostRegister(out.data_ptr(), out.numel() * out.element_size(), 0)) != 0:
             self.failed = True  # e.g. the locked-memory limit (ulimit -l): pageable copies are slower, not wrong
-            logger.warning("offload: page-locking %d host bytes failed; host buffers stay pageable", span)
-            return torch.empty(numel, dtype=dtype)
+            logger.warning("offload: page-locking %d host bytes failed; host buffers stay pageable", out.nbytes)
+            return out
         self.ptrs.add(out.data_ptr())
         return out
 
