@@ -36,7 +36,7 @@ class HostOffload:
 
     def __init__(self, plan: ShardingPlan, *, compute_device: torch.device, compute_dtype: torch.dtype,
                  pin_memory: bool, stream_params: bool, grad_dtype: torch.dtype = torch.float32,
-                 device_sum_elements: int = 0, backward_group: int = 1, micro_batches: int = 1,
+                 device_sum_elements: int = 0, micro_batches_per_backward: int = 1, micro_batches: int = 1,
                  speculative: bool = False) -> None:
         self.plan = plan
         self.compute_device = compute_device
@@ -51,8 +51,8 @@ class HostOffload:
                                       grad_bytes=grad_dtype.itemsize, copies=copies)
         self.grads = HostGrads(plan, memory=self.memory, compute_device=compute_device,
                                grad_bytes=grad_dtype.itemsize, device_sums=self.device_sums, executor=self.executor,
-                               copies=copies, backward_group=backward_group, micro_batches=micro_batches,
-                               speculation=self.speculation)
+                               copies=copies, micro_batches_per_backward=micro_batches_per_backward,
+                               micro_batches=micro_batches, speculation=self.speculation)
         over_grads = grad_dtype == compute_dtype and compute_dtype in LOWP and not stream_params
         self.staging = ShardStaging(plan, memory=self.memory, compute_device=compute_device,
                                     compute_dtype=compute_dtype, stream_params=stream_params, over_grads=over_grads)
@@ -71,14 +71,14 @@ class HostOffload:
             logger.warning("offload_optimizer.grad_accumulation_on_device has no effect at stage 1, which sums "
                            "micro-batches on the device anyway")
             budget = 0
-        group = section.micro_batches_per_backward
-        if group > 1 and zero.stage == 1:
+        per_backward = section.micro_batches_per_backward
+        if per_backward > 1 and zero.stage == 1:
             logger.warning("offload_optimizer.micro_batches_per_backward has no effect at stage 1, which sums "
                            "micro-batches on the device anyway")
-            group = 1
+            per_backward = 1
         host = cls(plan, compute_device=compute_device, compute_dtype=compute_dtype, pin_memory=section.pin_memory,
                    stream_params=zero.offload_param is not None, grad_dtype=grad_dtype,
-                   device_sum_elements=budget, backward_group=group, micro_batches=micro_batches,
+                   device_sum_elements=budget, micro_batches_per_backward=per_backward, micro_batches=micro_batches,
                    speculative=section.speculative_update)
         if budget and not host.device_sums.units:
             logger.warning("offload_optimizer.grad_accumulation_on_device = %d is smaller than every unit's gradient "
