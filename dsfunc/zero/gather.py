@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from dsfunc.config.dtypes import SIXTEEN_BIT
 from dsfunc.distributed import comm
 from dsfunc.zero.binding import Binding
 from dsfunc.zero.layout import ShardingPlan, Unit, unit_views
@@ -143,7 +144,7 @@ class Workspace:
     def lowp_targets(self) -> dict[str, torch.Tensor]:
         """Where an update may write this rank's new parameters in the compute dtype (persistent units,
         when that dtype is 16-bit): the whole copy at stage 0, this rank's slice of it otherwise."""
-        if self.compute_dtype not in (torch.bfloat16, torch.float16):
+        if self.compute_dtype not in SIXTEEN_BIT:
             return {}
         out = {}
         for unit in self.plan.units:

@@ -19,6 +19,7 @@ import logging
 import torch
 
 from dsfunc.config import ZeroConfig
+from dsfunc.config.dtypes import SIXTEEN_BIT
 from dsfunc.zero.layout import ShardingPlan
 from dsfunc.zero.offload.device_sums import DeviceSums, device_sum_units
 from dsfunc.zero.offload.executor import HostExecutor
@@ -26,7 +27,7 @@ from dsfunc.zero.offload.grads import HostGrads
 from dsfunc.zero.offload.pinned import HostMemory
 from dsfunc.zero.offload.shards import HostShards
 from dsfunc.zero.offload.speculation import Speculation
-from dsfunc.zero.offload.staging import LOWP, ShardStaging
+from dsfunc.zero.offload.staging import ShardStaging
 
 logger = logging.getLogger("dsfunc")
 
@@ -53,7 +54,7 @@ class HostOffload:
                                grad_bytes=grad_dtype.itemsize, device_sums=self.device_sums, executor=self.executor,
                                copies=copies, micro_batches_per_backward=micro_batches_per_backward,
                                micro_batches=micro_batches, speculation=self.speculation)
-        over_grads = grad_dtype == compute_dtype and compute_dtype in LOWP and not stream_params
+        over_grads = grad_dtype == compute_dtype and compute_dtype in SIXTEEN_BIT and not stream_params
         self.staging = ShardStaging(plan, memory=self.memory, compute_device=compute_device,
                                     compute_dtype=compute_dtype, stream_params=stream_params, over_grads=over_grads)
         self.shards = HostShards(self.staging, self.executor)
