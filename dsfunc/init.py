@@ -62,7 +62,7 @@ from dsfunc.run import RunContext
 from dsfunc.scaling import LossScaler
 from dsfunc.state import Metrics, TrainState
 from dsfunc.step import check_min_scale, make_train_step, note_min_scale
-from dsfunc.zero.binding import Slots
+from dsfunc.zero.binding import Binding
 from dsfunc.zero.gather import Workspace
 from dsfunc.zero.hooks import install_input_cast, install_unit_hooks
 from dsfunc.zero.layout import ShardingPlan, make_plan, unit_views
@@ -238,12 +238,12 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
         tensor.sync(buffers)
     if cfg.bf16.bf16_master_weights_and_grads:  # DeepSpeed's bf16 masters: the fp32 values rounded to nearest
         params = {name: p.to(torch.bfloat16) for name, p in params.items()}
-    slots = Slots(skeleton, plan, buffers.keys())
+    binding = Binding(skeleton, plan, buffers.keys())
     scaler = LossScaler.from_config(cfg.fp16)
     update = _update(cfg, plan, optimizer, param_groups, groups, lr_schedule,
                      matrix_shards(plan, device) if muon else None)
     workspace = Workspace(
-        plan, slots=slots, compute_dtype=cfg.compute_dtype, device=device,
+        plan, binding=binding, compute_dtype=cfg.compute_dtype, device=device,
         persistence_threshold=zero.stage3_param_persistence_threshold,
         max_live_elements=zero.stage3_max_live_parameters,
         prefetch=zero.overlap_comm and zero.stage3_prefetch_bucket_size > 0, source=placement.shards,
@@ -252,7 +252,7 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     compile_options = _compile_options(cfg, compile)
     _prepare_skeleton(skeleton, run, cfg, _remat_options(cfg, activation_checkpointing), compile_options)
     program = Program(
-        config=cfg, plan=plan, skeleton=skeleton, slots=slots,
+        config=cfg, plan=plan, skeleton=skeleton, binding=binding,
         run=run, update=update, scaler=scaler, loss_fn=loss_fn, device=device,
         compute_dtype=cfg.compute_dtype, comm_dtype=comm_dtype,
         persistent_buffers=tuple(k for k in model.state_dict() if k in buffers),
@@ -261,7 +261,7 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     )
     state = _first_state(program, params, buffers, seed)
     workspace.refresh(state.params)
-    slots.restore(state.buffers)
+    binding.restore(state.buffers)
     return state
 
 
@@ -315,8 +315,8 @@ def _prepare_skeleton(skeleton: nn.Module, run: RunContext, cfg: Config,
         handle.remove()
     _restore_forwards(skeleton)
     workspace = run.workspace
-    grouped = run.grads.backward_group > 1
-    skeleton._dsfunc_hooks = (install_unit_hooks(skeleton, workspace, every=grouped)
+    joint = run.grads.micro_batches_per_backward > 1
+    skeleton._dsfunc_hooks = (install_unit_hooks(skeleton, workspace, every=joint)
                               + install_input_cast(skeleton, workspace, cfg.compute_dtype))
     for unit in workspace.plan.units:
         if unit.module is not None:

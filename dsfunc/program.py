@@ -23,7 +23,7 @@ from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.update import ChainUpdate
 from dsfunc.run import RunContext
 from dsfunc.scaling import LossScaler
-from dsfunc.zero.binding import Slots
+from dsfunc.zero.binding import Binding
 from dsfunc.zero.layout import ShardingPlan
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ class Program:
     config: Config
     plan: ShardingPlan
     skeleton: nn.Module
-    slots: Slots
+    binding: Binding
     run: RunContext  # the run's mutable context (dsfunc.run)
     update: ChainUpdate | FusedAdam
     scaler: LossScaler

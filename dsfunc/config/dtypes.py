@@ -7,6 +7,7 @@ import torch
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
+SIXTEEN_BIT = (DTYPES["bf16"], DTYPES["fp16"])  # the compute dtypes whose copies are not the fp32 masters
 
 
 def dtype_name(dtype: torch.dtype) -> str:

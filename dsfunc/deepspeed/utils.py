@@ -138,7 +138,7 @@ def _locate(param: Tensor) -> tuple[Workspace, Unit, ParamSlot]:
         raise InputError("the tensor is not a parameter of a module an engine (or init_state(in_place=True)) trains")
     workspace, unit = found
     workspace.settle()  # the masters and moments are final (a host update may still write them)
-    index = next(i for i, p in enumerate(workspace.slots.residents(unit.name)) if p is param)
+    index = next(i for i, p in enumerate(workspace.binding.residents(unit.name)) if p is param)
     return workspace, unit, unit.params[index]
 
 

@@ -92,7 +92,7 @@ def group_views(state: TrainState, param_groups: ParamGroups | None, schedule_fo
                 hyper["use_muon"] = use_muon
             lr = float(section.params["lr"])
             schedule = schedule_for(lr) if schedule_for is not None else lr_schedule_of(cfg, lr)
-        params = [p for u in plan.units if u.label == label for p in program.slots.residents(u.name)]
+        params = [p for u in plan.units if u.label == label for p in program.binding.residents(u.name)]
         views.append(GroupView(label, hyper, lr, schedule, params))
     order = {f"group{i}": i for i in range(len(views))}
     return sorted(views, key=lambda v: order.get(v.label, -1))

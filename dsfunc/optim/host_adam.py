@@ -6,8 +6,8 @@ it is read: bf16 in registers, fp16 a block at a time) and writing the 16-bit co
 new parameters: 28 bytes of host traffic per parameter. Torch's own fused CPU Adam (``torch._fused_adamw_``) needs the gradient widened into a
 buffer first and the copy cast afterwards; even done chunk by chunk while in cache it took 47-63 ms per
 128M-parameter unit on 15 cores of the H200 machine, this kernel 35 ms (bench/bench_host_adam.py). Its element
-arithmetic is the CUDA kernel's (``ops/adam_math.h``), so an offloaded run updates like a resident one on
-the GPU. The call holds no Python lock: the update runs in a worker thread beside the training loop
+arithmetic is the CUDA kernel's (``ops/adam_math.h``), so an offloaded run updates like one whose optimizer
+stays on the GPU. The call holds no Python lock: the update runs in a worker thread beside the training loop
 (:mod:`dsfunc.zero.offload.executor`).
 
 Without a compiler (or ninja) the op's plain-torch reference runs instead, far slower; one line is logged.

@@ -6,7 +6,7 @@ For a micro-batch, each unit's parameters are bound as views of one flat autogra
 forward), and the buffers as the state's tensors (cast to the compute dtype when floating).
 
 Between micro-batches the tables hold the residents: ``nn.Parameter`` objects whose data are views of
-the workspace's persistent compute copies (:meth:`Slots.show`; at fp32 stage 0 the masters themselves,
+the workspace's persistent compute copies (:meth:`Binding.show`; at fp32 stage 0 the masters themselves,
 in bf16/fp16 16-bit like DeepSpeed's module), empty tensors for a ZeRO-3 unit that is not gathered, and
 the state's own buffers. So a module trained in place (``init_state(..., in_place=True)``, what the
 DeepSpeed engine does) holds the live values after every update without a copy, and a module whose
@@ -31,7 +31,7 @@ _Place = tuple[dict[str, Any], str]  # (module._parameters or ._buffers, attribu
 
 
 @dataclasses.dataclass
-class _Slot:
+class _Site:
     """One tensor of the module: where it sits (every alias), and what sits there between micro-batches."""
 
     places: list[_Place]
@@ -39,7 +39,7 @@ class _Slot:
     is_param: bool
 
 
-class Slots:
+class Binding:
     """Where each unit's parameters (under every alias) and each buffer sit in the skeleton."""
 
     def __init__(self, skeleton: nn.Module, plan: ShardingPlan, buffer_names: Iterable[str]) -> None:
@@ -49,16 +49,16 @@ class Slots:
             is_param = attr in module._parameters
             return ((module._parameters if is_param else module._buffers), attr), is_param
 
-        def slot(names: Sequence[str]) -> _Slot:
+        def site(names: Sequence[str]) -> _Site:
             places = [place(n) for n in names]
             (table, attr), is_param = places[0]
-            return _Slot([p for p, _ in places], table[attr], is_param)
+            return _Site([p for p, _ in places], table[attr], is_param)
 
         self.plan = plan
-        self.units: dict[str, list[_Slot]] = {
-            unit.name: [slot(p.aliases) for p in unit.params] for unit in plan.units
+        self.units: dict[str, list[_Site]] = {
+            unit.name: [site(p.aliases) for p in unit.params] for unit in plan.units
         }
-        self.buffers: dict[str, _Slot] = {name: slot([name]) for name in buffer_names}
+        self.buffers: dict[str, _Site] = {name: site([name]) for name in buffer_names}
         self.bound = False
 
     def residents(self, unit: str) -> list[nn.Parameter]:
@@ -95,7 +95,7 @@ class Slots:
         """Put the residents back, the buffers being ``buffers`` (the state's), so the skeleton keeps no
         reference to this micro-batch."""
         for name, t in buffers.items():
-            self._hold(self.buffers[name], t, requires_grad=False)
+            self._show(self.buffers[name], t, requires_grad=False)
         for per_param in (*self.units.values(), [*self.buffers.values()]):
             for s in per_param:
                 for table, attr in s.places:
@@ -103,10 +103,10 @@ class Slots:
         self.bound = False
 
     def show(self, unit: str, views: Sequence[torch.Tensor], *, status: ZeroParamStatus | None = None) -> None:
-        """Make ``unit``'s residents hold ``views`` (in layout order). ``status`` (ZeRO-3 only) sets
+        """Make ``unit``'s residents show ``views`` (in layout order). ``status`` (ZeRO-3 only) sets
         DeepSpeed's ``ds_status`` and the ``ds_id``/``ds_shape``/``ds_numel`` scripts read."""
         for s, view, p in zip(self.units[unit], views, self.plan.unit(unit).params):
-            self._hold(s, view, requires_grad=s.resident.requires_grad)
+            self._show(s, view, requires_grad=s.resident.requires_grad)
             if status is not None:
                 resident = s.resident
                 if not hasattr(resident, "ds_id"):
@@ -114,8 +114,8 @@ class Slots:
                     resident.ds_shape, resident.ds_numel = torch.Size(p.shape), p.numel
                 resident.ds_status = status
 
-    def _hold(self, s: _Slot, value: torch.Tensor, *, requires_grad: bool) -> None:
-        """``s.resident`` holds ``value``: its ``.data`` becomes ``value`` when that can be done in place."""
+    def _show(self, s: _Site, value: torch.Tensor, *, requires_grad: bool) -> None:
+        """``s.resident`` shows ``value``: its ``.data`` becomes ``value`` when that can be done in place."""
         resident = s.resident
         if resident is value or (isinstance(resident, torch.Tensor) and resident.data_ptr() == value.data_ptr()
                                  and resident.shape == value.shape and resident.dtype == value.dtype

@@ -15,7 +15,7 @@ master by default; staged on the host and kept on the device between gathers wit
 (:mod:`dsfunc.zero.offload.shards`).
 
 The workspace also decides what the model's resident parameters show between micro-batches
-(:meth:`~dsfunc.zero.binding.Slots.show`): views of the persistent copies, and for a lazy unit an
+(:meth:`~dsfunc.zero.binding.Binding.show`): views of the persistent copies, and for a lazy unit an
 empty tensor, or the gathered copy while it is *exposed* (:meth:`Workspace.expose`: a forward through
 the module outside a step, ``GatheredParameters``).
 """
@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
+from dsfunc.config.dtypes import SIXTEEN_BIT
 from dsfunc.distributed import comm
-from dsfunc.zero.binding import Slots
+from dsfunc.zero.binding import Binding
 from dsfunc.zero.layout import ShardingPlan, Unit, unit_views
 from dsfunc.zero.placeholders import ZeroParamStatus
 from dsfunc.zero.policy import ShardSource
@@ -64,7 +65,7 @@ class UnitState(enum.Enum):
 class _Exposure:
     """What the model's resident parameters show between micro-batches, and which units are exposed."""
 
-    slots: Slots
+    binding: Binding
     shown: dict[str, Any] = dataclasses.field(default_factory=dict)  # unit -> the flat its residents view (None: empty)
     gathered: dict[str, int] = dataclasses.field(default_factory=dict)  # lazy unit -> exposures holding it gathered
     master: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # unit -> full fp32 master shown
@@ -98,7 +99,7 @@ class _Gathering:
 class Workspace:
     """Compute copies per unit: persistent ones refreshed after updates, lazy ones gathered and freed."""
 
-    def __init__(self, plan: ShardingPlan, *, slots: Slots, compute_dtype: torch.dtype, device: torch.device,
+    def __init__(self, plan: ShardingPlan, *, binding: Binding, compute_dtype: torch.dtype, device: torch.device,
                  persistence_threshold: int, max_live_elements: int, prefetch: bool, source: ShardSource) -> None:
         self.plan = plan
         self.source = source  # where a gather reads its shard (dsfunc.zero.policy)
@@ -111,7 +112,7 @@ class Workspace:
         self.gathering = _Gathering(prefetch_budget=max_live_elements if prefetch else None)
         # the masters the copies were last built from, and their signature then (storage and version of each)
         self.synced: tuple[Mapping[str, torch.Tensor], tuple[Any, ...] | None] = ({}, None)
-        self._exposure = _Exposure(slots)
+        self._exposure = _Exposure(binding)
 
     @property
     def stats(self) -> ZeroStats:
@@ -124,9 +125,9 @@ class Workspace:
         return self.synced[0]
 
     @property
-    def slots(self) -> Slots:
+    def binding(self) -> Binding:
         """The model's resident parameters and buffers (:mod:`dsfunc.zero.binding`)."""
-        return self._exposure.slots
+        return self._exposure.binding
 
     @property
     def aliases_master(self) -> bool:
@@ -143,7 +144,7 @@ class Workspace:
     def lowp_targets(self) -> dict[str, torch.Tensor]:
         """Where an update may write this rank's new parameters in the compute dtype (persistent units,
         when that dtype is 16-bit): the whole copy at stage 0, this rank's slice of it otherwise."""
-        if self.compute_dtype not in (torch.bfloat16, torch.float16):
+        if self.compute_dtype not in SIXTEEN_BIT:
             return {}
         out = {}
         for unit in self.plan.units:
@@ -229,7 +230,7 @@ class Workspace:
             flat = None
         else:
             flat = self.buffers[unit.name]
-        residents = self.slots.residents(unit.name)
+        residents = self.binding.residents(unit.name)
         if exposure.shown.get(unit.name, False) is flat and (
                 flat is None or residents[0].data_ptr() == flat.data_ptr()):
             return
@@ -240,9 +241,9 @@ class Workspace:
         status = None
         if self.plan.stage == 3:
             status = ZeroParamStatus.NOT_AVAILABLE if flat is None else ZeroParamStatus.AVAILABLE
-        self.slots.show(unit.name, views, status=status)
+        self.binding.show(unit.name, views, status=status)
         exposure.shown[unit.name] = flat
-        for p in self.slots.residents(unit.name):
+        for p in self.binding.residents(unit.name):
             _register(p, self, unit.name)
 
     def shows(self, unit: Unit, flat: torch.Tensor) -> bool:
@@ -251,7 +252,7 @@ class Workspace:
             return False
         base, size = flat.data_ptr(), flat.element_size()
         return all(p.data_ptr() == base + s.offset * size and p.shape == s.shape
-                   for p, s in zip(self.slots.residents(unit.name), unit.params))
+                   for p, s in zip(self.binding.residents(unit.name), unit.params))
 
     def expose(self, unit: Unit) -> None:
         """Gather a lazy unit into its residents until the matching :meth:`hide` (nested calls count)."""

@@ -33,7 +33,7 @@ class GradStore(Protocol):
     """Where a unit's reduced gradient sum waits between micro-batches."""
 
     off_device: bool  # sums leave the device: the reducer takes each as backward makes it, in its exact dtype
-    backward_group: int  # micro-batches whose backward goes through the units together (1: each its own)
+    micro_batches_per_backward: int  # micro-batches whose backward goes through the units together (1: each its own)
 
     def stays(self, name: str) -> bool:
         """Whether unit ``name``'s sum stays on the device between micro-batches."""
@@ -57,7 +57,7 @@ class DeviceGrads:
     """Every sum stays on the device: the reducer never stores one away."""
 
     off_device = False
-    backward_group = 1
+    micro_batches_per_backward = 1
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

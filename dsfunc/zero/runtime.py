@@ -50,10 +50,11 @@ not sit on the module's parameters, where the script's own clipping or ``zero_gr
 hooks (:mod:`dsfunc.zero.hooks`) just before the unit's forward and freed after it; a hook on the
 unit's outputs re-gathers it before its backward and prefetches the unit that ran before it.
 
-With ``backward_group`` > 1 a micro-batch's backward waits until that many micro-batches have run their forwards,
-and then goes through them all unit by unit ([Note: backward by units] in :mod:`dsfunc.zero.backward_by_units`):
-the unit hooks cut each unit's inputs from the graph in forward, and in backward the hook on a unit's outputs
-binds the micro-batch's own views of the unit again, which the unit's recomputed forward (checkpointing) reads.
+With ``micro_batches_per_backward`` > 1 a micro-batch's backward waits until that many micro-batches have run their
+forwards, and then goes through them all unit by unit, a joint backward ([Note: backward by units] in
+:mod:`dsfunc.zero.backward_by_units`): the unit hooks cut each unit's inputs from the graph in forward, and in backward
+the hook on a unit's outputs binds the micro-batch's own views of the unit again, which the unit's recomputed forward
+(checkpointing) reads.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ from torch import nn
 
 from dsfunc.batch import model_inputs, scalar_loss
 from dsfunc.errors import InputError, UsageError
-from dsfunc.zero.backward_by_units import DeferredMicro, UnitGroups
+from dsfunc.zero.backward_by_units import DeferredMicro, JointBackward
 from dsfunc.zero.hooks import tensors_in
 from dsfunc.zero.layout import Unit, unit_views
 from dsfunc.zero.micro_batch import Bound, Tally
@@ -110,9 +111,11 @@ class MicroBatchRuntime:
     # [Note: the module's parameters as leaves]); the engine's runtime says so
     direct_backward = False
 
-    def __init__(self, state: TrainState, reducer: Reducer, *, ranks: int = 1, backward_group: int = 1) -> None:
-        """``ranks``: how many ranks' gradients ``reducer`` sums (the seed divides by it). ``backward_group``:
-        micro-batches whose backward runs together, unit by unit (see [Note: backward by units])."""
+    def __init__(self, state: TrainState, reducer: Reducer, *, ranks: int = 1,
+                 micro_batches_per_backward: int = 1) -> None:
+        """``ranks``: how many ranks' gradients ``reducer`` sums (the seed divides by it).
+        ``micro_batches_per_backward``: micro-batches whose backward runs together, unit by unit (see [Note:
+        backward by units])."""
         self.state = state
         self.program: Program = state.program
         self.reducer = reducer
@@ -125,7 +128,7 @@ class MicroBatchRuntime:
         # see [Note: gradients as they come]
         self._streaming = (reducer.streams or any(workspace.lazy(u) for u in state.program.plan.units)
                            or not state.program.scaler.unscaled)
-        self.groups = UnitGroups(backward_group)  # see [Note: backward by units]
+        self.joint = JointBackward(micro_batches_per_backward)  # see [Note: backward by units]
 
     @property
     def workspace(self) -> Workspace:
@@ -201,8 +204,8 @@ class MicroBatchRuntime:
             seed = seed.to(device=loss.device, dtype=loss.dtype).reshape(())
         else:
             seed = torch.full_like(loss, seed)
-        if self.groups.on(self.micro):  # it runs with the group's (see [Note: backward by units])
-            self.groups.losses.append((loss, seed))
+        if self.joint.on(self.micro):  # it runs in the joint backward (see [Note: backward by units])
+            self.joint.losses.append((loss, seed))
             self._unbind()
         else:
             with self._backward_scope():
@@ -263,7 +266,7 @@ class MicroBatchRuntime:
             if self.phase is Phase.IDLE:
                 self.tally.forwards = 0
                 self.bound.reset()
-                self.groups.calls = []
+                self.joint.calls = []
 
     @property
     def has_gradients(self) -> bool:
@@ -276,8 +279,8 @@ class MicroBatchRuntime:
         self._expect(Phase.IDLE, "finish")
         if not self.has_gradients:
             raise UsageError("no micro-batch has run backward() in this runtime yet")
-        if self.groups.waiting:  # fewer micro-batches ran than the step has
-            self._backward_group()
+        if self.joint.waiting:  # fewer micro-batches ran than the step has
+            self._joint_backward()
         return self.mean_loss(), self.reducer.finish()
 
     def mean_loss(self) -> torch.Tensor:
@@ -324,11 +327,11 @@ class MicroBatchRuntime:
         for unit in self.program.plan.units:
             if not self.program.run.workspace.lazy(unit):
                 self._bind_unit(unit)
-        self.bound.write_back = self.program.slots.bind_buffers(self.state.buffers, self.program.compute_dtype)
+        self.bound.write_back = self.program.binding.bind_buffers(self.state.buffers, self.program.compute_dtype)
 
     def _unbind(self) -> None:
         """Put the skeleton's resident tensors back, write buffers back, free lazy units: on this rank only."""
-        self.program.slots.restore(self.state.buffers)
+        self.program.binding.restore(self.state.buffers)
         self.program.run.workspace.active = None
         self.bound.active = False
         self.bound.views = {}
@@ -342,12 +345,12 @@ class MicroBatchRuntime:
         if self.bound.active:
             self._unbind()
         index, count = self.micro
-        if self.groups.losses:  # its backward runs with its group's
-            self.groups.defer(self.micro, self.bound.leaves, self.bound.unit_leaves, self.bound.order)
+        if self.joint.losses:  # its backward runs in the joint one
+            self.joint.defer(self.micro, self.bound.leaves, self.bound.unit_leaves, self.bound.order)
         else:
             self.reducer.end_micro(last=index == count - 1)
-        if self.groups.due(self.micro):
-            self._backward_group()
+        if self.joint.due(self.micro):
+            self._joint_backward()
         self.tally.end_micro(self._losses_in_micro())
         self.bound.reset()
         self.phase = Phase.IDLE
@@ -362,7 +365,7 @@ class MicroBatchRuntime:
         parameters as they are ([Note: the module's parameters as leaves])."""
         bound = self.bound
         if unit.name in bound.views:
-            self.program.slots.bind_unit(unit.name, bound.views[unit.name])
+            self.program.binding.bind_unit(unit.name, bound.views[unit.name])
             return
         flat = self.program.run.workspace.ensure(unit, self.state.params)
         if bound.grad:
@@ -379,7 +382,7 @@ class MicroBatchRuntime:
             bound.unit_leaves.append((unit, flat))
         views = unit_views(unit, flat)
         bound.views[unit.name] = views
-        self.program.slots.bind_unit(unit.name, views)
+        self.program.binding.bind_unit(unit.name, views)
 
     def _resident_leaves(self, unit: Unit, flat: torch.Tensor) -> list[nn.Parameter] | None:
         """The unit's resident parameters when they can be its autograd leaves: they view ``flat``, which they fill
@@ -387,7 +390,7 @@ class MicroBatchRuntime:
         if (self._streaming or self.direct_backward or flat.numel() != unit.numel
                 or not self.program.run.workspace.shows(unit, flat)):
             return None
-        params = self.program.slots.residents(unit.name)
+        params = self.program.binding.residents(unit.name)
         for p in params:
             if (not isinstance(p, nn.Parameter) or not p.requires_grad or not p.is_leaf or p.grad is not None
                     or p._backward_hooks or p._post_accumulate_grad_hooks):
@@ -442,7 +445,8 @@ class MicroBatchRuntime:
     def _on_grad(self, unit: Unit, leaf: torch.Tensor) -> None:
         grad, leaf.grad = leaf.grad, None
         self._hand(unit, grad)
-        if self.program.run.workspace.lazy(unit) and not self.groups.followed:  # the next micro-batch's backward reads it
+        # unless the next micro-batch's backward reads it
+        if self.program.run.workspace.lazy(unit) and not self.joint.followed:
             self.program.run.workspace.release(unit)
 
     def _hand(self, unit: Unit, grad: torch.Tensor) -> None:
@@ -450,7 +454,7 @@ class MicroBatchRuntime:
         if not backward_running():
             grad = self._gradient_of_own_backward(grad)
         index, count = self.micro
-        self.reducer.add(unit, grad, last=index == count - 1, followed=self.groups.followed)
+        self.reducer.add(unit, grad, last=index == count - 1, followed=self.joint.followed)
 
     def _gradient_of_own_backward(self, grad: torch.Tensor) -> torch.Tensor:
         """A unit's gradient from a backward no runtime ran (a script's own ``loss.backward()``), as it goes to the
@@ -462,26 +466,26 @@ class MicroBatchRuntime:
 
     # -- unit module hooks (see [Note: lazy binding at stage 3]) ---------------------------------------
     def unit_forward_begins(self, unit: Unit, args: Any = (), kwargs: Any = None) -> tuple[Any, Any] | None:
-        """Before a unit module's forward: a lazy unit gathered and bound; grouped, the call's inputs cut from the
-        graph (the new ``(args, kwargs)`` are returned)."""
+        """Before a unit module's forward: a lazy unit gathered and bound; in a joint backward, the call's inputs
+        cut from the graph (the new ``(args, kwargs)`` are returned)."""
         if self.program.run.workspace.lazy(unit):
             if self.bound.grad and unit.name not in self.bound.order:
                 self.bound.order.append(unit.name)
             self.program.run.workspace.ensure(unit, self.state.params)  # a unit run twice in one forward is re-gathered
             self._bind_unit(unit)
             self.program.run.workspace.prefetch(self.program.run.workspace.next_units(unit), self.state.params)
-        if not (self.bound.grad and self.groups.on(self.micro)):
+        if not (self.bound.grad and self.joint.on(self.micro)):
             return None
-        return self.groups.cut(args, kwargs or {})
+        return self.joint.cut(args, kwargs or {})
 
     def unit_forward_ends(self, unit: Unit, output: Any) -> None:
         """After a unit module's forward: a lazy unit freed, and a hook on its outputs for its backward."""
-        lazy, grouped = self.program.run.workspace.lazy(unit), self.bound.grad and self.groups.on(self.micro)
+        lazy, joint = self.program.run.workspace.lazy(unit), self.bound.grad and self.joint.on(self.micro)
         if lazy:
             self.program.run.workspace.release(unit)
-        if not (lazy or grouped):
+        if not (lazy or joint):
             return
-        views = self.bound.views.get(unit.name) if grouped else None
+        views = self.bound.views.get(unit.name) if joint else None
         me = weakref.ref(self)
         for t in tensors_in(output):
             if t.requires_grad:
@@ -489,8 +493,8 @@ class MicroBatchRuntime:
 
     def _unit_backward_begins(self, unit: Unit, grad: torch.Tensor,
                               views: list[torch.Tensor] | None = None) -> torch.Tensor:
-        if views is not None:  # grouped: the unit's recomputed forward reads this micro-batch's own views
-            self.program.slots.bind_unit(unit.name, views)
+        if views is not None:  # joint: the unit's recomputed forward reads this micro-batch's own views
+            self.program.binding.bind_unit(unit.name, views)
         if not self.program.run.workspace.lazy(unit):
             return grad
         self.program.run.workspace.ensure(unit, self.state.params)
@@ -501,14 +505,14 @@ class MicroBatchRuntime:
         return grad
 
     # -- backward by units (see [Note: backward by units]) ---------------------------------------------
-    def _backward_group(self) -> None:
+    def _joint_backward(self) -> None:
         """The waiting micro-batches' backward, unit by unit; then the reducer ends them."""
         _BACKWARDS_RUNNING[0] += 1
         try:
-            index, count = self.groups.run(self._segment).micro
+            index, count = self.joint.run(self._segment).micro
         finally:
             _BACKWARDS_RUNNING[0] -= 1
-            self.program.slots.restore(self.state.buffers)  # the views the segments bound
+            self.program.binding.restore(self.state.buffers)  # the views the segments bound
             self.program.run.workspace.release_all()
         self.reducer.end_micro(last=index == count - 1)
 
@@ -550,10 +554,10 @@ def zero_runtime(state: TrainState, kind: type[R] = MicroBatchRuntime) -> R:
     reducer = ZeroReducer(program.plan, comm_dtype=program.comm_dtype, device=run.workspace.device,
                           bucket_size=program.config.zero_optimization.reduce_bucket_size, store=run.grads,
                           narrow=program.update.reads_16_bit_grads)
-    group = 1 if kind.direct_backward else run.grads.backward_group
+    per_backward = 1 if kind.direct_backward else run.grads.micro_batches_per_backward
     # the seed's 1/ranks makes the reducer's sum a mean; gradient_allreduce_op "sum" keeps the sum
     ranks = 1 if program.config.gradient_allreduce_op == "sum" else program.plan.world_size
-    return kind(state, reducer, ranks=ranks, backward_group=group)
+    return kind(state, reducer, ranks=ranks, micro_batches_per_backward=per_backward)
 
 
 def local_runtime(state: TrainState) -> MicroBatchRuntime:

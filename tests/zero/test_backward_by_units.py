@@ -1,6 +1,6 @@
-"""The backward by units (``offload_optimizer.micro_batches_per_backward``): a group of micro-batches' backward runs
-unit by unit, and trains bit for bit as each micro-batch's own backward does, with each unit's gradient sum crossing
-to the host once a group instead of once a micro-batch."""
+"""The backward by units (``offload_optimizer.micro_batches_per_backward``): several micro-batches' joint backward
+runs unit by unit, and trains bit for bit as each micro-batch's own backward does, with each unit's gradient sum
+crossing to the host once a joint backward instead of once a micro-batch."""
 
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ def gpt(*, tied: bool = False, dropout: float = 0.0, fused: bool = False) -> GPT
     return model
 
 
-def make_state(model: torch.nn.Module, group: int, *, stage: int = 3, gas: int = 4, world: int = 1,
-               policy: str = "units", bf16: bool = False, resident: int = 0,
+def make_state(model: torch.nn.Module, per_backward: int, *, stage: int = 3, gas: int = 4, world: int = 1,
+               policy: str = "units", bf16: bool = False, device_sums: int = 0,
                device: str = "cpu") -> dsfunc.TrainState:
-    offload = {"device": "cpu", "micro_batches_per_backward": group, "grad_accumulation_on_device": resident}
+    offload = {"device": "cpu", "micro_batches_per_backward": per_backward, "grad_accumulation_on_device": device_sums}
     cfg = config(micro=2, gas=gas, world=world, stage=stage, gradient_clipping=1.0,
                  activation_checkpointing={"policy": policy}, bf16={"enabled": bf16})
     cfg["optimizer"]["params"]["lr"] = 1e-2
@@ -59,23 +59,23 @@ def outcome(state: dsfunc.TrainState) -> tuple[dict[str, torch.Tensor], float, f
 
 @pytest.mark.parametrize("case", [
     {"stage": 3}, {"stage": 2}, {"stage": 3, "policy": "none"}, {"stage": 3, "bf16": True}, {"stage": 2, "gas": 5},
-    {"stage": 3, "dropout": 0.1}, {"stage": 3, "fused": True}, {"stage": 3, "resident": 5000},
+    {"stage": 3, "dropout": 0.1}, {"stage": 3, "fused": True}, {"stage": 3, "device_sums": 5000},
 ], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_the_backward_by_units_trains_bit_for_bit_as_each_micro_batch_alone(case):
     """Groups of 2 (5 micro-batches: 2 + 2 + 1) and of 4; checkpointed units and not, fp32 and bf16, dropout,
     the fused head + loss, sums kept on the device."""
     model_kw = {k: case.pop(k) for k in ("dropout", "fused") if k in case}
     reference = outcome(train(make_state(gpt(**model_kw), 1, **case)))
-    for group in (2, 4):
-        params, loss, norm = outcome(train(make_state(gpt(**model_kw), group, **case)))
-        assert relative_diff(params, reference[0]) == 0.0, group
-        assert (loss, norm) == reference[1:], group
+    for per_backward in (2, 4):
+        params, loss, norm = outcome(train(make_state(gpt(**model_kw), per_backward, **case)))
+        assert relative_diff(params, reference[0]) == 0.0, per_backward
+        assert (loss, norm) == reference[1:], per_backward
 
 
-def test_a_unit_sum_crosses_to_the_host_once_a_group(monkeypatch):
+def test_a_unit_sum_crosses_to_the_host_once_a_joint_backward(monkeypatch):
     """Counted on the real host offload: with 4 micro-batches, each unit's sum goes out 4 times and comes back 3
-    times; in one group of 4 it goes out once (the root unit, both the embedding and the output projection, twice:
-    its two parts are reached by the first and the last segment) and only the root's comes back."""
+    times; in one joint backward of 4 it goes out once (the root unit, both the embedding and the output projection,
+    twice: its two parts are reached by the first and the last segment) and only the root's comes back."""
     counts = {"put": 0, "take": 0}
     for name in counts:
         real = getattr(HostGrads, name)
@@ -86,25 +86,25 @@ def test_a_unit_sum_crosses_to_the_host_once_a_group(monkeypatch):
 
         monkeypatch.setattr(HostGrads, name, counted)
     seen = {}
-    for group in (1, 4):
+    for per_backward in (1, 4):
         counts.update(put=0, take=0)
-        train(make_state(gpt(), group), steps=1)
-        seen[group] = dict(counts)
+        train(make_state(gpt(), per_backward), steps=1)
+        seen[per_backward] = dict(counts)
     units = 4  # the root and three blocks
     assert seen[1] == {"put": 4 * units, "take": 3 * units}
     assert seen[4] == {"put": units + 1, "take": 1}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("resident", [0, 5000])
-def test_on_the_gpu_bit_for_bit_with_the_sums_on_copy_streams(resident):
+@pytest.mark.parametrize("device_sums", [0, 5000])
+def test_on_the_gpu_bit_for_bit_with_the_sums_on_copy_streams(device_sums):
     """On a GPU each sum goes out and comes back on copy streams of its own, beside backward: a held sum must not be
     read or freed before its copies finish. Attention through the math kernel, whose backward is deterministic."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with sdpa_kernel(SDPBackend.MATH):
-        reference = outcome(train(make_state(gpt(), 1, bf16=True, resident=resident, device="cuda:0")))
-        params, loss, norm = outcome(train(make_state(gpt(), 4, bf16=True, resident=resident, device="cuda:0")))
+        reference = outcome(train(make_state(gpt(), 1, bf16=True, device_sums=device_sums, device="cuda:0")))
+        params, loss, norm = outcome(train(make_state(gpt(), 4, bf16=True, device_sums=device_sums, device="cuda:0")))
     assert relative_diff(params, reference[0]) == 0.0 and (loss, norm) == reference[1:]
 
 
@@ -139,7 +139,7 @@ def test_the_config_key_is_checked_and_has_no_effect_at_stage_1(caplog):
     with caplog.at_level(logging.WARNING, logger="dsfunc"):
         state = dsfunc.init_state(MLP(), cfg)
     assert "micro_batches_per_backward has no effect at stage 1" in caplog.text
-    assert state.program.run.grads.backward_group == 1
+    assert state.program.run.grads.micro_batches_per_backward == 1
 
 
 def test_a_hugging_face_llama_trains_bit_for_bit():
@@ -152,8 +152,8 @@ def test_a_hugging_face_llama_trains_bit_for_bit():
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=SEQ))
 
-    def run(group: int) -> dict[str, torch.Tensor]:
-        state = make_state(llama(), group)
+    def run(per_backward: int) -> dict[str, torch.Tensor]:
+        state = make_state(llama(), per_backward)
         for idx, _ in tokens(2, 8):
             state = dsfunc.train_step(state, {"input_ids": idx, "labels": idx})
         return dsfunc.full_params(state)
@@ -164,13 +164,13 @@ def test_a_hugging_face_llama_trains_bit_for_bit():
 def ranks(rank: int, world: int) -> dict:
     out = {}
     for stage in (2, 3):
-        for group in (1, 4):
-            state = train(make_state(gpt(), group, stage=stage, world=world), steps=2, rank=rank, world=world)
-            out[stage, group] = (outcome(state), state.program.run.workspace.stats.gathers)
+        for per_backward in (1, 4):
+            state = train(make_state(gpt(), per_backward, stage=stage, world=world), steps=2, rank=rank, world=world)
+            out[stage, per_backward] = (outcome(state), state.program.run.workspace.stats.gathers)
     return out
 
 
-def test_on_two_ranks_bit_for_bit_and_a_stage_3_unit_gathered_once_for_the_group():
+def test_on_two_ranks_bit_for_bit_and_a_stage_3_unit_gathered_once_for_the_joint_backward():
     for result in run_world(ranks, 2):
         for stage in (2, 3):
             (params, loss, norm), _ = result[stage, 4]
@@ -181,7 +181,7 @@ def test_on_two_ranks_bit_for_bit_and_a_stage_3_unit_gathered_once_for_the_group
 
 
 def test_the_engine_says_the_key_has_no_effect_there(caplog):
-    """Under the DeepSpeed engine the script runs each micro-batch's backward itself: nothing to group."""
+    """Under the DeepSpeed engine the script runs each micro-batch's backward itself: nothing to run jointly."""
     cfg = config(micro=2, gas=2, stage=2)
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "micro_batches_per_backward": 2}
     with caplog.at_level(logging.WARNING, logger="dsfunc"):

@@ -7,6 +7,7 @@ update only once the main thread waits for a unit, or after a pause; nothing els
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -16,6 +17,7 @@ import torch
 
 import dsfunc
 from dsfunc.optim import fused
+from dsfunc.zero.offload.staging import ShardStaging
 from tests.models import mlp_batches, relative_diff
 from tests.multiprocess import run_world
 from tests.zero.test_offload import host_of, make_state, train
@@ -128,3 +130,52 @@ def test_a_failure_in_the_host_update_is_raised_by_what_comes_next():
     finally:
         fused.host_adam_ = real
     assert torch.is_tensor(next(iter(state.params.values())))  # the error was raised once, not forever
+
+
+def copies_per_step(rank: int, world: int, gas: int) -> dict:
+    """How often each unit's 16-bit shard is cast on the host (``stage``) and copied to the device (``send``)
+    during one step after the first, counted on the real :class:`ShardStaging` (its methods still run)."""
+    tally: collections.Counter = collections.Counter()
+    lock = threading.Lock()  # the background update stages and sends too
+
+    def counted(kind: str):
+        real = getattr(ShardStaging, kind)
+
+        def count(self, unit, *args, **kwargs):
+            with lock:
+                tally[kind, unit.name] += 1
+            return real(self, unit, *args, **kwargs)
+
+        return count
+
+    real = {kind: getattr(ShardStaging, kind) for kind in ("stage", "send")}
+    out = {}
+    try:
+        for kind in real:
+            setattr(ShardStaging, kind, counted(kind))
+        for stage, mode in ((1, "optimizer"), (2, "optimizer"), (3, "optimizer"), (3, "param")):
+            state = make_state(world, stage, mode, micro=4 // gas, gas=gas, bf16={"enabled": True})
+            for x, y in mlp_batches(2, 4 * world):
+                state.program.run.wait()
+                tally.clear()  # the first step builds the copies: the second is the one counted
+                state = dsfunc.train_step(state, (x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]))
+                state.program.run.wait()
+            workspace = state.program.run.workspace
+            out[stage, mode] = {"counts": dict(tally), "units": [u.name for u in workspace.plan.units],
+                                "lazy": {u.name for u in workspace.plan.units if workspace.lazy(u)}}
+    finally:
+        for kind, method in real.items():
+            setattr(ShardStaging, kind, method)
+    return out
+
+
+@pytest.mark.parametrize(("world", "gas"), [(1, 1), (2, 2)])  # the shard written over the gradient; a buffer
+def test_the_update_sends_each_units_new_shard_to_the_device_once(world, gas):
+    """The host update writes each unit's new 16-bit shard itself and sends it as the unit is done; the refresh
+    after the update (and the background's) must not cast or send the units again. With ``offload_param`` each
+    gather streams the host shard in besides: the forward's and the backward's of each micro-batch."""
+    for r in run_world(copies_per_step, world, gas):
+        for (stage, mode), got in r.items():
+            streamed = {n: 2 * gas for n in got["lazy"]} if mode == "param" else {}
+            expected = {("send", n): streamed.get(n, 1) for n in got["units"]}
+            assert got["counts"] == expected, (stage, mode)

@@ -34,13 +34,13 @@ def host_of(state: dsfunc.TrainState) -> HostOffload | None:
 
 
 def make_state(world: int, stage: int, mode: str, *, micro: int = 2, gas: int = 2, seed: int = 0,
-               resident: int = 0, **extra: object) -> dsfunc.TrainState:
-    """``resident``: offload_optimizer.grad_accumulation_on_device (elements)."""
+               device_sums: int = 0, **extra: object) -> dsfunc.TrainState:
+    """``device_sums``: offload_optimizer.grad_accumulation_on_device (elements)."""
     torch.manual_seed(seed)
     cfg = config(micro=micro, gas=gas, world=world, stage=stage, gradient_clipping=0.05, **extra)
     cfg["zero_optimization"].update(MODES[mode], stage3_param_persistence_threshold=0)
-    if resident:
-        cfg["zero_optimization"]["offload_optimizer"] = {**OPTIMIZER, "grad_accumulation_on_device": resident}
+    if device_sums:
+        cfg["zero_optimization"]["offload_optimizer"] = {**OPTIMIZER, "grad_accumulation_on_device": device_sums}
     return dsfunc.init_state(MLP(width=10, depth=3), cfg)
 
 
@@ -140,7 +140,7 @@ def load_elsewhere(rank: int, world: int, root: str, mode: str, stage: int) -> d
     return {"loaded": loaded, "after": dsfunc.full_params(train(state, rank, world, steps=2, start=3))}
 
 
-def test_checkpoints_move_between_offloaded_and_resident_states_and_world_sizes(tmp_path):
+def test_checkpoints_move_between_offloaded_and_on_device_states_and_world_sizes(tmp_path):
     saved = run_world(save_offloaded, 2, str(tmp_path))
     for r in saved:
         assert relative_diff(r["resumed"], r["uninterrupted"]) == 0.0  # exact resume with offload
@@ -187,18 +187,18 @@ def test_memory_estimate_splits_host_and_device():
     psi = sum(p.numel() for p in state.params.values())
     plan = state.program.plan
     lazy = sum(plan.shard_size(u) for u in plan.units if state.program.run.workspace.lazy(u))
-    resident, off = est[2, "none"], est[2, "optimizer"]
-    assert resident["host"] == 0 and resident["device"] == resident["total"]
-    # master, moments, host gradient, and the few staging slots the new bf16 shards pass through to the device
-    slots = 2 * min(ShardStaging.staging_buffers, len(plan.units)) * max(plan.shard_size(u) for u in plan.units)
-    assert slots < 2 * psi
-    assert off["host"] == 4 * psi + 8 * psi + 4 * psi + slots
+    on_device, off = est[2, "none"], est[2, "optimizer"]
+    assert on_device["host"] == 0 and on_device["device"] == on_device["total"]
+    # master, moments, host gradient, and the few staging buffers the new bf16 shards pass through to the device
+    staging = 2 * min(ShardStaging.staging_buffers, len(plan.units)) * max(plan.shard_size(u) for u in plan.units)
+    assert staging < 2 * psi
+    assert off["host"] == 4 * psi + 8 * psi + 4 * psi + staging
     # two micro-batches a step: master, moments and the gradient shard leave the device at stage 2, whose
     # micro-batch sums go to the host; stage 1 sums micro-batches on the device before its one reduction
-    assert off["device"] == resident["device"] - (12 + 4) * psi
+    assert off["device"] == on_device["device"] - (12 + 4) * psi
     assert est[1, "optimizer"]["device"] == est[1, "none"]["device"] - 12 * psi
     assert est[3, "optimizer"]["device"] - est[3, "param"]["device"] == 2 * lazy  # the shards kept on the device
-    assert est[3, "param"]["host"] == off["host"] - slots + 2 * psi  # offload_param keeps every unit's bf16 shard
+    assert est[3, "param"]["host"] == off["host"] - staging + 2 * psi  # offload_param keeps every unit's bf16 shard
     assert "ZeRO-Offload:" in startup_summary(state) and "parameters streamed from the host" in startup_summary(state)
 
 
@@ -355,7 +355,7 @@ def test_with_accumulation_no_gradient_waits_on_the_device_between_micro_batches
         torch.testing.assert_close(grads["optimizer"][name], reference, rtol=0, atol=0)
 
 
-def test_adamw_on_16_bit_host_gradients_trains_like_the_resident_run():
+def test_adamw_on_16_bit_host_gradients_trains_like_the_run_on_the_device():
     """bf16, one micro-batch on one rank: the host Adam reads the bf16 gradients as they are (the CPU kernel
     widens them in registers)."""
     full = {}
@@ -367,7 +367,7 @@ def test_adamw_on_16_bit_host_gradients_trains_like_the_resident_run():
     assert relative_diff(full["optimizer"], full["none"]) < 1e-5
 
 
-def resident_sums(rank: int, world: int) -> dict:
+def sums_on_the_device(rank: int, world: int) -> dict:
     """Three micro-batches a step, the last two units' sums kept on the device between them: the units each
     micro-batch leaves on the device, and the parameters after training (Lamb: the same arithmetic offloaded
     or not)."""
@@ -379,8 +379,8 @@ def resident_sums(rank: int, world: int) -> dict:
     budget = sum(plan.shard_size(u) for u in plan.units[-2:])
     out = {}
     for stage in (2, 3):
-        for resident in (0, budget):
-            state = make_state(world, stage, "optimizer", micro=1, gas=3, optimizer=lamb, resident=resident)
+        for device_sums in (0, budget):
+            state = make_state(world, stage, "optimizer", micro=1, gas=3, optimizer=lamb, device_sums=device_sums)
             runtime = zero_runtime(state)
             waiting = []
             for i, micro in enumerate(mlp_batches(3, world)):
@@ -389,11 +389,11 @@ def resident_sums(rank: int, world: int) -> dict:
                 runtime.end()
                 waiting.append(sorted(runtime.reducer._grads))
             runtime.finish()
-            trained = train(make_state(world, stage, "optimizer", micro=1, gas=3, optimizer=lamb, resident=resident),
+            trained = train(make_state(world, stage, "optimizer", micro=1, gas=3, optimizer=lamb, device_sums=device_sums),
                             rank, world)
             offload = host_of(trained)
-            out[stage, resident] = {
-                "waiting": waiting, "resident": sorted(host_of(state).device_sums.units),
+            out[stage, device_sums] = {
+                "waiting": waiting, "kept": sorted(host_of(state).device_sums.units),
                 "host buffers": sorted(offload.grads._storage), "bytes": sum(t.nbytes for t in offload.buffers()),
                 "host estimate": memory_estimate(trained)["host_buffers"],
                 "estimate": memory_estimate(state)["gradients"], "full": dsfunc.full_params(trained),
@@ -407,14 +407,14 @@ def resident_sums(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_sums_kept_on_the_device_between_micro_batches_train_bit_for_bit(world):
-    for r in run_world(resident_sums, world):
+    for r in run_world(sums_on_the_device, world):
         for stage in (2, 3):
             kept, sent = r[stage, r["budget"]], r[stage, 0]
-            assert kept["resident"] == r["last two"] and sent["resident"] == []
-            # only the resident units' sums wait on the device, after the last micro-batch too (for the update)
+            assert kept["kept"] == r["last two"] and sent["kept"] == []
+            # only the chosen units' sums wait on the device, after the last micro-batch too (for the update)
             assert kept["waiting"] == [r["last two"]] * 3 and sent["waiting"] == [[], [], []]
             assert kept["estimate"] == 4 * r["budget"] and sent["estimate"] == 0
-            # ... so they have no host gradient buffer: they are read through the slots, which the estimate counts
+            # ... so they have no host gradient buffer: they are read through two host buffers, which the estimate counts
             assert kept["host buffers"] == sorted(set(sent["host buffers"]) - set(r["last two"]))
             assert kept["bytes"] == kept["host estimate"] and sent["bytes"] == sent["host estimate"]
             assert "the gradient sums of 2 unit(s) wait on the device" in kept["summary"]
@@ -424,29 +424,29 @@ def test_sums_kept_on_the_device_between_micro_batches_train_bit_for_bit(world):
 
 def test_sums_on_the_device_say_when_they_cannot_apply(caplog):
     with caplog.at_level("WARNING", logger="dsfunc"):
-        assert not make_state(1, 1, "optimizer", resident=10**9).program.run.grads.device_sums.units
+        assert not make_state(1, 1, "optimizer", device_sums=10**9).program.run.grads.device_sums.units
         assert "has no effect at stage 1" in caplog.text
-        assert not make_state(1, 2, "optimizer", resident=1).program.run.grads.device_sums.units
+        assert not make_state(1, 2, "optimizer", device_sums=1).program.run.grads.device_sums.units
         assert "= 1 is smaller than every unit's gradient shard" in caplog.text
 
 
 @pytest.mark.parametrize("gas", [1, 2])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_gradients_held_on_the_device_reach_the_host_adam_through_two_slots(stage, gas):
+def test_gradients_held_on_the_device_reach_the_host_adam_through_two_buffers(stage, gas):
     """Three of four units keep their gradients on the device until the host Adam reads them, each copied into
-    one of two host slots as the update reaches it: the same parameters bit for bit, and no host gradient
+    one of two host buffers as the update reaches it: the same parameters bit for bit, and no host gradient
     buffer for those units (without accumulation too: the bf16 gradient waits there)."""
     held = 3 * 110
     full, offloads = {}, {}
-    for resident in (0, held):
-        state = make_state(1, stage, "optimizer", micro=4 // gas, gas=gas, resident=resident, bf16={"enabled": True})
+    for device_sums in (0, held):
+        state = make_state(1, stage, "optimizer", micro=4 // gas, gas=gas, device_sums=device_sums, bf16={"enabled": True})
         state = train(state, 0, 1)
-        full[resident], offloads[resident] = dsfunc.full_params(state), host_of(state)
-        assert sum(t.nbytes for t in offloads[resident].buffers()) == memory_estimate(state)["host_buffers"]
+        full[device_sums], offloads[device_sums] = dsfunc.full_params(state), host_of(state)
+        assert sum(t.nbytes for t in offloads[device_sums].buffers()) == memory_estimate(state)["host_buffers"]
     kept = offloads[held]
     assert sorted(kept.device_sums.units) == ["blocks.0", "blocks.1", "blocks.2"]
     assert sorted(kept.grads._storage) == ["root"] and len(kept.device_sums.buffers.all) == 2  # reused, unit after unit
-    # without accumulation the new bf16 shards go out of the gradients' own buffers: no staging slots
+    # without accumulation the new bf16 shards go out of the gradients' own buffers: no staging buffers
     assert all(len(o.staging._buffers) == (0 if gas == 1 else 3) and o.staging.over_grads == (gas == 1)
                for o in offloads.values())
     assert relative_diff(full[held], full[0]) == 0.0
@@ -492,3 +492,30 @@ def test_only_init_state_reaches_into_the_offload_package():
             if any(n == "dsfunc.zero.offload" or n.startswith("dsfunc.zero.offload.") for n in names):
                 importers.add(path.relative_to(root).as_posix())
     assert importers == {"init.py"}
+
+
+def test_the_offload_packages_names_appear_nowhere_else():
+    """Nothing outside dsfunc/zero/offload/ names what it defines (its classes, functions and constants) but
+    init_state's one call of ``placement``: the rest of the package knows offload only as the policies."""
+    import ast
+
+    root = Path(dsfunc.__file__).parent
+    package = root / "zero" / "offload"
+    defined = set()
+    for path in package.glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Assign):
+                defined.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    defined -= {"__all__", "logger", "placement"}  # every module's own; placement is checked by its import above
+    assert {"HostOffload", "HostRunner", "ShardStaging", "DeviceSums", "HostExecutor"} <= defined
+    named = set()
+    for path in root.rglob("*.py"):
+        if path.is_relative_to(package):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.id] if isinstance(node, ast.Name) else [node.attr] if isinstance(node, ast.Attribute)
+                     else [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else [])
+            named.update(f"{path.relative_to(root).as_posix()}: {n}" for n in names if n in defined)
+    assert not named, sorted(named)

@@ -86,29 +86,29 @@ def run(cfg: GPTConfig, stage: int, offload: bool, precision: str | None, steps:
 @needs_cuda
 @pytest.mark.parametrize("stage", [1, 2])
 def test_optimizer_offload_frees_12_bytes_per_parameter_of_the_shard(stage):
-    resident = run(BIG, stage, False, "bf16", steps=2)
+    on_device = run(BIG, stage, False, "bf16", steps=2)
     offloaded = run(BIG, stage, True, "bf16", steps=2)
-    assert offloaded["on_host"] and not resident["on_host"]
+    assert offloaded["on_host"] and not on_device["on_host"]
     assert offloaded["buffers_pinned"] and not offloaded["pinned_masters"]  # only what the GPU copies with
-    saved = resident["peak"] - offloaded["peak"]
-    assert saved >= 12 * offloaded["shard"], (resident["peak"], offloaded["peak"], offloaded["shard"])
-    assert abs(resident["loss"] - offloaded["loss"]) < 1e-2
+    saved = on_device["peak"] - offloaded["peak"]
+    assert saved >= 12 * offloaded["shard"], (on_device["peak"], offloaded["peak"], offloaded["shard"])
+    assert abs(on_device["loss"] - offloaded["loss"]) < 1e-2
 
 
 @needs_cuda
 def test_without_accumulation_the_gradient_shard_leaves_the_device_too():
-    resident = run(BIG, 2, False, "bf16", steps=2, gas=1)
+    on_device = run(BIG, 2, False, "bf16", steps=2, gas=1)
     offloaded = run(BIG, 2, True, "bf16", steps=2, gas=1)
     assert offloaded["grad_dtypes"] == {torch.bfloat16}  # one micro-batch on one rank: bf16 holds it exactly
-    saved = resident["peak"] - offloaded["peak"]
-    # The resident run keeps this gradient in bf16 too (dsfunc.zero.reduce.grad_dtype) and peaks in its update:
+    saved = on_device["peak"] - offloaded["peak"]
+    # The run on the device keeps this gradient in bf16 too (dsfunc.zero.reduce.grad_dtype) and peaks in its update:
     # 16 bytes per parameter and the widened gradient of the largest unit (the 64M-parameter tied embedding).
     # The offloaded run holds 2 and peaks in backward instead, at the embedding, where autograd's own
     # temporaries (the embedding's and the head's gradients, the fp32 logits) are alive: 0.8 GiB at this batch,
     # so 12.1-12.4 bytes per parameter were measured (bench/RESULTS.md). A gradient shard that stayed on the
     # device would be alive beside those temporaries and leave about 10.
-    assert saved >= 12 * offloaded["shard"], (resident["peak"], offloaded["peak"], offloaded["shard"])
-    assert abs(resident["loss"] - offloaded["loss"]) < 1e-2
+    assert saved >= 12 * offloaded["shard"], (on_device["peak"], offloaded["peak"], offloaded["shard"])
+    assert abs(on_device["loss"] - offloaded["loss"]) < 1e-2
 
 
 def train_mlp(stage: int, zero_extra: dict, precision: str | None, steps: int = 4, gas: int = 2) -> tuple[dict, float]:
@@ -133,18 +133,18 @@ OFFLOAD = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
 
 @needs_cuda
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_offload_on_the_gpu_trains_like_the_resident_run(stage):
-    resident, loss = train_mlp(stage, {}, None)
+def test_offload_on_the_gpu_trains_like_the_run_on_the_device(stage):
+    on_device, loss = train_mlp(stage, {}, None)
     offloaded, offloaded_loss = train_mlp(stage, OFFLOAD, None)
-    assert relative_diff(offloaded, resident) < 1e-5
+    assert relative_diff(offloaded, on_device) < 1e-5
     assert abs(offloaded_loss - loss) < 1e-5 * abs(loss)
 
 
 @needs_cuda
-def test_parameter_offload_at_stage3_on_the_gpu_trains_like_the_resident_run():
-    resident, loss = train_mlp(3, {}, "bf16")
+def test_parameter_offload_at_stage3_on_the_gpu_trains_like_the_run_on_the_device():
+    on_device, loss = train_mlp(3, {}, "bf16")
     offloaded, offloaded_loss = train_mlp(3, {**OFFLOAD, "offload_param": {"device": "cpu"}}, "bf16")
-    assert relative_diff(offloaded, resident) < 1e-2 and abs(offloaded_loss - loss) < 1e-2
+    assert relative_diff(offloaded, on_device) < 1e-2 and abs(offloaded_loss - loss) < 1e-2
 
 
 @needs_cuda
@@ -152,9 +152,9 @@ def test_parameter_offload_at_stage3_on_the_gpu_trains_like_the_resident_run():
 @pytest.mark.parametrize("stage", [2, 3])
 def test_sums_kept_on_the_gpu_train_bit_for_bit(stage, gas):
     """The MLP's three 4,160-element blocks (of four units with the 708-element root) keep their sums on the
-    device: the root's copies out and back skip them, and the host update reads them through two host slots,
+    device: the root's copies out and back skip them, and the host update reads them through two host buffers,
     each copied in on the copy stream while the update of the unit before runs: the same sums, bit for bit."""
     sent, loss = train_mlp(stage, OFFLOAD, "bf16", gas=gas)
     kept = {"offload_optimizer": {**OFFLOAD["offload_optimizer"], "grad_accumulation_on_device": 3 * 4160}}
-    resident, resident_loss = train_mlp(stage, kept, "bf16", gas=gas)
-    assert relative_diff(resident, sent) == 0.0 and resident_loss == loss
+    held, held_loss = train_mlp(stage, kept, "bf16", gas=gas)
+    assert relative_diff(held, sent) == 0.0 and held_loss == loss

@@ -20,7 +20,7 @@ from dsfunc.checkpoint.deepspeed.shards import MOMENTS, ShardIndex, build_index
 from dsfunc.checkpoint.deepspeed.unpickle import DeepSpeedObject, load_file
 from dsfunc.checkpoint.errors import CheckpointCorruptError
 from dsfunc.checkpoint.pickle_bounds import check_tensor
-from dsfunc.config.dtypes import dtype_name
+from dsfunc.config.dtypes import SIXTEEN_BIT, dtype_name
 
 # what DeepSpeed's engine itself writes into the model-states file (engine.py _common_checkpoint_state and
 # the MoE/universal-checkpoint extras); every other key is the client state the user passed
@@ -105,7 +105,7 @@ def _optimizer_states(main: Mapping[str, Any], first: Mapping[str, Any] | None) 
 
 def _precision(module: Mapping[str, torch.Tensor], index: ShardIndex) -> str:
     dtypes = {module[n].dtype for n in index.trainable if n in module}
-    return next((dtype_name(d) for d in dtypes if d in (torch.float16, torch.bfloat16)), "fp32")
+    return next((dtype_name(d) for d in dtypes if d in SIXTEEN_BIT), "fp32")
 
 
 def _scaler(main: Mapping[str, Any], first: Mapping[str, Any] | None) -> Scaler | None:

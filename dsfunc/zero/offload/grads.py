@@ -39,13 +39,13 @@ class HostGrads:
 
     def __init__(self, plan: ShardingPlan, *, memory: HostMemory, compute_device: torch.device, grad_bytes: int,
                  device_sums: DeviceSums, executor: HostExecutor, copies: torch.cuda.Stream | None,
-                 backward_group: int, micro_batches: int, speculation: Speculation | None = None) -> None:
+                 micro_batches_per_backward: int, micro_batches: int, speculation: Speculation | None = None) -> None:
         self.plan = plan
         self.memory = memory
         self.compute_device = compute_device
         self.grad_bytes = grad_bytes  # per element of a host gradient buffer, as the config lets expect
         self.device_sums = device_sums
-        self.backward_group = backward_group  # micro-batches whose backward runs unit by unit
+        self.micro_batches_per_backward = micro_batches_per_backward  # micro-batches whose backward runs unit by unit
         self.micro_batches = micro_batches
         self._executor = executor  # the last step's update may still read a buffer
         self.speculation = speculation  # each unit's update starts as its last sum lands (speculative_update)

@@ -19,6 +19,7 @@ import logging
 import torch
 
 from dsfunc.config import ZeroConfig
+from dsfunc.config.dtypes import SIXTEEN_BIT
 from dsfunc.zero.layout import ShardingPlan
 from dsfunc.zero.offload.device_sums import DeviceSums, device_sum_units
 from dsfunc.zero.offload.executor import HostExecutor
@@ -26,7 +27,7 @@ from dsfunc.zero.offload.grads import HostGrads
 from dsfunc.zero.offload.pinned import HostMemory
 from dsfunc.zero.offload.shards import HostShards
 from dsfunc.zero.offload.speculation import Speculation
-from dsfunc.zero.offload.staging import LOWP, ShardStaging
+from dsfunc.zero.offload.staging import ShardStaging
 
 logger = logging.getLogger("dsfunc")
 
@@ -36,7 +37,7 @@ class HostOffload:
 
     def __init__(self, plan: ShardingPlan, *, compute_device: torch.device, compute_dtype: torch.dtype,
                  pin_memory: bool, stream_params: bool, grad_dtype: torch.dtype = torch.float32,
-                 device_sum_elements: int = 0, backward_group: int = 1, micro_batches: int = 1,
+                 device_sum_elements: int = 0, micro_batches_per_backward: int = 1, micro_batches: int = 1,
                  speculative: bool | int = False) -> None:
         self.plan = plan
         self.compute_device = compute_device
@@ -52,9 +53,9 @@ class HostOffload:
                                       grad_bytes=grad_dtype.itemsize, copies=copies)
         self.grads = HostGrads(plan, memory=self.memory, compute_device=compute_device,
                                grad_bytes=grad_dtype.itemsize, device_sums=self.device_sums, executor=self.executor,
-                               copies=copies, backward_group=backward_group, micro_batches=micro_batches,
-                               speculation=self.speculation)
-        over_grads = grad_dtype == compute_dtype and compute_dtype in LOWP and not stream_params
+                               copies=copies, micro_batches_per_backward=micro_batches_per_backward,
+                               micro_batches=micro_batches, speculation=self.speculation)
+        over_grads = grad_dtype == compute_dtype and compute_dtype in SIXTEEN_BIT and not stream_params
         self.staging = ShardStaging(plan, memory=self.memory, compute_device=compute_device,
                                     compute_dtype=compute_dtype, stream_params=stream_params, over_grads=over_grads)
         self.shards = HostShards(self.staging, self.executor)
@@ -72,14 +73,14 @@ class HostOffload:
             logger.warning("offload_optimizer.grad_accumulation_on_device has no effect at stage 1, which sums "
                            "micro-batches on the device anyway")
             budget = 0
-        group = section.micro_batches_per_backward
-        if group > 1 and zero.stage == 1:
+        per_backward = section.micro_batches_per_backward
+        if per_backward > 1 and zero.stage == 1:
             logger.warning("offload_optimizer.micro_batches_per_backward has no effect at stage 1, which sums "
                            "micro-batches on the device anyway")
-            group = 1
+            per_backward = 1
         host = cls(plan, compute_device=compute_device, compute_dtype=compute_dtype, pin_memory=section.pin_memory,
                    stream_params=zero.offload_param is not None, grad_dtype=grad_dtype,
-                   device_sum_elements=budget, backward_group=group, micro_batches=micro_batches,
+                   device_sum_elements=budget, micro_batches_per_backward=per_backward, micro_batches=micro_batches,
                    speculative=section.speculative_update)
         if budget and not host.device_sums.units:
             logger.warning("offload_optimizer.grad_accumulation_on_device = %d is smaller than every unit's gradient "

@@ -18,11 +18,10 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from dsfunc.config.dtypes import SIXTEEN_BIT
 from dsfunc.zero.layout import ShardingPlan, Unit
 from dsfunc.zero.offload.grads import HostGradMap
 from dsfunc.zero.offload.pinned import HostMemory
-
-LOWP = (torch.bfloat16, torch.float16)
 
 
 class ShardStaging:
@@ -56,7 +55,7 @@ class ShardStaging:
         gradient the update has just read for the unit, or else (the copies built outside an update, a skipped
         update's cast) a pageable temporary, dropped once sent. Otherwise, without ``offload_param``, it is the
         next staging buffer, which holds the shard until :attr:`staging_buffers` more units have been staged."""
-        if self.compute_dtype not in LOWP:
+        if self.compute_dtype not in SIXTEEN_BIT:
             return None
         if self.over_grads:
             size = self.plan.shard_size(unit)
@@ -130,7 +129,7 @@ class ShardStaging:
 
     def staged(self, unit: Unit, master: torch.Tensor) -> torch.Tensor:
         """What :meth:`stage` (or the update) last wrote for ``unit`` from its ``master`` shard."""
-        if self.compute_dtype not in LOWP:
+        if self.compute_dtype not in SIXTEEN_BIT:
             return master
         staged = self._staged.get(unit.name)
         if staged is None:
@@ -155,7 +154,7 @@ class ShardStaging:
 
     def host_elements(self) -> int:
         """Elements of the staging buffers (of the compute dtype; 0 when it is fp32)."""
-        if self.compute_dtype not in LOWP:
+        if self.compute_dtype not in SIXTEEN_BIT:
             return 0
         shards = [self.plan.shard_size(u) for u in self.plan.units]
         if self.stream_params:
@@ -172,7 +171,7 @@ class _StagingMap(Mapping):
 
     def __init__(self, staging: ShardStaging, grads: HostGradMap) -> None:
         self._staging, self._grads = staging, grads
-        self._names = [u.name for u in staging.plan.units] if staging.compute_dtype in LOWP else []
+        self._names = [u.name for u in staging.plan.units] if staging.compute_dtype in SIXTEEN_BIT else []
         self._taken: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
