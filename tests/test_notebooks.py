@@ -20,7 +20,7 @@ pytest.importorskip("matplotlib", reason=NEEDS.format("matplotlib"))
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
-NOTEBOOKS = ["01_quickstart", "02_zero_memory", "03_checkpoints", "04_mixed_precision", "05_memory"]
+NOTEBOOKS = ["01_quickstart", "02_zero_memory", "03_checkpoints", "04_mixed_precision", "05_memory", "06_mesh"]
 CELL_TIMEOUT = 240  # seconds; each notebook takes well under two minutes on 2 CPU cores
 
 
