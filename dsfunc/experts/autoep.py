@@ -1,0 +1,110 @@
+"""AutoEP: a Hugging Face MoE model's sparse blocks replaced, in place, by expert-parallel ones when the state is
+built, as DeepSpeed's ``initialize`` does from the config's ``expert_parallel`` section.
+
+A preset names the HF block class of a model family and the config attribute with its number of experts; the
+block's router is kept and its fused expert weights (``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``)
+are sliced along dim 0, each rank keeping the experts of its place in its expert-parallel group (DeepSpeed's "E + D"
+layout, :mod:`dsfunc.experts.groups`). Every rank builds the whole model alike (same seed or weights), so the
+slices together are the model's experts; each expert-data-parallel group then holds one replica of a slice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from dsfunc.config.expert_parallel import PRESETS, ExpertParallelConfig
+from dsfunc.distributed import comm
+from dsfunc.errors import InputError
+from dsfunc.experts.ep_block import ExpertParallelBlock
+from dsfunc.experts.grouped import GroupedExperts
+from dsfunc.experts.groups import ExpertGroups, make_expert_groups
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A model family AutoEP knows: its sparse block class and where its config says how many experts."""
+
+    block_class: str
+    num_experts_attr: str
+
+
+_PRESETS = {
+    "qwen3_moe": Preset("Qwen3MoeSparseMoeBlock", "num_experts"),
+    "mixtral": Preset("MixtralSparseMoeBlock", "num_local_experts"),
+}
+
+
+def _preset_of(model: nn.Module, config: ExpertParallelConfig) -> tuple[str, Preset]:
+    """The preset the config names, or the one of ``model.config.model_type``."""
+    if config.preset_model is not None:
+        return config.preset_model, _PRESETS[config.preset_model]
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in _PRESETS:
+        raise InputError(f"expert_parallel is enabled but {type(model).__name__} (model_type={model_type!r}) is "
+                         f"no model family AutoEP knows ({', '.join(PRESETS)}): {_moe_like(model)}; set "
+                         "expert_parallel.preset_model if its blocks are one of these families', or disable AutoEP")
+    return model_type, _PRESETS[model_type]
+
+
+def _moe_like(model: nn.Module) -> str:
+    """The model's modules that look like mixture-of-experts blocks (by class name), for an error."""
+    found = [f"{path} ({type(m).__name__})" for path, m in model.named_modules()
+             if any(word in type(m).__name__.lower() for word in ("moe", "expert"))]
+    return "its modules that look like MoE: " + ", ".join(found[:6]) if found else "it has no module named like MoE"
+
+
+def _blocks(model: nn.Module, name: str, preset: Preset) -> dict[str, nn.Module]:
+    """The model's blocks of ``preset`` (those replaced before included), by path; an error naming the modules
+    when there is none."""
+    found = {path: m for path, m in model.named_modules()
+             if type(m).__name__ == preset.block_class or isinstance(m, ExpertParallelBlock)}
+    if not found:
+        raise InputError(f"expert_parallel: the {name!r} preset replaces {preset.block_class} modules, and "
+                         f"{type(model).__name__} has none ({_moe_like(model)}): pick the preset of the model's "
+                         f"family ({', '.join(PRESETS)}) or disable AutoEP")
+    return found
+
+
+def apply_autoep(model: nn.Module, config: ExpertParallelConfig) -> list[str]:
+    """Replace ``model``'s MoE blocks by :class:`ExpertParallelBlock` over ``config.autoep_size`` ranks (a
+    collective: every rank calls it, with the same model); returns the replaced paths ([] when AutoEP is off)."""
+    if not config.enabled:
+        return []
+    name, preset = _preset_of(model, config)
+    blocks = _blocks(model, name, preset)
+    size, world = config.autoep_size, comm.world_size()
+    num_experts = getattr(model.config, preset.num_experts_attr)
+    if num_experts % size:
+        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+        raise InputError(f"num_experts={num_experts} of {name} blocks ({next(iter(blocks))}, ...) is not divisible "
+                         f"by expert_parallel.autoep_size={size}: each rank holds num_experts / autoep_size "
+                         f"experts; choose autoep_size among {divisors}")
+    if world % size:
+        raise InputError(f"expert_parallel.autoep_size={size} does not divide the world size {world}: launch a "
+                         f"multiple of {size} ranks or choose an autoep_size that divides {world}")
+    groups = make_expert_groups(size)
+    for path, block in blocks.items():
+        if not isinstance(block, ExpertParallelBlock):
+            model.set_submodule(path, _replacement(block, num_experts, groups, fused=config.use_grouped_mm))
+    return list(blocks)
+
+
+def _replacement(block: nn.Module, num_experts: int, groups: ExpertGroups, *, fused: bool) -> ExpertParallelBlock:
+    """``block``'s router and this rank's slice of its experts."""
+    local = num_experts // groups.ep_size
+    first = groups.ep_ranks.index(comm.rank()) * local
+    source = block.experts
+    experts = GroupedExperts(source.gate_up_proj.detach()[first:first + local].clone(),
+                             source.down_proj.detach()[first:first + local].clone(), source.act_fn, fused=fused)
+    for mine, theirs in ((experts.gate_up_proj, source.gate_up_proj), (experts.down_proj, source.down_proj)):
+        mine.requires_grad_(theirs.requires_grad)
+        mine.allreduce, mine.group_name = False, groups.name  # DeepSpeed's marks of an expert parameter
+    return ExpertParallelBlock(block.gate, experts, num_experts, groups, getattr(block, "jitter_noise", 0.0))
+
+
+def expert_units(model: nn.Module) -> dict[str, ExpertGroups]:
+    """The experts of the model's expert-parallel blocks, by path, with their groups: each a unit of its own, its
+    gradients reduced over its expert-data-parallel ranks."""
+    return {f"{path}.experts": m.groups for path, m in model.named_modules() if isinstance(m, ExpertParallelBlock)}
