@@ -109,3 +109,21 @@ def test_one_process_training_equals_hf_without_topk_renormalisation(grouped):
     full = dsfunc.full_params(state)
     assert all(hf_moe.relative(full[name], value) <= 1e-5 for name, value in params.items())
     assert model.model.layers[0].mlp.experts.fused is grouped
+
+
+def test_initialize_with_the_models_parameters_trains_the_replaced_experts():
+    model = hf_moe.build("mixtral")
+    config = hf_moe.config(1, "sgd", expert_parallel={"enabled": True})
+    engine, *_ = dsfunc.initialize(model=model, model_parameters=model.parameters(), config=config)
+    assert isinstance(engine.module.model.layers[0].mlp, ExpertParallelBlock)
+    losses = []
+    for step in range(3):
+        ids = hf_moe.batch(step, hf_moe.MICRO)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    expected, params = hf_moe.reference("mixtral", 1, "sgd", 3)
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, expected)), (losses, expected)
+    full = dsfunc.full_params(engine.state)
+    assert all(hf_moe.relative(full[name], value) <= 1e-5 for name, value in params.items())

@@ -59,7 +59,9 @@ def test_ep2_dp2_equals_one_process(family, optimizer):
 
 
 def test_an_expert_without_tokens_on_a_rank_neither_hangs_nor_differs():
-    results = run_world(_train, 2, "qwen3_moe", 2, "adamw", True)
+    # SGD: attention over one repeated token leaves q and k with rounding noise for gradients, which Adam would
+    # blow up to full-size steps
+    results = run_world(_train, 2, "qwen3_moe", 2, "sgd", True)
     idle = [c for r in results for step in r["counts"] for c in step if 0 in c]
-    assert idle, "some rank must route no token to some expert"
-    _check(results, "qwen3_moe", 2, 2, "adamw", one_token=True)
+    assert len(idle) == 2 * STEPS * 2, "every rank routes its tokens to two experts only, in every layer and step"
+    _check(results, "qwen3_moe", 2, 2, "sgd", one_token=True)
