@@ -1,7 +1,7 @@
 """AutoEP: a Hugging Face MoE model's sparse blocks replaced, in place, by expert-parallel ones when the state is
 built, as DeepSpeed's ``initialize`` does from the config's ``expert_parallel`` section.
 
-A preset names the HF block class of a model family and the config attribute with its number of experts; the
+A preset names the HF block class of a model family (its number of experts is its expert weights' first dim); the
 block's router is kept and its fused expert weights (``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``)
 are sliced along dim 0, each rank keeping the experts of its place in its expert-parallel group (DeepSpeed's "E + D"
 layout, :mod:`dsfunc.experts.groups`). Every rank builds the whole model alike (same seed or weights), so the
@@ -9,8 +9,6 @@ slices together are the model's experts; each expert-data-parallel group then ho
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from torch import nn
 
@@ -21,31 +19,20 @@ from dsfunc.experts.ep_block import ExpertParallelBlock
 from dsfunc.experts.grouped import GroupedExperts
 from dsfunc.experts.groups import ExpertGroups, make_expert_groups
 
-
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    """A model family AutoEP knows: its sparse block class and where its config says how many experts."""
-
-    block_class: str
-    num_experts_attr: str
+# the model families AutoEP knows, by the class of their sparse blocks (a router ``gate``, fused ``experts``)
+_BLOCK_CLASSES = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock"}
 
 
-_PRESETS = {
-    "qwen3_moe": Preset("Qwen3MoeSparseMoeBlock", "num_experts"),
-    "mixtral": Preset("MixtralSparseMoeBlock", "num_local_experts"),
-}
-
-
-def _preset_of(model: nn.Module, config: ExpertParallelConfig) -> tuple[str, Preset]:
+def _preset_of(model: nn.Module, config: ExpertParallelConfig) -> str:
     """The preset the config names, or the one of ``model.config.model_type``."""
     if config.preset_model is not None:
-        return config.preset_model, _PRESETS[config.preset_model]
+        return config.preset_model
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    if model_type not in _PRESETS:
+    if model_type not in _BLOCK_CLASSES:
         raise InputError(f"expert_parallel is enabled but {type(model).__name__} (model_type={model_type!r}) is "
                          f"no model family AutoEP knows ({', '.join(PRESETS)}): {_moe_like(model)}; set "
                          "expert_parallel.preset_model if its blocks are one of these families', or disable AutoEP")
-    return model_type, _PRESETS[model_type]
+    return model_type
 
 
 def _moe_like(model: nn.Module) -> str:
@@ -55,13 +42,13 @@ def _moe_like(model: nn.Module) -> str:
     return "its modules that look like MoE: " + ", ".join(found[:6]) if found else "it has no module named like MoE"
 
 
-def _blocks(model: nn.Module, name: str, preset: Preset) -> dict[str, nn.Module]:
-    """The model's blocks of ``preset`` (those replaced before included), by path; an error naming the modules
+def _blocks(model: nn.Module, name: str) -> dict[str, nn.Module]:
+    """The model's blocks of preset ``name`` (those replaced before included), by path; an error naming the modules
     when there is none."""
     found = {path: m for path, m in model.named_modules()
-             if type(m).__name__ == preset.block_class or isinstance(m, ExpertParallelBlock)}
+             if type(m).__name__ == _BLOCK_CLASSES[name] or isinstance(m, ExpertParallelBlock)}
     if not found:
-        raise InputError(f"expert_parallel: the {name!r} preset replaces {preset.block_class} modules, and "
+        raise InputError(f"expert_parallel: the {name!r} preset replaces {_BLOCK_CLASSES[name]} modules, and "
                          f"{type(model).__name__} has none ({_moe_like(model)}): pick the preset of the model's "
                          f"family ({', '.join(PRESETS)}) or disable AutoEP")
     return found
@@ -72,27 +59,36 @@ def apply_autoep(model: nn.Module, config: ExpertParallelConfig) -> list[str]:
     collective: every rank calls it, with the same model); returns the replaced paths ([] when AutoEP is off)."""
     if not config.enabled:
         return []
-    name, preset = _preset_of(model, config)
-    blocks = _blocks(model, name, preset)
+    name = _preset_of(model, config)
+    blocks = _blocks(model, name)
     size, world = config.autoep_size, comm.world_size()
-    num_experts = getattr(model.config, preset.num_experts_attr)
-    if num_experts % size:
-        divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
-        raise InputError(f"num_experts={num_experts} of {name} blocks ({next(iter(blocks))}, ...) is not divisible "
-                         f"by expert_parallel.autoep_size={size}: each rank holds num_experts / autoep_size "
-                         f"experts; choose autoep_size among {divisors}")
+    for path, block in blocks.items():
+        num_experts = _num_experts(block)
+        if num_experts % size:
+            divisors = [d for d in range(1, num_experts + 1) if num_experts % d == 0]
+            raise InputError(f"num_experts={num_experts} of the {name} block {path} is not divisible by "
+                             f"expert_parallel.autoep_size={size}: each rank holds num_experts / autoep_size "
+                             f"experts; choose autoep_size among {divisors}")
     if world % size:
         raise InputError(f"expert_parallel.autoep_size={size} does not divide the world size {world}: launch a "
                          f"multiple of {size} ranks or choose an autoep_size that divides {world}")
     groups = make_expert_groups(size)
     for path, block in blocks.items():
         if not isinstance(block, ExpertParallelBlock):
-            model.set_submodule(path, _replacement(block, num_experts, groups, fused=config.use_grouped_mm))
+            model.set_submodule(path, _replacement(block, groups, fused=config.use_grouped_mm))
+        elif block.groups.ep_size != size:
+            raise InputError(f"{path} was split over {block.groups.ep_size} ranks by an earlier state, not "
+                             f"expert_parallel.autoep_size={size}: build the model again to split it differently")
     return list(blocks)
 
 
-def _replacement(block: nn.Module, num_experts: int, groups: ExpertGroups, *, fused: bool) -> ExpertParallelBlock:
+def _num_experts(block: nn.Module) -> int:
+    return block.num_experts if isinstance(block, ExpertParallelBlock) else block.experts.gate_up_proj.size(0)
+
+
+def _replacement(block: nn.Module, groups: ExpertGroups, *, fused: bool) -> ExpertParallelBlock:
     """``block``'s router and this rank's slice of its experts."""
+    num_experts = _num_experts(block)
     local = num_experts // groups.ep_size
     first = groups.ep_ranks.index(comm.rank()) * local
     source = block.experts

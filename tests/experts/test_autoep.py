@@ -44,8 +44,8 @@ def test_section_errors_name_the_key(section, message):
 
 def test_errors_name_what_cannot_be_split():
     on = ExpertParallelConfig(enabled=True)
-    with pytest.raises(InputError, match=r"num_experts=4 of qwen3_moe blocks \(model.layers.0.mlp, ...\) is not "
-                                         r"divisible by expert_parallel.autoep_size=3.*among \[1, 2, 4\]"):
+    with pytest.raises(InputError, match=r"num_experts=4 of the qwen3_moe block model.layers.0.mlp is not divisible "
+                                         r"by expert_parallel.autoep_size=3.*among \[1, 2, 4\]"):
         apply_autoep(hf_moe.build("qwen3_moe"), ExpertParallelConfig(enabled=True, autoep_size=3))
     with pytest.raises(InputError, match="autoep_size=2 does not divide the world size 1"):
         apply_autoep(hf_moe.build("mixtral"), ExpertParallelConfig(enabled=True, autoep_size=2))
@@ -84,7 +84,10 @@ def test_replaced_block_computes_the_hf_blocks_outputs_and_router_loss(family):
     model = hf_moe.build(family)
     replaced = copy.deepcopy(model)
     assert apply_autoep(replaced, ExpertParallelConfig(enabled=True)) == ["model.layers.0.mlp", "model.layers.1.mlp"]
-    assert isinstance(replaced.model.layers[1].mlp, ExpertParallelBlock)
+    block = replaced.model.layers[1].mlp
+    assert isinstance(block, ExpertParallelBlock)
+    assert apply_autoep(replaced, ExpertParallelConfig(enabled=True)) == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert replaced.model.layers[1].mlp is block  # a replaced block is kept as it is
     assert {n: p.shape for n, p in replaced.named_parameters()} == {n: p.shape for n, p in model.named_parameters()}
     ids = hf_moe.batch(0, 4)
     ours, theirs = replaced(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
