@@ -41,6 +41,8 @@ from dsfunc.distributed.env import rank_variable
 from dsfunc.distributed.mesh import Mesh, no_mesh, pipeline_mesh, run_mesh
 from dsfunc.distributed.process_group import join_launched_world
 from dsfunc.errors import InputError, NotSupportedError
+from dsfunc.experts.autoep import apply_autoep, expert_units
+from dsfunc.experts.ep_block import ExpertParallelBlock
 from dsfunc.experts.layer import MoE, bind_experts
 from dsfunc.frozen import FrozenDict
 from dsfunc.graphs import GraphedStep
@@ -205,12 +207,13 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     announce_without_effect(cfg)
     device = _default_device(device)
     zero = cfg.zero_optimization
+    apply_autoep(model, cfg.expert_parallel)  # the user's model, as DeepSpeed's initialize replaces its blocks
     _mark_leaves(model, zero.leaf_module)
     muon = optimizer is None and cfg.optimizer is not None and cfg.optimizer.type == "muon"
     if muon:  # DeepSpeed splits every group into a Muon half and an Adam half: so do the units
         shapes = {n: tuple(full_shape(p)) for n, p in model.named_parameters() if p.requires_grad}
         param_groups = muon_groups(shapes, cfg.optimizer.params, param_groups)
-    if pipeline is not None and any(isinstance(m, MoE) for m in model.modules()):
+    if pipeline is not None and any(isinstance(m, (MoE, ExpertParallelBlock)) for m in model.modules()):
         raise NotSupportedError("MoE layers with expert parallelism inside a pipeline stage are not supported by "
                                 "dsfunc yet: train the MoE model without a pipeline")
     bind_experts(model)  # before the skeleton is copied from the model: the copy keeps the MoE layers' groups
@@ -299,7 +302,8 @@ def _plan(model: nn.Module, stage: int, unit_modules: Sequence[str] | None, para
     """The sharding plan, with units split by parameter group when there are several groups and each MoE layer's
     experts a unit reduced over their expert-data-parallel ranks, and the groups in order."""
     groups = param_groups.order(n for n, p in model.named_parameters() if p.requires_grad) if param_groups else []
-    experts = {path: comm.Group.of(g.data) for path, g in bind_experts(model).items() if g.data is not None}
+    found = bind_experts(model) | expert_units(model)
+    experts = {path: comm.Group.of(g.data) for path, g in found.items() if g.data is not None}
     plan = make_plan(model, stage=stage, group=group, unit_modules=unit_modules,
                      labels=param_groups.label_of if len(groups) > 1 else None, unit_groups=experts)
     return plan, groups

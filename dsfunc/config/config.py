@@ -26,6 +26,7 @@ from dsfunc.config.checks import (
 )
 from dsfunc.config.compile import CompileConfig, _compile
 from dsfunc.config.errors import ConfigError
+from dsfunc.config.expert_parallel import ExpertParallelConfig, _expert_parallel
 from dsfunc.config.flops_profiler import FlopsProfilerConfig
 from dsfunc.config.monitor import CometConfig, MonitorConfig, WandbConfig
 from dsfunc.config.optimizer import OptimizerConfig, _optimizer
@@ -140,6 +141,8 @@ class Config:
     """What a save does when the ranks give different tags (tag_validation)."""
     tensor_parallel: TensorParallelConfig = TensorParallelConfig()  # noqa: RUF009
     """AutoTP training: the mesh's tp axis and how layers are split over it (dsfunc.parallel)."""
+    expert_parallel: ExpertParallelConfig = ExpertParallelConfig()  # noqa: RUF009
+    """AutoEP: a Hugging Face model's MoE blocks replaced by expert-parallel ones (dsfunc.experts.autoep)."""
     sequence_parallel_size: int = _key(1, _integer(ge=1))
     """Ranks the sequence is split over (the mesh's sp axis, Ulysses); ZeRO shards over dp x sp, the batch sizes
     count dp (world / sp / ...), as DeepSpeed's.
@@ -256,7 +259,7 @@ class Config:
             out[name] = None if section is None else {"type": section.type, "params": thaw(section.params)}
         for name in ("fp16", "bf16", "zero_optimization", "tensorboard", "csv_monitor", "wandb", "comet",
                      "flops_profiler", "compile", "activation_checkpointing", "pipeline", "checkpoint",
-                     "tensor_parallel"):
+                     "tensor_parallel", "expert_parallel"):
             out[name] = thaw(dataclasses.asdict(getattr(self, name)))
         for f in dataclasses.fields(self):
             if "check" in f.metadata:
@@ -286,6 +289,7 @@ _TOP = _Schema(
         "pipeline": _Spec(PipelineConfig(), _pipeline),
         "checkpoint": _Spec(CheckpointConfig(), _checkpoint),
         "tensor_parallel": _Spec(TensorParallelConfig(), _tensor_parallel),
+        "expert_parallel": _Spec(ExpertParallelConfig(), _expert_parallel),
     }
     | _specs_of(Config),
     fixed=_UNSUPPORTED_TOP,

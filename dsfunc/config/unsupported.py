@@ -41,7 +41,6 @@ _UNSUPPORTED_TOP: dict[str, Rule] = {
     "torch_autocast": _off("torch.autocast mixed precision", ds.TORCH_AUTOCAST, 'Use "fp16" or "bf16".'),
     "hybrid_engine": _off("the hybrid (RLHF) engine", ds.HYBRID_ENGINE),
     "weight_quantization": _empty("weight quantization"),
-    "expert_parallel": _empty("expert parallelism"),
     "seq_parallel_communication_data_type": _accepted(_DTYPE_NAME),  # only used by sequence parallelism
     "managed_gradient_accumulation": _only(True, feature="unmanaged gradient accumulation"),
     "disable_python_gc": _only(False, feature="disabling Python's garbage collector"),
