@@ -154,8 +154,7 @@ def _write(workspace: Workspace, unit: Unit, slot: ParamSlot, shard: Tensor, val
     with no_grad():
         full[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
         if full is not shard:
-            size = workspace.plan.shard_size(unit)
-            shard.copy_(full[workspace.plan.rank * size : (workspace.plan.rank + 1) * size])
+            shard.copy_(full[slice(*workspace.plan.shard_bounds(unit))])
 
 
 def safe_get_full_fp32_param(param: Tensor) -> Tensor | None:

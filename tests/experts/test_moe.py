@@ -1,6 +1,6 @@
 """The MoE layer's checks and plumbing: DeepSpeed's rank layout of expert groups, the errors for configurations
 DeepSpeed rejects or dsfunc does not train yet, the optimizer-group helpers, and experts as units of their own
-reduced over their expert-data-parallel ranks (gloo, 2 ranks)."""
+reduced and sharded over their expert-data-parallel ranks (gloo, 2 ranks)."""
 
 from __future__ import annotations
 
@@ -103,9 +103,9 @@ def _world(rank: int, world: int) -> dict:
     found = {}
     with pytest.raises(InputError, match="expert-parallel size 4 does not divide the world size 2"):
         dsfunc.init_state(Net(4), config)
-    with pytest.raises(NotSupportedError, match="MoE expert parallelism at ZeRO stage 1"):
-        dsfunc.init_state(Net(2), {**config, "zero_optimization": {"stage": 1}})
     torch.manual_seed(rank)
+    sharded = dsfunc.init_state(Net(2), {**config, "zero_optimization": {"stage": 2}})
+    found["shards"] = {u.name: (u.numel, sharded.params[u.name].numel()) for u in sharded.program.plan.units}
     state = dsfunc.init_state(Net(2), config)
     plan = state.program.plan
     found["units"] = {u.name: u.group is not None for u in plan.units}
@@ -125,5 +125,7 @@ def _world(rank: int, world: int) -> dict:
 def test_experts_are_units_of_their_own_and_groups_answer_as_deepspeeds():
     results = run_world(_world, 2)
     assert results[0]["units"] == {"root": False, "moe.deepspeed_moe.experts": True}
+    (root, root_shard), (experts, experts_shard) = results[0]["shards"].values()  # ZeRO 2
+    assert root_shard == -(-root // 2) and experts_shard == experts  # ep 2 of 2 ranks: each expert on one rank
     assert results[0]["ranks"] == ([0, 1], [0], 2, 0, 1, 0, 2)
     assert results[1]["ranks"] == ([0, 1], [1], 2, 1, 1, 1, 2)

@@ -1,0 +1,45 @@
+"""Experts under ZeRO 1-3 (gloo): each MoE layer's experts are reduced over, and sharded over, their
+expert-data-parallel ranks, the rest over every rank; clipping and overflow checks see the whole model, each expert
+once. A script written against DeepSpeed's MoE API trains as under real DeepSpeed 0.19.8 at ZeRO 1 and 2 (whose
+clipping with experts takes the model's norm), at ep 2 and ep 2 x dp 2; ZeRO 3 (beyond DeepSpeed's MoE) trains
+as dsfunc's ZeRO 0 (with Lamb, whose per-parameter norms of an expert are taken over its own ranks), with an
+all-zero gate sending no token to half the experts on any rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.experts.test_engine import assert_same_runs, launch
+
+CLIP = ("--clip", "0.05")  # below every step's norm: clipping scales each step
+
+
+@pytest.mark.parametrize(("ranks", "case", "stage"), [(2, "adam", 1), (2, "sgd", 2), (4, "adam", 2), (4, "sgd", 1)])
+def test_moe_script_at_zero_1_and_2_trains_like_deepspeed(tmp_path, ranks, case, stage):
+    pytest.importorskip("deepspeed", reason="real DeepSpeed is the reference (.ci/setup_test_tools.sh)")
+    out = str(tmp_path / "run")
+    for backend in ("deepspeed", "dsfunc"):
+        launch(ranks, "--backend", backend, "--case", case, "--stage", str(stage), *CLIP, "--starve", "--out", out)
+    assert min(torch.load(f"{out}.deepspeed.rank0.pt")["norm"]) > 0.05 * 2
+    assert_same_runs(ranks, f"{out}.dsfunc", f"{out}.deepspeed", norms=True)
+    for rank in range(ranks):
+        assert_sharded(torch.load(f"{out}.dsfunc.rank{rank}.pt")["shards"], ranks)
+
+
+def assert_sharded(shards: dict[str, tuple[int, int]], ranks: int) -> None:
+    """Experts' units over their expert-data-parallel ranks (ep 2: half the world), the others over the world."""
+    assert any(name.startswith("moe.deepspeed_moe.experts") for name in shards)
+    for name, (numel, shard) in shards.items():
+        assert shard == -(-numel // (ranks // 2 if name.startswith("moe.deepspeed_moe.experts") else ranks)), name
+
+
+def test_moe_at_zero_3_trains_like_zero_0_when_experts_get_no_tokens(tmp_path):
+    runs = {stage: str(tmp_path / f"stage{stage}") for stage in (0, 3)}
+    for stage, out in runs.items():
+        launch(4, "--backend", "dsfunc", "--case", "lamb", "--stage", str(stage), *CLIP, "--one", "--out", out)
+    assert_same_runs(4, f"{runs[3]}.dsfunc", f"{runs[0]}.dsfunc", norms=True)
+    for rank in range(4):
+        got = torch.load(f"{runs[3]}.dsfunc.rank{rank}.pt")
+        assert all(counts[2:] == [0, 0] for counts in got["counts"])  # experts 2 and 3: no token from any rank
+        assert_sharded(got["shards"], 4)
