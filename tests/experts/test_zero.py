@@ -3,14 +3,17 @@ expert-data-parallel ranks, the rest over every rank; clipping and overflow chec
 once. A script written against DeepSpeed's MoE API trains as under real DeepSpeed 0.19.8 at ZeRO 1 and 2 (whose
 clipping with experts takes the model's norm), at ep 2 and ep 2 x dp 2; ZeRO 3 (beyond DeepSpeed's MoE) trains
 as dsfunc's ZeRO 0 (with Lamb, whose per-parameter norms of an expert are taken over its own ranks), with an
-all-zero gate sending no token to half the experts on any rank."""
+all-zero gate sending no token to half the experts on any rank. An inf in one rank's experts skips every rank's
+step."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import dsfunc
 from tests.experts.test_engine import assert_same_runs, launch
+from tests.multiprocess import run_world
 
 CLIP = ("--clip", "0.05")  # below every step's norm: clipping scales each step
 
@@ -43,3 +46,25 @@ def test_moe_at_zero_3_trains_like_zero_0_when_experts_get_no_tokens(tmp_path):
         got = torch.load(f"{runs[3]}.dsfunc.rank{rank}.pt")
         assert all(counts[2:] == [0, 0] for counts in got["counts"])  # experts 2 and 3: no token from any rank
         assert_sharded(got["shards"], 4)
+
+
+def _inf_in_rank_1s_experts(rank: int, world: int, stage: int) -> tuple[int, bool]:
+    from tests.experts.test_moe import Net
+
+    def loss_fn(model: Net, x: torch.Tensor) -> torch.Tensor:  # rank 1: an inf gradient for its experts only
+        poison = float("inf") if rank == 1 else 0.0
+        return model(x) + poison * sum(p.sum() for p in model.moe.deepspeed_moe.experts.parameters())
+
+    torch.manual_seed(rank)
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "zero_optimization": {"stage": stage}}
+    state = dsfunc.init_state(Net(2), config, loss_fn=loss_fn)
+    before = dsfunc.full_params(state)
+    state = dsfunc.train_step(state, torch.randn(4, 4))
+    after = dsfunc.full_params(state)
+    return int(state.metrics.skipped), all(torch.equal(after[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_an_inf_in_one_ranks_experts_makes_every_rank_skip(stage):
+    assert run_world(_inf_in_rank_1s_experts, 2, stage) == [(1, True), (1, True)]
