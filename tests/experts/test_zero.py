@@ -4,7 +4,7 @@ once. A script written against DeepSpeed's MoE API trains as under real DeepSpee
 clipping with experts takes the model's norm), at ep 2 and ep 2 x dp 2; ZeRO 3 (beyond DeepSpeed's MoE) trains
 as dsfunc's ZeRO 0 (with Lamb, whose per-parameter norms of an expert are taken over its own ranks), with an
 all-zero gate sending no token to half the experts on any rank. An inf in one rank's experts skips every rank's
-step."""
+step, and experts train with the optimizer offloaded as at ZeRO 0."""
 
 from __future__ import annotations
 
@@ -68,3 +68,25 @@ def _inf_in_rank_1s_experts(rank: int, world: int, stage: int) -> tuple[int, boo
 @pytest.mark.parametrize("stage", [2, 3])
 def test_an_inf_in_one_ranks_experts_makes_every_rank_skip(stage):
     assert run_world(_inf_in_rank_1s_experts, 2, stage) == [(1, True), (1, True)]
+
+
+def _trained(rank: int, world: int, zero: dict) -> tuple[dict[str, torch.Tensor], float]:
+    from tests.experts.test_moe import Net
+
+    torch.manual_seed(rank)  # the experts come from the first of their ranks
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "gradient_clipping": 0.01,
+              "optimizer": {"type": "Adam", "params": {"lr": 0.01}}, "zero_optimization": zero}
+    state = dsfunc.init_state(Net(2), config)
+    batches = torch.Generator().manual_seed(7 + rank)
+    for _ in range(3):
+        state = dsfunc.train_step(state, torch.randn(8, 4, generator=batches))
+    return dsfunc.full_params(state), float(state.metrics.grad_norm)
+
+
+def test_experts_with_the_optimizer_offloaded_train_like_zero_0():
+    want = run_world(_trained, 4, {"stage": 0})
+    got = run_world(_trained, 4, {"stage": 2, "offload_optimizer": {"device": "cpu"}})
+    for (params, norm), (ref, ref_norm) in zip(got, want):
+        assert norm == pytest.approx(ref_norm, rel=1e-5) and norm > 0.01 * 2  # clipped
+        for name, value in ref.items():
+            assert (params[name] - value).abs().max() <= 1e-5 * value.abs().max(), name
