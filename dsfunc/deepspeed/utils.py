@@ -263,7 +263,8 @@ def _local_piece(param: Tensor, full: Tensor | None) -> Tensor | None:
     """This rank's piece of ``param``'s full value (see the note), padded with zeros."""
     if full is None:
         return None
-    group = _locate(param)[0].plan.group
+    workspace, unit, _slot = _locate(param)
+    group = workspace.plan.group_of(unit)  # an expert's: its expert-data-parallel ranks
     flat, world = full.reshape(-1), group.size
     chunk = -(-flat.numel() // world)
     padded = flat.new_zeros(chunk * world)
@@ -273,8 +274,8 @@ def _local_piece(param: Tensor, full: Tensor | None) -> Tensor | None:
 
 def _from_pieces(param: Tensor, piece: Tensor) -> Tensor:
     """The full fp32 value whose pieces the ranks hold (every rank gives its own ``piece``)."""
-    workspace, _unit, slot = _locate(param)
-    group = workspace.plan.group
+    workspace, unit, slot = _locate(param)
+    group = workspace.plan.group_of(unit)
     chunk = -(-slot.numel // group.size)
     if piece.numel() != chunk:
         raise InputError(f"the value has {piece.numel()} elements; this rank's partition of the parameter has {chunk} "

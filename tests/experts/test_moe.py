@@ -113,6 +113,12 @@ def _world(rank: int, world: int) -> dict:
     with pytest.raises(NotSupportedError, match="expert-parallel MoE layers"):
         dsfunc.save_checkpoint(state, "/nonexistent")
     dsfunc.initialize(model=Net(2), config=config)
+    net = Net(2)  # ZeRO-3's local helpers: an expert's partition is over its own ranks (one here)
+    dsfunc.initialize(model=net, config={**config, "zero_optimization": {"stage": 3}})
+    weight = net.moe.deepspeed_moe.experts.deepspeed_experts[0][0].weight
+    piece = dsfunc.utils.safe_get_local_fp32_param(weight)
+    dsfunc.utils.safe_set_local_fp32_param(weight, piece * 2)
+    found["piece"] = (piece.numel(), torch.equal(dsfunc.utils.safe_get_full_fp32_param(weight), 2 * piece.view(6, 4)))
     groups = dsfunc.utils.groups
     found["ranks"] = (groups._get_expert_parallel_group_ranks("ep_size_2"),
                       groups._get_expert_data_parallel_group_ranks("ep_size_2"),
@@ -128,4 +134,5 @@ def test_experts_are_units_of_their_own_and_groups_answer_as_deepspeeds():
     (root, root_shard), (experts, experts_shard) = results[0]["shards"].values()  # ZeRO 2
     assert root_shard == -(-root // 2) and experts_shard == experts  # ep 2 of 2 ranks: each expert on one rank
     assert results[0]["ranks"] == ([0, 1], [0], 2, 0, 1, 0, 2)
+    assert results[0]["piece"] == results[1]["piece"] == (24, True)
     assert results[1]["ranks"] == ([0, 1], [1], 2, 1, 1, 1, 2)
