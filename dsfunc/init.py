@@ -445,7 +445,7 @@ def _full_params(state: TrainState) -> dict[str, torch.Tensor]:
     for unit in plan.units:
         shard = state.params[unit.name].to(program.device)  # an offloaded master is gathered on the device
         flat = torch.empty(plan.padded_size(unit), dtype=shard.dtype, device=shard.device)  # bf16 masters: bf16
-        comm.all_gather_flat(flat, shard, plan.group) if plan.ways > 1 else flat.copy_(shard)
+        comm.all_gather_flat(flat, shard, plan.group_of(unit)) if plan.ways > 1 else flat.copy_(shard)
         for slot, view in zip(unit.params, unit_views(unit, flat)):
             value = view if program.tensor is None else program.tensor.full_value(slot.name, view)
             value = value.to(torch.float32, copy=True)  # bf16 masters come out in fp32, as every other's

@@ -154,8 +154,7 @@ def _write(workspace: Workspace, unit: Unit, slot: ParamSlot, shard: Tensor, val
     with no_grad():
         full[slot.offset : slot.offset + slot.numel].copy_(value.reshape(-1))
         if full is not shard:
-            size = workspace.plan.shard_size(unit)
-            shard.copy_(full[workspace.plan.rank * size : (workspace.plan.rank + 1) * size])
+            shard.copy_(full[slice(*workspace.plan.shard_bounds(unit))])
 
 
 def safe_get_full_fp32_param(param: Tensor) -> Tensor | None:
@@ -264,7 +263,8 @@ def _local_piece(param: Tensor, full: Tensor | None) -> Tensor | None:
     """This rank's piece of ``param``'s full value (see the note), padded with zeros."""
     if full is None:
         return None
-    group = _locate(param)[0].plan.group
+    workspace, unit, _slot = _locate(param)
+    group = workspace.plan.group_of(unit)  # an expert's: its expert-data-parallel ranks
     flat, world = full.reshape(-1), group.size
     chunk = -(-flat.numel() // world)
     padded = flat.new_zeros(chunk * world)
@@ -274,8 +274,8 @@ def _local_piece(param: Tensor, full: Tensor | None) -> Tensor | None:
 
 def _from_pieces(param: Tensor, piece: Tensor) -> Tensor:
     """The full fp32 value whose pieces the ranks hold (every rank gives its own ``piece``)."""
-    workspace, _unit, slot = _locate(param)
-    group = workspace.plan.group
+    workspace, unit, slot = _locate(param)
+    group = workspace.plan.group_of(unit)
     chunk = -(-slot.numel // group.size)
     if piece.numel() != chunk:
         raise InputError(f"the value has {piece.numel()} elements; this rank's partition of the parameter has {chunk} "

@@ -145,7 +145,8 @@ class MoE(nn.Module):
 def bind_experts(model: nn.Module, *, data_first: bool = False) -> dict[str, ExpertGroups]:
     """Give every MoE layer of ``model`` that has none its expert groups (made once per ep size; a collective:
     every rank calls it), and answer which modules hold experts, by path, with their groups: each is a unit of
-    its own, its gradients reduced over its expert-data-parallel ranks (:func:`dsfunc.zero.layout.make_plan`)."""
+    its own, its gradients reduced over its expert-data-parallel ranks and, at ZeRO 1-3, its optimizer state,
+    gradients (2-3) and parameters (3) sharded over them (:func:`dsfunc.zero.layout.make_plan`)."""
     made: dict[int, ExpertGroups] = {}
     found = {}
     for path, module in model.named_modules():

@@ -158,8 +158,7 @@ class Workspace:
         buf = self.buffers.get(unit.name)
         if buf is None:
             return None
-        size = self.plan.shard_size(unit)
-        return buf if self.plan.stage == 0 else buf[self.plan.rank * size : (self.plan.rank + 1) * size]
+        return buf if self.plan.stage == 0 else buf[slice(*self.plan.shard_bounds(unit))]
 
     @torch.no_grad()
     def refresh(self, master: Mapping[str, torch.Tensor], written: Iterable[str] = ()) -> None:
@@ -186,12 +185,11 @@ class Workspace:
             self.gathering.status[unit.name] = UnitState.READY
             if unit.name in written:
                 if self.plan.stage:
-                    size = self.plan.shard_size(unit)
-                    src = buf[self.plan.rank * size : (self.plan.rank + 1) * size]
-                    works.append((comm.all_gather_flat(buf, src, self.plan.group, async_op=True), src))
+                    src = buf[slice(*self.plan.shard_bounds(unit))]
+                    works.append((comm.all_gather_flat(buf, src, self.plan.group_of(unit), async_op=True), src))
                 continue
             src = self._shard(unit, master)
-            works.append((comm.all_gather_flat(buf, src, self.plan.group, async_op=True) if self.plan.stage
+            works.append((comm.all_gather_flat(buf, src, self.plan.group_of(unit), async_op=True) if self.plan.stage
                           else _copy(buf, src), src))
         for work, _ in works:
             work.wait()
@@ -278,7 +276,7 @@ class Workspace:
         if self.plan.ways == 1:
             return shard
         full = torch.empty(self.plan.padded_size(unit), dtype=shard.dtype, device=shard.device)
-        comm.all_gather_flat(full, shard, self.plan.group)
+        comm.all_gather_flat(full, shard, self.plan.group_of(unit))
         return full
 
     @torch.no_grad()
@@ -290,7 +288,7 @@ class Workspace:
             comm.broadcast(full, self.plan.group, src=src)
             master = self.master[unit.name]
             if full is not master:  # sharded, or offloaded
-                start = self.plan.rank * master.numel() if self.plan.ways > 1 else 0
+                start = self.plan.shard_bounds(unit)[0]
                 master.copy_(full[start : start + master.numel()])
         self.refresh(self.master)
 
@@ -338,7 +336,7 @@ class Workspace:
         hide = torch.autograd._unsafe_preserve_version_counter(buf)
         with torch.no_grad(), hide, _on_stream(self.source.stream, self.device) as stream:
             src = self.source.to_device(unit, src)
-            work = comm.all_gather_flat(buf, src, self.plan.group, async_op=True)
+            work = comm.all_gather_flat(buf, src, self.plan.group_of(unit), async_op=True)
             if stream is not None:
                 work = _AfterStream(work, stream)
         self.gathering.inflight[unit.name] = (work, src, hide)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dsfunc.distributed.comm import Group
-from dsfunc.errors import InputError, NotSupportedError
+from dsfunc.errors import InputError
 from dsfunc.zero.leaf import leaf_units
 from dsfunc.zero.placeholders import full_shape
 
@@ -52,8 +52,8 @@ class Unit:
     module: str | None  # the module whose forward brackets this unit's use; None for the root unit
     params: tuple[ParamSlot, ...]
     label: str | None = None  # the parameter group, when the plan has groups
-    # the process group its gradients are reduced over and its values replicated within, when not the plan's
-    # ranks: an expert's expert-data-parallel ranks (:mod:`dsfunc.experts`); None: the plan's
+    # the process group its gradients are reduced over and its values sharded over (ZeRO 1-3) or replicated within
+    # (ZeRO 0), when not the plan's ranks: an expert's expert-data-parallel ranks (:mod:`dsfunc.experts`)
     group: Group | None = None
 
     @property
@@ -95,8 +95,17 @@ class ShardingPlan:
 
     @property
     def ways(self) -> int:
-        """Ranks the master weights and optimizer state are split over (1 at stage 0)."""
+        """Ranks the master weights and optimizer state of a unit without a group of its own are split over (1 at
+        stage 0)."""
         return self.world_size if self.stage >= 1 else 1
+
+    def group_of(self, unit: Unit) -> Group:
+        """The ranks ``unit`` is sharded and its gradients reduced over: its own (an expert's) or the plan's."""
+        return unit.group or self.group
+
+    def ways_of(self, unit: Unit) -> int:
+        """Ranks ``unit``'s master weights and optimizer state are split over (1 at stage 0)."""
+        return self.group_of(unit).size if self.stage >= 1 else 1
 
     def unit(self, name: str) -> Unit:
         for u in self.units:
@@ -105,15 +114,23 @@ class ShardingPlan:
         raise InputError(f"no unit named {name!r}; units are {[u.name for u in self.units]}")
 
     def shard_size(self, unit: Unit) -> int:
-        return -(-unit.numel // self.ways)
+        return -(-unit.numel // self.ways_of(unit))
 
     def padded_size(self, unit: Unit) -> int:
-        return self.shard_size(unit) * self.ways
+        return self.shard_size(unit) * self.ways_of(unit)
+
+    def shard_bounds(self, unit: Unit) -> tuple[int, int]:
+        """This rank's ``[start, stop)`` in the padded flat buffer: its shard (the whole unit at stage 0)."""
+        ways = self.ways_of(unit)
+        size = self.shard_size(unit)
+        start = self.group_of(unit).rank * size if ways > 1 else 0
+        return start, start + size
 
     def local_range(self, unit: Unit) -> tuple[int, int]:
         """This rank's ``[start, stop)`` in the unpadded flat buffer (may be empty); the whole unit when it
         is not sharded (stage 0: every rank holds all of it)."""
-        return chunk_range(unit.numel, self.ways, self.rank if self.ways > 1 else 0)
+        ways = self.ways_of(unit)
+        return chunk_range(unit.numel, ways, self.group_of(unit).rank if ways > 1 else 0)
 
 
 def chunk_range(numel: int, parts: int, index: int) -> tuple[int, int]:
@@ -151,13 +168,9 @@ def make_plan(
 
     ``labels`` maps a parameter's (first) name to its group: units are then split by group. ``unit_groups``
     maps modules whose parameters are reduced over ranks of their own (experts) to that process group: each is
-    a unit of its own, even inside another unit's module.
+    a unit of its own, even inside another unit's module, sharded over that group at stages 1-3.
     """
     unit_groups = dict(unit_groups or {})
-    if unit_groups and stage > 0:
-        raise NotSupportedError(
-            f"MoE expert parallelism at ZeRO stage {stage} is not supported by dsfunc yet (experts are reduced over "
-            "their own ranks, which ZeRO's sharding does not take yet); use zero_optimization.stage 0")
     modules = leaf_units(model, find_unit_modules(model) if unit_modules is None else unit_modules)
     modules = [*(m for m in modules if m not in unit_groups), *unit_groups]
     for path in modules:
@@ -223,7 +236,7 @@ def unit_views(unit: Unit, flat: torch.Tensor) -> list[torch.Tensor]:
 
 def local_shard(plan: ShardingPlan, unit: Unit, flat: torch.Tensor) -> torch.Tensor:
     """This rank's shard (a copy) of a padded flat buffer."""
-    size = plan.shard_size(unit)
-    return flat[plan.rank * size : (plan.rank + 1) * size].clone()
+    start, stop = plan.shard_bounds(unit)
+    return flat[start:stop].clone()
 
 

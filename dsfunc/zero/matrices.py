@@ -24,7 +24,7 @@ def _unit_matrices(plan: ShardingPlan, unit: Unit, device: torch.device) -> Matr
         if plan.ways == 1:
             return shard
         flat = torch.empty(padded, dtype=shard.dtype, device=device)
-        comm.all_gather_flat(flat, shard.to(device), plan.group)
+        comm.all_gather_flat(flat, shard.to(device), plan.group_of(unit))
         return flat
 
     return MatrixShards(

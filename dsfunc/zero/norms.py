@@ -6,7 +6,8 @@ parallelism a rank holds its tp part of the split parameters: their squares are 
 the replicated parameters (the same on every tp rank) are counted once.
 At stage 0 every rank holds all of a unit, but a unit replicated over a group of its own only (an expert,
 :mod:`dsfunc.experts`) differs between groups: its squares are summed over the plan's ranks, each divided by its
-group's size.
+group's size. At stages 1-3 such a unit is sharded over its group, and the groups of the plan's ranks hold each
+distinct expert once between them: its shards' squares are summed over the plan's ranks like any other.
 """
 
 from __future__ import annotations
@@ -96,10 +97,15 @@ def segment_norm_fn(plan: ShardingPlan, device: torch.device) -> Callable[[Any],
             .index_add_(0, seg[name], sq.float())
             for name, sq in squares.items()
         }
-        if plan.ways > 1:
-            packed = torch.cat(list(sums.values())).to(device)  # offloaded shards: reduce on the device (NCCL)
-            comm.all_reduce_sum(packed, plan.group)
-            sums = dict(zip(sums, packed.to(host).split([s.numel() for s in sums.values()])))
+        by_group: dict[tuple[int, ...], list[str]] = {}  # units sharded over the same ranks: one all-reduce
+        for name in sums:
+            unit = plan.unit(name)
+            if plan.ways_of(unit) > 1:
+                by_group.setdefault(plan.group_of(unit).ranks, []).append(name)
+        for names in by_group.values():
+            packed = torch.cat([sums[n] for n in names]).to(device)  # offloaded shards: reduce on the device (NCCL)
+            comm.all_reduce_sum(packed, plan.group_of(plan.unit(names[0])))
+            sums.update(zip(names, packed.to(host).split([sums[n].numel() for n in names])))
         return {name: s.sqrt()[seg[name]].to(squares[name].dtype) for name, s in sums.items()}
 
     return segment_norm

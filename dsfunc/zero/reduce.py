@@ -5,10 +5,12 @@ produces it. :class:`LocalReducer` sums this process's gradients (no collective;
 function without :func:`dsfunc.shard` gets). :class:`ZeroReducer` reduces over the data-parallel ranks as
 the ZeRO stage says:
 
-* stage 0: all-reduce of the full gradient, in chunks of ``reduce_bucket_size`` elements (over the unit's own
-  group when it has one: an expert's, :mod:`dsfunc.experts`);
+* stage 0: all-reduce of the full gradient, in chunks of ``reduce_bucket_size`` elements;
 * stage 1: local fp32 accumulation over micro-batches, one reduce-scatter per unit on the last one;
 * stages 2-3: a reduce-scatter per unit per micro-batch, only this rank's shard kept.
+
+A unit with a group of its own (an expert's expert-data-parallel ranks, :mod:`dsfunc.experts`) is reduced over
+that group, and sharded over it at stages 1-3 (:meth:`~dsfunc.zero.layout.ShardingPlan.group_of`).
 
 Reductions are issued asynchronously, so communication overlaps the rest of backward; at most two are
 in flight (each holds a full-size gradient until it finishes). Every collective is a SUM: the runtime
@@ -146,14 +148,14 @@ class ZeroReducer:
             self._store(unit, full, last, exact, followed)
         elif stage == 0:
             chunks = full.split(self.bucket_size)
-            group = unit.group or self.plan.group  # an expert's: its expert-data-parallel ranks
+            group = self.plan.group_of(unit)
             for chunk in chunks[:-1]:
                 self._in_flight.append((comm.all_reduce_sum(chunk, group, async_op=True), lambda: None))
             work = comm.all_reduce_sum(chunks[-1], group, async_op=True)
             self._in_flight.append((work, lambda u=unit, t=full: self._store(u, t, last, exact, followed)))
         else:
             out = torch.empty(self.plan.shard_size(unit), dtype=full.dtype, device=full.device)
-            work = comm.reduce_scatter_sum(out, full, self.plan.group, async_op=True)
+            work = comm.reduce_scatter_sum(out, full, self.plan.group_of(unit), async_op=True)
             self._in_flight.append((work, lambda u=unit, t=out, keep=full: self._store(u, t, last, exact, followed)))
         self._drain(keep=self.max_inflight)
 

@@ -1,6 +1,6 @@
 """The MoE layer's checks and plumbing: DeepSpeed's rank layout of expert groups, the errors for configurations
 DeepSpeed rejects or dsfunc does not train yet, the optimizer-group helpers, and experts as units of their own
-reduced over their expert-data-parallel ranks (gloo, 2 ranks)."""
+reduced and sharded over their expert-data-parallel ranks (gloo, 2 ranks)."""
 
 from __future__ import annotations
 
@@ -103,9 +103,9 @@ def _world(rank: int, world: int) -> dict:
     found = {}
     with pytest.raises(InputError, match="expert-parallel size 4 does not divide the world size 2"):
         dsfunc.init_state(Net(4), config)
-    with pytest.raises(NotSupportedError, match="MoE expert parallelism at ZeRO stage 1"):
-        dsfunc.init_state(Net(2), {**config, "zero_optimization": {"stage": 1}})
     torch.manual_seed(rank)
+    sharded = dsfunc.init_state(Net(2), {**config, "zero_optimization": {"stage": 2}})
+    found["shards"] = {u.name: (u.numel, sharded.params[u.name].numel()) for u in sharded.program.plan.units}
     state = dsfunc.init_state(Net(2), config)
     plan = state.program.plan
     found["units"] = {u.name: u.group is not None for u in plan.units}
@@ -113,6 +113,12 @@ def _world(rank: int, world: int) -> dict:
     with pytest.raises(NotSupportedError, match="expert-parallel MoE layers"):
         dsfunc.save_checkpoint(state, "/nonexistent")
     dsfunc.initialize(model=Net(2), config=config)
+    net = Net(2)  # ZeRO-3's local helpers: an expert's partition is over its own ranks (one here)
+    dsfunc.initialize(model=net, config={**config, "zero_optimization": {"stage": 3}})
+    weight = net.moe.deepspeed_moe.experts.deepspeed_experts[0][0].weight
+    piece = dsfunc.utils.safe_get_local_fp32_param(weight)
+    dsfunc.utils.safe_set_local_fp32_param(weight, piece * 2)
+    found["piece"] = (piece.numel(), torch.equal(dsfunc.utils.safe_get_full_fp32_param(weight), 2 * piece.view(6, 4)))
     groups = dsfunc.utils.groups
     found["ranks"] = (groups._get_expert_parallel_group_ranks("ep_size_2"),
                       groups._get_expert_data_parallel_group_ranks("ep_size_2"),
@@ -125,5 +131,8 @@ def _world(rank: int, world: int) -> dict:
 def test_experts_are_units_of_their_own_and_groups_answer_as_deepspeeds():
     results = run_world(_world, 2)
     assert results[0]["units"] == {"root": False, "moe.deepspeed_moe.experts": True}
+    (root, root_shard), (experts, experts_shard) = results[0]["shards"].values()  # ZeRO 2
+    assert root_shard == -(-root // 2) and experts_shard == experts  # ep 2 of 2 ranks: each expert on one rank
     assert results[0]["ranks"] == ([0, 1], [0], 2, 0, 1, 0, 2)
+    assert results[0]["piece"] == results[1]["piece"] == (24, True)
     assert results[1]["ranks"] == ([0, 1], [1], 2, 1, 1, 1, 2)
