@@ -1,5 +1,6 @@
 """AutoEP trains like one process: a tiny Qwen3-MoE and a tiny Mixtral, their experts split over 2 ranks (ep 2) and
-over 2 x 2 ranks (ep 2, each slice replicated on 2 data-parallel ranks), at ZeRO 0 (gloo), equal to the unmodified
+over 2 x 2 ranks (ep 2, each slice replicated on 2 data-parallel ranks; at ZeRO 0, 2 and 3: the experts sharded
+over their expert-data-parallel ranks, the rest over all), on gloo, equal to the unmodified
 Hugging Face model trained in one process on the same global batches (same initial weights, AdamW or SGD with
 momentum, gradient clipping on)."""
 
@@ -16,9 +17,10 @@ from tests.multiprocess import run_world
 STEPS = 3
 
 
-def _train(rank: int, world: int, family: str, ep: int, optimizer: str, one_token: bool) -> dict:
+def _train(rank: int, world: int, family: str, ep: int, optimizer: str, one_token: bool, stage: int = 0) -> dict:
     model = hf_moe.build(family)
-    config = hf_moe.config(world, optimizer, expert_parallel={"enabled": True, "autoep_size": ep})
+    config = hf_moe.config(world, optimizer, expert_parallel={"enabled": True, "autoep_size": ep},
+                           zero_optimization={"stage": stage})
     state = dsfunc.init_state(model, config)
     blocks = [m for m in model.modules() if isinstance(m, ExpertParallelBlock)]
     losses, counts = [], []
@@ -53,9 +55,9 @@ def test_ep2_equals_one_process(family, optimizer):
     _check(run_world(_train, 2, family, 2, optimizer, False), family, 2, 2, optimizer)
 
 
-@pytest.mark.parametrize(("family", "optimizer"), [("qwen3_moe", "sgd"), ("mixtral", "adamw")])
-def test_ep2_dp2_equals_one_process(family, optimizer):
-    _check(run_world(_train, 4, family, 2, optimizer, False), family, 4, 2, optimizer)
+@pytest.mark.parametrize(("family", "optimizer", "stage"), [("qwen3_moe", "sgd", 3), ("mixtral", "adamw", 2)])
+def test_ep2_dp2_equals_one_process(family, optimizer, stage):
+    _check(run_world(_train, 4, family, 2, optimizer, False, stage), family, 4, 2, optimizer)
 
 
 def test_an_expert_without_tokens_on_a_rank_neither_hangs_nor_differs():
