@@ -1,6 +1,6 @@
 """DeepSpeed's own AutoTP checkpoint (real DeepSpeed 0.19.8 on CPU: ``tensor_parallel.autotp_size`` 2 at ZeRO 1, two
 gloo ranks, each writing its tp part) loads into dsfunc as the global model and trains on like DeepSpeed: AdamW with
-clipping, its moments joined from both tp ranks' optimizer files."""
+clipping, its moments joined from both tp ranks' optimizer files; ``dsfunc export`` writes the global model."""
 
 from __future__ import annotations
 
@@ -57,6 +57,10 @@ def test_deepspeed_autotp_checkpoint_loads_and_trains_on_like_deepspeed(tmp_path
         "mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"]
     state, _ = dsfunc.load_checkpoint(tmp_path, dsfunc.init_state(runs.llama(), CONFIG))
     assert int(state.step) == SAVED
+    loaded = dsfunc.full_params(state)
+    dsfunc.export_fp32(tmp_path, tmp_path / "model.pt")  # dsfunc export: the global model, offline
+    exported = torch.load(tmp_path / "model.pt")
+    assert exported.keys() == loaded.keys() and all((exported[k] == loaded[k]).all() for k in loaded)
     losses = []
     for step in range(SAVED, SAVED + MORE):
         state = dsfunc.train_step(state, _batch(step))
