@@ -57,3 +57,15 @@ def max_relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
     """The largest norm-wise relative difference over the parameters."""
     assert got.keys() == want.keys()
     return max(((got[k] - want[k]).norm() / want[k].norm()).item() for k in want)
+
+
+def flat_into_tp(rank: int, world: int, folder: str) -> str:
+    """What loading a checkpoint saved without tp (one flat vector per unit) into a tp 2 template says."""
+    dsfunc.save_checkpoint(dsfunc.init_state(llama(), runs.ds_config(runs.SGD, 1, 2)), folder)
+    template = dsfunc.init_state(llama(), runs.ds_config(runs.SGD, 1, 1, tp=2))
+    try:
+        dsfunc.load_checkpoint(folder, template)
+    except dsfunc.CheckpointMismatchError as e:
+        assert not template.donated  # refused before anything was read into it
+        return str(e)
+    raise AssertionError("the load was not refused")

@@ -55,3 +55,8 @@ def test_tp2xdp2_checkpoint_resumes_at_sp2_with_sgd(tmp_path):
     config = {**runs.ds_config(runs.SGD, 1, 1), "sequence_parallel_size": 2}
     for got in run_world(tp_resume.resume, 2, config, str(tmp_path), timeout=900):
         _assert_resumed(got, run)
+
+
+def test_a_flat_checkpoint_into_a_tp_state_is_refused_saying_what_to_do(tmp_path):
+    for message in run_world(tp_resume.flat_into_tp, 2, str(tmp_path), timeout=900):
+        assert "saved without tensor parallelism" in message and "autotp_size 1" in message
