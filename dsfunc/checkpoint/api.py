@@ -24,6 +24,7 @@ from dsfunc.checkpoint.deepspeed.load import deepspeed_folder, load_deepspeed
 from dsfunc.checkpoint.errors import CheckpointError
 from dsfunc.checkpoint.keys import load_dict, save_dict
 from dsfunc.checkpoint.metadata import describe, read_listed_index, read_meta, verify_files
+from dsfunc.checkpoint.per_param import LAYOUT
 from dsfunc.checkpoint.publish import write_checkpoint
 from dsfunc.checkpoint.tags import PathLike, check_tag, find_checkpoint
 from dsfunc.checkpoint.trust import pickle_client_state, read_client_state
@@ -70,8 +71,9 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
         raise InputError("save_dir is empty: pass the directory to write checkpoints into")
     tag = check_tag(str(tag) if tag is not None else f"global_step{int(state.step)}")
     pipeline = state.program.run.pipeline  # ranks of several runs would overwrite each other's files in save_dir
-    check_one_world(state.program.plan.world_size * (1 if pipeline is None else pipeline.topology.stages),
-                    "save_checkpoint's state")
+    tensor = state.program.tensor
+    check_one_world(state.program.plan.world_size * (1 if pipeline is None else pipeline.topology.stages)
+                    * (1 if tensor is None else tensor.group.size), "save_checkpoint's state")
     wait_for_checkpoint()  # [Note: one save in flight]
     # [Note: meeting before the first collective]; rank 0's tag, as the config's checkpoint.tag_validation allows
     tag = arrive("save_checkpoint", tag, timeout, state.program.config.checkpoint.tag_validation)
@@ -142,7 +144,7 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
     folder, meta = collective(lambda: _open(Path(load_dir), tag, state, selection, verify))
     client = collective(lambda: read_client_state(folder, trust_pickle))
     index = collective(lambda: read_listed_index(folder, meta, trust_pickle=trust_pickle))
-    targets, copy_back = load_dict(state, wanted(meta, state, selection))
+    targets, copy_back = load_dict(state, wanted(meta, state, selection), per_param=meta.get("layout") == LAYOUT)
     try:
         read_tensors(targets, folder, index)
         with torch.no_grad():
@@ -175,10 +177,6 @@ def _check_state(state: Any, caller: str) -> None:
     if not isinstance(state, TrainState):
         raise InputTypeError(f"{caller} expects a TrainState from dsfunc.init_state, got {type(state).__name__}")
     state.check_usable()
-    if state.program.tensor is not None:
-        raise NotSupportedError(f"{caller} of a tensor-parallel state is not supported by dsfunc yet (a checkpoint "
-                                "describes the global model; resharding tp parts is to come): use "
-                                "dsfunc.full_params(state) to save the whole model")
     experts = [u.name for u in state.program.plan.units if u.group is not None]
     if experts:  # each rank holds other experts under the same names: a checkpoint would keep one rank's
         raise NotSupportedError(f"{caller} with expert-parallel MoE layers (units {experts[:3]}) is not supported by "

@@ -10,6 +10,7 @@ from typing import Any
 from dsfunc.checkpoint.errors import CheckpointMismatchError
 from dsfunc.checkpoint.keys import entries
 from dsfunc.checkpoint.metadata import precision
+from dsfunc.checkpoint.per_param import LAYOUT, global_shape
 from dsfunc.state import TrainState
 
 
@@ -38,7 +39,7 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
     plan = state.program.plan
     saved = {p["name"]: tuple(p["shape"]) for u in meta["units"] for p in u["params"]}
     saved.update({f"{n} (buffer)": tuple(b["shape"]) for n, b in meta["buffers"].items()})
-    mine = {s.name: s.shape for u in plan.units for s in u.params}
+    mine = {s.name: global_shape(state, s) for u in plan.units for s in u.params}
     mine.update({f"{n} (buffer)": tuple(t.shape) for n, t in state.buffers.items()})
     pipelined = state.program.run.pipeline is not None
     if pipelined:  # a pipeline stage holds part of the model: the rest of the checkpoint is the other stages'
@@ -64,7 +65,7 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
         return f"unit {unit}" if unit else f"shape {tuple(shape)}"
 
     units = {u.name for u in plan.units}
-    saved_opt = {k[6:]: describe(v["unit"], v["shape"]) for k, v in meta["tensors"].items()
+    saved_opt = {k[6:]: describe(v["unit"], v["shape"]) for k, v in unit_tensors(meta).items()
                  if k.startswith("optim/") and not (pipelined and v["unit"] is not None and v["unit"] not in units)}
     mine_opt = {e.key[6:]: describe(e.unit, e.tensor.shape)
                 for e in entries(state) if e.key.startswith("optim/")}
@@ -78,7 +79,13 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
             "saved with, or pass load_optimizer_states=False to load everything else and start this "
             "optimizer fresh (its LR schedule restarts too)."
         )
-    absent = sorted(wanted(meta, state, selection) - meta["tensors"].keys())
+    if state.program.tensor is not None and meta.get("layout", "units") != LAYOUT:
+        raise CheckpointMismatchError(
+            f"the checkpoint {folder} holds each unit as one flat vector (saved without tensor parallelism), which a "
+            "tensor-parallel state cannot take yet: load it at tensor_parallel.autotp_size 1 and save it again, "
+            "or export it (dsfunc export) and build the tp state from the exported weights"
+        )
+    absent = sorted(wanted(meta, state, selection) - unit_tensors(meta).keys())
     if absent:
         raise CheckpointMismatchError(
             f"the checkpoint {folder} (written by dsfunc {meta.get('dsfunc_version')}) has no "
@@ -101,6 +108,19 @@ def differences(saved: Mapping[str, Any], mine: Mapping[str, Any], what: str, li
     if changed := sorted(k for k in saved.keys() & mine.keys() if saved[k] != mine[k]):
         lines += listed("different", [f"{k} (checkpoint {saved[k]}, {what} {mine[k]})" for k in changed])
     return lines
+
+
+def unit_tensors(meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The metadata's ``tensors`` under the keys a state's entries have: a per-parameter checkpoint's parts of a
+    unit-shaped tensor (:mod:`.per_param`) as the one unit-shaped tensor they make up."""
+    numel = {u["name"]: u["numel"] for u in meta["units"]}
+    out = {}
+    for key, t in meta["tensors"].items():
+        if "param" in t:
+            key, t = f"{key.removesuffix(t['param'])}{t['unit']}", {**t, "shape": [numel[t["unit"]]]}
+            t.pop("param")
+        out[key] = t
+    return out
 
 
 def wanted(meta: dict[str, Any], state: TrainState, selection: Selection) -> set[str]:

@@ -35,6 +35,7 @@ from dsfunc.checkpoint.dcp_io import read_tensors
 from dsfunc.checkpoint.deepspeed.folder import is_deepspeed_folder
 from dsfunc.checkpoint.deepspeed.weights import deepspeed_weights
 from dsfunc.checkpoint.metadata import read_listed_index, read_meta, verify_files
+from dsfunc.checkpoint.per_param import LAYOUT
 from dsfunc.checkpoint.publish import atomic_file
 from dsfunc.checkpoint.schema import DTYPES
 from dsfunc.checkpoint.tags import PathLike, find_checkpoint
@@ -142,15 +143,18 @@ def _export_layout(meta: dict[str, Any], kept: list[str], *, with_aliases: bool)
 
 def _export_tensors(folder: Path, meta: dict[str, Any], index: Metadata, kept: list[str], *,
                     with_aliases: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """Read the checkpoint one unit (then one buffer) at a time, yielding named tensors."""
+    """Read the checkpoint one unit (then one buffer) at a time, yielding named tensors; a per-parameter
+    checkpoint (:mod:`.per_param`) one parameter at a time."""
+    per_param = meta.get("layout") == LAYOUT
     for unit in meta["units"]:
         flat = torch.empty(unit["numel"], dtype=torch.float32)
-        read_tensors({f"params/{unit['name']}": flat}, folder, index, offline=True)
-        for p in unit["params"]:
-            view = flat[p["offset"] : p["offset"] + math.prod(p["shape"])].view(p["shape"])
+        views = [flat[p["offset"] : p["offset"] + math.prod(p["shape"])].view(p["shape"]) for p in unit["params"]]
+        read_tensors({f"params/{p['name']}": view for p, view in zip(unit["params"], views)} if per_param
+                     else {f"params/{unit['name']}": flat}, folder, index, offline=True)
+        for p, view in zip(unit["params"], views):
             for name in p["aliases"] if with_aliases else [p["name"]]:
                 yield name, view
-        del flat
+        del flat, views
     for name in kept:
         b = meta["buffers"][name]
         t = torch.empty(b["shape"], dtype=DTYPES[b["dtype"]])

@@ -7,6 +7,8 @@ the same way; and everything else (step, optimizer counters, loss scaler, dropou
 once, from rank 0. A load reads the slices it needs, so any world size and ZeRO stage loads any checkpoint,
 and the fp32 masters make fp16/bf16/fp32 runs interchangeable (the loss-scaler state is kept only when the
 precision and the kind of scaler are unchanged: :func:`dsfunc.checkpoint.compat.wanted`).
+
+A tensor-parallel state stores its unit-shaped tensors per parameter instead (:mod:`.per_param`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from dsfunc.checkpoint.coordination import mesh
+from dsfunc.checkpoint.per_param import load_parts, save_parts, uses_per_param
 from dsfunc.optim.transforms import ScheduleState
 from dsfunc.state import TrainState
 from dsfunc.zero.layout import chunk_range
@@ -73,11 +76,15 @@ def save_dict(state: TrainState, *, staged: bool) -> dict[str, Any]:
     plan = state.program.plan
     world, rank = plan.world_size, plan.rank
     copy = (lambda t: t.detach().to("cpu", copy=True)) if staged else (lambda t: t.detach().cpu())
+    per_param = uses_per_param(state)
     out: dict[str, Any] = {}
     for e in entries(state):
         if e.unit is None:
             if rank == 0:
                 out[e.key] = copy(e.tensor)
+            continue
+        if per_param:
+            out.update(save_parts(state, e.key, plan.unit(e.unit), e.tensor, copy))
             continue
         numel = plan.unit(e.unit).numel
         if world == 1:
@@ -92,10 +99,11 @@ def save_dict(state: TrainState, *, staged: bool) -> dict[str, Any]:
 
 
 def load_dict(
-    state: TrainState, wanted: set[str]
+    state: TrainState, wanted: set[str], *, per_param: bool
 ) -> tuple[dict[str, Any], list[tuple[torch.Tensor, torch.Tensor]]]:
     """DCP targets that are views of the template's own CPU tensors, so the load fills them in place;
-    GPU tensors get a host buffer, returned as ``(device view, host buffer)`` pairs to copy back."""
+    GPU tensors get a host buffer, returned as ``(device view, host buffer)`` pairs to copy back.
+    ``per_param``: the checkpoint stores unit-shaped tensors per parameter (:mod:`.per_param`)."""
     plan = state.program.plan
     out: dict[str, Any] = {}
     copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -109,6 +117,9 @@ def load_dict(
 
     for e in entries(state):
         if e.key not in wanted:
+            continue
+        if e.unit is not None and per_param:
+            out.update(load_parts(state, e.key, plan.unit(e.unit), e.tensor, copy_back))
             continue
         if e.unit is None or plan.ways == 1:
             out[e.key] = on_host(e.tensor)

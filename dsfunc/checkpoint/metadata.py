@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from dsfunc.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from dsfunc.checkpoint.files import NotRegularFileError, open_regular
 from dsfunc.checkpoint.keys import entries
 from dsfunc.checkpoint.paths import META_DATA, META_FILE, OWNER_FILE
+from dsfunc.checkpoint.per_param import LAYOUT, global_offsets, global_shape, param_key, uses_per_param
 from dsfunc.checkpoint.tags import available_tags
 from dsfunc.distributed import comm
 from dsfunc.frozen import thaw
@@ -57,13 +59,28 @@ def _describe(state: TrainState, tag: str) -> dict[str, Any]:
             state_dict.append([key, "param", param_of[key]])
         elif key in kept:
             state_dict.append([key, "buffer", key])
+    per_param = uses_per_param(state)
     tensors = {}
     for e in entries(state):
-        shape = [plan.unit(e.unit).numel] if e.unit is not None else list(e.tensor.shape)
-        tensors[e.key] = {"unit": e.unit, "shape": shape, "dtype": _dtype_name(e.tensor.dtype)}
+        dtype = _dtype_name(e.tensor.dtype)
+        if e.unit is None:
+            tensors[e.key] = {"unit": None, "shape": list(e.tensor.shape), "dtype": dtype}
+        elif per_param:
+            for slot in plan.unit(e.unit).params:
+                tensors[param_key(e.key, slot)] = {"unit": e.unit, "param": slot.name,
+                                                   "shape": list(global_shape(state, slot)), "dtype": dtype}
+        else:
+            tensors[e.key] = {"unit": e.unit, "shape": [plan.unit(e.unit).numel], "dtype": dtype}
+    units = []
+    for u in plan.units:
+        offsets = global_offsets(state, u)
+        params = [{"name": s.name, "shape": list(global_shape(state, s)), "offset": offset, "aliases": list(s.aliases)}
+                  for s, offset in zip(u.params, offsets)]
+        units.append({"name": u.name, "numel": offsets[-1] + math.prod(params[-1]["shape"]), "params": params})
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
+        "layout": LAYOUT if per_param else "units",
         "tag": tag,
         "step": int(state.step),
         "world_size": comm.world_size(),
@@ -74,12 +91,7 @@ def _describe(state: TrainState, tag: str) -> dict[str, Any]:
         "dsfunc_version": package_version(),
         "torch_version": torch.__version__,
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "units": [
-            {"name": u.name, "numel": u.numel,
-             "params": [{"name": s.name, "shape": list(s.shape), "offset": s.offset,
-                         "aliases": list(s.aliases)} for s in u.params]}
-            for u in plan.units
-        ],
+        "units": units,
         "buffers": {name: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype), "frozen": name in plan.frozen}
                     for name, t in state.buffers.items()},
         "state_dict": state_dict,

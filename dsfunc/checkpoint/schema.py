@@ -25,6 +25,7 @@ from dsfunc.checkpoint.paths import CLIENT_FILE, META_DATA
 DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in vars(torch).values()
                                   if isinstance(d, torch.dtype)}
 PRECISIONS = ("fp16", "bf16", "fp32")
+LAYOUTS = ("units", "params")  # one flat vector per unit-shaped tensor, or one tensor per parameter (tp states)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -56,6 +57,8 @@ def plain_name(name: Any) -> bool:
 def _check(meta: Any) -> None:
     _kind(meta, dict, "the file", "a JSON object")
     _count(_field(meta, "format_version", int, "", "an integer"), "format_version", 1)
+    if meta.get("layout", "units") not in LAYOUTS:
+        raise _Bad("layout", f"is {_short(meta['layout'])}, not one of {', '.join(LAYOUTS)}")
     for key in ("tag", "optimizer"):
         _field(meta, key, (str, type(None)) if key == "optimizer" else str, "", "a string")
     for key, least in (("step", 0), ("world_size", 1), ("zero_stage", 0)):
@@ -110,6 +113,8 @@ def _check(meta: Any) -> None:
         unit = _field(t, "unit", (str, type(None)), f"{where}.", "a string or null")
         if unit is not None and unit not in unit_names:
             raise _Bad(f"{where}.unit", f"names {unit!r}, which is not among the units")
+        if "param" in t and not (unit is not None and t["param"] in params and key.endswith(f"/{t['param']}")):
+            raise _Bad(f"{where}.param", f"is {_short(t['param'])}, not a parameter of unit {unit!r} ending the key")
         _shape(t, where)
         _dtype(t, where)
     for i, entry in enumerate(_field(meta, "state_dict", list, "", "a list")):

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from dsfunc.checkpoint.deepspeed.folder import DeepSpeedFiles, find_files
+from dsfunc.checkpoint.deepspeed.autotp import join_tp
+from dsfunc.checkpoint.deepspeed.folder import DeepSpeedFiles, find_files, model_parallel_ranks
 from dsfunc.checkpoint.deepspeed.shards import MOMENTS, ShardIndex, build_index
 from dsfunc.checkpoint.deepspeed.unpickle import DeepSpeedObject, load_file
 from dsfunc.checkpoint.errors import CheckpointCorruptError
@@ -72,10 +73,13 @@ def open_checkpoint(folder: Path, *, trust_pickle: bool = False,
     """Open the DeepSpeed checkpoint in ``folder`` (a tag folder); see :func:`.shards.build_index` for
     ``frozen_hint``."""
     files = find_files(folder)
-    main = load_file(files.main, trust_pickle=trust_pickle)
-    if not isinstance(main, Mapping) or "module" not in main:
-        raise CheckpointCorruptError(f"{files.main} is not a DeepSpeed model-states file (it has no 'module')")
+    main = _model_states(files, trust_pickle)
     index, first = build_index(files, main, frozen_hint=frozen_hint, trust_pickle=trust_pickle)
+    tp = model_parallel_ranks(folder)
+    if tp > 1:  # AutoTP: each tp rank's files index its part of the model
+        parts = [build_index(f, _model_states(f, trust_pickle), frozen_hint=frozen_hint, trust_pickle=trust_pickle)[0]
+                 for f in (find_files(folder, mp) for mp in range(1, tp))]
+        index = join_tp(folder, [index, *parts], main)
     states = _optimizer_states(main, first)
     keys = {k for s in states for k in s}
     config = main.get("ds_config")
@@ -89,6 +93,13 @@ def open_checkpoint(folder: Path, *, trust_pickle: bool = False,
         schedule=main.get("lr_scheduler"), scaler=_scaler(main, first),
         client=_detached({k: v for k, v in main.items() if k not in DEEPSPEED_KEYS}, files.main),
     )
+
+
+def _model_states(files: DeepSpeedFiles, trust_pickle: bool) -> Mapping[str, Any]:
+    main = load_file(files.main, trust_pickle=trust_pickle)
+    if not isinstance(main, Mapping) or "module" not in main:
+        raise CheckpointCorruptError(f"{files.main} is not a DeepSpeed model-states file (it has no 'module')")
+    return main
 
 
 def _optimizer_states(main: Mapping[str, Any], first: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:

@@ -9,9 +9,9 @@ DeepSpeed's engine writes, into ``save_dir/<tag>/`` (``deepspeed/runtime/engine.
     [bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt  rank r's partition of the fp32 master weights and
                                                         optimizer state (ZeRO 1-3, and the bf16 optimizer)
 
-and ``save_dir/latest`` holding the tag. Model parallelism writes ``mp_rank_01`` and higher, pipeline
-parallelism ``layer_<i>-model_<j>-model_states.pt``, mixture-of-experts ``expp_rank_*`` and
-``layer_*_expert_*`` files, NVMe offload an ``offloaded_tensors/`` folder: those layouts are refused here,
+and ``save_dir/latest`` holding the tag. AutoTP (tensor parallelism) writes the same files for each tp rank,
+``mp_rank_01`` and higher (joined by :mod:`.autotp`). Pipeline parallelism writes
+``layer_<i>-model_<j>-model_states.pt``, mixture-of-experts ``expp_rank_*`` and ``layer_*_expert_*`` files, NVMe offload an ``offloaded_tensors/`` folder: those layouts are refused here,
 naming the file, before anything is read.
 """
 
@@ -57,8 +57,16 @@ def is_deepspeed_folder(folder: Path) -> bool:
         return False
 
 
-def find_files(folder: Path) -> DeepSpeedFiles:
-    """The files of the DeepSpeed checkpoint in ``folder``, checked for completeness.
+def model_parallel_ranks(folder: Path) -> int:
+    """How many tensor-parallel (AutoTP) ranks wrote the checkpoint in ``folder``: one set of files each (any
+    file names its rank: :func:`find_files` then says which of a rank's files are missing)."""
+    ranks = [int(m.groups()[-1]) for p in folder.iterdir() if (m := _MODEL.match(p.name) or _OPTIM.match(p.name))]
+    return max(ranks, default=0) + 1
+
+
+def find_files(folder: Path, mp: int = 0) -> DeepSpeedFiles:
+    """The files model-parallel rank ``mp`` wrote of the DeepSpeed checkpoint in ``folder``, checked for
+    completeness.
 
     Raises:
       NotRegularFileError: one of them is a symbolic link, a FIFO or a device, not a regular file.
@@ -69,17 +77,19 @@ def find_files(folder: Path) -> DeepSpeedFiles:
     names = sorted(p.name for p in folder.iterdir())
     for name in names:
         _refuse_unsupported(folder, name)
-    per_rank = {int(m.group(1)): folder / n for n in names if (m := _MODEL.match(n)) and m.group(1) is not None}
-    optim = {int(m.group(2)): folder / n for n in names if (m := _OPTIM.match(n))}
+    per_rank = {int(m.group(1)): folder / n for n in names
+                if (m := _MODEL.match(n)) and m.group(1) is not None and int(m.group(2)) == mp}
+    optim = {int(m.group(2)): folder / n for n in names if (m := _OPTIM.match(n)) and int(m.group(3)) == mp}
     if per_rank:
-        model_states = _complete(folder, per_rank, "zero_pp_rank_{}_mp_rank_00_model_states.pt")
-    elif (folder / "mp_rank_00_model_states.pt").is_file():
-        model_states = (folder / "mp_rank_00_model_states.pt",)
+        model_states = _complete(folder, per_rank, f"zero_pp_rank_{{}}_mp_rank_{mp:02d}_model_states.pt")
+    elif (folder / f"mp_rank_{mp:02d}_model_states.pt").is_file():
+        model_states = (folder / f"mp_rank_{mp:02d}_model_states.pt",)
     else:
-        raise CheckpointCorruptError(f"{folder} has no mp_rank_00_model_states.pt: not a complete DeepSpeed "
+        raise CheckpointCorruptError(f"{folder} has no mp_rank_{mp:02d}_model_states.pt: not a complete DeepSpeed "
                                      "checkpoint (a save that did not finish?)")
     prefix = "bf16_" if any(_OPTIM.match(p.name).group(1) for p in optim.values()) else ""
-    optim_states = _complete(folder, optim, prefix + "zero_pp_rank_{}_mp_rank_00_optim_states.pt") if optim else ()
+    optim_states = (_complete(folder, optim, prefix + f"zero_pp_rank_{{}}_mp_rank_{mp:02d}_optim_states.pt")
+                    if optim else ())
     if per_rank and len(optim_states) != len(model_states):
         raise CheckpointCorruptError(
             f"{folder} has {len(model_states)} ZeRO-3 model-states files but {len(optim_states)} optimizer-states "
@@ -103,12 +113,6 @@ def _refuse_unsupported(folder: Path, name: str) -> None:
             raise CheckpointUnsupportedError(
                 f"{path}: {what}. dsfunc imports data-parallel DeepSpeed checkpoints (ZeRO stages 0-3) only; "
                 "convert this one with DeepSpeed's ds_to_universal.py or zero_to_fp32.py first.")
-    m = _MODEL.match(name) or _OPTIM.match(name)
-    if m is not None and int(m.groups()[-1]) != 0:
-        raise CheckpointUnsupportedError(
-            f"{path}: a tensor- or pipeline-parallel DeepSpeed checkpoint (model-parallel rank "
-            f"{int(m.groups()[-1])}). dsfunc imports data-parallel checkpoints (mp_rank_00 only); consolidate "
-            "the model-parallel ranks with DeepSpeed's ds_to_universal.py first.")
 
 
 def _complete(folder: Path, by_rank: dict[int, Path], pattern: str) -> tuple[Path, ...]:

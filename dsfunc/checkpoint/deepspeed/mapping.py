@@ -37,7 +37,7 @@ import torch
 from dsfunc.checkpoint.compat import Selection, differences
 from dsfunc.checkpoint.deepspeed.contents import DeepSpeedCheckpoint
 from dsfunc.checkpoint.deepspeed.shards import EXP_AVG, EXP_AVG_SQ, MASTER, Request
-from dsfunc.checkpoint.errors import CheckpointMismatchError
+from dsfunc.checkpoint.errors import CheckpointMismatchError, CheckpointUnsupportedError
 from dsfunc.checkpoint.keys import entries
 from dsfunc.checkpoint.metadata import precision
 from dsfunc.optim.from_config import lr_schedule
@@ -77,6 +77,11 @@ class ImportPlan:
 def plan_import(ckpt: DeepSpeedCheckpoint, state: TrainState, selection: Selection) -> ImportPlan:
     """Check ``ckpt`` against the template; raise :class:`CheckpointMismatchError` naming what differs."""
     parts = frozenset(selection.parts())
+    if state.program.tensor is not None:
+        raise CheckpointUnsupportedError(
+            f"importing the DeepSpeed checkpoint {ckpt.folder} into a tensor-parallel state is not supported by "
+            "dsfunc yet: load it at tensor_parallel.autotp_size 1 (any data-parallel size) and save it with "
+            "dsfunc.save_checkpoint, which loads at any tp")
     names = _match_names(ckpt, state)
     adams = _adam_states(ckpt, state) if "optimizer" in parts else ()
     schedules: tuple[ScheduleState, ...] = ()

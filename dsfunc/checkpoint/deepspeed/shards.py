@@ -177,7 +177,7 @@ def build_index(files: DeepSpeedFiles, main: Mapping[str, Any], *, frozen_hint: 
         pieces[name] = (Piece(files.main, ("module", name), 0, module[name].numel(), 0),)
     index = ShardIndex(kind, trainable, frozen, buffers, aliases, tuple(module),
                        {n: tuple(p) for n, p in pieces.items()}, trust_pickle, files.main, main)
-    _check_coverage(files.folder, index)
+    check_coverage(files.folder, index)
     return index, first
 
 
@@ -305,7 +305,7 @@ def _chunked(paths: Sequence[Path], layout: Iterable[tuple[str, Any, tuple, int]
     return pieces
 
 
-def _check_coverage(folder: Path, index: ShardIndex) -> None:
+def check_coverage(folder: Path, index: ShardIndex) -> None:
     """Every tensor's pieces cover it exactly, in order."""
     shapes = {**index.trainable, **index.frozen, **{n: s for n, (s, _) in index.buffers.items()}}
     for name, shape in shapes.items():

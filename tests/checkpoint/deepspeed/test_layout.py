@@ -38,8 +38,6 @@ def test_tags_and_latest_resolve_as_for_dsfunc_checkpoints(copy):
 
 
 @pytest.mark.parametrize(("name", "message"), [
-    ("mp_rank_01_model_states.pt", "tensor- or pipeline-parallel DeepSpeed checkpoint"),
-    ("bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt", "model-parallel rank 1"),
     ("layer_01-model_00-model_states.pt", "pipeline-parallel layer weights"),
     ("expp_rank_0_mp_rank_00_optim_states.pt", "mixture-of-experts optimizer state"),
     ("layer_0_expert_3_mp_rank_00_model_states.pt", "mixture-of-experts expert weights"),
@@ -53,6 +51,19 @@ def test_unsupported_layouts_are_refused_naming_the_file(copy, name, message):
         ckpt.load_checkpoint(copy, state)
     assert str(path) in str(e.value)
     assert not state.donated  # refused before anything was read into it
+
+
+@pytest.mark.parametrize(("name", "error", "message"), [
+    ("mp_rank_01_model_states.pt", ckpt.CheckpointCorruptError, "mp_rank_01_model_states.pt"),
+    ("bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt", ckpt.CheckpointCorruptError, "no mp_rank_01_model_states.pt"),
+])
+def test_a_damaged_or_partial_tp_rank_is_named(copy, name, error, message):
+    """A second tp rank's files (AutoTP) are read: an empty one, or one without its model states, is named."""
+    (copy / "global_step3" / name).write_bytes(b"")
+    state = template()
+    with pytest.raises(error, match=message):
+        ckpt.load_checkpoint(copy, state)
+    assert not state.donated
 
 
 def test_a_missing_rank_is_named(copy):
