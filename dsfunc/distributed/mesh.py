@@ -7,7 +7,8 @@ innermost (a tensor-parallel group's ranks are neighbours), so with ``sp = tp = 
 a torch ``DeviceMesh`` the user gives, and the program carries it; every collective is then given one of its
 :class:`~dsfunc.distributed.comm.Group` s. ZeRO shards and reduces over ``dp x sp`` (parameters are replicated
 over ``sp``, as DeepSpeed folds sequence parallelism into ZeRO's group); the config's batch sizes count ``dp``.
-``ep`` is reserved for expert parallelism.
+``ep`` is reserved for expert parallelism. Pipeline stages take the data-parallel rest of the world: they do not
+compose with ``tp`` or ``sp`` yet (:func:`pipeline_mesh` refuses them by name).
 """
 
 from __future__ import annotations
