@@ -1,7 +1,8 @@
 """DeepSpeed's own AutoTP checkpoint (real DeepSpeed 0.19.8 on CPU: ``tensor_parallel.autotp_size`` 2 at ZeRO 1, two
 gloo ranks, each writing its tp part) loads into dsfunc as the global model and trains on like DeepSpeed: AdamW with
 clipping, its moments joined from both tp ranks' optimizer files; ``dsfunc export`` writes the global model. It loads
-into a dsfunc state at tp 2 too (each rank slicing its parts out of the global model) and trains on alike. DeepSpeed
+into a dsfunc state at tp 2 and tp 2 x dp 2 too (each rank slicing its parts out of the global model) and trains on
+alike. DeepSpeed
 runs once for the module."""
 
 from __future__ import annotations
@@ -78,6 +79,20 @@ def dsfunc_tp(rank: int, world: int, save_dir: str) -> dict:
     return {"losses": losses, "loaded": loaded, "step": int(engine.state.step)}
 
 
+def dsfunc_tp_dp(rank: int, world: int, save_dir: str) -> dict:
+    """dsfunc at tp 2 x dp 2 (the functional API; ZeRO's shards cut the tp-local parameters): load, MORE steps on
+    this rank's data-parallel slice of each batch; its losses, and the global model it loaded."""
+    config = {**CONFIG, "tensor_parallel": {"autotp_size": 2}}
+    state, _ = dsfunc.load_checkpoint(save_dir, dsfunc.init_state(runs.llama(), config))
+    loaded = dsfunc.full_params(state)
+    dp = state.program.mesh.group("dp")
+    losses = []
+    for step in range(SAVED, SAVED + MORE):
+        state = dsfunc.train_step(state, {k: v.chunk(dp.size)[dp.rank] for k, v in _batch(step).items()})
+        losses.append(float(state.metrics.loss))
+    return {"losses": losses, "loaded": loaded, "step": int(state.step)}
+
+
 def test_deepspeed_autotp_checkpoint_loads_and_trains_on_like_deepspeed(saved):
     tmp_path, want = saved
     assert sorted(p.name for p in (tmp_path / f"global_step{SAVED}").iterdir() if "mp_rank_01" in p.name) == [
@@ -97,10 +112,11 @@ def test_deepspeed_autotp_checkpoint_loads_and_trains_on_like_deepspeed(saved):
         assert abs(got - expected) <= 1e-5 * abs(expected), (losses, want)
 
 
-def test_deepspeed_autotp_checkpoint_loads_at_tp2_and_trains_on_like_deepspeed(saved):
+@pytest.mark.parametrize(("run", "world"), [(dsfunc_tp, 2), (dsfunc_tp_dp, 4)])
+def test_deepspeed_autotp_checkpoint_loads_at_tp2_and_trains_on_like_deepspeed(saved, run, world):
     tmp_path, want = saved
     whole = dsfunc.full_params(dsfunc.load_checkpoint(tmp_path, dsfunc.init_state(runs.llama(), CONFIG))[0])
-    for got in run_world(dsfunc_tp, 2, str(tmp_path), timeout=900):
+    for got in run_world(run, world, str(tmp_path), timeout=900):
         assert got["step"] == SAVED + MORE
         assert got["loaded"].keys() == whole.keys() and all(torch.equal(got["loaded"][k], whole[k]) for k in whole)
         for loss, expected in zip(got["losses"], want, strict=True):
