@@ -2,8 +2,7 @@
 gloo ranks, each writing its tp part) loads into dsfunc as the global model and trains on like DeepSpeed: AdamW with
 clipping, its moments joined from both tp ranks' optimizer files; ``dsfunc export`` writes the global model. It loads
 into a dsfunc state at tp 2 and tp 2 x dp 2 too (each rank slicing its parts out of the global model) and trains on
-alike. DeepSpeed
-runs once for the module."""
+alike. DeepSpeed runs once for the module."""
 
 from __future__ import annotations
 
