@@ -19,6 +19,7 @@ from torch import nn
 from dsfunc.config import Config, mesh_sections
 from dsfunc.data import DistributedLoader, check_dataset
 from dsfunc.deepspeed.arguments import config_source
+from dsfunc.deepspeed.autotp import batch_config, check_recorded
 from dsfunc.deepspeed.engine import Engine
 from dsfunc.deepspeed.groups import Groups, freeze_all_but, labelled, parameter_groups
 from dsfunc.deepspeed.moe_layer import bind_all
@@ -114,9 +115,10 @@ def initialize(
     pipelined = isinstance(model, PipelineModule)
     mesh = mpu.mesh if mpu is not None else None  # register_with_transformers' (Ulysses)
     tensor, sp, _ = mesh_sections(source)
+    check_recorded(model, tensor.autotp_size)  # deepspeed.tp_model_init's tp size (HF Trainer calls it)
     # the data-parallel ranks (a world the mesh does not divide is init_state's error)
     world = comm.world_size() // (model.num_stages if pipelined else tensor.size * sp) or comm.world_size()
-    cfg = Config.load(source, world_size=world)
+    cfg = batch_config(source, world, 1 if pipelined else tensor.size)
     if training_data is not None:
         check_dataset(training_data)
 

@@ -1,0 +1,43 @@
+"""Hugging Face Trainer runs of a tiny Llama reaching dsfunc's mesh through the DeepSpeed config and accelerate's
+ParallelismConfig (dsfunc behind ``DSFUNC_AS_DEEPSPEED=1``); the last line printed is ``RESULT <json>`` (rank 0).
+
+``python parallel_runs.py reference OUT`` (one process, no DeepSpeed); under ``torch.distributed.run`` on 2 ranks,
+``python parallel_runs.py tp OUT`` (``"tensor_parallel": {"autotp_size": 2}``) and ``python parallel_runs.py sp OUT``
+(``TrainingArguments(parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed"))``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from transformers import LlamaForCausalLM
+
+from tests.deepspeed.hf.runs import LLAMA, ds_config, train
+
+
+def llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LLAMA)
+
+
+def main() -> None:
+    kind, out = sys.argv[1], sys.argv[2]
+    if kind == "reference":
+        res = {"losses": train(f"{out}/ref", None, llama)}
+    elif kind == "tp":
+        made = []
+        res = {"losses": train(f"{out}/tp", {**ds_config(1, optimizer=True), "tensor_parallel": {"autotp_size": 2}},
+                               lambda: made.append(llama()) or made[0])}
+        # the engine trains the model in place: its split layers hold this rank's rows
+        res["q_proj_rows"] = made[0].model.layers[0].self_attn.q_proj.weight.shape[0]
+    else:
+        raise SystemExit(f"unknown run {kind!r}")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("RESULT " + json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
