@@ -23,16 +23,32 @@ def llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(LLAMA)
 
 
+def logged(losses: list[float], history: list[dict]) -> dict:
+    """The losses and the gradient norms Trainer logged (the norm shows a gradient off by a constant factor, which
+    Adam's update and clipping hide from the losses)."""
+    return {"losses": losses, "grad_norms": [h["grad_norm"] for h in history if "grad_norm" in h]}
+
+
 def main() -> None:
     kind, out = sys.argv[1], sys.argv[2]
+    history: list = []
     if kind == "reference":
-        res = {"losses": train(f"{out}/ref", None, llama)}
+        res = logged(train(f"{out}/ref", None, llama, history=history), history)
     elif kind == "tp":
         made = []
-        res = {"losses": train(f"{out}/tp", {**ds_config(1, optimizer=True), "tensor_parallel": {"autotp_size": 2}},
-                               lambda: made.append(llama()) or made[0])}
+        res = logged(train(f"{out}/tp", {**ds_config(1, optimizer=True), "tensor_parallel": {"autotp_size": 2}},
+                           lambda: made.append(llama()) or made[0], history=history), history)
         # the engine trains the model in place: its split layers hold this rank's rows
         res["q_proj_rows"] = made[0].model.layers[0].self_attn.q_proj.weight.shape[0]
+    elif kind == "sp":
+        from accelerate.parallelism_config import ParallelismConfig
+        from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+        handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa", sp_seq_length=16,
+                                                  sp_seq_length_is_variable=False)
+        pc = ParallelismConfig(sp_size=2, sp_backend="deepspeed", sp_handler=handler)
+        res = logged(train(f"{out}/sp", ds_config(1, optimizer=True), llama, history=history, parallelism_config=pc),
+                     history)
     else:
         raise SystemExit(f"unknown run {kind!r}")
     if int(os.environ.get("RANK", "0")) == 0:

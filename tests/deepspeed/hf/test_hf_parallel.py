@@ -1,10 +1,21 @@
-"""Hugging Face Trainer reaches dsfunc's tensor parallelism through the DeepSpeed config it is given
-(``"tensor_parallel": {"autotp_size": 2}``: Trainer calls ``deepspeed.tp_model_init``, accelerate feeds both tp
-ranks the same batches): on 2 gloo ranks its logged losses equal a one-process Trainer run without DeepSpeed
-within 1e-5."""
+"""Hugging Face Trainer reaches dsfunc's mesh through the DeepSpeed config and accelerate's ParallelismConfig:
+``"tensor_parallel": {"autotp_size": 2}`` (Trainer calls ``deepspeed.tp_model_init``, accelerate feeds both tp
+ranks the same batches) and ``parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed")`` (accelerate
+registers Ulysses attention, passes the mpu to ``initialize``, wraps the loader in ``UlyssesSPDataLoaderAdapter``;
+Trainer reduces the loss over ``deepspeed.utils.groups._get_sequence_parallel_group()``). On 2 gloo ranks the
+logged losses equal a one-process Trainer run without DeepSpeed within 1e-5.
+
+[Note: Trainer's Ulysses loss and the gradient over sp] Trainer's loss under DeepSpeed sequence parallelism gives
+each sp rank the gradient of its own share of the sequence's mean only, for DeepSpeed, which sums gradients over
+the sp group (ZeRO-1/2 divide the dp x sp sum by dp). dsfunc divides by dp x sp (the ALST tutorial's loss, whose
+every sp rank holds the whole mean's gradient, trains like one process that way), so under Trainer its gradients
+are 1/sp of one process's: Adam's update barely sees it (losses agree) but the logged gradient norm is halved,
+and clipping or SGD would see it. The strict xfail below holds that gap until the rule is settled.
+"""
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -20,9 +31,31 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 
-def test_trainer_with_autotp_trains_like_one_process(as_deepspeed, tmp_path):
-    ref = run([sys.executable, RUNS, "reference", str(tmp_path)], as_deepspeed, str(tmp_path))
-    tp = run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-              str(free_port()), RUNS, "tp", str(tmp_path)], as_deepspeed, str(tmp_path), timeout=600)
-    assert_close(tp["losses"], ref["losses"])
+@functools.cache
+def trainer_run(kind: str, env: tuple, cwd: str) -> dict:
+    """One run of parallel_runs.py (``reference`` in one process, else on 2 ranks), once per session."""
+    ranks = [] if kind == "reference" else ["-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                            "--master_port", str(free_port())]
+    return run([sys.executable, *ranks, RUNS, kind, os.path.join(cwd, kind)], dict(env), cwd, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def runs(as_deepspeed, tmp_path_factory):
+    cwd = str(tmp_path_factory.mktemp("hf_parallel"))
+    return lambda kind: trainer_run(kind, tuple(sorted(as_deepspeed.items())), cwd)
+
+
+def test_trainer_with_autotp_trains_like_one_process(runs):
+    tp = runs("tp")
+    assert_close(tp["losses"], runs("reference")["losses"])
+    assert_close(tp["grad_norms"], runs("reference")["grad_norms"])
     assert tp["q_proj_rows"] == LLAMA.hidden_size // 2  # split over the 2 ranks, not 2 data-parallel replicas
+
+
+def test_trainer_with_parallelism_config_sp_trains_like_one_process(runs):
+    assert_close(runs("sp")["losses"], runs("reference")["losses"])
+
+
+@pytest.mark.xfail(strict=True, reason="see [Note: Trainer's Ulysses loss and the gradient over sp]")
+def test_trainer_sp_gradients_are_one_process_s(runs):
+    assert_close(runs("sp")["grad_norms"], runs("reference")["grad_norms"])
