@@ -15,7 +15,7 @@ import sys
 import torch
 from transformers import LlamaForCausalLM
 
-from tests.deepspeed.hf.runs import LLAMA, ds_config, train
+from tests.deepspeed.hf.runs import LLAMA, ds_config, samples, train
 
 
 def llama() -> LlamaForCausalLM:
@@ -47,8 +47,13 @@ def main() -> None:
         handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa", sp_seq_length=16,
                                                   sp_seq_length_is_variable=False)
         pc = ParallelismConfig(sp_size=2, sp_backend="deepspeed", sp_handler=handler)
-        res = logged(train(f"{out}/sp", ds_config(1, optimizer=True), llama, history=history, parallelism_config=pc),
-                     history)
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")  # the real DeepSpeed's register_with_transformers needs it
+        # the real DeepSpeed's UlyssesSPDataLoaderAdapter wants each token's position in the batch
+        positioned = [{**s, "position_ids": torch.arange(len(s["input_ids"]))} for s in samples()]
+        res = logged(train(f"{out}/sp", ds_config(1, optimizer=True), llama, history=history, dataset=positioned,
+                           parallelism_config=pc), history)
     else:
         raise SystemExit(f"unknown run {kind!r}")
     if int(os.environ.get("RANK", "0")) == 0:
