@@ -21,7 +21,10 @@ import os
 import sys
 
 import pytest
+import torch
 
+import dsfunc
+from dsfunc.deepspeed.autotp import check_recorded
 from tests.deepspeed.hf.conftest import ROOT
 from tests.deepspeed.hf.runs import LLAMA
 from tests.deepspeed.hf.test_hf import assert_close, run
@@ -65,3 +68,13 @@ def test_trainer_with_parallelism_config_sp_trains_like_one_process(runs, as_dee
 @pytest.mark.xfail(strict=True, reason="see [Note: Trainer's Ulysses loss and the gradient over sp]")
 def test_trainer_sp_gradients_are_one_process_s(runs):
     assert_close(runs("sp")["grad_norms"], runs("reference")["grad_norms"])
+
+
+def test_tp_model_init_records_and_initialize_checks():
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(dsfunc.InputError, match="tp_size 2 conflicts with the config's tensor_parallel.autotp_size 4"):
+        dsfunc.tp_model_init(model, 2, torch.float32, config={"tensor_parallel": {"autotp_size": 4}})
+    assert dsfunc.tp_model_init(model, 2, torch.float32) is model
+    check_recorded(model, 2)
+    with pytest.raises(dsfunc.InputError, match='set "tensor_parallel": {"autotp_size": 2} in the config'):
+        check_recorded(model, 0)
