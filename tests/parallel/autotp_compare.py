@@ -2,8 +2,9 @@
 ``DSFUNC_AS_DEEPSPEED=1``, ``import deepspeed`` is dsfunc): the tiny Hugging Face Llama (GQA) of
 :mod:`tests.parallel.tp_runs` with ``"tensor_parallel": {"autotp_size": 2}`` and ZeRO 1, the model's own loss,
 each data-parallel replica (``rank // 2``: tp ranks are neighbours, in DeepSpeed and in dsfunc) on its slice of
-the global batch. Writes ``<out>.<backend>.rank<r>.pt`` with each step's loss and the full parameters after each
-step (a tp rank's parts gathered).
+the global batch. Writes ``<out>.<backend>.rank<r>.pt`` with each micro-batch's loss, the full parameters after
+each step (a tp rank's parts gathered), the names of the weights split, and the micro-batch size and accumulation
+steps the engine derived from the config.
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/parallel/autotp_compare.py --backend deepspeed --out x
 """
@@ -75,5 +76,6 @@ for step in range(runs.STEPS):
         engine.step()
         losses.append(loss.item())
     params.append(full_params())
-torch.save({"losses": losses, "params": params, "split": split()}, f"{args.out}.{args.backend}.rank{rank}.pt")
+batch = [engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()]
+torch.save({"losses": losses, "params": params, "split": split(), "batch": batch}, f"{args.out}.{args.backend}.rank{rank}.pt")
 leave_together()

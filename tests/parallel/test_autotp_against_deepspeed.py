@@ -33,6 +33,7 @@ def test_autotp_script_trains_like_deepspeed_step_by_step(tmp_path, ranks, optim
         assert len(ds["split"]) == 15 and set(ours["split"]) - set(ds["split"]) == {"model.embed_tokens.weight"}
         assert set(ds["split"]) <= set(ours["split"]), (ours["split"], ds["split"])
         assert len(ours["losses"]) == len(ds["losses"]) == 2 * runs.STEPS
+        assert ours["batch"] == ds["batch"] == [runs.GLOBAL_BATCH // 2 // ranks, 2]  # DeepSpeed's count: every rank
         assert max(abs(a - b) / abs(b) for a, b in zip(ours["losses"], ds["losses"])) < 1e-5
         moved = torch.stack([(ds["params"][-1][k] - v).norm() for k, v in start.items()]).norm()
         assert moved > 1e-2 * torch.stack([v.norm() for v in start.values()]).norm()  # a wrong factor would show
