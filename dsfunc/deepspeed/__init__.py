@@ -15,6 +15,7 @@ The rest of DeepSpeed's namespace (``deepspeed.accelerator``, ``deepspeed.comm``
 
 from dsfunc.deepspeed.accelerator import get_accelerator
 from dsfunc.deepspeed.arguments import add_config_arguments
+from dsfunc.deepspeed.autotp import tp_model_init
 from dsfunc.deepspeed.config import DeepSpeedConfig, DeepSpeedConfigError
 from dsfunc.deepspeed.engine import DeepSpeedEngine, Engine
 from dsfunc.deepspeed.initialize import initialize
@@ -25,7 +26,6 @@ from dsfunc.deepspeed.namespace import (
     InferenceEngine,
     add_tuning_arguments,
     init_inference,
-    tp_model_init,
 )
 from dsfunc.deepspeed.ops import DeepSpeedOptimizer
 from dsfunc.deepspeed.pipe import PipelineModule

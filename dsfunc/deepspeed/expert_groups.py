@@ -17,7 +17,7 @@ from dsfunc.distributed import comm
 from dsfunc.errors import NotSupportedError, UsageError
 from dsfunc.experts.groups import ExpertGroups, make_expert_groups
 
-mpu = None  # DeepSpeed's model-parallel unit: dsfunc takes none
+mpu = None  # DeepSpeed's model-parallel unit: Ulysses' groups, set by initialize(mpu=...) as DeepSpeed sets it
 _MADE: dict[str, ExpertGroups] = {}
 
 
@@ -122,6 +122,21 @@ def _get_expert_model_parallel_world_size() -> int:
 
 def _get_model_parallel_world_size() -> int:
     return 1
+
+
+def _get_sequence_parallel_group() -> dist.ProcessGroup:
+    """The sp group of the ``mpu`` initialize was given (Hugging Face's Ulysses loss reduces over it)."""
+    if mpu is None:
+        raise KeyError("No sequence parallel group found")  # DeepSpeed's error, without an mpu or a mesh
+    return mpu.get_sequence_parallel_group()
+
+
+def _get_sequence_parallel_world_size() -> int:
+    return 1 if mpu is None else mpu.get_sequence_parallel_world_size()
+
+
+def _get_sequence_parallel_rank() -> int:
+    return 0 if mpu is None else mpu.get_sequence_parallel_rank()
 
 
 def _get_data_parallel_group() -> dist.ProcessGroup:

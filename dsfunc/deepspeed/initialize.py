@@ -18,7 +18,9 @@ from torch import nn
 
 from dsfunc.config import Config, mesh_sections
 from dsfunc.data import DistributedLoader, check_dataset
+from dsfunc.deepspeed import expert_groups
 from dsfunc.deepspeed.arguments import config_source
+from dsfunc.deepspeed.autotp import batch_config, check_recorded
 from dsfunc.deepspeed.engine import Engine
 from dsfunc.deepspeed.groups import Groups, freeze_all_but, labelled, parameter_groups
 from dsfunc.deepspeed.moe_layer import bind_all
@@ -114,9 +116,11 @@ def initialize(
     pipelined = isinstance(model, PipelineModule)
     mesh = mpu.mesh if mpu is not None else None  # register_with_transformers' (Ulysses)
     tensor, sp, _ = mesh_sections(source)
+    sp = mesh.size("sp") if mesh is not None else sp  # DeepSpeed counts the mpu's sp ranks out of the batch
+    check_recorded(model, tensor.autotp_size)  # deepspeed.tp_model_init's tp size (HF Trainer calls it)
     # the data-parallel ranks (a world the mesh does not divide is init_state's error)
     world = comm.world_size() // (model.num_stages if pipelined else tensor.size * sp) or comm.world_size()
-    cfg = Config.load(source, world_size=world)
+    cfg = batch_config(source, world, 1 if pipelined else tensor.size)
     if training_data is not None:
         check_dataset(training_data)
 
@@ -131,6 +135,8 @@ def initialize(
     param_groups = labelled(model, groups) if groups is not None and trains else None
     update = own_step if own_step is not None else None if trains else chain()  # without optimizer: evaluates
     bind_all(model)  # each MoE layer's expert groups, in DeepSpeed's registry (deepspeed.utils.groups)
+    if mpu is not None:  # ... and the mpu, as DeepSpeed's engine records it there
+        expert_groups.mpu = mpu
     state = init_state(model, cfg, optimizer=update, seed=seed, in_place=True, param_groups=param_groups,
                        lr_schedule=client_lr, mesh=mesh)
     loader = None

@@ -201,7 +201,6 @@ def package(name: str) -> types.ModuleType:
 
 # DeepSpeed's top-level names dsfunc does not implement (``deepspeed.init_inference``, ...)
 init_inference = unsupported("deepspeed.init_inference", "DeepSpeed inference", "run the model with torch")
-tp_model_init = unsupported("deepspeed.tp_model_init", "tensor parallelism")
 InferenceEngine = unsupported("deepspeed.InferenceEngine", "DeepSpeed inference")
 DeepSpeedHybridEngine = unsupported("deepspeed.DeepSpeedHybridEngine", "the hybrid (RLHF) engine")
 DeepSpeedTransformerLayer = unsupported("deepspeed.DeepSpeedTransformerLayer", "DeepSpeed's fused transformer kernels")

@@ -16,11 +16,17 @@ The op is registered with a reference implementation (every device; the CPU path
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from dsfunc.errors import InputError
 from dsfunc.kernels.native import native_ready
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 CHUNK_BYTES = 512 * 2**20  # logits of one chunk, in the compute dtype
 
@@ -63,9 +69,10 @@ def _rows(logits: Tensor, target: Tensor, scale: Tensor, ignore_index: int, writ
     return _rows_reference(logits, target, scale, ignore_index, write_grad)
 
 
-def _linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, chunk_rows: int,
-                          with_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
-    _check(hidden, weight, target, chunk_rows)
+def _chunks(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, chunk_rows: int, with_grad: bool,
+            rows: Callable[[Tensor, Tensor, Tensor, bool], Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """The loop over chunks of rows: ``rows(logits, target, scale, write_grad)`` gives a chunk's summed loss and
+    writes the logits' gradient (times ``scale``) over them; the gradient matmuls follow."""
     target = target.long()
     with torch.autocast(hidden.device.type, enabled=False):  # the caller chose the dtype
         scale = 1.0 / (target != ignore_index).sum().float()  # NaN loss when every row is ignored, as torch's
@@ -75,11 +82,18 @@ def _linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, ignore
         for start in range(0, hidden.shape[0], chunk_rows):
             h, t = hidden[start : start + chunk_rows], target[start : start + chunk_rows]
             logits = h @ weight.t()
-            total += _rows(logits, t, scale, ignore_index, with_grad).sum()
+            total += rows(logits, t, scale, with_grad).sum()
             if with_grad:
                 torch.mm(logits, weight, out=grad_h[start : start + chunk_rows])
                 grad_w.addmm_(logits.t(), h)
         return total * scale, grad_h, grad_w
+
+
+def _linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int, chunk_rows: int,
+                          with_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
+    _check(hidden, weight, target, chunk_rows)
+    return _chunks(hidden, weight, target, ignore_index, chunk_rows, with_grad,
+                   lambda logits, t, scale, write: _rows(logits, t, scale, ignore_index, write))
 
 
 def _linear_cross_entropy_fake(hidden: Tensor, weight: Tensor, target: Tensor, ignore_index: int,
@@ -110,6 +124,33 @@ torch.library.register_fake("dsfunc::linear_cross_entropy", _linear_cross_entrop
 torch.library.register_autograd("dsfunc::linear_cross_entropy", _backward, setup_context=_setup_context, lib=_lib)
 
 
+class _VocabSplit(torch.autograd.Function):
+    """The op's loss and gradients for a head whose rows (the vocabulary) are split over the 1-D ``mesh``: each
+    chunk's local logits go through :func:`dsfunc.parallel.vocab.sum_and_grad` (the softmax over the whole
+    vocabulary, never gathered), and ``hidden``'s gradient, one part per rank's vocabulary, is summed over tp."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, ignore_index, chunk_rows, mesh):  # type: ignore[no-untyped-def]
+        from dsfunc.distributed import comm
+        from dsfunc.parallel.vocab import sum_and_grad
+
+        def rows(logits: Tensor, t: Tensor, scale: Tensor, write: bool) -> Tensor:
+            total, grad = sum_and_grad(logits, t, mesh, ignore_index)
+            logits.copy_(grad * scale)
+            return total
+
+        _check(hidden, weight, target, chunk_rows)
+        loss, grad_h, grad_w = _chunks(hidden, weight, target, ignore_index, chunk_rows, True, rows)
+        comm.all_reduce_sum(grad_h, comm.Group.of(mesh.get_group()))
+        ctx.save_for_backward(grad_h, grad_w)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # type: ignore[no-untyped-def]
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None
+
+
 def default_chunk_rows(vocab: int, dtype: torch.dtype) -> int:
     """The most rows (a power of two) whose logits fit in :data:`CHUNK_BYTES`."""
     rows = max(1, CHUNK_BYTES // max(1, vocab * dtype.itemsize))
@@ -117,10 +158,12 @@ def default_chunk_rows(vocab: int, dtype: torch.dtype) -> int:
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *, ignore_index: int = -100,
-                         chunk_rows: int | None = None) -> Tensor:
+                         chunk_rows: int | None = None, tp_mesh: DeviceMesh | None = None) -> Tensor:
     """``F.cross_entropy(hidden @ weight.T, target, ignore_index=...)`` (the mean over the rows whose target
     is not ``ignore_index``) without the logits in memory: at most ``chunk_rows`` rows of them at a time, in
-    the compute dtype, and no fp32 copy.
+    the compute dtype, and no fp32 copy. With ``tp_mesh`` (a 1-D tp mesh), ``weight`` is this rank's rows of a
+    head split by rows over it (the vocabulary): the loss is the whole vocabulary's, and no rank holds more than
+    its part of any row's logits.
 
     ``hidden`` is ``(..., d)``, ``weight`` ``(vocab, d)`` (a tied embedding works: its gradient adds up),
     ``target`` holds one class per row of ``hidden``. Under ``torch.autocast`` both are cast to its dtype, as
@@ -140,5 +183,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, *, igno
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     rows = chunk_rows or default_chunk_rows(weight.shape[0], weight.dtype)
+    if tp_mesh is not None:
+        return _VocabSplit.apply(hidden, weight, target, ignore_index, rows, tp_mesh)
     loss, _, _ = torch.ops.dsfunc.linear_cross_entropy.default(hidden, weight, target, ignore_index, rows, with_grad)
     return loss

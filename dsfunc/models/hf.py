@@ -5,7 +5,8 @@ widens them to fp32 (4 more, twice with the softmax and its gradient). :func:`ca
 base instead (``model.base_model``: the decoder without its head) and sends the last hidden states and the
 head's weight to :func:`dsfunc.kernels.linear_cross_entropy`, which never holds those logits. The loss is the
 model's own: the mean cross-entropy of each token's next-token label, ``-100`` ignored, as
-``model(**batch).loss`` computes it without ``num_items_in_batch``.
+``model(**batch).loss`` computes it without ``num_items_in_batch``. Under tensor parallelism a head split by
+rows keeps its logits split too (:mod:`dsfunc.parallel.vocab`).
 
 Use it as ``dsfunc.init_state(model, config, loss_fn=causal_lm_loss)``. It takes models whose logits are the
 bias-free head applied to the last hidden state; one that changes them (Gemma 2's soft-capping, Cohere's logit
@@ -39,7 +40,16 @@ def causal_lm_loss(model: nn.Module, batch: Mapping[str, Any]) -> torch.Tensor:
     hidden = model.base_model(**inputs, use_cache=False)[0]
     labels = batch["labels"].to(hidden.device)
     target = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)  # token t predicts label t + 1; the last none
-    return linear_cross_entropy(hidden, head.weight, target, ignore_index=IGNORE_INDEX)
+    return linear_cross_entropy(hidden, head.weight, target, ignore_index=IGNORE_INDEX, tp_mesh=_tp_mesh(head))
+
+
+def _tp_mesh(head: nn.Module) -> Any:
+    """The tp mesh the head's rows are split over (tensor parallelism), or None."""
+    if "_dsfunc_tp" not in head.__dict__:
+        return None
+    from dsfunc.parallel.vocab import split_head  # DTensor's imports only under tensor parallelism
+
+    return split_head(head)
 
 
 def _check_model(model: nn.Module) -> nn.Linear:

@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from dsfunc.config import TensorParallelConfig
 from dsfunc.errors import InputError, NotSupportedError
+from dsfunc.parallel.vocab import bind_loss, head_style
 
 # DeepSpeed's AutoTPPresets.llama / .qwen2 (separate q, k, v projections)
 _LLAMA = (
@@ -43,6 +44,7 @@ _HF_STYLES = {
     "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
     "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),  # vocab rows split, output summed
+    "vocab_parallel": head_style,  # dsfunc's: an LM head whose logits stay split (dsfunc.parallel.vocab)
 }
 _SPEC_STYLES = {"column": _HF_STYLES["colwise"], "row": _HF_STYLES["rowwise"]}
 
@@ -139,6 +141,8 @@ def _from_patterns(model: nn.Module, patterns: Plan, source: str) -> dict[str, P
             if path and regex.fullmatch(path):
                 if path not in tied:
                     plan[path] = _style(style, key, source)
+                    if style == "vocab_parallel":
+                        bind_loss(model, path)
                 break
     return plan
 

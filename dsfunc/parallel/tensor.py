@@ -131,6 +131,7 @@ def check_tensor_parallel(model: nn.Module, offload: bool, optimizer_type: str |
 def _view_as_dtensors(module: nn.Module, device_mesh: DeviceMesh, specs: Mapping[str, SplitParam]) -> None:
     """Around ``module``'s forward, its bound local parameters are seen as the DTensors torch's style expects."""
     held: dict[str, Any] = {}
+    module.__dict__["_dsfunc_tp"] = (device_mesh, specs)  # read by code that uses the weights, not the forward
 
     def before(mod: nn.Module, args: Any) -> None:
         for attr, spec in specs.items():

@@ -17,12 +17,12 @@ SCRIPT = os.path.join(ROOT, "tests", "deepspeed", "scripts", "ds_compare.py")
 
 
 def launch(backend: str, out: str, script: str = SCRIPT, extra: tuple[str, ...] = (), *,
-           env: dict[str, str] | None = None, timeout: float = 600) -> None:
-    """Run ``script`` on 2 gloo ranks under ``backend`` ("deepspeed" or "dsfunc"), writing ``out``; ``env``: more
-    variables for the ranks."""
+           env: dict[str, str] | None = None, timeout: float = 600, ranks: int = 2) -> None:
+    """Run ``script`` on ``ranks`` gloo ranks under ``backend`` ("deepspeed" or "dsfunc"), writing ``out``;
+    ``env``: more variables for the ranks."""
     ranks_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     ranks_env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env or {}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port", str(free_port()),
            script, "--backend", backend, "--out", out, *extra]
     proc = subprocess.run(cmd, cwd=ROOT, env=ranks_env, capture_output=True, text=True, timeout=timeout, check=False)
     assert proc.returncode == 0, f"{backend} exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

@@ -55,17 +55,22 @@ def ds_config(stage: int, optimizer: bool = False) -> dict:
     return {**cfg, "optimizer": DS_OPTIMIZER} if optimizer else cfg
 
 
-def train(out: str, ds: dict | None, model=None, resume: str | None = None, save: bool = False) -> list[float]:
-    """Trainer's logged losses: 4 optimizer steps of 2 micro-batches, linear warmup/decay (saving at step 2)."""
-    args = TrainingArguments(output_dir=out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=2,
+def train(out: str, ds: dict | None, model=None, resume: str | None = None, save: bool = False,
+          history: list | None = None, dataset: list | None = None, **more_args) -> list[float]:
+    """Trainer's logged losses: 4 optimizer steps of 2 micro-batches, linear warmup/decay (saving at step 2);
+    ``history`` gets Trainer's log history; ``dataset`` replaces :func:`samples`; ``more_args``: more
+    TrainingArguments."""
+    args = TrainingArguments(**more_args, output_dir=out, per_device_train_batch_size=MICRO, gradient_accumulation_steps=2,
                              max_steps=STEPS, learning_rate=1e-3, warmup_steps=2, logging_steps=1, seed=0,
                              save_strategy="steps" if save else "no", save_steps=2, report_to=[], use_cpu=True,
                              deepspeed=ds, dataloader_num_workers=0, disable_tqdm=True)
     torch.manual_seed(0)
     model = model() if callable(model) else GPT2LMHeadModel(CONFIG)  # after the args: ZeRO-3's zero.Init
-    trainer = Trainer(model=model, args=args, train_dataset=samples())
+    trainer = Trainer(model=model, args=args, train_dataset=samples() if dataset is None else dataset)
     trainer.train(resume_from_checkpoint=resume)
     AcceleratorState._reset_state(True)
+    if history is not None:
+        history += trainer.state.log_history
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
