@@ -30,7 +30,7 @@ from dsfunc.checkpoint.tags import PathLike, check_tag, find_checkpoint
 from dsfunc.checkpoint.trust import pickle_client_state, read_client_state
 from dsfunc.distributed import comm
 from dsfunc.distributed.process_group import check_one_world
-from dsfunc.errors import InputError, InputTypeError, NotSupportedError
+from dsfunc.errors import InputError, InputTypeError
 from dsfunc.state import TrainState
 
 DEFAULT_TIMEOUT = 300.0  # seconds every rank gets to arrive at a save or load
@@ -177,10 +177,6 @@ def _check_state(state: Any, caller: str) -> None:
     if not isinstance(state, TrainState):
         raise InputTypeError(f"{caller} expects a TrainState from dsfunc.init_state, got {type(state).__name__}")
     state.check_usable()
-    experts = [u.name for u in state.program.plan.units if u.group is not None]
-    if experts:  # each rank holds other experts under the same names: a checkpoint would keep one rank's
-        raise NotSupportedError(f"{caller} with expert-parallel MoE layers (units {experts[:3]}) is not supported by "
-                                "dsfunc yet: checkpoints per expert come with a later release")
 
 
 def _executor() -> ThreadPoolExecutor:
