@@ -80,9 +80,12 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
             "optimizer fresh (its LR schedule restarts too)."
         )
     if uses_per_param(state) and meta.get("layout", "units") != LAYOUT:
+        tp = state.program.tensor is not None
         raise CheckpointMismatchError(
-            f"the checkpoint {folder} holds each unit as one flat vector (saved without tensor parallelism or MoE "
-            "experts), which a tensor-parallel state or one with MoE experts cannot take yet: export it "
+            f"the checkpoint {folder} holds each unit as one flat vector (saved without tensor parallelism"
+            f"{'' if tp else ' or MoE experts, by an earlier dsfunc'}), which a "
+            f"{'tensor-parallel state' if tp else 'state with MoE experts'} cannot take yet: "
+            f"{'load it at tensor_parallel.autotp_size 1 and save it again, or ' if tp else ''}export it "
             "(dsfunc export) and build the state from the exported weights"
         )
     absent = sorted(wanted(meta, state, selection) - unit_tensors(meta).keys())
