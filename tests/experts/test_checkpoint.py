@@ -1,6 +1,7 @@
 """Checkpoints of MoE states: each expert saved under its place in the whole model, so a checkpoint of ep 2 on 2
 ranks loads in one process (ep 1, every expert) and at ep 2 x dp 2 on 4 ranks, where training goes on as the
-uninterrupted run (gloo). AdamW with clipping and SGD with momentum, at ZeRO 0, 1 and 2."""
+uninterrupted run (gloo), and exports as the whole model. AdamW with clipping and SGD with momentum, at ZeRO 0, 1
+and 2."""
 
 from __future__ import annotations
 
@@ -89,6 +90,10 @@ def test_moe_checkpoint_loads_at_other_expert_parallel_degrees(tmp_path: Path):
         assert loaded.keys() == want["saved"].keys()
         assert all(torch.equal(loaded[k], v) for k, v in want["saved"].items())
         dsfunc.save_checkpoint(state, tmp_path / "ep1" / case)
+        # dsfunc export: the whole model, which an ep 1 model takes
+        exported = torch.load(dsfunc.export_fp32(tmp_path / "ep2" / case, tmp_path / f"{case}.pt"))
+        assert list(exported) == list(want["saved"]) and all(torch.equal(exported[k], v) for k, v in want["saved"].items())
+        Net(1).load_state_dict(exported)
     resumed = run_world(_resume_at_ep2_dp2, 4, str(tmp_path / "ep1"))
     for case in CASES:
         want = saved[0][case]
