@@ -95,7 +95,8 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
     """Load a checkpoint into the template ``state``; every rank must call it.
 
     The template is a fresh :func:`dsfunc.init_state` of the same model at any world size, ZeRO stage
-    or precision; it is donated (its tensors are filled in place and belong to the returned state).
+    or precision (and, for MoE experts, any expert-parallel degree); it is donated (its tensors are filled in
+    place and belong to the returned state).
 
     A DeepSpeed checkpoint (the ``save_dir`` of DeepSpeed's ``engine.save_checkpoint``, ZeRO stages 0-3, at
     any world size) loads the same way: its fp32 master weights, Adam moments and step count, lr scheduler
