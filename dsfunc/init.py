@@ -176,7 +176,7 @@ def init_state(
                       param_init_fn=param_init_fn, device=device, compile=compile,
                       activation_checkpointing=activation_checkpointing, in_place=in_place,
                       param_groups=param_groups, lr_schedule=lr_schedule, pipeline=placement.pipeline,
-                      mesh=pipeline_mesh(topology.stages, topology.data))
+                      mesh=pipeline_mesh(topology.stages, topology.data, config))
     if unit_modules is None and isinstance(model, StageModule):  # a layer list's units are its layers
         unit_modules = model.unit_modules()
     return _build(model, config, loss_fn, optimizer=optimizer, seed=seed, unit_modules=unit_modules,
@@ -221,9 +221,9 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     if zero.stage == 3:
         mark_leaf_parameters(model)
     skeleton = model if in_place else make_skeleton(model)
-    if mesh.size("sp") > 1:  # Ulysses: the model's attention routed, the loss over the split sequence
-        loss_fn = sequence_parallel(skeleton, loss_fn, mesh.group("sp"))
     tensor = _split(model, skeleton, cfg, mesh, tp_plan)
+    if mesh.size("sp") > 1:  # Ulysses over each tp rank's heads: attention routed, the loss over the split sequence
+        loss_fn = sequence_parallel(skeleton, loss_fn, mesh.group("sp"), mesh.size("tp"))
     # a split model's units hold each rank's tp parts: the skeleton's (local) shapes
     plan, groups = _plan(model if tensor is None else skeleton, zero.stage, unit_modules, param_groups, mesh.zero)
     if tensor is not None:

@@ -7,7 +7,8 @@ innermost (a tensor-parallel group's ranks are neighbours), so with ``sp = tp = 
 a torch ``DeviceMesh`` the user gives, and the program carries it; every collective is then given one of its
 :class:`~dsfunc.distributed.comm.Group` s. ZeRO shards and reduces over ``dp x sp`` (parameters are replicated
 over ``sp``, as DeepSpeed folds sequence parallelism into ZeRO's group); the config's batch sizes count ``dp``.
-``ep`` is reserved for expert parallelism.
+``ep`` is reserved for expert parallelism. Pipeline stages take the data-parallel rest of the world: they do not
+compose with ``tp`` or ``sp`` yet (:func:`pipeline_mesh` refuses them by name).
 """
 
 from __future__ import annotations
@@ -139,19 +140,23 @@ def from_device_mesh(device_mesh: DeviceMesh, *, flatten: bool = True) -> Mesh:
     return Mesh(sizes, device_mesh, groups)
 
 
-def pipeline_mesh(stages: int, data: comm.Group) -> Mesh:
-    """The mesh of a pipelined run, whose stages and data-parallel groups :mod:`dsfunc.pipeline.topology` made."""
+def pipeline_mesh(stages: int, data: comm.Group, config: Any) -> Mesh:
+    """The mesh of a pipelined run, whose stages and data-parallel groups :mod:`dsfunc.pipeline.topology` made;
+    a config that also asks for tensor or sequence parallelism is refused (a stage is not split further yet)."""
+    tensor, sp, _ = mesh_sections(config)
+    asked = {key: n for key, n in (("tensor_parallel.autotp_size", tensor.size), ("sequence_parallel_size", sp)) if n > 1}
+    if asked:
+        raise NotSupportedError(
+            f"pipeline stages with {' and '.join(f'{k} {n}' for k, n in asked.items())} are not supported by dsfunc "
+            "yet: a stage's layers are not split over tp or sp ranks (the stages take the data-parallel rest of the "
+            f"world). Drop {' and '.join(asked)}, or the pipeline (tp x sp x dp composes with ZeRO 1-3)")
     return Mesh({"pp": stages, "dp": data.size, "sp": 1, "tp": 1}, None, {"dp": data, ZERO: data})
 
 
 def run_mesh(config: Any, given: Mesh | DeviceMesh | None, device: torch.device) -> Mesh:
     """The mesh of an unpipelined run: ``given`` (checked against the config's axes), or the one the config
     describes over the current world."""
-    tensor, sp, pipeline = mesh_sections(config)
-    if pipeline.stages is not None and pipeline.stages > 1:
-        raise NotSupportedError("a mesh with pipeline stages and other axes is not supported by dsfunc yet; pipeline "
-                                "stages take the data-parallel rest of the world (drop tensor_parallel / "
-                                "sequence_parallel_size, or the pipeline)")
+    tensor, sp, _ = mesh_sections(config)
     if given is None:
         return make_mesh(tp=tensor.size, sp=sp, device_type=device.type)
     mesh = given if isinstance(given, Mesh) else from_device_mesh(given)

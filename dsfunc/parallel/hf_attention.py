@@ -25,11 +25,12 @@ from dsfunc.parallel.ulysses import UlyssesAttention, check_heads, ulysses
 _NAMES = itertools.count()  # one registered name per routed model
 
 
-def sequence_parallel(model: nn.Module, loss_fn: LossFn | None, group: Group) -> LossFn:
+def sequence_parallel(model: nn.Module, loss_fn: LossFn | None, group: Group, tp: int = 1) -> LossFn:
     """Route ``model``'s attention through Ulysses over ``group`` (a Hugging Face model's; any other model must
-    hold a :class:`UlyssesAttention`) and return the loss over the sequence split across ``group``."""
+    hold a :class:`UlyssesAttention`) and return the loss over the sequence split across ``group``; ``tp``: the
+    tensor-parallel ranks each layer's heads are already split over."""
     if _config(model) is not None:
-        route_attention(model, group)
+        route_attention(model, group, tp)
     elif not any(isinstance(m, UlyssesAttention) for m in model.modules()):
         raise InputError(f"sequence_parallel_size {group.size}: {type(model).__name__} is not a Hugging Face model "
                          "(no config._attn_implementation) and holds no UlyssesAttention / DistributedAttention; wrap "
@@ -37,22 +38,23 @@ def sequence_parallel(model: nn.Module, loss_fn: LossFn | None, group: Group) ->
     return sequence_parallel_loss(loss_fn, group)
 
 
-def check_config(config: Any, sp: int) -> None:
-    """Raise unless the Hugging Face ``config``'s heads split over ``sp`` ranks."""
+def check_config(config: Any, sp: int, tp: int = 1) -> None:
+    """Raise unless the Hugging Face ``config``'s heads, split over ``tp`` ranks (whole: tensor parallelism
+    checks that), split over ``sp`` ranks."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = text.num_attention_heads
-    check_heads(heads, getattr(text, "num_key_value_heads", None) or heads, sp)
+    check_heads(heads // tp, (getattr(text, "num_key_value_heads", None) or heads) // tp, sp, tp)
 
 
-def route_attention(model: nn.Module, group: Group) -> None:
+def route_attention(model: nn.Module, group: Group, tp: int = 1) -> None:
     """Point ``model``'s attention at the Ulysses form of its function (once: a model already routed, or whose
-    function is already Ulysses', is left as it is)."""
+    function is already Ulysses', is left as it is); ``tp`` as in :func:`sequence_parallel`."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config = _config(model)
     name = config._attn_implementation
-    check_config(config, group.size)
+    check_config(config, group.size, tp)
     attn = _function(name)
     if hasattr(attn, "ulysses_inner"):
         return

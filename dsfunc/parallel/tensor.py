@@ -54,6 +54,11 @@ class TensorParallel:
             return value
         value = value.detach().clone()
         comm.broadcast(value, self.group)
+        return self.local_part(name, value)
+
+    def local_part(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """This rank's part of parameter ``name``'s whole ``value`` (a view; no collective)."""
+        spec = self.split.get(name)
         for placement in spec.placements if spec is not None else ():
             if isinstance(placement, Shard):
                 value = value.chunk(self.group.size, placement.dim)[self.group.rank]

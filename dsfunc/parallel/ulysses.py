@@ -59,16 +59,19 @@ def all_to_all(x: Tensor, scatter: int, gather: int, group: Group) -> Tensor:
     return _AllToAll.apply(x, scatter, gather, group)
 
 
-def check_heads(heads: int, kv_heads: int, sp: int) -> None:
-    """Raise unless ``heads`` query heads and ``kv_heads`` key/value heads can be split over ``sp`` ranks."""
+def check_heads(heads: int, kv_heads: int, sp: int, tp: int = 1) -> None:
+    """Raise unless ``heads`` query heads and ``kv_heads`` key/value heads can be split over ``sp`` ranks (the
+    heads of one tensor-parallel rank, of ``tp``: Ulysses splits what tensor parallelism left each rank)."""
+    where = f" per tensor-parallel rank (autotp_size {tp})" if tp > 1 else ""
+    fix = "sequence_parallel_size" + (" or autotp_size" if tp > 1 else "")
     if heads % sp:
         raise InputError(f"Ulysses sequence parallelism splits attention heads over the sequence_parallel_size: "
-                         f"{heads} attention heads do not divide by {sp}; choose a sequence_parallel_size that "
-                         f"divides the head count")
+                         f"{heads} attention heads{where} do not divide by {sp}; choose a {fix} that leaves a head "
+                         "count it divides")
     if kv_heads % sp and sp % kv_heads:
-        raise InputError(f"Ulysses sequence parallelism: {kv_heads} key/value heads and sequence_parallel_size {sp} "
-                         "must divide one another (each rank takes kv_heads/sp heads, or each head is repeated "
-                         "sp/kv_heads times); choose another sequence_parallel_size")
+        raise InputError(f"Ulysses sequence parallelism: {kv_heads} key/value heads{where} and sequence_parallel_size "
+                         f"{sp} must divide one another (each rank takes kv_heads/sp heads, or each head is repeated "
+                         f"sp/kv_heads times); choose another {fix}")
 
 
 def gather_sequence(x: Tensor, group: Group, dim: int = 1) -> Tensor:

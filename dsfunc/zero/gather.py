@@ -33,6 +33,7 @@ import torch
 
 from dsfunc.config.dtypes import SIXTEEN_BIT
 from dsfunc.distributed import comm
+from dsfunc.errors import InputError
 from dsfunc.zero.binding import Binding
 from dsfunc.zero.layout import ShardingPlan, Unit, unit_views
 from dsfunc.zero.placeholders import ZeroParamStatus
@@ -281,11 +282,27 @@ class Workspace:
 
     @torch.no_grad()
     def commit_master(self, units: Iterable[Unit], src: int) -> None:
-        """End :meth:`expose_master` for ``units``: rank ``src``'s values (what the script wrote there)
-        become every rank's master, and the compute copies are rebuilt from them."""
+        """End :meth:`expose_master` for ``units``: the values rank ``src`` of each unit's own group wrote there
+        become the master of every rank of that group, and the compute copies are rebuilt from them.
+
+        As DeepSpeed's ``GatheredParameters(modifier_rank=src)``, ``src`` counts within the group a parameter is
+        partitioned over: an expert unit's is its expert-data-parallel group (the ranks holding the same experts),
+        so each ep position keeps its own experts, written by its group's rank ``src``."""
+        units = list(units)
+        outside = [u.name for u in units if not 0 <= src < self.plan.group_of(u).size]
+        if outside:
+            for unit in units:  # the writes are dropped: every rank keeps its master
+                self._exposure.master.pop(unit.name)
+            self.refresh(self.master)
+            sizes = sorted({self.plan.group_of(u).size for u in units})
+            raise InputError(
+                f"GatheredParameters(modifier_rank={src}): {outside} are partitioned over groups of {sizes} ranks "
+                "(an expert's: its expert-data-parallel ranks), and modifier_rank counts within that group, as in "
+                "DeepSpeed; the writes were dropped. Use a modifier_rank below the group's size, or gather the "
+                "expert parameters in a context of their own")
         for unit in units:
             full = self._exposure.master.pop(unit.name)
-            comm.broadcast(full, self.plan.group, src=src)
+            comm.broadcast(full, self.plan.group_of(unit), src=src)
             master = self.master[unit.name]
             if full is not master:  # sharded, or offloaded
                 start = self.plan.shard_bounds(unit)[0]

@@ -1,6 +1,8 @@
 """DeepSpeed's own AutoTP checkpoint (real DeepSpeed 0.19.8 on CPU: ``tensor_parallel.autotp_size`` 2 at ZeRO 1, two
 gloo ranks, each writing its tp part) loads into dsfunc as the global model and trains on like DeepSpeed: AdamW with
-clipping, its moments joined from both tp ranks' optimizer files; ``dsfunc export`` writes the global model."""
+clipping, its moments joined from both tp ranks' optimizer files; ``dsfunc export`` writes the global model. It loads
+into a dsfunc state at tp 2 and tp 2 x dp 2 too (each rank slicing its parts out of the global model) and trains on
+alike. DeepSpeed runs once for the module."""
 
 from __future__ import annotations
 
@@ -51,8 +53,47 @@ def deepspeed_autotp(rank: int, world: int, save_dir: str) -> dict:
     return {"losses": losses[SAVED:]}
 
 
-def test_deepspeed_autotp_checkpoint_loads_and_trains_on_like_deepspeed(tmp_path):
-    want = run_world(deepspeed_autotp, 2, str(tmp_path), timeout=900)[0]["losses"]
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple:
+    """DeepSpeed's checkpoint folder and its losses after the save."""
+    folder = tmp_path_factory.mktemp("autotp")
+    return folder, run_world(deepspeed_autotp, 2, str(folder), timeout=900)[0]["losses"]
+
+
+def dsfunc_tp(rank: int, world: int, save_dir: str) -> dict:
+    """dsfunc at tp 2 (the engine, as a DeepSpeed script spells it): load, MORE steps; its losses, and the global
+    model it loaded."""
+    engine, *_ = dsfunc.initialize(model=runs.llama(), config={**CONFIG, "tensor_parallel": {"autotp_size": 2}})
+    engine.load_checkpoint(save_dir)
+    loaded = dsfunc.full_params(engine.state)
+    losses = []
+    for step in range(SAVED, SAVED + MORE):
+        total = 0.0
+        for micro in range(2):
+            loss = engine(**{k: v.chunk(2)[micro] for k, v in _batch(step).items()}).loss
+            engine.backward(loss)
+            engine.step()
+            total += float(loss) / 2
+        losses.append(total)
+    return {"losses": losses, "loaded": loaded, "step": int(engine.state.step)}
+
+
+def dsfunc_tp_dp(rank: int, world: int, save_dir: str) -> dict:
+    """dsfunc at tp 2 x dp 2 (the functional API; ZeRO's shards cut the tp-local parameters): load, MORE steps on
+    this rank's data-parallel slice of each batch; its losses, and the global model it loaded."""
+    config = {**CONFIG, "tensor_parallel": {"autotp_size": 2}}
+    state, _ = dsfunc.load_checkpoint(save_dir, dsfunc.init_state(runs.llama(), config))
+    loaded = dsfunc.full_params(state)
+    dp = state.program.mesh.group("dp")
+    losses = []
+    for step in range(SAVED, SAVED + MORE):
+        state = dsfunc.train_step(state, {k: v.chunk(dp.size)[dp.rank] for k, v in _batch(step).items()})
+        losses.append(float(state.metrics.loss))
+    return {"losses": losses, "loaded": loaded, "step": int(state.step)}
+
+
+def test_deepspeed_autotp_checkpoint_loads_and_trains_on_like_deepspeed(saved):
+    tmp_path, want = saved
     assert sorted(p.name for p in (tmp_path / f"global_step{SAVED}").iterdir() if "mp_rank_01" in p.name) == [
         "mp_rank_01_model_states.pt", "zero_pp_rank_0_mp_rank_01_optim_states.pt"]
     state, _ = dsfunc.load_checkpoint(tmp_path, dsfunc.init_state(runs.llama(), CONFIG))
@@ -68,3 +109,14 @@ def test_deepspeed_autotp_checkpoint_loads_and_trains_on_like_deepspeed(tmp_path
     assert losses[-1] < losses[0] - 1e-3  # it trains on: a wrong moment would show in the later losses
     for got, expected in zip(losses, want):
         assert abs(got - expected) <= 1e-5 * abs(expected), (losses, want)
+
+
+@pytest.mark.parametrize(("run", "world"), [(dsfunc_tp, 2), (dsfunc_tp_dp, 4)])
+def test_deepspeed_autotp_checkpoint_loads_at_tp2_and_trains_on_like_deepspeed(saved, run, world):
+    tmp_path, want = saved
+    whole = dsfunc.full_params(dsfunc.load_checkpoint(tmp_path, dsfunc.init_state(runs.llama(), CONFIG))[0])
+    for got in run_world(run, world, str(tmp_path), timeout=900):
+        assert got["step"] == SAVED + MORE
+        assert got["loaded"].keys() == whole.keys() and all(torch.equal(got["loaded"][k], whole[k]) for k in whole)
+        for loss, expected in zip(got["losses"], want, strict=True):
+            assert abs(loss - expected) <= 1e-5 * abs(expected), (got["losses"], want)

@@ -6,7 +6,8 @@ and the model states record, in ``universal_checkpoint_info["affine_map"]``, whe
 global parameter: its shape, and the offset and strides of its first element in the flattened global tensor
 (``deepspeed/module_inject/autotp_config.py`` and ``checkpoint/``, 0.19.8). The pieces of each tp rank's part
 are placed there: a column-parallel part is one run of the global tensor, a row-parallel part one run per row.
-A part that several ranks hold (a replicated norm) is read from the first of them.
+A part that several ranks hold (a replicated norm) is read from the first of them. The joined index is the
+global model's, so a state without tp and a tp state (each rank slicing its part out, :mod:`.mapping`) load it alike.
 """
 
 from __future__ import annotations

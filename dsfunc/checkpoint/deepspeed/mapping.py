@@ -16,7 +16,9 @@ fp16 ``DynamicLossScaler``                  ``scaler/*`` (fp16 with a dynamic sc
 module buffers, frozen parameters           ``buffers/<name>``
 ==========================================  ================================================================
 
-The dropout seed and the metrics stay the template's (DeepSpeed saves neither).
+The dropout seed and the metrics stay the template's (DeepSpeed saves neither). A tensor-parallel template
+matches the checkpoint's global shapes; each of its split parameters is read whole and this tp rank's part
+sliced out (:meth:`dsfunc.parallel.tensor.TensorParallel.local_part`), whatever tp the checkpoint was saved at.
 
 [Note: a unit at a time]
 The template is filled one unit at a time: for each unit, host staging buffers of this rank's slice (one
@@ -37,12 +39,15 @@ import torch
 from dsfunc.checkpoint.compat import Selection, differences
 from dsfunc.checkpoint.deepspeed.contents import DeepSpeedCheckpoint
 from dsfunc.checkpoint.deepspeed.shards import EXP_AVG, EXP_AVG_SQ, MASTER, Request
-from dsfunc.checkpoint.errors import CheckpointMismatchError, CheckpointUnsupportedError
+from dsfunc.checkpoint.errors import CheckpointMismatchError
 from dsfunc.checkpoint.keys import entries
 from dsfunc.checkpoint.metadata import precision
+from dsfunc.checkpoint.per_param import global_shape
 from dsfunc.optim.from_config import lr_schedule
 from dsfunc.optim.transforms import ScaleByAdamState, ScheduleState
+from dsfunc.parallel.tensor import TensorParallel
 from dsfunc.state import TrainState
+from dsfunc.zero.layout import ParamSlot
 
 
 @dataclasses.dataclass
@@ -77,11 +82,6 @@ class ImportPlan:
 def plan_import(ckpt: DeepSpeedCheckpoint, state: TrainState, selection: Selection) -> ImportPlan:
     """Check ``ckpt`` against the template; raise :class:`CheckpointMismatchError` naming what differs."""
     parts = frozenset(selection.parts())
-    if state.program.tensor is not None:
-        raise CheckpointUnsupportedError(
-            f"importing the DeepSpeed checkpoint {ckpt.folder} into a tensor-parallel state is not supported by "
-            "dsfunc yet: load it at tensor_parallel.autotp_size 1 (any data-parallel size) and save it with "
-            "dsfunc.save_checkpoint, which loads at any tp")
     names = _match_names(ckpt, state)
     adams = _adam_states(ckpt, state) if "optimizer" in parts else ()
     schedules: tuple[ScheduleState, ...] = ()
@@ -116,7 +116,7 @@ def _match_names(ckpt: DeepSpeedCheckpoint, state: TrainState) -> dict[str, str]
     mine: dict[str, tuple[int, ...]] = {}
     for unit in program.plan.units:
         for slot in unit.params:
-            mine[slot.name] = tuple(slot.shape)
+            mine[slot.name] = global_shape(state, slot)  # a tp state's split parameters: the whole model's
             canonical.update({alias: slot.name for alias in slot.aliases})
     for name in program.plan.frozen:
         mine[name] = tuple(state.buffers[name].shape)
@@ -179,7 +179,7 @@ def fill(ckpt: DeepSpeedCheckpoint, state: TrainState, plan: ImportPlan) -> None
 @torch.no_grad()
 def _fill_unit(ckpt: DeepSpeedCheckpoint, state: TrainState, unit: Any, quantities: dict[str, Any],
                names: dict[str, str]) -> None:
-    plan = state.program.plan
+    plan, tensor = state.program.plan, state.program.tensor
     start, stop = plan.local_range(unit)
     staging = {q: torch.empty(stop - start, dtype=torch.float32) for q in quantities}
     held = (stop - start) * len(staging)
@@ -190,7 +190,11 @@ def _fill_unit(ckpt: DeepSpeedCheckpoint, state: TrainState, unit: Any, quantiti
             lo, hi = max(start, slot.offset), min(stop, slot.offset + slot.numel)
             if lo < hi:
                 views = {q: s[lo - start : hi - start] for q, s in staging.items()}
-                requests.append(Request(names[slot.name], lo - slot.offset, hi - slot.offset, views))
+                request = Request(names[slot.name], lo - slot.offset, hi - slot.offset, views)
+                if tensor is not None and slot.name in tensor.split:
+                    _read_split(ckpt, tensor, slot, request)
+                else:
+                    requests.append(request)
         ckpt.index.read(requests)
         for q, tensors in quantities.items():
             target = tensors[unit.name]
@@ -198,6 +202,20 @@ def _fill_unit(ckpt: DeepSpeedCheckpoint, state: TrainState, unit: Any, quantiti
             target[stop - start :].zero_()  # the padding tail stays zero
     finally:
         IMPORT_STATS.release(held)
+
+
+def _read_split(ckpt: DeepSpeedCheckpoint, tensor: TensorParallel, slot: ParamSlot, request: Request) -> None:
+    """Fill ``request`` (elements of ``slot``'s tp-local part) from the whole parameter, read one quantity at a
+    time (it stays held while read: the staging of one global parameter), and this rank's part of it sliced out."""
+    whole = torch.empty(tensor.split[slot.name].shape, dtype=torch.float32)
+    IMPORT_STATS.hold(whole.numel())
+    try:
+        for quantity, view in request.views.items():
+            ckpt.index.read([Request(request.name, 0, whole.numel(), {quantity: whole.view(-1)})])
+            part = tensor.local_part(slot.name, whole).reshape(-1)
+            view.copy_(part[request.lo : request.hi])
+    finally:
+        IMPORT_STATS.release(whole.numel())
 
 
 @torch.no_grad()
