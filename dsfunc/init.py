@@ -44,6 +44,7 @@ from dsfunc.errors import InputError, NotSupportedError
 from dsfunc.experts.autoep import apply_autoep, expert_units
 from dsfunc.experts.ep_block import ExpertParallelBlock
 from dsfunc.experts.layer import MoE, bind_experts
+from dsfunc.experts.placement import expert_split, whole_values
 from dsfunc.frozen import FrozenDict
 from dsfunc.graphs import GraphedStep
 from dsfunc.launcher.cores import THREADS_VARIABLE, busy_cores, threads_per_rank
@@ -303,7 +304,7 @@ def _plan(model: nn.Module, stage: int, unit_modules: Sequence[str] | None, para
     experts a unit reduced over their expert-data-parallel ranks, and the groups in order."""
     groups = param_groups.order(n for n, p in model.named_parameters() if p.requires_grad) if param_groups else []
     found = bind_experts(model) | expert_units(model)
-    experts = {path: comm.Group.of(g.data) for path, g in found.items() if g.data is not None}
+    experts = {path: None if g.data is None else comm.Group.of(g.data) for path, g in found.items()}
     plan = make_plan(model, stage=stage, group=group, unit_modules=unit_modules,
                      labels=param_groups.label_of if len(groups) > 1 else None, unit_groups=experts)
     return plan, groups
@@ -442,19 +443,25 @@ def _full_params(state: TrainState) -> dict[str, torch.Tensor]:
     program = state.program
     plan = program.plan
     out: dict[str, torch.Tensor] = {}
+    experts: dict[str, list[str]] = {}  # an expert unit's first local name: the names of every ep rank's experts
     for unit in plan.units:
         shard = state.params[unit.name].to(program.device)  # an offloaded master is gathered on the device
         flat = torch.empty(plan.padded_size(unit), dtype=shard.dtype, device=shard.device)  # bf16 masters: bf16
         comm.all_gather_flat(flat, shard, plan.group_of(unit)) if plan.ways > 1 else flat.copy_(shard)
-        for slot, view in zip(unit.params, unit_views(unit, flat)):
-            value = view if program.tensor is None else program.tensor.full_value(slot.name, view)
+        if program.tensor is not None:
+            values = [(slot.aliases, program.tensor.full_value(slot.name, view))
+                      for slot, view in zip(unit.params, unit_views(unit, flat))]
+        else:  # each expert under its place in the whole model
+            values = whole_values(expert_split(program.skeleton, unit), unit, flat[: unit.numel])
+            experts[unit.params[0].aliases[0]] = [a for aliases, _ in values for a in aliases]
+        for aliases, value in values:
             value = value.to(torch.float32, copy=True)  # bf16 masters come out in fp32, as every other's
-            for alias in slot.aliases:
-                out[alias] = value if len(slot.aliases) == 1 else value.clone()
+            for alias in aliases:
+                out[alias] = value if len(aliases) == 1 else value.clone()
     for name in program.persistent_buffers + plan.frozen:
         out[name] = state.buffers[name].detach().clone()
-    order = [k for k, _ in program.skeleton.state_dict(keep_vars=True).items()]
-    return {k: out[k] for k in order if k in out}
+    order = [n for k in program.skeleton.state_dict(keep_vars=True) for n in experts.get(k, [k])]
+    return {k: out[k] for k in dict.fromkeys(order) if k in out}
 
 
 def _compile_options(cfg: Config, compile: bool | Mapping[str, Any] | None) -> CompileConfig:

@@ -30,7 +30,7 @@ from dsfunc.checkpoint.tags import PathLike, check_tag, find_checkpoint
 from dsfunc.checkpoint.trust import pickle_client_state, read_client_state
 from dsfunc.distributed import comm
 from dsfunc.distributed.process_group import check_one_world
-from dsfunc.errors import InputError, InputTypeError, NotSupportedError
+from dsfunc.errors import InputError, InputTypeError
 from dsfunc.state import TrainState
 
 DEFAULT_TIMEOUT = 300.0  # seconds every rank gets to arrive at a save or load
@@ -95,7 +95,8 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
     """Load a checkpoint into the template ``state``; every rank must call it.
 
     The template is a fresh :func:`dsfunc.init_state` of the same model at any world size, ZeRO stage
-    or precision; it is donated (its tensors are filled in place and belong to the returned state).
+    or precision (and, for MoE experts, any expert-parallel degree); it is donated (its tensors are filled in
+    place and belong to the returned state).
 
     A DeepSpeed checkpoint (the ``save_dir`` of DeepSpeed's ``engine.save_checkpoint``, ZeRO stages 0-3, at
     any world size) loads the same way: its fp32 master weights, Adam moments and step count, lr scheduler
@@ -177,10 +178,6 @@ def _check_state(state: Any, caller: str) -> None:
     if not isinstance(state, TrainState):
         raise InputTypeError(f"{caller} expects a TrainState from dsfunc.init_state, got {type(state).__name__}")
     state.check_usable()
-    experts = [u.name for u in state.program.plan.units if u.group is not None]
-    if experts:  # each rank holds other experts under the same names: a checkpoint would keep one rank's
-        raise NotSupportedError(f"{caller} with expert-parallel MoE layers (units {experts[:3]}) is not supported by "
-                                "dsfunc yet: checkpoints per expert come with a later release")
 
 
 def _executor() -> ThreadPoolExecutor:

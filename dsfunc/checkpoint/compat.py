@@ -10,7 +10,7 @@ from typing import Any
 from dsfunc.checkpoint.errors import CheckpointMismatchError
 from dsfunc.checkpoint.keys import entries
 from dsfunc.checkpoint.metadata import precision
-from dsfunc.checkpoint.per_param import LAYOUT, global_shape
+from dsfunc.checkpoint.per_param import LAYOUT, uses_per_param, whole_params
 from dsfunc.state import TrainState
 
 
@@ -39,7 +39,7 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
     plan = state.program.plan
     saved = {p["name"]: tuple(p["shape"]) for u in meta["units"] for p in u["params"]}
     saved.update({f"{n} (buffer)": tuple(b["shape"]) for n, b in meta["buffers"].items()})
-    mine = {s.name: global_shape(state, s) for u in plan.units for s in u.params}
+    mine = {name: shape for u in plan.units for name, shape, _ in whole_params(state, u)}
     mine.update({f"{n} (buffer)": tuple(t.shape) for n, t in state.buffers.items()})
     pipelined = state.program.run.pipeline is not None
     if pipelined:  # a pipeline stage holds part of the model: the rest of the checkpoint is the other stages'
@@ -51,7 +51,7 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
             + "\nBuild the template state from the model the checkpoint was saved from."
         )
     saved_units = [(u["name"], [p["name"] for p in u["params"]]) for u in meta["units"]]
-    my_units = [(u.name, [s.name for s in u.params]) for u in plan.units]
+    my_units = [(u.name, [name for name, _, _ in whole_params(state, u)]) for u in plan.units]
     if pipelined:
         saved_units = [u for u in saved_units if u[0] in {name for name, _ in my_units}]
     if saved_units != my_units:
@@ -79,11 +79,14 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
             "saved with, or pass load_optimizer_states=False to load everything else and start this "
             "optimizer fresh (its LR schedule restarts too)."
         )
-    if state.program.tensor is not None and meta.get("layout", "units") != LAYOUT:
+    if uses_per_param(state) and meta.get("layout", "units") != LAYOUT:
+        tp = state.program.tensor is not None
         raise CheckpointMismatchError(
-            f"the checkpoint {folder} holds each unit as one flat vector (saved without tensor parallelism), which a "
-            "tensor-parallel state cannot take yet: load it at tensor_parallel.autotp_size 1 and save it again, "
-            "or export it (dsfunc export) and build the tp state from the exported weights"
+            f"the checkpoint {folder} holds each unit as one flat vector (saved without tensor parallelism"
+            f"{'' if tp else ' or MoE experts, by an earlier dsfunc'}), which a "
+            f"{'tensor-parallel state' if tp else 'state with MoE experts'} cannot take yet: "
+            f"{'load it at tensor_parallel.autotp_size 1 and save it again, or ' if tp else ''}export it "
+            "(dsfunc export) and build the state from the exported weights"
         )
     absent = sorted(wanted(meta, state, selection) - unit_tensors(meta).keys())
     if absent:

@@ -29,9 +29,10 @@ from dsfunc.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from dsfunc.checkpoint.files import NotRegularFileError, open_regular
 from dsfunc.checkpoint.keys import entries
 from dsfunc.checkpoint.paths import META_DATA, META_FILE, OWNER_FILE
-from dsfunc.checkpoint.per_param import LAYOUT, global_offsets, global_shape, param_key, uses_per_param
+from dsfunc.checkpoint.per_param import LAYOUT, param_key, uses_per_param, whole_params
 from dsfunc.checkpoint.tags import available_tags
 from dsfunc.distributed import comm
+from dsfunc.experts.placement import expert_split
 from dsfunc.frozen import thaw
 from dsfunc.state import TrainState
 from dsfunc.version import package_version
@@ -52,10 +53,18 @@ def _describe(state: TrainState, tag: str) -> dict[str, Any]:
     program = state.program
     plan, cfg = program.plan, program.config
     param_of = {alias: slot.name for unit in plan.units for slot in unit.params for alias in slot.aliases}
+    unit_of = {alias: unit for unit in plan.units for slot in unit.params for alias in slot.aliases}
+    whole = {unit.name: whole_params(state, unit) for unit in plan.units}
+    experts = {unit.name for unit in plan.units if expert_split(state.program.skeleton, unit) is not None}
     kept = set(program.persistent_buffers) | set(plan.frozen)
-    state_dict = []
+    state_dict: list[list[str]] = []
+    listed: set[str] = set()
     for key in program.skeleton.state_dict(keep_vars=True):
-        if key in param_of:
+        if key in param_of and unit_of[key].name in experts:  # every rank's experts, where this rank's first are
+            if unit_of[key].name not in listed:
+                listed.add(unit_of[key].name)
+                state_dict += [[a, "param", name] for name, _, aliases in whole[unit_of[key].name] for a in aliases]
+        elif key in param_of:
             state_dict.append([key, "param", param_of[key]])
         elif key in kept:
             state_dict.append([key, "buffer", key])
@@ -66,17 +75,17 @@ def _describe(state: TrainState, tag: str) -> dict[str, Any]:
         if e.unit is None:
             tensors[e.key] = {"unit": None, "shape": list(e.tensor.shape), "dtype": dtype}
         elif per_param:
-            for slot in plan.unit(e.unit).params:
-                tensors[param_key(e.key, slot)] = {"unit": e.unit, "param": slot.name,
-                                                   "shape": list(global_shape(state, slot)), "dtype": dtype}
+            for name, shape, _ in whole[e.unit]:
+                tensors[param_key(e.key, name)] = {"unit": e.unit, "param": name, "shape": list(shape), "dtype": dtype}
         else:
             tensors[e.key] = {"unit": e.unit, "shape": [plan.unit(e.unit).numel], "dtype": dtype}
     units = []
     for u in plan.units:
-        offsets = global_offsets(state, u)
-        params = [{"name": s.name, "shape": list(global_shape(state, s)), "offset": offset, "aliases": list(s.aliases)}
-                  for s, offset in zip(u.params, offsets)]
-        units.append({"name": u.name, "numel": offsets[-1] + math.prod(params[-1]["shape"]), "params": params})
+        params, offset = [], 0
+        for name, shape, aliases in whole[u.name]:
+            params.append({"name": name, "shape": list(shape), "offset": offset, "aliases": list(aliases)})
+            offset += math.prod(shape)
+        units.append({"name": u.name, "numel": offset, "params": params})
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

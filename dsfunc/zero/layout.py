@@ -167,8 +167,9 @@ def make_plan(
     modules merge the units inside them, at every stage, :mod:`dsfunc.zero.leaf`).
 
     ``labels`` maps a parameter's (first) name to its group: units are then split by group. ``unit_groups``
-    maps modules whose parameters are reduced over ranks of their own (experts) to that process group: each is
-    a unit of its own, even inside another unit's module, sharded over that group at stages 1-3.
+    maps modules whose parameters are reduced over ranks of their own (experts) to that process group (None in one
+    process: still a unit of its own, so the units are the same at every ep degree): each is a unit of its own, even
+    inside another unit's module, sharded over that group at stages 1-3.
     """
     unit_groups = dict(unit_groups or {})
     modules = leaf_units(model, find_unit_modules(model) if unit_modules is None else unit_modules)

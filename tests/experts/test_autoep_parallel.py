@@ -2,7 +2,7 @@
 over 2 x 2 ranks (ep 2, each slice replicated on 2 data-parallel ranks; at ZeRO 0, 2 and 3: the experts sharded
 over their expert-data-parallel ranks, the rest over all), on gloo, equal to the unmodified
 Hugging Face model trained in one process on the same global batches (same initial weights, AdamW or SGD with
-momentum, gradient clipping on)."""
+momentum, gradient clipping on). A checkpoint of ep 2 loads in one process and trains on as the HF model."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from tests.multiprocess import run_world
 STEPS = 3
 
 
-def _train(rank: int, world: int, family: str, ep: int, optimizer: str, one_token: bool, stage: int = 0) -> dict:
+def _train(rank: int, world: int, family: str, ep: int, optimizer: str, one_token: bool, stage: int = 0,
+           folder: str | None = None) -> dict:
     model = hf_moe.build(family)
     config = hf_moe.config(world, optimizer, expert_parallel={"enabled": True, "autoep_size": ep},
                            zero_optimization={"stage": stage})
@@ -31,9 +32,10 @@ def _train(rank: int, world: int, family: str, ep: int, optimizer: str, one_toke
         counts.append([torch.bincount(torch.topk(x, 2).indices.flatten(), minlength=4).tolist() for x in logits])
         state = dsfunc.train_step(state, {"input_ids": ids, "labels": ids})
         losses.append(float(state.metrics.loss))
-    first = blocks[0].groups.ep_ranks.index(rank) * (4 // ep)
+    if folder is not None:
+        dsfunc.save_checkpoint(state, folder)
     units = {u.name: u.group is not None for u in state.program.plan.units}
-    return {"losses": losses, "params": dsfunc.full_params(state), "first": first, "units": units, "counts": counts,
+    return {"losses": losses, "params": dsfunc.full_params(state), "units": units, "counts": counts,
             "local": blocks[0].experts.gate_up_proj.shape[0]}
 
 
@@ -44,15 +46,25 @@ def _check(results: list[dict], family: str, world: int, ep: int, optimizer: str
     assert results[0]["units"]["model.layers.0.mlp.experts"] is (world > 1)
     for r in results:
         assert r["local"] == 4 // ep
-        for name, value in params.items():
-            if ".experts." in name:  # this rank's slice of the experts
-                value = value[r["first"]:r["first"] + 4 // ep]
+        assert r["params"].keys() == params.keys()
+        for name, value in params.items():  # every rank's experts: full_params is the whole model
             assert hf_moe.relative(r["params"][name], value) <= 1e-4, name
 
 
 @pytest.mark.parametrize(("family", "optimizer"), [("qwen3_moe", "adamw"), ("mixtral", "sgd")])
-def test_ep2_equals_one_process(family, optimizer):
-    _check(run_world(_train, 2, family, 2, optimizer, False), family, 2, 2, optimizer)
+def test_ep2_equals_one_process_and_its_checkpoint_loads_at_ep1(tmp_path, family, optimizer):
+    results = run_world(_train, 2, family, 2, optimizer, False, 0, str(tmp_path))
+    _check(results, family, 2, 2, optimizer)
+    # each rank saved its slice of the stacked experts: one process (AutoEP of 1) reads them all, optimizer state too
+    config = hf_moe.config(2, optimizer, expert_parallel={"enabled": True, "autoep_size": 1})
+    state, _ = dsfunc.load_checkpoint(tmp_path, dsfunc.init_state(hf_moe.build(family), config))
+    loaded = dsfunc.full_params(state)
+    assert loaded.keys() == results[0]["params"].keys()
+    assert all(torch.equal(loaded[k], v) for k, v in results[0]["params"].items())
+    ids = hf_moe.batch(STEPS, hf_moe.MICRO * 2)
+    state = dsfunc.train_step(state, {"input_ids": ids, "labels": ids})
+    _, params = hf_moe.reference(family, 2, optimizer, STEPS + 1)
+    assert all(hf_moe.relative(v, params[k]) <= 1e-4 for k, v in dsfunc.full_params(state).items())
 
 
 @pytest.mark.parametrize(("family", "optimizer", "stage"), [("qwen3_moe", "sgd", 3), ("mixtral", "adamw", 2)])

@@ -5,6 +5,8 @@ expert-data-parallel group, so each ep position keeps its own experts; an r outs
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 import dsfunc
@@ -54,6 +56,12 @@ def test_modifier_rank_writes_experts_within_their_expert_data_parallel_group():
         for i, name in enumerate(out["names"]):
             want = (modifier if name in experts else 1) + 10 * i
             assert (out["shown"][name] == want).all(), (rank, name, out["shown"][name])
-            assert (out["masters"][name] == want).all(), (rank, name)
+            if name not in experts:
+                assert (out["masters"][name] == want).all(), (rank, name)
+                continue
+            prefix, local, rest = re.match(r"(.*\.deepspeed_experts\.)(\d+)(\..*)", name).groups()
+            for ep_rank in (0, 1):  # full_params: the whole model, ep rank q's experts 2q and 2q+1 from rank 2 + q
+                whole = f"{prefix}{2 * ep_rank + int(local)}{rest}"
+                assert (out["masters"][whole] == 2 + ep_rank + 10 * i).all(), (rank, whole)
         assert "modifier_rank=2" in out["error"] and "expert-data-parallel" in out["error"], out["error"]
         assert out["kept"]

@@ -42,7 +42,7 @@ from dsfunc.checkpoint.deepspeed.shards import EXP_AVG, EXP_AVG_SQ, MASTER, Requ
 from dsfunc.checkpoint.errors import CheckpointMismatchError
 from dsfunc.checkpoint.keys import entries
 from dsfunc.checkpoint.metadata import precision
-from dsfunc.checkpoint.per_param import global_shape
+from dsfunc.checkpoint.per_param import part
 from dsfunc.optim.from_config import lr_schedule
 from dsfunc.optim.transforms import ScaleByAdamState, ScheduleState
 from dsfunc.parallel.tensor import TensorParallel
@@ -116,7 +116,7 @@ def _match_names(ckpt: DeepSpeedCheckpoint, state: TrainState) -> dict[str, str]
     mine: dict[str, tuple[int, ...]] = {}
     for unit in program.plan.units:
         for slot in unit.params:
-            mine[slot.name] = global_shape(state, slot)  # a tp state's split parameters: the whole model's
+            mine[slot.name] = part(state, unit, slot).shape  # a tp state's split parameters: the whole model's
             canonical.update({alias: slot.name for alias in slot.aliases})
     for name in program.plan.frozen:
         mine[name] = tuple(state.buffers[name].shape)
