@@ -43,7 +43,6 @@ _UNSUPPORTED_TOP: dict[str, Rule] = {
     "weight_quantization": _empty("weight quantization"),
     "expert_parallel": _empty("expert parallelism"),
     "seq_parallel_communication_data_type": _accepted(_DTYPE_NAME),  # only used by sequence parallelism
-    "managed_gradient_accumulation": _only(True, feature="unmanaged gradient accumulation"),
     "disable_python_gc": _only(False, feature="disabling Python's garbage collector"),
     "use_data_before_expert_parallelism": _only(False, feature="expert parallelism"),
     "datastates_ckpt": _only(None, False, feature="DataStates checkpointing"),

@@ -162,6 +162,9 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         ``engine.step()`` then applies the update exactly when it is True, whatever the micro-batch count.
         Several backwards before one ``step()`` are one micro-batch whose gradients add up, each backward
         divided by ``gradient_accumulation_steps`` (accelerate's loop)."""
+        if not self.config.managed_gradient_accumulation:
+            raise UsageError("set_gradient_accumulation_boundary() with managed_gradient_accumulation false: every "
+                             "engine.step() already ends the optimizer step (the script owns the boundary)")
         self.steps.boundary = bool(is_boundary)
         self.steps.place()
 
@@ -295,6 +298,7 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
                 "engine.backward(loss), engine.step() for every micro-batch"
             )
         start = self._clock()
+        backwards = self.steps.runtime.micro_backwards
         lr = self.optimizer.step_lr() if self.steps.is_boundary() else None  # a client's param_groups lr
         self._stepped = self.steps.end_micro_batch()
         if not self._stepped:
@@ -307,7 +311,10 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
                 warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\\(\\)` before", UserWarning)
                 self.lr_scheduler.step()  # as DeepSpeed: it writes the next step's lr into the param_groups
         self.tput_timer.stop(global_step=True)
-        self.global_samples += self.train_batch_size()
+        # DeepSpeed's count: a step's samples, or those of its backwards when the script owns the boundary
+        per_micro = self.train_batch_size() // self.gradient_accumulation_steps()
+        self.global_samples += self.train_batch_size() if self.config.managed_gradient_accumulation else (
+            per_micro * backwards)
         self._lap("step", start)
         self.monitor.log(new, samples=self.global_samples, tokens=self._tokens * self.world_size,
                          timings=self._timings or None)

@@ -267,6 +267,9 @@ class EngineSurface:
     def coalesce_grad_reduction(self) -> Iterator[None]:
         """All backwards inside go into one optimizer step, reduced once (as every dsfunc step already is);
         ``engine.step()`` inside is an error."""
+        if not self.state.program.config.managed_gradient_accumulation:
+            raise UsageError("engine.coalesce_grad_reduction() with managed_gradient_accumulation false: the script "
+                             "owns the accumulation boundary through engine.step() already")
         with self._without_step("engine.coalesce_grad_reduction()"):
             yield
 
