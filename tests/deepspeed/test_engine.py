@@ -409,9 +409,12 @@ def test_client_optimizer_and_scheduler_refusals():
     with pytest.raises(TypeError, match="ReduceLROnPlateau cannot be translated: it follows a validation metric"):
         initialize(model=model, optimizer=client, lr_scheduler=plateau, config=config(micro=2))
     other = torch.optim.AdamW(model.parameters())
-    with pytest.raises(ValueError, match="built on a torch optimizer the engine does not use"):
-        initialize(model=model, optimizer=client, lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 2),
-                   config=config(micro=2))
+    unrelated = torch.optim.lr_scheduler.StepLR(other, 1, gamma=0.1)  # kept, to no effect, as DeepSpeed does
+    engine, _, _, returned = initialize(model=model, optimizer=client, lr_scheduler=unrelated, config=config(micro=2))
+    assert returned is unrelated and engine.get_lr() == [client.defaults["lr"]]
+    engine.backward(engine(torch.randn(2, 6), torch.tensor([0, 1])))
+    engine.step()
+    assert engine.get_lr() == [client.defaults["lr"]] and unrelated.get_last_lr() == [other.defaults["lr"] * 0.1]
     fresh = MLP()
     client = torch.optim.AdamW(fresh.parameters())
     sched = torch.optim.lr_scheduler.StepLR(client, 2)
