@@ -447,9 +447,11 @@ def test_a_callable_scheduler_without_client_optimizer_uses_the_config_lr():
     batches = mlp_batches(5, 4)
     _, lrs = torch_run(model, lambda p: torch.optim.AdamW(p, lr=1e-3), SCHEDULERS["step"], batches)
     engine, _, _, scheduler = initialize(model=model, lr_scheduler=SCHEDULERS["step"], config=config(micro=4))
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR)  # the one the callable built, as DeepSpeed returns
     seen = []
     for x, y in batches:
-        seen.append(scheduler.get_lr()[0])
+        assert scheduler.get_last_lr() == pytest.approx(engine.get_lr(), rel=1e-6)
+        seen.append(engine.get_lr()[0])
         engine.backward(engine(x, y))
         engine.step()
     assert seen == pytest.approx(lrs, rel=1e-6)
