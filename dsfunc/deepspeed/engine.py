@@ -52,7 +52,7 @@ from dsfunc.config import parse_compile
 from dsfunc.data import DistributedLoader
 from dsfunc.deepspeed import direct, live_engines
 from dsfunc.deepspeed.engine_config import ConfigAccessors
-from dsfunc.deepspeed.engine_surface import EngineSurface
+from dsfunc.deepspeed.engine_surface import EngineSurface, ScriptOwnsBoundaryError
 from dsfunc.deepspeed.lr_schedules import engine_scheduler
 from dsfunc.deepspeed.step_in_progress import StepInProgress, transformed
 from dsfunc.deepspeed.views import EngineOptimizer, GroupView, schedule_count
@@ -163,8 +163,9 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         Several backwards before one ``step()`` are one micro-batch whose gradients add up, each backward
         divided by ``gradient_accumulation_steps`` (accelerate's loop)."""
         if not self.config.managed_gradient_accumulation:
-            raise UsageError("set_gradient_accumulation_boundary() with managed_gradient_accumulation false: every "
-                             "engine.step() already ends the optimizer step (the script owns the boundary)")
+            raise ScriptOwnsBoundaryError("set_gradient_accumulation_boundary() is not supported with "
+                                          "managed_gradient_accumulation false: every engine.step() ends the optimizer "
+                                          "step (the script owns the boundary)")
         self.steps.boundary = bool(is_boundary)
         self.steps.place()
 

@@ -186,8 +186,8 @@ def _check_unmanaged(cfg: Config, pipelined: bool) -> None:
         return
     zero = cfg.zero_optimization
     if zero.overlap_comm and zero.stage < 2:
-        raise InitializeArgumentError("managed_gradient_accumulation false takes ZeRO overlap_comm only at stages 2-3; "
-                                      f"set zero_optimization.overlap_comm false at stage {zero.stage}")
+        raise InitializeArgumentError("managed_gradient_accumulation false supports ZeRO overlap_comm only with ZeRO "
+                                      f"stage 2 or 3; set zero_optimization.overlap_comm false at stage {zero.stage}")
     if pipelined:
         raise InitializeArgumentError("managed_gradient_accumulation false is not supported with pipeline parallelism, "
                                       "whose engine ends each step itself; remove the key")
