@@ -240,6 +240,10 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
                                   local=None if tensor is None else tensor.local_value)
     if tensor is not None:
         tensor.sync(buffers)
+    if cfg.buffer_dtype is not None:  # data_types.buffer_dtype: the floating buffers cast (not frozen parameters)
+        names = {name for name, _ in model.named_buffers()}
+        buffers = {k: v.to(DTYPES[cfg.buffer_dtype]) if k in names and v.is_floating_point() else v
+                   for k, v in buffers.items()}
     if cfg.bf16.bf16_master_weights_and_grads:  # DeepSpeed's bf16 masters: the fp32 values rounded to nearest
         params = {name: p.to(torch.bfloat16) for name, p in params.items()}
     binding = Binding(skeleton, plan, buffers.keys())

@@ -1,8 +1,9 @@
 """Learning-rate schedules as pure functions of DeepSpeed's step counter.
 
 A :data:`Schedule` maps ``t`` -- DeepSpeed's ``last_batch_iteration``, an int64 0-d tensor -- to the learning rate as
-a float32 0-d tensor on the same device. It is computed with torch ops only (float64, cast at the end), so it never
-reads a value back to the host and can run inside a captured step.
+a float32 0-d tensor on the same device (float64 for a float64 ``t``: the exact value DeepSpeed reports). It is
+computed with torch ops only (float64, cast at the end), so it never reads a value back to the host and can run
+inside a captured step.
 
 Counting convention (the same as DeepSpeed's engine):
 
@@ -36,12 +37,16 @@ Schedule = Callable[[Tensor], Tensor]
 WARMUP_TYPES = ("log", "linear")
 
 
-def _f64(t: Tensor) -> Tensor:
-    return t.to(torch.float64)
+def _in_f64(schedule: Schedule) -> Schedule:
+    """``schedule`` (written for a float64 ``t``) evaluated in float64, as DeepSpeed's Python floats are, its value
+    rounded to the float32 the step uses unless ``t`` came in float64: the engine's ``get_lr()`` reports DeepSpeed's
+    value exactly (scripts compare it with the config's numbers)."""
 
+    def evaluated(t: Tensor) -> Tensor:
+        lr = schedule(t.to(torch.float64))
+        return lr if t.dtype == torch.float64 else lr.to(torch.float32)
 
-def _f32(x: Tensor) -> Tensor:
-    return x.to(torch.float32)
+    return evaluated
 
 
 def _warmup_steps(warmup_num_steps: int, where: str) -> int:
@@ -94,10 +99,10 @@ def warmup_lr(warmup_min_lr: float = 0.0, warmup_max_lr: float | None = None, wa
     min_lr = float(warmup_min_lr)
     delta = _max_lr(warmup_max_lr, base_lr, where) - min_lr
 
+    @_in_f64
     def schedule(t: Tensor) -> Tensor:
-        t = _f64(t)
         gamma = torch.where(t < n, _warmup_gamma(t, n, warmup_type), 1.0)
-        return _f32(torch.where(t < 0, min_lr, min_lr + delta * gamma))
+        return torch.where(t < 0, min_lr, min_lr + delta * gamma)
 
     return schedule
 
@@ -118,11 +123,11 @@ def warmup_decay_lr(total_num_steps: int, warmup_min_lr: float = 0.0, warmup_max
     delta = _max_lr(warmup_max_lr, base_lr, where) - min_lr
     decay_span = float(max(1.0, total_num_steps - n))
 
+    @_in_f64
     def schedule(t: Tensor) -> Tensor:
-        t = _f64(t)
         decay = ((total_num_steps - t) / decay_span).clamp_min(0.0)
         gamma = torch.where(t < n, _warmup_gamma(t, n, warmup_type), decay)
-        return _f32(torch.where(t < 0, min_lr, min_lr + delta * gamma))
+        return torch.where(t < 0, min_lr, min_lr + delta * gamma)
 
     return schedule
 
@@ -142,13 +147,13 @@ def warmup_cosine_lr(total_num_steps: int, warmup_min_ratio: float = 0.0, warmup
     wmr, cmr, base = float(warmup_min_ratio), float(cos_min_ratio), float(base_lr)
     cos_span = max(1, total_num_steps - n)
 
+    @_in_f64
     def schedule(t: Tensor) -> Tensor:
-        t = _f64(t)
         warm = wmr + _warmup_gamma(t, n, warmup_type) * (1.0 - wmr)
         progress = ((t - n + 1) / cos_span).clamp_max(1.0)
         cosine = (cmr + (1.0 - cmr) * ((1 + torch.cos(math.pi * progress)) / 2)).clamp_min(0.0)
         ratio = torch.where(t < n, warm, cosine)
-        return _f32(torch.where(t < 0, 0.0, base * ratio))
+        return torch.where(t < 0, 0.0, base * ratio)
 
     return schedule
 
@@ -214,12 +219,12 @@ def one_cycle(cycle_min_lr: float, cycle_max_lr: float, decay_lr_rate: float = 0
     min_lr, height = float(cycle_min_lr), float(cycle_max_lr) - float(cycle_min_lr)
     skip_decay = decay_step_size == 0 or decay_lr_rate == 0
 
+    @_in_f64
     def schedule(t: Tensor) -> Tensor:
-        t = _f64(t)
         cyc = min_lr + height * shape.scale(t)
         decayed = torch.full_like(t, min_lr) if skip_decay else min_lr / (
             1 + decay_lr_rate * shape.decay_interval(t))
-        return _f32(torch.where(t < shape.total, cyc, decayed))
+        return torch.where(t < shape.total, cyc, decayed)
 
     return schedule
 
@@ -244,13 +249,13 @@ def one_cycle_momentum(cycle_min_lr: float | None = None, cycle_max_lr: float | 
     max_mom, height = float(cycle_max_mom), float(cycle_max_mom) - float(cycle_min_mom)
     skip_decay = decay_step_size == 0 or decay_mom_rate == 0
 
+    @_in_f64
     def schedule(t: Tensor) -> Tensor:
-        t = _f64(t)
         cyc = max_mom - height * shape.scale(t)
         decayed = torch.full_like(t, max_mom) if skip_decay else max_mom * (
             1 + decay_mom_rate * shape.decay_interval(t))
         mom = torch.where(t < shape.total, cyc, decayed)
-        return _f32(torch.where(t < 0, float(cycle_min_mom), mom))
+        return torch.where(t < 0, float(cycle_min_mom), mom)
 
     return schedule
 
@@ -263,10 +268,11 @@ def lr_range_test(lr_range_test_min_lr: float = 1e-3, lr_range_test_step_size: f
         raise InputError(f"LRRangeTest: lr_range_test_step_size must be > 0, got {lr_range_test_step_size!r}")
     min_lr, rate, size = float(lr_range_test_min_lr), float(lr_range_test_step_rate), lr_range_test_step_size
 
+    @_in_f64
     def schedule(t: Tensor) -> Tensor:
-        interval = (_f64(t) + 1) / size
+        interval = (t + 1) / size
         if lr_range_test_staircase:
             interval = torch.floor(interval)
-        return _f32(min_lr * (1 + rate * interval))
+        return min_lr * (1 + rate * interval)
 
     return schedule

@@ -38,7 +38,7 @@ from dsfunc.config.precision import (
     BF16_WITHOUT_EFFECT,
     BF16Config,
     FP16Config,
-    _grad_accum_dtype,
+    _data_types,
 )
 from dsfunc.config.scheduler import SchedulerConfig, _scheduler
 from dsfunc.config.schema import _key, _parse, _Schema, _section, _Spec, _specs_of
@@ -113,6 +113,10 @@ class Config:
     dataloader_drop_last: bool = _key(False, _bool)
     """Whether the loader dsfunc.initialize(training_data=...) returns drops an incomplete last micro-batch of
     each epoch (dsfunc.batches always drops it)."""
+    managed_gradient_accumulation: bool = _key(True, _bool)
+    """False: the engine's script owns the accumulation boundary, as in DeepSpeed: every ``engine.step()`` applies
+    the update of the backwards since the last one (each loss divided by gradient_accumulation_steps, whatever their
+    count). Read by the engine only: ``dsfunc.train_step``'s batch holds its micro-batches."""
     zero_allow_untested_optimizer: bool = _key(False, _flag)
     """Parsed and kept, not read: dsfunc runs any optimizer under ZeRO, so DeepSpeed's refusal of untested
     ones has nothing to allow (1 and 0 read as true and false, as in DeepSpeed).
@@ -120,6 +124,10 @@ class Config:
     grad_accum_dtype: str | None = None
     """Not a key itself: data_types.grad_accum_dtype, parsed and kept, not read (dsfunc sums micro-batch
     gradients in fp32).
+    """
+    buffer_dtype: str | None = None
+    """Not a key itself: data_types.buffer_dtype, the dtype the module's floating buffers are cast to once, when
+    the state is built (None: each keeps its own, as in DeepSpeed, where fp32 rotary ``inv_freq`` stays fp32).
     """
     tensorboard: MonitorConfig = MonitorConfig()  # noqa: RUF009 (a frozen dataclass, safe to share)
     """TensorBoard events of the step's scalars (needs the tensorboard package)."""
@@ -218,7 +226,9 @@ class Config:
     @classmethod
     def _from_dict(cls, raw: Mapping[str, Any], world_size: int) -> Config:
         values = _parse(raw, "", _TOP)
-        values["grad_accum_dtype"] = values.pop("data_types")
+        data_types = values.pop("data_types") or {}
+        values["grad_accum_dtype"] = data_types.get("grad_accum_dtype")
+        values["buffer_dtype"] = data_types.get("buffer_dtype")
         triple = _resolve_batch(
             values.pop("train_batch_size"),
             values.pop("train_micro_batch_size_per_gpu"),
@@ -264,7 +274,7 @@ class Config:
         for f in dataclasses.fields(self):
             if "check" in f.metadata:
                 out[f.name] = getattr(self, f.name)
-        out["data_types"] = {"grad_accum_dtype": self.grad_accum_dtype}
+        out["data_types"] = {"grad_accum_dtype": self.grad_accum_dtype, "buffer_dtype": self.buffer_dtype}
         return out
 
 
@@ -278,7 +288,7 @@ _TOP = _Schema(
         "fp16": _Spec(FP16Config(), _section(FP16Config, _FP16_FIXED)),
         "bf16": _Spec(BF16Config(), _section(BF16Config, _BF16_FIXED)),
         "zero_optimization": _Spec(ZeroConfig(), _zero),
-        "data_types": _Spec(None, _grad_accum_dtype),
+        "data_types": _Spec(None, _data_types),
         "tensorboard": _Spec(MonitorConfig(), _section(MonitorConfig)),
         "csv_monitor": _Spec(MonitorConfig(), _section(MonitorConfig)),
         "wandb": _Spec(WandbConfig(), _section(WandbConfig)),

@@ -1,4 +1,4 @@
-"""The ``fp16``, ``bf16`` and ``data_types`` sections: compute dtype, loss scaling, accumulation dtype."""
+"""The ``fp16``, ``bf16`` and ``data_types`` sections: compute dtype, loss scaling, accumulation and buffer dtypes."""
 
 from __future__ import annotations
 
@@ -104,14 +104,14 @@ _BF16_FIXED = {
 
 
 _DATA_TYPES = _Schema(
-    specs={"grad_accum_dtype": _Spec(None, _DTYPE_NAME)},
+    specs={"grad_accum_dtype": _Spec(None, _DTYPE_NAME), "buffer_dtype": _Spec(None, _DTYPE_NAME)},
     fixed={
         "param_dtype": _only(None, feature="a separate parameter dtype"),
-        "buffer_dtype": _only(None, feature="a separate buffer dtype"),
         "keep_in_fp32_modules": _only("auto", feature="choosing the modules kept in fp32"),
     },
 )
 
 
-def _grad_accum_dtype(value: Any, path: str) -> str | None:
-    return _parse(value, path, _DATA_TYPES)["grad_accum_dtype"]
+def _data_types(value: Any, path: str) -> dict[str, str | None]:
+    """``{"grad_accum_dtype": ..., "buffer_dtype": ...}`` of the ``data_types`` section."""
+    return _parse(value, path, _DATA_TYPES)

@@ -42,7 +42,6 @@ _UNSUPPORTED_TOP: dict[str, Rule] = {
     "hybrid_engine": _off("the hybrid (RLHF) engine", ds.HYBRID_ENGINE),
     "weight_quantization": _empty("weight quantization"),
     "seq_parallel_communication_data_type": _accepted(_DTYPE_NAME),  # only used by sequence parallelism
-    "managed_gradient_accumulation": _only(True, feature="unmanaged gradient accumulation"),
     "disable_python_gc": _only(False, feature="disabling Python's garbage collector"),
     "use_data_before_expert_parallelism": _only(False, feature="expert parallelism"),
     "datastates_ckpt": _only(None, False, feature="DataStates checkpointing"),

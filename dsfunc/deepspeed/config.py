@@ -33,8 +33,8 @@ TORCH_ADAM_PARAM, ADAM_W_MODE, ADAM_W_MODE_DEFAULT = "torch_adam", "adam_w_mode"
 _SHARED = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
            "steps_per_print", "wall_clock_breakdown", "dataloader_drop_last", "gradient_predivide_factor",
            "zero_allow_untested_optimizer", "zero_optimization_stage", "optimizer_params", "scheduler_name",
-           "scheduler_params", "aio_config")
-_SHARED_OFF = ("managed_gradient_accumulation", "dump_state", "memory_breakdown", "load_universal_checkpoint",
+           "scheduler_params", "aio_config", "managed_gradient_accumulation")
+_SHARED_OFF = ("dump_state", "memory_breakdown", "load_universal_checkpoint",
                "use_node_local_storage", "optimizer_legacy_fusion", "zero_force_ds_cpu_optimizer", "log_level",
                "torch_autocast_enabled", "torch_autocast_dtype", "data_efficiency_enabled")
 
@@ -68,7 +68,7 @@ class DeepSpeedConfig:
         self.disable_allgather = False
         self.optimizer_name = cfg.raw["optimizer"]["type"].lower() if cfg.optimizer is not None else None
         self.grad_accum_dtype = cfg.grad_accum_dtype
-        self.param_dtype = self.buffer_dtype = None
+        self.param_dtype, self.buffer_dtype = None, cfg.buffer_dtype
         self.checkpoint_tag_validation_enabled = cfg.checkpoint.tag_validation != "IGNORE"
         self.checkpoint_tag_validation_fail = cfg.checkpoint.tag_validation == "FAIL"
         self.pipeline = thaw(cfg.raw.get("pipeline") or {})

@@ -52,7 +52,7 @@ from dsfunc.config import parse_compile
 from dsfunc.data import DistributedLoader
 from dsfunc.deepspeed import direct, live_engines
 from dsfunc.deepspeed.engine_config import ConfigAccessors
-from dsfunc.deepspeed.engine_surface import EngineSurface
+from dsfunc.deepspeed.engine_surface import EngineSurface, ScriptOwnsBoundaryError
 from dsfunc.deepspeed.lr_schedules import engine_scheduler
 from dsfunc.deepspeed.step_in_progress import StepInProgress, transformed
 from dsfunc.deepspeed.views import EngineOptimizer, GroupView, schedule_count
@@ -162,6 +162,10 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         ``engine.step()`` then applies the update exactly when it is True, whatever the micro-batch count.
         Several backwards before one ``step()`` are one micro-batch whose gradients add up, each backward
         divided by ``gradient_accumulation_steps`` (accelerate's loop)."""
+        if not self.config.managed_gradient_accumulation:
+            raise ScriptOwnsBoundaryError("set_gradient_accumulation_boundary() is not supported with "
+                                          "managed_gradient_accumulation false: every engine.step() ends the optimizer "
+                                          "step (the script owns the boundary)")
         self.steps.boundary = bool(is_boundary)
         self.steps.place()
 
@@ -295,6 +299,7 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
                 "engine.backward(loss), engine.step() for every micro-batch"
             )
         start = self._clock()
+        backwards = self.steps.runtime.micro_backwards
         lr = self.optimizer.step_lr() if self.steps.is_boundary() else None  # a client's param_groups lr
         self._stepped = self.steps.end_micro_batch()
         if not self._stepped:
@@ -307,7 +312,10 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
                 warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\\(\\)` before", UserWarning)
                 self.lr_scheduler.step()  # as DeepSpeed: it writes the next step's lr into the param_groups
         self.tput_timer.stop(global_step=True)
-        self.global_samples += self.train_batch_size()
+        # DeepSpeed's count: a step's samples, or those of its backwards when the script owns the boundary
+        per_micro = self.train_batch_size() // self.gradient_accumulation_steps()
+        self.global_samples += self.train_batch_size() if self.config.managed_gradient_accumulation else (
+            per_micro * backwards)
         self._lap("step", start)
         self.monitor.log(new, samples=self.global_samples, tokens=self._tokens * self.world_size,
                          timings=self._timings or None)

@@ -94,6 +94,11 @@ _NOT_SUPPORTED_ATTRIBUTES = {
 }
 
 
+class ScriptOwnsBoundaryError(UsageError, AssertionError):
+    """An accumulation-boundary call on an engine whose script owns the boundary (``managed_gradient_accumulation``
+    false), which DeepSpeed refuses with an assertion."""
+
+
 class EngineSurface:
     """DeepSpeed engine names beyond the training loop and the config accessors (mixed into the engine)."""
 
@@ -267,6 +272,9 @@ class EngineSurface:
     def coalesce_grad_reduction(self) -> Iterator[None]:
         """All backwards inside go into one optimizer step, reduced once (as every dsfunc step already is);
         ``engine.step()`` inside is an error."""
+        if not self.state.program.config.managed_gradient_accumulation:
+            raise ScriptOwnsBoundaryError("coalesce_grad_reduction is not supported with managed_gradient_accumulation "
+                                          "false: the script owns the accumulation boundary through engine.step()")
         with self._without_step("engine.coalesce_grad_reduction()"):
             yield
 

@@ -88,7 +88,8 @@ def initialize(
       training_data: a map-style ``torch.utils.data.Dataset``; the engine then returns a
         :class:`~dsfunc.data.DistributedLoader` of this rank's micro-batches.
       lr_scheduler: a fresh torch lr scheduler built on ``optimizer``, or a callable ``f(optimizer)``;
-        it replaces the config's ``scheduler`` section.
+        it replaces the config's ``scheduler`` section. One built on another optimizer is kept and stepped
+        to no effect on the lr, as DeepSpeed does (with a warning).
       distributed_port: MASTER_PORT when the environment does not set one.
       mpu: the groups ``UlyssesSPAttentionHF.register_with_transformers`` returns (Ulysses), or None.
       mesh_param: not supported (must be None).
@@ -121,6 +122,7 @@ def initialize(
     # the data-parallel ranks (a world the mesh does not divide is init_state's error)
     world = comm.world_size() // (model.num_stages if pipelined else tensor.size * sp) or comm.world_size()
     cfg = batch_config(source, world, 1 if pipelined else tensor.size)
+    _check_unmanaged(cfg, pipelined)
     if training_data is not None:
         check_dataset(training_data)
 
@@ -157,9 +159,9 @@ def initialize(
                           progress_bar=progress_bar, total_steps=total_steps)
     engine.client_optimizer, engine.client_lr_scheduler = optimizer, lr_scheduler
     engine.training_data, engine.collate_fn = training_data, collate_fn
-    if client_sched is not None and client_sched.optimizer is client_opt:  # not one built on a stand-in
-        engine.lr_scheduler = client_sched  # DeepSpeed's engine steps the client's scheduler itself
-        engine.optimizer.driven = True
+    if client_sched is not None:  # DeepSpeed's engine steps the client's scheduler itself (the one a callable built)
+        engine.lr_scheduler = client_sched
+        engine.optimizer.driven = client_opt is not None and client_sched.optimizer is client_opt  # it writes our lr
     returned = engine.optimizer
     if engine.optimizer is not None and client_opt is not None:
         engine.optimizer.optimizer = client_opt
@@ -181,6 +183,20 @@ def _check_arguments(args: Any, model: Any, mpu: Any, mesh_param: Any, config: A
                          "register_with_transformers returns) or mesh_param= is not supported by dsfunc; pass None")
     if config is not None and config_params is not None:
         raise InputError("pass the config as config= only (config_params= is its deprecated name)")
+
+
+def _check_unmanaged(cfg: Config, pipelined: bool) -> None:
+    """What DeepSpeed refuses with ``managed_gradient_accumulation`` false: overlap_comm below ZeRO-2 (its
+    reduction would start before the script says where the step ends) and pipelines (they own the boundary)."""
+    if cfg.managed_gradient_accumulation:
+        return
+    zero = cfg.zero_optimization
+    if zero.overlap_comm and zero.stage < 2:
+        raise InitializeArgumentError("managed_gradient_accumulation false supports ZeRO overlap_comm only with ZeRO "
+                                      f"stage 2 or 3; set zero_optimization.overlap_comm false at stage {zero.stage}")
+    if pipelined:
+        raise InitializeArgumentError("managed_gradient_accumulation false is not supported with pipeline parallelism, "
+                                      "whose engine ends each step itself; remove the key")
 
 
 def _with_client_objects(cfg: Config, optimizer: Any, lr_scheduler: Any, groups: Groups | None,

@@ -38,8 +38,9 @@ class StepInProgress:
         self.runtime: EngineRuntime | None = None
         self.micro_steps = 0
         # the client's word on whether the current micro-batch ends the optimizer step (DeepSpeed's
-        # set_gradient_accumulation_boundary: accelerate runs the step's backwards and calls step() once)
-        self.boundary: bool | None = None
+        # set_gradient_accumulation_boundary: accelerate runs the step's backwards and calls step() once); without
+        # managed_gradient_accumulation every step() ends one, after however many backwards
+        self.boundary: bool | None = None if state.program.config.managed_gradient_accumulation else True
 
     @property
     def accumulation_steps(self) -> int:

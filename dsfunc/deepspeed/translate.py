@@ -13,6 +13,7 @@ which follows the lr it writes (ReduceLROnPlateau, which needs a metric, is refu
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,8 @@ from dsfunc.errors import InputError, InputTypeError
 from dsfunc.optim.from_config import LrSchedule
 from dsfunc.optim.groups import GROUP_METADATA, plain
 from dsfunc.schedules import Schedule
+
+logger = logging.getLogger("dsfunc")
 
 _TORCH_OPTIMIZERS: dict[type, tuple[str, tuple[str, ...]]] = {
     torch.optim.Adam: ("Adam", ("lr", "betas", "eps", "weight_decay")),
@@ -212,10 +215,11 @@ def schedule_from_torch(sched: Any) -> LrSchedule:
 
 
 def client_schedule(lr_scheduler: Any, client_opt: Any,
-                    groups: list[tuple[list[torch.Tensor], float]]) -> tuple[LrSchedule, Any]:
+                    groups: list[tuple[list[torch.Tensor], float]]) -> tuple[LrSchedule | None, Any]:
     """The per-group schedule of a client lr scheduler (or of a callable ``f(optimizer)``, which gets the
     client optimizer, or a stand-in carrying the engine's ``groups`` as ``(params, lr)``), and the torch
-    scheduler itself (the one the callable built)."""
+    scheduler itself (the one the callable built). A scheduler built on another optimizer has no schedule
+    (None: the optimizer's lr stays), as with DeepSpeed, which steps it to no effect."""
     scheduler, given_opt = lr_scheduler, client_opt
     if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
         if not callable(lr_scheduler):
@@ -230,10 +234,11 @@ def client_schedule(lr_scheduler: Any, client_opt: Any,
         if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
             raise InputTypeError(f"the lr_scheduler callable returned a {type(scheduler).__name__}, not a torch lr scheduler")
     if client_opt is None or getattr(scheduler, "optimizer", None) is not client_opt:
-        raise ClientObjectError(
-            "lr_scheduler was built on a torch optimizer the engine does not use; pass that optimizer as "
-            "optimizer= too, or pass a callable lr_scheduler(optimizer)"
-        )
+        # DeepSpeed keeps it and steps it, and its lr reaches no parameter: the engine's lr stays the optimizer's
+        logger.warning("lr_scheduler was built on a torch optimizer the engine does not use: the engine steps it, as "
+                       "DeepSpeed's does, but the lr it sets trains nothing (pass that optimizer as optimizer= too, or "
+                       "a callable lr_scheduler(optimizer))")
+        return None, scheduler
     try:
         return schedule_from_torch(scheduler), scheduler
     except InputTypeError:

@@ -250,6 +250,14 @@ def safe_set_full_grad(param: Tensor, value: Tensor) -> None:
     _write(workspace, unit, slot, total, value)
 
 
+def safe_update_full_grad_vectorized(param_list: list[Tensor], update_func: Any) -> None:
+    """Make ``update_func(full_grad, param)`` the gradient of each trainable parameter of ``param_list`` that the
+    next ``engine.step()`` applies (DeepSpeed's batched :func:`safe_set_full_grad`; every rank calls it)."""
+    for param in param_list:
+        if param.requires_grad:
+            safe_set_full_grad(param, update_func(safe_get_full_grad(param), param))
+
+
 # -- this rank's partition of one parameter (DeepSpeed's ZeRO-3 "local" helpers) ------------------------------
 # [Note: a parameter's local partition]
 # DeepSpeed partitions each ZeRO-3 parameter on its own: rank r holds elements [r*c, (r+1)*c) of the flattened

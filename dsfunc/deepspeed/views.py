@@ -56,8 +56,9 @@ class GroupView:
     params: list[torch.Tensor]
 
     def lr_at(self, t: torch.Tensor) -> float:
-        """The lr at DeepSpeed's schedule counter ``t`` (the k-th applied step uses ``t = k - 1``)."""
-        return self.lr if self.schedule is None else float(self.schedule(t))
+        """The lr at DeepSpeed's schedule counter ``t`` (the k-th applied step uses ``t = k - 1``), in float64 as
+        DeepSpeed's schedulers compute it (the step uses it rounded to float32)."""
+        return self.lr if self.schedule is None else float(self.schedule(t.to(torch.float64)))
 
 
 def group_views(state: TrainState, param_groups: ParamGroups | None, schedule_for: LrSchedule | None) -> list[GroupView]:

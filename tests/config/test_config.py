@@ -136,7 +136,7 @@ def test_to_dict_is_json_and_loads_back_to_the_same_values():
     assert d["zero_optimization"]["overlap_comm"] is False
     assert d["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": False, "bf16_optimizer_states": False,
                          "rounding": "nearest"}
-    assert d["data_types"] == {"grad_accum_dtype": None}
+    assert d["data_types"] == {"grad_accum_dtype": None, "buffer_dtype": None}
     again = Config.load(d, world_size=c.world_size)
     assert again.to_dict() == d
     assert dataclasses.replace(again, raw={}) == dataclasses.replace(c, raw={})

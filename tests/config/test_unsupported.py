@@ -125,7 +125,6 @@ def test_unimplemented_sections_accepted_when_off(section):
         ({"tensor_parallel": {"autotp_size": 2, "tp_overlap_comm": True}}, "overlapping AutoTP's all-reduce"),
         ({"tensor_parallel": {"preset_model": "gpt9"}}, 'tensor_parallel.preset_model = "gpt9" is invalid'),
         ({"sequence_parallel_size": 0}, "sequence_parallel_size = 0 is invalid"),
-        ({"managed_gradient_accumulation": False}, "unmanaged gradient accumulation"),
         ({"fp16": {"fp16_master_weights_and_grads": True}}, "fp16.fp16_master_weights_and_grads = true"),
         ({"data_types": {"param_dtype": "bf16"}}, 'data_types.param_dtype = "bf16": dsfunc does not support'),
         ({"optimizer": {"type": "Adam", "legacy_fusion": True}}, "optimizer.legacy_fusion = true"),

@@ -1,7 +1,9 @@
 """Client optimizers and lr schedulers under real DeepSpeed 0.19.8 (CPU, gloo, 2 ranks) and under dsfunc: a custom
 ``torch.optim.Optimizer`` subclass, RMSprop and Adam(amsgrad) run their own ``step()`` (dsfunc on its fp32 shards),
 an empty param group is dropped, ``initialize`` returns the client's objects as DeepSpeed does, the engine steps the
-client's scheduler, and ``was_step_applied()`` answers as DeepSpeed's on and off the accumulation boundary."""
+client's scheduler, and ``was_step_applied()`` answers as DeepSpeed's on and off the accumulation boundary; with the
+config's optimizer, a callable's scheduler is returned and drives the lr, and one built on another optimizer is returned
+and stepped without changing the lr."""
 
 from __future__ import annotations
 
@@ -25,6 +27,17 @@ def test_client_optimizer_and_scheduler_as_deepspeed(tmp_path):
     for rank in range(2):
         ds, ours = (torch.load(f"{out}.{b}.rank{rank}.pt") for b in ("deepspeed", "dsfunc"))
         assert ds.pop("untested_refused") and ours.pop("untested_refused")
+        expected_cases, got_cases = ds.pop("config_optimizer"), ours.pop("config_optimizer")
+        assert sorted(got_cases) == sorted(expected_cases)
+        for case, expected in expected_cases.items():
+            got = got_cases[case]
+            for key in ("scheduler_class", "engine_scheduler", "scheduler_is_client"):
+                assert got[key] == expected[key], (rank, case, key)
+            for key in ("lr", "scheduler_lr"):
+                flat = [lr for step in got[key] for lr in step]
+                assert flat == pytest.approx([lr for step in expected[key] for lr in step], rel=1e-6), (rank, case, key)
+            for name, value in expected["params"].items():
+                assert (got["params"][name] - value).abs().max() / value.abs().max() < 1e-5, (rank, case, name)
         assert sorted(ours, key=str) == sorted(ds, key=str)
         for case, expected in ds.items():
             got = ours[case]

@@ -29,13 +29,15 @@ CONFIGS = [
     {"train_batch_size": 4, "fp16": {"enabled": True}, "zero_optimization": {"stage": 0, "cpu_offload": True},
      "checkpoint": {"tag_validation": "Ignore"}, "dataloader_drop_last": True, "communication_data_type": "fp16"},
     {"train_batch_size": 2, "zero_optimization": True},
+    {"train_batch_size": 2, "bf16": {"enabled": True}, "managed_gradient_accumulation": False,
+     "data_types": {"buffer_dtype": "bf16", "grad_accum_dtype": "fp32"}},
 ]
 ATTRIBUTES = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "world_size",
               "zero_optimization_stage", "zero_enabled", "gradient_clipping", "steps_per_print", "optimizer_name",
               "optimizer_params", "scheduler_name", "scheduler_params", "zero_allow_untested_optimizer",
               "dataloader_drop_last", "communication_data_type", "prescale_gradients", "gradient_allreduce_op",
               "checkpoint_tag_validation_enabled", "checkpoint_tag_validation_fail", "wall_clock_breakdown",
-              "managed_gradient_accumulation", "grad_accum_dtype", "_param_dict"]
+              "managed_gradient_accumulation", "grad_accum_dtype", "param_dtype", "buffer_dtype", "_param_dict"]
 ZERO_FIELDS = ["stage", "overlap_comm", "reduce_bucket_size", "allgather_bucket_size", "prefetch_bucket_size",
                "param_persistence_threshold", "max_live_parameters", "max_reuse_distance", "sub_group_size",
                "gather_16bit_weights_on_model_save", "contiguous_gradients", "round_robin_gradients",
@@ -50,7 +52,7 @@ def _offload(section):
 def test_as_real_deepspeed(config, tmp_path: Path):
     real = pytest.importorskip("deepspeed.runtime.config")
     path = tmp_path / "ds_config.json"
-    path.write_text(f"// a comment, as DeepSpeed's hjson allows\n{config!r}".replace("True", "true"))
+    path.write_text(f"// a comment, as DeepSpeed's hjson allows\n{config!r}".replace("True", "true").replace("False", "false"))
     theirs = real.DeepSpeedConfig(dict(config))
     for ours in (DeepSpeedConfig(dict(config)), DeepSpeedConfig(str(path))):
         for name in ATTRIBUTES:

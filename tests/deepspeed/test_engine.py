@@ -409,9 +409,12 @@ def test_client_optimizer_and_scheduler_refusals():
     with pytest.raises(TypeError, match="ReduceLROnPlateau cannot be translated: it follows a validation metric"):
         initialize(model=model, optimizer=client, lr_scheduler=plateau, config=config(micro=2))
     other = torch.optim.AdamW(model.parameters())
-    with pytest.raises(ValueError, match="built on a torch optimizer the engine does not use"):
-        initialize(model=model, optimizer=client, lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 2),
-                   config=config(micro=2))
+    unrelated = torch.optim.lr_scheduler.StepLR(other, 1, gamma=0.1)  # kept, to no effect, as DeepSpeed does
+    engine, _, _, returned = initialize(model=model, optimizer=client, lr_scheduler=unrelated, config=config(micro=2))
+    assert returned is unrelated and engine.get_lr() == [client.defaults["lr"]]
+    engine.backward(engine(torch.randn(2, 6), torch.tensor([0, 1])))
+    engine.step()
+    assert engine.get_lr() == [client.defaults["lr"]] and unrelated.get_last_lr() == [other.defaults["lr"] * 0.1]
     fresh = MLP()
     client = torch.optim.AdamW(fresh.parameters())
     sched = torch.optim.lr_scheduler.StepLR(client, 2)
@@ -444,9 +447,11 @@ def test_a_callable_scheduler_without_client_optimizer_uses_the_config_lr():
     batches = mlp_batches(5, 4)
     _, lrs = torch_run(model, lambda p: torch.optim.AdamW(p, lr=1e-3), SCHEDULERS["step"], batches)
     engine, _, _, scheduler = initialize(model=model, lr_scheduler=SCHEDULERS["step"], config=config(micro=4))
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR)  # the one the callable built, as DeepSpeed returns
     seen = []
     for x, y in batches:
-        seen.append(scheduler.get_lr()[0])
+        assert scheduler.get_last_lr() == pytest.approx(engine.get_lr(), rel=1e-6)
+        seen.append(engine.get_lr()[0])
         engine.backward(engine(x, y))
         engine.step()
     assert seen == pytest.approx(lrs, rel=1e-6)

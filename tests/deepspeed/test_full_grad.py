@@ -1,7 +1,7 @@
 """``deepspeed.utils.safe_get_full_grad`` / ``safe_set_full_grad`` under real DeepSpeed 0.19.8 (CPU, gloo, 2 ranks)
 and under dsfunc: the same gradients after every backward at ZeRO stages 0-3 (this rank's own off the boundary at
 0-1, reduced at the boundary and at every micro-batch at 3, a ValueError off the boundary at 2), None for a frozen
-parameter, and a set gradient read back."""
+parameter, and a set gradient (``safe_set_full_grad``, ``safe_update_full_grad_vectorized``) read back."""
 
 from __future__ import annotations
 

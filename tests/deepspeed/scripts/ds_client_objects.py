@@ -1,6 +1,7 @@
 """One engine-API script for real DeepSpeed and for dsfunc (``--backend``) with client objects: a custom
 ``torch.optim.Optimizer`` subclass (and torch optimizers dsfunc cannot translate) with a client lr scheduler, an
-empty param group, ZeRO stages 0-3, gradient accumulation and clipping. Writes ``<out>.<backend>.rank<r>.pt`` with
+empty param group, ZeRO stages 0-3, gradient accumulation and clipping; and the config's optimizer with a client
+scheduler (a callable's, or one built on another optimizer). Writes ``<out>.<backend>.rank<r>.pt`` with
 what ``initialize`` returned, ``was_step_applied()`` and ``get_lr()`` after every ``step()``, and the final
 (gathered) parameters.
 
@@ -98,6 +99,40 @@ def train(stage, kind):
     return out
 
 
+def config_optimizer(stage, kind):
+    """The config's optimizer with a client scheduler: one a callable builds on the engine's optimizer (DeepSpeed
+    returns it and steps it: it drives the lr), or one built on another optimizer (returned and stepped, the lr
+    stays the config's)."""
+    torch.manual_seed(0)
+    net = Net()
+    section = {"adam": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
+               "sgd": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}}[kind]
+    config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": GAS, "optimizer": section,
+              "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}  # SGD under ZeRO
+    if kind == "adam":
+        sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    else:
+        sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(Net().parameters(), lr=0.3), step_size=1, gamma=0.5)
+    engine, _, _, scheduler = deepspeed.initialize(model=net, model_parameters=net.parameters(), lr_scheduler=sched,
+                                                   config=config)
+    out = {"scheduler_class": type(scheduler).__name__, "engine_scheduler": engine.lr_scheduler is scheduler,
+           "scheduler_is_client": scheduler is sched, "lr": [], "scheduler_lr": []}
+    g = torch.Generator().manual_seed(7)
+    for _ in range(STEPS):
+        x = torch.randn(world * MICRO * GAS, 6, generator=g)
+        y = torch.randint(0, 4, (world * MICRO * GAS,), generator=g)
+        mine = slice(rank * MICRO * GAS, (rank + 1) * MICRO * GAS)
+        for i in range(GAS):
+            part = slice(i * MICRO, (i + 1) * MICRO)
+            engine.backward(F.cross_entropy(engine(x[mine][part]), y[mine][part]))
+            engine.step()
+        out["lr"].append(engine.get_lr())
+        out["scheduler_lr"].append(scheduler.get_last_lr())
+    with deepspeed.zero.GatheredParameters(list(net.parameters())):
+        out["params"] = {k: v.detach().clone().float() for k, v in net.state_dict().items()}
+    return out
+
+
 def untested_refused():
     """DeepSpeed refuses an optimizer it has not tested with ZeRO unless the config allows it."""
     net = Net()
@@ -112,5 +147,6 @@ def untested_refused():
 results = {(stage, kind): train(stage, kind) for stage in range(4) for kind in ("heavyball",)}
 results.update({(stage, kind): train(stage, kind) for stage in (0, 2) for kind in ("rmsprop", "amsgrad")})
 results["untested_refused"] = untested_refused()
+results["config_optimizer"] = {(stage, kind): config_optimizer(stage, kind) for stage in (0, 1) for kind in ("adam", "sgd")}
 torch.save(results, f"{args.out}.{args.backend}.rank{rank}.pt")
 leave_together()

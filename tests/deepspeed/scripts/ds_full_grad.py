@@ -2,7 +2,8 @@
 after every backward (gradient accumulation 2, ZeRO stages 0-3, on the ranks it is launched on) and
 ``safe_set_full_grad`` before a step (lr 0: the gradients do not depend on the optimizer's rounding); a frozen
 parameter's answers. Writes ``<out>.<backend>.rank<r>.pt``: per stage, each read gradient (or ``"ValueError"`` where
-the helper raised), what the frozen parameter gave, the set gradient read back, then the set parameter. With
+the helper raised), what the frozen parameter gave, the set gradient read back, a gradient
+``safe_update_full_grad_vectorized`` rewrote read back, then the set parameter. With
 ``--offload``, stages 1-3 with the optimizer offloaded to the host, the gradients read only.
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/deepspeed/scripts/ds_full_grad.py --backend deepspeed --out x
@@ -52,6 +53,8 @@ def run(stage):
         if i == 3 and not args.offload:
             utils.safe_set_full_grad(net[2].bias, torch.tensor([3.0, -2.0]))
             seen.append(utils.safe_get_full_grad(net[2].bias).clone())
+            utils.safe_update_full_grad_vectorized([net[0].weight, net[0].bias], lambda old, p: old * -3.0)
+            seen.append(utils.safe_get_full_grad(net[0].weight).clone())
         engine.step()
     with deepspeed.zero.GatheredParameters([net[2].bias]):
         seen.append(net[2].bias.detach().float().clone())
