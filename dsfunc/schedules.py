@@ -222,8 +222,10 @@ def one_cycle(cycle_min_lr: float, cycle_max_lr: float, decay_lr_rate: float = 0
     @_in_f64
     def schedule(t: Tensor) -> Tensor:
         cyc = min_lr + height * shape.scale(t)
-        decayed = torch.full_like(t, min_lr) if skip_decay else min_lr / (
-            1 + decay_lr_rate * shape.decay_interval(t))
+        # a tensor numerator: torch computes ``float / tensor`` as a product with the reciprocal, an ulp off
+        decayed = torch.full_like(t, min_lr)
+        if not skip_decay:
+            decayed = decayed / (1 + decay_lr_rate * shape.decay_interval(t))
         return torch.where(t < shape.total, cyc, decayed)
 
     return schedule

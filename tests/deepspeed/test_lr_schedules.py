@@ -1,0 +1,86 @@
+"""DeepSpeed's scheduler classes built by hand on a torch optimizer: the same lr, last lr, momentum and counter as
+real DeepSpeed's, step by step (one process on CPU: DeepSpeed's schedulers need no distributed setup)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import dsfunc.deepspeed.lr_schedules as ours
+from dsfunc.errors import InputError
+
+CASES = [
+    ("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 10}),
+    ("WarmupLR", {"warmup_num_steps": 7, "warmup_type": "linear"}),  # max: each group's own lr
+    ("WarmupDecayLR", {"total_num_steps": 20, "warmup_num_steps": 5, "warmup_max_lr": 0.1}),
+    ("WarmupCosineLR", {"total_num_steps": 18, "warmup_num_steps": 5, "warmup_min_ratio": 0.1, "cos_min_ratio": 0.01}),
+    ("OneCycle", {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 5, "cycle_first_stair_count": 2,
+                      "decay_lr_rate": 0.1, "decay_step_size": 2, "decay_mom_rate": 0.1}),
+    ("OneCycle", {"cycle_min_lr": [0.01, 0.02], "cycle_max_lr": 0.1, "cycle_first_step_size": 4, "cycle_second_step_size": 6,
+                      "cycle_min_mom": [0.8, 0.85], "decay_lr_rate": 0.1, "decay_step_size": 3}),
+    ("LRRangeTest", {"lr_range_test_step_size": 3, "lr_range_test_step_rate": 2.0, "lr_range_test_staircase": True}),
+    ("LRRangeTest", {"lr_range_test_min_lr": [0.002, 0.001], "lr_range_test_step_size": 4}),
+]
+
+
+def _trace(module, name: str, params: dict, optimizer_cls) -> list:
+    """What a script sees over 20 steps: get_lr, get_last_lr, the groups' lr and betas, get_mom, state_dict."""
+    a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+    if optimizer_cls is torch.optim.SGD:
+        opt = torch.optim.SGD([{"params": [a], "lr": 0.05}, {"params": [b], "lr": 0.07}], momentum=0.9)
+    else:
+        opt = torch.optim.Adam([{"params": [a], "lr": 0.05}, {"params": [b], "lr": 0.07}], betas=(0.9, 0.999))
+    sched = getattr(module, name)(opt, **params)
+    seen = [(sched.get_lr(), [g["lr"] for g in opt.param_groups], [g.get("betas") for g in opt.param_groups])]
+    for _ in range(20):
+        sched.step()
+        seen.append((sched.get_lr(), sched.get_last_lr(), [g["lr"] for g in opt.param_groups],
+                     [g.get("betas") for g in opt.param_groups], sched.get_mom() if name == "OneCycle" else None,
+                     sched.state_dict()))
+    return seen
+
+
+@pytest.mark.parametrize("optimizer_cls", [torch.optim.Adam, torch.optim.SGD])
+@pytest.mark.parametrize("name, params", CASES)
+def test_hand_built_matches_deepspeed(name, params, optimizer_cls):
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    theirs = pytest.importorskip("deepspeed.runtime.lr_schedules", reason="real DeepSpeed is the reference")
+    expected, got = _trace(theirs, name, params, optimizer_cls), _trace(ours, name, params, optimizer_cls)
+    assert len(got) == len(expected) == 21
+    for step, (e, g) in enumerate(zip(expected, got)):
+        assert _close(g, e), (step, e, g)
+
+
+def _close(got, expected) -> bool:
+    """Same structure, numbers equal to 1e-12 relative (DeepSpeed's Python floats vs dsfunc's float64 tensors)."""
+    if isinstance(expected, dict):
+        return isinstance(got, dict) and got.keys() == expected.keys() and all(_close(got[k], v) for k, v in
+                                                                                 expected.items())
+    if isinstance(expected, (list, tuple)):
+        return type(got) is type(expected) and len(got) == len(expected) and all(map(_close, got, expected))
+    if expected is None:
+        return got is None
+    return type(got) is type(expected) and got == pytest.approx(expected, rel=1e-12, abs=0)
+
+
+def test_resume_and_explicit_iteration():
+    """``step(k)`` jumps to step k and ``load_state_dict`` restores the counter, as DeepSpeed's."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    sched = ours.WarmupDecayLR(opt, total_num_steps=20, warmup_num_steps=5, warmup_max_lr=0.1, warmup_type="linear")
+    sched.step(4)
+    assert sched.last_batch_iteration == 4 and opt.param_groups[0]["lr"] == pytest.approx(0.08)
+    other = ours.WarmupDecayLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1), total_num_steps=20,
+                               warmup_num_steps=5, warmup_max_lr=0.1, warmup_type="linear")
+    other.load_state_dict(sched.state_dict())
+    assert other.get_lr() == sched.get_lr()
+
+
+def test_bad_params_are_refused():
+    opt = torch.optim.Adam([{"params": [torch.nn.Parameter(torch.zeros(1))]},
+                            {"params": [torch.nn.Parameter(torch.zeros(1))]}])
+    with pytest.raises(ValueError, match="warmup_num_steps"):
+        ours.WarmupLR(opt, warmup_num_steps=-5)
+    with pytest.raises(InputError, match="cycle_min_lr has 3 values"):
+        ours.OneCycle(opt, cycle_min_lr=[0.1, 0.2, 0.3], cycle_max_lr=0.5)
