@@ -187,6 +187,12 @@ WarmupCosineLR = _scheduler(WARMUP_COSINE_LR)
 _BY_NAME = {cls.__name__: cls for cls in (LRRangeTest, OneCycle, WarmupLR, WarmupDecayLR, WarmupCosineLR)}
 
 
+def hand_built(scheduler: Any) -> bool:
+    """Whether ``scheduler`` is one of these classes built on a torch optimizer (which the engine steps, as a client's
+    torch scheduler), not the engine's view."""
+    return isinstance(scheduler, ConfigScheduler) and scheduler.optimizer is not None
+
+
 def engine_scheduler(engine: Viewed, section_type: str | None) -> EngineLRScheduler:
     """The view of ``engine``'s schedule: an instance of the config section's class when it names one."""
     cls = _BY_NAME.get(section_type) if section_type is not None else None

@@ -3,12 +3,14 @@ real DeepSpeed's, step by step (one process on CPU: DeepSpeed's schedulers need 
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
 import torch
 
 import dsfunc.deepspeed.lr_schedules as ours
+from dsfunc.deepspeed import initialize
 from dsfunc.errors import InputError
 
 CASES = [
@@ -84,3 +86,34 @@ def test_bad_params_are_refused():
         ours.WarmupLR(opt, warmup_num_steps=-5)
     with pytest.raises(InputError, match="cycle_min_lr has 3 values"):
         ours.OneCycle(opt, cycle_min_lr=[0.1, 0.2, 0.3], cycle_max_lr=0.5)
+
+
+@pytest.mark.parametrize("name, params", [CASES[2], CASES[6]])
+def test_engine_steps_a_hand_built_scheduler(name, params):
+    """``initialize(optimizer=sgd, lr_scheduler=WarmupDecayLR(sgd, ...))`` returns that scheduler and steps it after
+    each step, training as torch's SGD (momentum) stepped with real DeepSpeed's scheduler does."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    theirs = pytest.importorskip("deepspeed.runtime.lr_schedules", reason="real DeepSpeed is the reference")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    reference = copy.deepcopy(net)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    sched = getattr(theirs, name)(opt, **params)
+    client = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    mine = getattr(ours, name)(client, **params)
+    engine, _, _, returned = initialize(model=net, optimizer=client, lr_scheduler=mine,
+                                        config={"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0})
+    assert returned is mine and isinstance(returned, getattr(ours, name))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(8):
+        x, y = torch.randn(2, 4, generator=g), torch.randn(2, 2, generator=g)
+        engine.backward(((engine(x) - y) ** 2).mean())
+        engine.step()
+        opt.zero_grad()
+        ((reference(x) - y) ** 2).mean().backward()
+        opt.step()
+        sched.step()
+        assert mine.last_batch_iteration == sched.last_batch_iteration
+        assert engine.get_lr() == pytest.approx(sched.get_last_lr(), rel=1e-12)
+    for ours_p, ref_p in zip(net.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours_p.detach(), ref_p.detach(), rtol=1e-5, atol=1e-6)
