@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dsfunc.config.scheduler import _SCHEDULER_PARAMS, SCHEDULER_NAMES
+from dsfunc.config.scheduler import _SCHEDULER_PARAMS, SCHEDULER_NAMES, parse_scheduler
 from dsfunc.deepspeed.namespace import other_name
 from dsfunc.deepspeed.views import EngineLRScheduler, Viewed
 from dsfunc.errors import InputError, InputTypeError, UsageError
@@ -59,12 +59,16 @@ class ConfigScheduler(EngineLRScheduler):
         params.update(kwargs)
         start = params.pop("last_batch_iteration", -1)
         groups = optimizer.param_groups
+        sections = _per_group(name, params, groups)
         self._optimizer, self.params = optimizer, params
-        self._lrs = [schedule_from_config(name, p, _plain(g["lr"])) for p, g in zip(_per_group(name, params, groups),
-                                                                                   groups)]
+        self._lrs = [schedule_from_config(name, p, _plain(g["lr"])) for p, g in zip(sections, groups)]
         cycles = name == ONE_CYCLE and params.get("cycle_momentum", True) and "betas" in optimizer.defaults
-        self._moms: list[Schedule] | None = [momentum_schedule_from_config(name, p) for p in _per_group(
-            name, params, groups)] if cycles else None
+        self._moms: list[Schedule] | None = [momentum_schedule_from_config(name, p) for p in sections] if cycles else None
+        if name != WARMUP_COSINE_LR and name != LR_RANGE_TEST:  # DeepSpeed's per-group bounds
+            low, high = ("cycle_min_lr", "cycle_max_lr") if name == ONE_CYCLE else ("warmup_min_lr", "warmup_max_lr")
+            parsed = [parse_scheduler({"type": name, "params": p}).params for p in sections]
+            self.min_lrs = [p[low] for p in parsed]
+            self.max_lrs = [_plain(g["lr"]) if p[high] is None else p[high] for p, g in zip(parsed, groups)]
         self._last_lr: list[Any] | None = None
         self._t = start
         if start == -1:

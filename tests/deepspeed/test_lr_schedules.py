@@ -28,14 +28,16 @@ CASES = [
 
 
 def _trace(module, name: str, params: dict, optimizer_cls) -> list:
-    """What a script sees over 20 steps: get_lr, get_last_lr, the groups' lr and betas, get_mom, state_dict."""
+    """What a script sees over 20 steps: get_lr, get_last_lr, the groups' lr and betas, get_mom, state_dict (and the
+    lr bounds)."""
     a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
     if optimizer_cls is torch.optim.SGD:
         opt = torch.optim.SGD([{"params": [a], "lr": 0.05}, {"params": [b], "lr": 0.07}], momentum=0.9)
     else:
         opt = torch.optim.Adam([{"params": [a], "lr": 0.05}, {"params": [b], "lr": 0.07}], betas=(0.9, 0.999))
     sched = getattr(module, name)(opt, **params)
-    seen = [(sched.get_lr(), [g["lr"] for g in opt.param_groups], [g.get("betas") for g in opt.param_groups])]
+    bounds = (sched.min_lrs, sched.max_lrs) if hasattr(sched, "max_lrs") else None  # DeepSpeed's per-group bounds
+    seen = [(sched.get_lr(), [g["lr"] for g in opt.param_groups], [g.get("betas") for g in opt.param_groups], bounds)]
     for _ in range(20):
         sched.step()
         seen.append((sched.get_lr(), sched.get_last_lr(), [g["lr"] for g in opt.param_groups],
