@@ -238,6 +238,10 @@ def client_schedule(lr_scheduler: Any, client_opt: Any,
         if given_opt is None:
             raise InputError(f"lr_scheduler: a {type(scheduler).__name__} built on the engine's optimizer; describe it "
                              f'in the config\'s "scheduler" section ({{"type": "{type(scheduler).__name__}", ...}})')
+        if scheduler.get_mom() is not None:
+            raise InputError("lr_scheduler: a OneCycle cycling the client optimizer's betas; the engine follows a client "
+                             "scheduler's lr only. Pass cycle_momentum=False, or describe it in the config's "
+                             '"scheduler" section ({"type": "OneCycle", ...}), which cycles betas too')
         return (lambda base: None), scheduler  # DeepSpeed's own class: the engine steps it and follows its lr
     if client_opt is None or getattr(scheduler, "optimizer", None) is not client_opt:
         # DeepSpeed keeps it and steps it, and its lr reaches no parameter: the engine's lr stays the optimizer's

@@ -119,3 +119,11 @@ def test_engine_steps_a_hand_built_scheduler(name, params):
         assert engine.get_lr() == pytest.approx(sched.get_last_lr(), rel=1e-12)
     for ours_p, ref_p in zip(net.parameters(), reference.parameters()):
         torch.testing.assert_close(ours_p.detach(), ref_p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_engine_refuses_a_hand_built_momentum_cycle():
+    net = torch.nn.Linear(4, 2)
+    client = torch.optim.Adam(net.parameters(), lr=0.05)
+    sched = ours.OneCycle(client, cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=3)
+    with pytest.raises(InputError, match="cycle_momentum=False"):
+        initialize(model=net, optimizer=client, lr_scheduler=sched, config={"train_micro_batch_size_per_gpu": 2})
