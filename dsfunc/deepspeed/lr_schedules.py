@@ -23,7 +23,7 @@ from dsfunc.deepspeed.namespace import other_name
 from dsfunc.deepspeed.views import EngineLRScheduler, Viewed
 from dsfunc.errors import InputError, InputTypeError, UsageError
 from dsfunc.optim.from_config import momentum_schedule_from_config, schedule_from_config
-from dsfunc.schedules import Schedule
+from dsfunc.schedules import Schedule, one_cycle_momentum
 
 VALID_LR_SCHEDULES = list(SCHEDULER_NAMES)  # the config's scheduler types: DeepSpeed's class names
 LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR, WARMUP_DECAY_LR, WARMUP_COSINE_LR = (
@@ -64,6 +64,7 @@ class ConfigScheduler(EngineLRScheduler):
         self._lrs = [schedule_from_config(name, p, _plain(g["lr"])) for p, g in zip(sections, groups)]
         cycles = name == ONE_CYCLE and params.get("cycle_momentum", True) and "betas" in optimizer.defaults
         self._moms: list[Schedule] | None = [momentum_schedule_from_config(name, p) for p in sections] if cycles else None
+        self._reported_moms = [_reported_mom(p) for p in sections] if cycles else None
         if name != WARMUP_COSINE_LR and name != LR_RANGE_TEST:  # DeepSpeed's per-group bounds
             low, high = ("cycle_min_lr", "cycle_max_lr") if name == ONE_CYCLE else ("warmup_min_lr", "warmup_max_lr")
             parsed = [parse_scheduler({"type": name, "params": p}).params for p in sections]
@@ -108,9 +109,16 @@ class ConfigScheduler(EngineLRScheduler):
         return [_at(s, self._t) for s in self._lrs]
 
     def get_mom(self) -> list[tuple[float, float]] | None:
-        """OneCycle's ``betas`` per group (None when it does not cycle momentum)."""
-        self._own("get_mom()")
-        return None if self._moms is None else [(_at(s, self._t), 0.99) for s in self._moms]
+        """OneCycle's ``betas`` per group at the counter (None when it does not cycle momentum)."""
+        if self._optimizer is not None:
+            return None if self._moms is None else [(_at(s, self._t), 0.99) for s in self._reported_moms]
+        cfg = self._engine.state.program.config
+        cycles = cfg.scheduler is not None and cfg.scheduler.type == ONE_CYCLE and cfg.scheduler.params[
+            "cycle_momentum"] and cfg.optimizer is not None and "betas" in cfg.optimizer.params
+        if not cycles:
+            return None
+        mom = _at(_reported_mom(cfg.scheduler.params), self.last_batch_iteration)
+        return [(mom, 0.99) for _ in self._engine.groups]
 
     def get_last_lr(self) -> list[Any]:
         if self._optimizer is None:
@@ -145,9 +153,8 @@ class ConfigScheduler(EngineLRScheduler):
                 group["lr"].fill_(lr)
             else:
                 group["lr"] = lr
-        moms = self.get_mom() if self._moms is not None else None
-        for group, mom in zip(groups, moms or ()):
-            group["betas"] = mom
+        for group, mom in zip(groups, self._moms or ()):
+            group["betas"] = (_at(mom, self._t), 0.99)
         self._last_lr = [g["lr"] for g in groups]
 
 
@@ -167,6 +174,12 @@ def _per_group(name: str, params: dict[str, Any], groups: list[dict[str, Any]]) 
             for section, v in zip(out, value):
                 section[key] = v
     return out
+
+
+def _reported_mom(params: dict[str, Any]) -> Schedule:
+    """OneCycle's momentum as DeepSpeed's ``get_mom()`` reports it."""
+    parsed = parse_scheduler({"type": ONE_CYCLE, "params": params}).params
+    return one_cycle_momentum(**{k: v for k, v in parsed.items() if k != "last_batch_iteration"}, reported=True)
 
 
 def _plain(lr: Any) -> float:

@@ -37,7 +37,8 @@ def _trace(module, name: str, params: dict, optimizer_cls) -> list:
         opt = torch.optim.Adam([{"params": [a], "lr": 0.05}, {"params": [b], "lr": 0.07}], betas=(0.9, 0.999))
     sched = getattr(module, name)(opt, **params)
     bounds = (sched.min_lrs, sched.max_lrs) if hasattr(sched, "max_lrs") else None  # DeepSpeed's per-group bounds
-    seen = [(sched.get_lr(), [g["lr"] for g in opt.param_groups], [g.get("betas") for g in opt.param_groups], bounds)]
+    seen = [(sched.get_lr(), [g["lr"] for g in opt.param_groups], [g.get("betas") for g in opt.param_groups], bounds,
+             sched.get_mom() if name == "OneCycle" else None)]
     for _ in range(20):
         sched.step()
         seen.append((sched.get_lr(), sched.get_last_lr(), [g["lr"] for g in opt.param_groups],
@@ -127,3 +128,22 @@ def test_engine_refuses_a_hand_built_momentum_cycle():
     sched = ours.OneCycle(client, cycle_min_lr=0.01, cycle_max_lr=0.1, cycle_first_step_size=3)
     with pytest.raises(InputError, match="cycle_momentum=False"):
         initialize(model=net, optimizer=client, lr_scheduler=sched, config={"train_micro_batch_size_per_gpu": 2})
+
+
+def test_config_onecycle_view_reports_deepspeeds_momentum():
+    """The engine's view of a config OneCycle section reports ``get_mom()`` as DeepSpeed's engine's scheduler (built
+    on its Adam, stepped after each step) does, and is an instance of the section's class."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    theirs = pytest.importorskip("deepspeed.runtime.lr_schedules", reason="real DeepSpeed is the reference")
+    params = {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2, "cycle_min_mom": 0.8, "cycle_max_mom": 0.9,
+              "decay_mom_rate": 1e-3, "cycle_first_step_size": 3, "decay_step_size": 3}
+    reference = theirs.OneCycle(torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=1e-3), **params)
+    engine, _, _, view = initialize(model=torch.nn.Linear(4, 2), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "scheduler": {"type": "OneCycle", "params": params}})
+    assert isinstance(view, ours.OneCycle)
+    for _ in range(9):
+        assert _close(view.get_mom(), reference.get_mom()) and view.get_lr() == pytest.approx(reference.get_lr())
+        engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
+        engine.step()
+        reference.step()
