@@ -45,6 +45,7 @@ class ConfigScheduler(EngineLRScheduler):
     the engine's view of its config ``scheduler`` section."""
 
     _optimizer: torch.optim.Optimizer | None = None  # set when built by hand
+    _ratio: Schedule | None = None  # a hand-built WarmupCosineLR's
 
     def __init__(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
         name = type(self).__name__
@@ -70,6 +71,9 @@ class ConfigScheduler(EngineLRScheduler):
             parsed = [parse_scheduler({"type": name, "params": p}).params for p in sections]
             self.min_lrs = [p[low] for p in parsed]
             self.max_lrs = [_plain(g["lr"]) if p[high] is None else p[high] for p, g in zip(parsed, groups)]
+        # WarmupCosineLR's ratio of each group's lr (its params are one value for every group)
+        if name == WARMUP_COSINE_LR:
+            self._ratio = schedule_from_config(name, params, 1.0)
         self._last_lr: list[Any] | None = None
         self._t = start
         if start == -1:
@@ -119,6 +123,12 @@ class ConfigScheduler(EngineLRScheduler):
             return None
         mom = _at(_reported_mom(cfg.scheduler.params), self.last_batch_iteration)
         return [(mom, 0.99) for _ in self._engine.groups]
+
+    def get_lr_ratio(self) -> float:
+        """WarmupCosineLR's factor on each group's lr at the counter."""
+        if self._ratio is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute 'get_lr_ratio'")
+        return _at(self._ratio, self._t)
 
     def get_last_lr(self) -> list[Any]:
         if self._optimizer is None:

@@ -29,7 +29,7 @@ CASES = [
 
 def _trace(module, name: str, params: dict, optimizer_cls) -> list:
     """What a script sees over 20 steps: get_lr, get_last_lr, the groups' lr and betas, get_mom, state_dict (and the
-    lr bounds)."""
+    lr bounds, WarmupCosineLR's lr ratio)."""
     a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
     if optimizer_cls is torch.optim.SGD:
         opt = torch.optim.SGD([{"params": [a], "lr": 0.05}, {"params": [b], "lr": 0.07}], momentum=0.9)
@@ -43,7 +43,7 @@ def _trace(module, name: str, params: dict, optimizer_cls) -> list:
         sched.step()
         seen.append((sched.get_lr(), sched.get_last_lr(), [g["lr"] for g in opt.param_groups],
                      [g.get("betas") for g in opt.param_groups], sched.get_mom() if name == "OneCycle" else None,
-                     sched.state_dict()))
+                     sched.state_dict(), sched.get_lr_ratio() if name == "WarmupCosineLR" else None))
     return seen
 
 
