@@ -7,7 +7,8 @@ ExponentialLR/LinearLR/ConstantLR/CosineAnnealingLR/LambdaLR the equivalent sche
 (torch's schedulers scale each group's own lr). Any other torch optimizer (or one with an option dsfunc's
 update lacks, such as ``amsgrad``) runs its own ``step()`` on the state's shards
 (:mod:`dsfunc.optim.torch_optimizer`); another scheduler on the client's optimizer is stepped by the engine,
-which follows the lr it writes (ReduceLROnPlateau, which needs a metric, is refused).
+which follows the lr it writes (ReduceLROnPlateau, which needs a metric, is refused), as it does with DeepSpeed's own
+scheduler classes built on the client optimizer (:mod:`dsfunc.deepspeed.lr_schedules`).
 """
 
 from __future__ import annotations
