@@ -222,8 +222,10 @@ def one_cycle(cycle_min_lr: float, cycle_max_lr: float, decay_lr_rate: float = 0
     @_in_f64
     def schedule(t: Tensor) -> Tensor:
         cyc = min_lr + height * shape.scale(t)
-        decayed = torch.full_like(t, min_lr) if skip_decay else min_lr / (
-            1 + decay_lr_rate * shape.decay_interval(t))
+        # a tensor numerator: torch computes ``float / tensor`` as a product with the reciprocal, an ulp off
+        decayed = torch.full_like(t, min_lr)
+        if not skip_decay:
+            decayed = decayed / (1 + decay_lr_rate * shape.decay_interval(t))
         return torch.where(t < shape.total, cyc, decayed)
 
     return schedule
@@ -234,7 +236,7 @@ def one_cycle_momentum(cycle_min_lr: float | None = None, cycle_max_lr: float | 
                        cycle_second_step_size: float | None = None, cycle_first_stair_count: int = 0,
                        cycle_second_stair_count: int | None = None, decay_step_size: float = 0,
                        cycle_momentum: bool = True, cycle_min_mom: float = 0.8, cycle_max_mom: float = 0.9,
-                       decay_mom_rate: float = 0.0) -> Schedule:
+                       decay_mom_rate: float = 0.0, *, reported: bool = False) -> Schedule:
     """DeepSpeed ``OneCycle`` momentum: the value it writes into ``betas[0]``, as a schedule of ``t``.
 
     Inverse to the lr: ``cycle_max_mom - (cycle_max_mom - cycle_min_mom) * scale`` in the cycle, then
@@ -243,6 +245,7 @@ def one_cycle_momentum(cycle_min_lr: float | None = None, cycle_max_lr: float | 
     formula at the cycle start gives the maximum. DeepSpeed also sets ``betas[1] = 0.99`` whenever it cycles
     momentum; :func:`dsfunc.optim.optimizer_from_config` reproduces that. ``cycle_momentum`` is accepted for config
     pass-through; whether to cycle is the caller's choice (see :func:`dsfunc.optim.momentum_schedule_from_config`).
+    ``reported=True``: what DeepSpeed's ``get_mom()`` reports instead, the formula's ``cycle_max_mom`` at ``t = -1``.
     """
     shape = _CycleShape(cycle_first_step_size, cycle_second_step_size, cycle_first_stair_count,
                         cycle_second_stair_count, decay_step_size)
@@ -255,7 +258,7 @@ def one_cycle_momentum(cycle_min_lr: float | None = None, cycle_max_lr: float | 
         decayed = torch.full_like(t, max_mom) if skip_decay else max_mom * (
             1 + decay_mom_rate * shape.decay_interval(t))
         mom = torch.where(t < shape.total, cyc, decayed)
-        return torch.where(t < 0, float(cycle_min_mom), mom)
+        return mom if reported else torch.where(t < 0, float(cycle_min_mom), mom)
 
     return schedule
 

@@ -53,7 +53,7 @@ from dsfunc.data import DistributedLoader
 from dsfunc.deepspeed import direct, live_engines
 from dsfunc.deepspeed.engine_config import ConfigAccessors
 from dsfunc.deepspeed.engine_surface import EngineSurface, ScriptOwnsBoundaryError
-from dsfunc.deepspeed.lr_schedules import engine_scheduler
+from dsfunc.deepspeed.lr_schedules import engine_scheduler, hand_built
 from dsfunc.deepspeed.step_in_progress import StepInProgress, transformed
 from dsfunc.deepspeed.views import EngineOptimizer, GroupView, schedule_count
 from dsfunc.deepspeed.zero_context import gathered_state_dict
@@ -324,7 +324,7 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
     def _client_scheduler(self) -> torch.optim.lr_scheduler.LRScheduler | None:
         """The client's torch lr scheduler, which the engine steps (None: the engine's own schedule)."""
         sched = self.lr_scheduler
-        return sched if isinstance(sched, torch.optim.lr_scheduler.LRScheduler) else None
+        return sched if isinstance(sched, torch.optim.lr_scheduler.LRScheduler) or hand_built(sched) else None
 
     def _clock(self) -> float | None:
         if not self.config.wall_clock_breakdown:

@@ -7,7 +7,8 @@ ExponentialLR/LinearLR/ConstantLR/CosineAnnealingLR/LambdaLR the equivalent sche
 (torch's schedulers scale each group's own lr). Any other torch optimizer (or one with an option dsfunc's
 update lacks, such as ``amsgrad``) runs its own ``step()`` on the state's shards
 (:mod:`dsfunc.optim.torch_optimizer`); another scheduler on the client's optimizer is stepped by the engine,
-which follows the lr it writes (ReduceLROnPlateau, which needs a metric, is refused).
+which follows the lr it writes (ReduceLROnPlateau, which needs a metric, is refused), as it does with DeepSpeed's own
+scheduler classes built on the client optimizer (:mod:`dsfunc.deepspeed.lr_schedules`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from dsfunc.deepspeed.lr_schedules import hand_built
 from dsfunc.deepspeed.ops import DeepSpeedOptimizer
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.optim.from_config import LrSchedule
@@ -221,7 +223,7 @@ def client_schedule(lr_scheduler: Any, client_opt: Any,
     scheduler itself (the one the callable built). A scheduler built on another optimizer has no schedule
     (None: the optimizer's lr stays), as with DeepSpeed, which steps it to no effect."""
     scheduler, given_opt = lr_scheduler, client_opt
-    if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler):
+    if not isinstance(lr_scheduler, torch.optim.lr_scheduler.LRScheduler) and not hand_built(lr_scheduler):
         if not callable(lr_scheduler):
             raise InputTypeError(
                 f"lr_scheduler must be a torch lr scheduler or a callable, got {type(lr_scheduler).__name__}"
@@ -231,8 +233,17 @@ def client_schedule(lr_scheduler: Any, client_opt: Any,
             target = torch.optim.SGD([{"params": params, "lr": lr} for params, lr in groups])
         scheduler = lr_scheduler(target)
         client_opt = target
-        if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler) and not hand_built(scheduler):
             raise InputTypeError(f"the lr_scheduler callable returned a {type(scheduler).__name__}, not a torch lr scheduler")
+    if hand_built(scheduler) and client_opt is not None and scheduler.optimizer is client_opt:
+        if given_opt is None:
+            raise InputError(f"lr_scheduler: a {type(scheduler).__name__} built on the engine's optimizer; describe it "
+                             f'in the config\'s "scheduler" section ({{"type": "{type(scheduler).__name__}", ...}})')
+        if scheduler.get_mom() is not None:
+            raise InputError("lr_scheduler: a OneCycle cycling the client optimizer's betas; the engine follows a client "
+                             "scheduler's lr only. Pass cycle_momentum=False, or describe it in the config's "
+                             '"scheduler" section ({"type": "OneCycle", ...}), which cycles betas too')
+        return (lambda base: None), scheduler  # DeepSpeed's own class: the engine steps it and follows its lr
     if client_opt is None or getattr(scheduler, "optimizer", None) is not client_opt:
         # DeepSpeed keeps it and steps it, and its lr reaches no parameter: the engine's lr stays the optimizer's
         logger.warning("lr_scheduler was built on a torch optimizer the engine does not use: the engine steps it, as "

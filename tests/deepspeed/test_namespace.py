@@ -49,7 +49,7 @@ IMPORTS = [
     ("checkpointing", "checkpoint"),
 ]
 UNSUPPORTED = {"estimate_zero3_model_states_mem_needs_all_live",
-               "WarmupLR", "PipeModelDataParallelTopology", "init_compression",
+               "PipeModelDataParallelTopology", "init_compression",
                "replace_transformer_layer",
                "DeepSpeedInferenceConfig"}
 
