@@ -158,14 +158,16 @@ def test_local_runtime_refuses_a_sharded_state():
 
 def test_autograd_backward_is_called_in_one_place():
     """A training backward runs in the runtime alone. The others differentiate graphs of their own: tiling a slice
-    at a time inside an autograd function (dsfunc.tiling), and the FLOPs count on a meta copy (monitor/flops)."""
+    at a time inside an autograd function (dsfunc.tiling), the vocab-parallel loss's gradient inside its autograd
+    function (dsfunc.parallel.vocab), and the FLOPs count on a meta copy (monitor/flops)."""
     calls = [
         f"{path.relative_to(ROOT)}"
         for path in sorted((ROOT / "dsfunc").rglob("*.py"))
         for line in path.read_text().splitlines()
         if re.search(r"autograd\.(backward|grad)\(", line) and not line.lstrip().startswith(("#", "``"))
     ]
-    assert set(calls) == {"dsfunc/zero/runtime.py", "dsfunc/tiling.py", "dsfunc/monitor/flops.py"}, calls
+    assert set(calls) == {"dsfunc/zero/runtime.py", "dsfunc/tiling.py", "dsfunc/parallel/vocab.py",
+                          "dsfunc/monitor/flops.py"}, calls
 
 
 class WithUnused(MLP):
