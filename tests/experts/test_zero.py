@@ -18,7 +18,8 @@ from tests.multiprocess import run_world
 CLIP = ("--clip", "0.05")  # below every step's norm: clipping scales each step
 
 
-@pytest.mark.parametrize(("ranks", "case", "stage"), [(2, "adam", 1), (2, "sgd", 2), (4, "adam", 2), (4, "sgd", 1)])
+# each optimizer and stage once, at ep 2 and at ep 2 x dp 2 (all four pairs cost the suite another minute)
+@pytest.mark.parametrize(("ranks", "case", "stage"), [(2, "sgd", 1), (4, "adam", 2)])
 def test_moe_script_at_zero_1_and_2_trains_like_deepspeed(tmp_path, ranks, case, stage):
     pytest.importorskip("deepspeed", reason="real DeepSpeed is the reference (.ci/setup_test_tools.sh)")
     out = str(tmp_path / "run")
