@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import random
 import socket
 import traceback
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -46,6 +48,21 @@ def free_port() -> int:
             except OSError:
                 continue
         return port
+
+
+def backend(parser: argparse.ArgumentParser | None = None) -> tuple[ModuleType, argparse.Namespace]:
+    """For a torchrun script run under real DeepSpeed and under dsfunc: ``--backend``, ``--out`` and ``--local_rank``
+    added to ``parser`` (the script's own arguments) and parsed; the backend imported, its gloo group started."""
+    import importlib
+
+    parser = parser or argparse.ArgumentParser()
+    parser.add_argument("--backend", choices=["deepspeed", "dsfunc"], required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--local_rank", type=int, default=-1)
+    args = parser.parse_args()
+    module = importlib.import_module(args.backend)
+    module.init_distributed(dist_backend="gloo")
+    return module, args
 
 
 def leave_together() -> None:

@@ -39,10 +39,16 @@ def deepspeed_autotp(rank: int, world: int, save_dir: str) -> dict:
               "tensor_parallel": {"autotp_size": 2}}  # DeepSpeed counts both tp ranks in the batch
     model = runs.llama()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    _engine_steps(engine, range(SAVED))
+    engine.save_checkpoint(save_dir)
+    return {"losses": _engine_steps(engine, range(SAVED, SAVED + MORE))}
+
+
+def _engine_steps(engine, steps: range) -> list[float]:
+    """The engine's steps of ``steps``, two micro-batches each (as a DeepSpeed script runs them): each step's mean
+    loss."""
     losses = []
-    for step in range(SAVED + MORE):
-        if step == SAVED:
-            engine.save_checkpoint(save_dir)
+    for step in steps:
         total = 0.0
         for micro in range(2):
             loss = engine(**{k: v.chunk(2)[micro] for k, v in _batch(step).items()}).loss
@@ -50,7 +56,7 @@ def deepspeed_autotp(rank: int, world: int, save_dir: str) -> dict:
             engine.step()
             total += float(loss) / 2
         losses.append(total)
-    return {"losses": losses[SAVED:]}
+    return losses
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +72,7 @@ def dsfunc_tp(rank: int, world: int, save_dir: str) -> dict:
     engine, *_ = dsfunc.initialize(model=runs.llama(), config={**CONFIG, "tensor_parallel": {"autotp_size": 2}})
     engine.load_checkpoint(save_dir)
     loaded = dsfunc.full_params(engine.state)
-    losses = []
-    for step in range(SAVED, SAVED + MORE):
-        total = 0.0
-        for micro in range(2):
-            loss = engine(**{k: v.chunk(2)[micro] for k, v in _batch(step).items()}).loss
-            engine.backward(loss)
-            engine.step()
-            total += float(loss) / 2
-        losses.append(total)
+    losses = _engine_steps(engine, range(SAVED, SAVED + MORE))
     return {"losses": losses, "loaded": loaded, "step": int(engine.state.step)}
 
 

@@ -28,6 +28,16 @@ def launch(backend: str, out: str, script: str = SCRIPT, extra: tuple[str, ...] 
     assert proc.returncode == 0, f"{backend} exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
+def both_sides(tmp_path, script: str) -> list[tuple[dict, dict]]:
+    """``script`` run on 2 gloo ranks under real DeepSpeed, then under dsfunc: per rank, (DeepSpeed's record,
+    dsfunc's)."""
+    pytest.importorskip("deepspeed", reason="real DeepSpeed is the reference (.ci/setup_test_tools.sh)")
+    out = str(tmp_path / "run")
+    launch("deepspeed", out, script=script)
+    launch("dsfunc", out, script=script)
+    return [tuple(torch.load(f"{out}.{b}.rank{rank}.pt") for b in ("deepspeed", "dsfunc")) for rank in range(2)]
+
+
 def test_dsfunc_trains_like_deepspeed_at_every_stage(tmp_path):
     pytest.importorskip("deepspeed", reason="real DeepSpeed is the reference (.ci/setup_test_tools.sh)")
     out = str(tmp_path / "run")

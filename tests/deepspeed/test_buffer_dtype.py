@@ -7,18 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.deepspeed.test_against_deepspeed import ROOT, launch
+from tests.deepspeed.test_against_deepspeed import ROOT, both_sides
 
 SCRIPT = f"{ROOT}/tests/deepspeed/scripts/ds_buffer_dtype.py"
 
 
 def test_buffer_dtype_as_deepspeed(tmp_path):
-    pytest.importorskip("deepspeed", reason="real DeepSpeed is the reference (.ci/setup_test_tools.sh)")
-    out = str(tmp_path / "run")
-    launch("deepspeed", out, script=SCRIPT)
-    launch("dsfunc", out, script=SCRIPT)
-    for rank in range(2):
-        ds, ours = (torch.load(f"{out}.{b}.rank{rank}.pt") for b in ("deepspeed", "dsfunc"))
+    for rank, (ds, ours) in enumerate(both_sides(tmp_path, SCRIPT)):
         assert sorted(ours) == sorted(ds)
         for case, expected in ds.items():
             got = ours[case]

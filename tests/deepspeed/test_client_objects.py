@@ -14,18 +14,13 @@ import torch
 
 import dsfunc
 from dsfunc.deepspeed import initialize
-from tests.deepspeed.test_against_deepspeed import ROOT, launch
+from tests.deepspeed.test_against_deepspeed import ROOT, both_sides
 
 SCRIPT = f"{ROOT}/tests/deepspeed/scripts/ds_client_objects.py"
 
 
 def test_client_optimizer_and_scheduler_as_deepspeed(tmp_path):
-    pytest.importorskip("deepspeed", reason="real DeepSpeed is the reference (.ci/setup_test_tools.sh)")
-    out = str(tmp_path / "run")
-    launch("deepspeed", out, script=SCRIPT)
-    launch("dsfunc", out, script=SCRIPT)
-    for rank in range(2):
-        ds, ours = (torch.load(f"{out}.{b}.rank{rank}.pt") for b in ("deepspeed", "dsfunc"))
+    for rank, (ds, ours) in enumerate(both_sides(tmp_path, SCRIPT)):
         assert ds.pop("untested_refused") and ours.pop("untested_refused")
         expected_cases, got_cases = ds.pop("config_optimizer"), ours.pop("config_optimizer")
         assert sorted(got_cases) == sorted(expected_cases)
@@ -97,6 +92,21 @@ def test_a_client_optimizers_own_step_resumes_exactly(stage, tmp_path):
     assert not torch.equal(expected["0.weight"], dsfunc.full_params(first.state)["0.weight"])
 
 
+def steps_beside(engine, reference: torch.nn.Module, opt: torch.optim.Optimizer, sched, steps: int):
+    """``steps`` steps of ``engine`` beside the same steps of ``reference`` under torch's ``opt`` and ``sched`` (a
+    squared error on seeded batches), yielding after each for the caller's checks."""
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x, y = torch.randn(2, 4, generator=g), torch.randn(2, 2, generator=g)
+        engine.backward(((engine(x) - y) ** 2).mean())
+        engine.step()
+        opt.zero_grad()
+        ((reference(x) - y) ** 2).mean().backward()
+        opt.step()
+        sched.step()
+        yield step
+
+
 def test_a_client_scheduler_without_closed_form_drives_the_lr():
     """OneCycleLR has no closed form in dsfunc: the engine steps it and follows the lr it writes, as DeepSpeed."""
     torch.manual_seed(0)
@@ -109,15 +119,7 @@ def test_a_client_scheduler_without_closed_form_drives_the_lr():
     engine, _, _, returned = initialize(model=net, optimizer=client, lr_scheduler=mine,
                                         config={"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0})
     assert returned is mine
-    g = torch.Generator().manual_seed(1)
-    for _ in range(6):
-        x, y = torch.randn(2, 4, generator=g), torch.randn(2, 2, generator=g)
-        engine.backward(((engine(x) - y) ** 2).mean())
-        engine.step()
-        opt.zero_grad()
-        ((reference(x) - y) ** 2).mean().backward()
-        opt.step()
-        sched.step()
+    for _ in steps_beside(engine, reference, opt, sched, 6):
         assert engine.get_lr() == sched.get_last_lr()
     for a, b in zip(net.parameters(), reference.parameters()):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)

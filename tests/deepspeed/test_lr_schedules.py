@@ -12,6 +12,7 @@ import torch
 import dsfunc.deepspeed.lr_schedules as ours
 from dsfunc.deepspeed import initialize
 from dsfunc.errors import InputError
+from tests.deepspeed.test_client_objects import steps_beside
 
 CASES = [
     ("WarmupLR", {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 10}),
@@ -107,15 +108,7 @@ def test_engine_steps_a_hand_built_scheduler(name, params):
     engine, _, _, returned = initialize(model=net, optimizer=client, lr_scheduler=mine,
                                         config={"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0})
     assert returned is mine and isinstance(returned, getattr(ours, name))
-    g = torch.Generator().manual_seed(1)
-    for _ in range(8):
-        x, y = torch.randn(2, 4, generator=g), torch.randn(2, 2, generator=g)
-        engine.backward(((engine(x) - y) ** 2).mean())
-        engine.step()
-        opt.zero_grad()
-        ((reference(x) - y) ** 2).mean().backward()
-        opt.step()
-        sched.step()
+    for _ in steps_beside(engine, reference, opt, sched, 8):
         assert mine.last_batch_iteration == sched.last_batch_iteration
         assert engine.get_lr() == pytest.approx(sched.get_last_lr(), rel=1e-12)
     for ours_p, ref_p in zip(net.parameters(), reference.parameters()):

@@ -6,23 +6,17 @@ parameters; ``set_gradient_accumulation_boundary`` is refused. What DeepSpeed re
 from __future__ import annotations
 
 import pytest
-import torch
 from torch import nn
 
 from dsfunc.config import Config
 from dsfunc.deepspeed import initialize
-from tests.deepspeed.test_against_deepspeed import ROOT, launch
+from tests.deepspeed.test_against_deepspeed import ROOT, both_sides
 
 SCRIPT = f"{ROOT}/tests/deepspeed/scripts/ds_unmanaged.py"
 
 
 def test_unmanaged_accumulation_as_deepspeed(tmp_path):
-    pytest.importorskip("deepspeed", reason="real DeepSpeed is the reference (.ci/setup_test_tools.sh)")
-    out = str(tmp_path / "run")
-    launch("deepspeed", out, script=SCRIPT)
-    launch("dsfunc", out, script=SCRIPT)
-    for rank in range(2):
-        ds, ours = (torch.load(f"{out}.{b}.rank{rank}.pt") for b in ("deepspeed", "dsfunc"))
+    for rank, (ds, ours) in enumerate(both_sides(tmp_path, SCRIPT)):
         assert sorted(ours) == sorted(ds) == [0, 1, 2, 3]
         for stage, expected in ds.items():
             got = ours[stage]

@@ -6,21 +6,12 @@ dtypes and values after two steps, the losses and the final (gathered) parameter
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/deepspeed/scripts/ds_buffer_dtype.py --backend deepspeed --out x
 """
 
-import argparse
-import importlib
-
 import torch
 from torch import nn
 
-from tests.multiprocess import leave_together
+from tests.multiprocess import backend, leave_together
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--backend", choices=["deepspeed", "dsfunc"], required=True)
-parser.add_argument("--out", required=True)
-parser.add_argument("--local_rank", type=int, default=-1)
-args = parser.parse_args()
-deepspeed = importlib.import_module(args.backend)
-deepspeed.init_distributed(dist_backend="gloo")
+deepspeed, args = backend()
 rank = deepspeed.comm.get_rank()
 
 

@@ -8,22 +8,13 @@ what ``initialize`` returned, ``was_step_applied()`` and ``get_lr()`` after ever
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/deepspeed/scripts/ds_client_objects.py --backend deepspeed --out x
 """
 
-import argparse
-import importlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.multiprocess import leave_together
+from tests.multiprocess import backend, leave_together
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--backend", choices=["deepspeed", "dsfunc"], required=True)
-parser.add_argument("--out", required=True)
-parser.add_argument("--local_rank", type=int, default=-1)
-args = parser.parse_args()
-deepspeed = importlib.import_module(args.backend)
-deepspeed.init_distributed(dist_backend="gloo")
+deepspeed, args = backend()
 rank, world = deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()
 MICRO, GAS, STEPS = 2, 2, 4
 
@@ -83,6 +74,16 @@ def train(stage, kind):
     out = {"optimizer_is_client": optimizer is opt, "wraps_client": getattr(optimizer, "optimizer", None) is opt,
            "scheduler_is_client": scheduler is sched, "engine_scheduler_is_client": engine.lr_scheduler is sched,
            "groups": len(opt.param_groups), "applied": [], "lr": []}
+    for _ in micro_steps(engine):
+        out["applied"].append(engine.was_step_applied())
+        out["lr"].append(engine.get_lr())
+    out["params"] = gathered(net)
+    return out
+
+
+def micro_steps(engine):
+    """STEPS steps of GAS micro-batches each (this rank's part of seeded global batches): yields after each
+    ``engine.step()``, whether it ended the accumulation."""
     g = torch.Generator().manual_seed(7)
     for _ in range(STEPS):
         x = torch.randn(world * MICRO * GAS, 6, generator=g)
@@ -92,11 +93,12 @@ def train(stage, kind):
             part = slice(i * MICRO, (i + 1) * MICRO)
             engine.backward(F.cross_entropy(engine(x[mine][part]), y[mine][part]))
             engine.step()
-            out["applied"].append(engine.was_step_applied())
-            out["lr"].append(engine.get_lr())
+            yield i == GAS - 1
+
+
+def gathered(net) -> dict:
     with deepspeed.zero.GatheredParameters(list(net.parameters())):
-        out["params"] = {k: v.detach().clone().float() for k, v in net.state_dict().items()}
-    return out
+        return {k: v.detach().clone().float() for k, v in net.state_dict().items()}
 
 
 def config_optimizer(stage, kind):
@@ -117,19 +119,11 @@ def config_optimizer(stage, kind):
                                                    config=config)
     out = {"scheduler_class": type(scheduler).__name__, "engine_scheduler": engine.lr_scheduler is scheduler,
            "scheduler_is_client": scheduler is sched, "lr": [], "scheduler_lr": []}
-    g = torch.Generator().manual_seed(7)
-    for _ in range(STEPS):
-        x = torch.randn(world * MICRO * GAS, 6, generator=g)
-        y = torch.randint(0, 4, (world * MICRO * GAS,), generator=g)
-        mine = slice(rank * MICRO * GAS, (rank + 1) * MICRO * GAS)
-        for i in range(GAS):
-            part = slice(i * MICRO, (i + 1) * MICRO)
-            engine.backward(F.cross_entropy(engine(x[mine][part]), y[mine][part]))
-            engine.step()
-        out["lr"].append(engine.get_lr())
-        out["scheduler_lr"].append(scheduler.get_last_lr())
-    with deepspeed.zero.GatheredParameters(list(net.parameters())):
-        out["params"] = {k: v.detach().clone().float() for k, v in net.state_dict().items()}
+    for last in micro_steps(engine):
+        if last:
+            out["lr"].append(engine.get_lr())
+            out["scheduler_lr"].append(scheduler.get_last_lr())
+    out["params"] = gathered(net)
     return out
 
 

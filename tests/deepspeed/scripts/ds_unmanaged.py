@@ -8,22 +8,13 @@ step, the values ``backward`` returned, the final (gathered) parameters, and whe
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/deepspeed/scripts/ds_unmanaged.py --backend deepspeed --out x
 """
 
-import argparse
-import importlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.multiprocess import leave_together
+from tests.multiprocess import backend, leave_together
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--backend", choices=["deepspeed", "dsfunc"], required=True)
-parser.add_argument("--out", required=True)
-parser.add_argument("--local_rank", type=int, default=-1)
-args = parser.parse_args()
-deepspeed = importlib.import_module(args.backend)
-deepspeed.init_distributed(dist_backend="gloo")
+deepspeed, args = backend()
 rank = deepspeed.comm.get_rank()
 BACKWARDS = (2, 5, 3)
 
