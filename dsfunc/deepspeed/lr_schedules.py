@@ -139,7 +139,8 @@ class ConfigScheduler(EngineLRScheduler):
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         """Advance to ``batch_iteration`` (default: the next one) and write its lr into the optimizer."""
-        self._own("step()")
+        if self._optimizer is None:  # the engine's view: its one message
+            return super().step(*args, **kwargs)
         given = args[0] if args else next(iter(kwargs.values()), None)
         self._t = self._t + 1 if given is None else int(given)
         self._write()

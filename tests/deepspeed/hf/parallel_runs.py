@@ -16,6 +16,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from tests.deepspeed.hf.runs import LLAMA, ds_config, samples, train
+from tests.multiprocess import leave_together
 
 
 def llama() -> LlamaForCausalLM:
@@ -58,6 +59,8 @@ def main() -> None:
         raise SystemExit(f"unknown run {kind!r}")
     if int(os.environ.get("RANK", "0")) == 0:
         print("RESULT " + json.dumps(res), flush=True)
+    if torch.distributed.is_initialized():
+        leave_together()
 
 
 if __name__ == "__main__":
