@@ -66,13 +66,16 @@ def backend(parser: argparse.ArgumentParser | None = None) -> tuple[ModuleType, 
 
 
 def leave_together() -> None:
-    """End a torchrun script's ranks together: every rank done before any leaves, then the process group's threads
-    joined. Left to the interpreter's exit, a rank whose peer had gone could abort in gloo's teardown ("terminate
-    called without an active exception") after all its work, failing the run."""
+    """End a torchrun script's ranks together, as the dsfunc launcher ends a rank whose program ended well: every
+    rank done before any leaves, the process group ended, then the process ended without the interpreter's
+    finalization (see [Note: ending without finalization] in dsfunc.launcher.shim)."""
     import torch.distributed as dist
+
+    from dsfunc.launcher.shim import end_process
 
     dist.barrier()
     dist.destroy_process_group()
+    end_process()
 
 
 # imported once by the forkserver that every gloo rank forks from, instead of by each rank (~2.4 s of CPU a rank

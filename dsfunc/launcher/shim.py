@@ -14,13 +14,19 @@ With ``DSFUNC_RANK_LOG_DIR`` set, the rank's stdout and stderr go to
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
+import gc
+import io
 import json
 import os
 import runpy
 import sys
+import threading
 import time
 import traceback
+from typing import NoReturn
 
 import dsfunc_as_deepspeed
 from dsfunc.distributed.env import rank_env_from_launcher
@@ -107,12 +113,12 @@ def _run(mode: str, target: str, argv: list[str], agent_reports: bool) -> None:
         raise
     report_exit(0)
     _leave_together()
+    end_process()
 
 
 def _leave_together() -> None:
-    """After a program that ended well, end the process group the program left open, every rank together: left
-    to the interpreter's exit, gloo's threads of a rank whose peer had already gone can abort the process
-    ("terminate called without an active exception"), a failed rank after all its work."""
+    """After a program that ended well, end the process group the program left open, every rank together, so
+    that no rank's collective is left waiting on a peer that has gone."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return
@@ -122,6 +128,30 @@ def _leave_together() -> None:
         dist.destroy_process_group()
     except RuntimeError:  # a peer failed meanwhile: the launcher reports that rank and stops this one
         return
+
+
+def end_process() -> NoReturn:
+    """End a process whose program ended well (exit code 0) as the interpreter would, less its finalization.
+
+    [Note: ending without finalization] A process group that is still referenced (an engine keeps its
+    DeviceMesh, whose registry holds the groups) keeps gloo's worker threads alive to the end, and each drops its
+    last collective's work some time after the collective returned. The drop releases Python tensors, so the
+    thread takes the GIL; if the interpreter has begun finalizing by then, CPython 3.11-3.13 ends that thread
+    with ``pthread_exit``, whose unwinding through gloo's ``noexcept`` loop calls ``std::terminate``: "terminate
+    called without an active exception" and SIGABRT after all the work (seen in a core dump of a rank under
+    load). So the rank does here what the interpreter's exit would do (join the program's non-daemon threads,
+    run the ``atexit`` handlers, flush every open file) and leaves with ``os._exit`` while those threads are
+    harmless. Objects' ``__del__`` does not run, which Python never promises at exit."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # the handlers the interpreter's exit would run, in its order
+    for obj in gc.get_objects():
+        if isinstance(obj, io.IOBase):
+            with contextlib.suppress(Exception):  # closed, detached or read-only: nothing to write
+                if not obj.closed:
+                    obj.flush()
+    os._exit(0)
 
 
 RANK_ARGS_VARIABLE = "DSFUNC_RANK_ARGS"  # how the per-node agent passes this rank's arguments

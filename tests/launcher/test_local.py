@@ -314,3 +314,17 @@ def test_quiet_keeps_only_failures(job):
                       str(SCRIPTS / "fail.py")], cwd, env, timeout=STOPPED_WITHIN_S)
     assert res.returncode == 1 and "rank(s) on 1 node(s)" not in res.stderr
     assert "dsfunc: rank 1 (local rank 1 on localhost) failed with exit code 1" in res.stderr
+
+
+def test_a_rank_that_ends_well_finishes_what_the_interpreters_exit_would(job):
+    """See [Note: ending without finalization]: the rank leaves with ``os._exit``, after its threads, its
+    ``atexit`` handlers and its unflushed files, with the process groups still referenced."""
+    cwd, out, env = job
+    res = run_dsfunc(["--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPTS / "ends_well.py"), str(out)],
+                     cwd, env)
+    assert res.returncode == 0, res.stderr
+    for rank in (0, 1):
+        assert (out / f"unflushed.{rank}").read_text() == "written, never flushed"
+        assert (out / f"thread.{rank}").read_text() == "joined"
+        assert (out / f"atexit.{rank}").exists()
+    assert "rank 0 ends without a newline" in res.stdout
