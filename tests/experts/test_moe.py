@@ -1,4 +1,4 @@
-"""The MoE layer's checks and plumbing: DeepSpeed's rank layout of expert groups, the errors for configurations
+"""The MoE layer's checks and plumbing: DeepSpeed's expert groups of ranks, the errors for configurations
 DeepSpeed rejects or dsfunc does not train yet, the optimizer-group helpers, and experts as units of their own
 reduced and sharded over their expert-data-parallel ranks (gloo, 2 ranks)."""
 
@@ -17,7 +17,7 @@ from dsfunc.deepspeed.moe import (
 )
 from dsfunc.errors import InputError, UsageError
 from dsfunc.experts import MoE
-from dsfunc.experts.groups import layout
+from dsfunc.experts.groups import group_ranks
 from tests.multiprocess import run_world
 
 
@@ -25,12 +25,12 @@ def expert() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4))
 
 
-def test_groups_follow_deepspeeds_layout():
-    assert layout(8, 2) == ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]])
-    assert layout(8, 2, data_first=True) == ([[0, 4], [1, 5], [2, 6], [3, 7]], [[0, 1, 2, 3], [4, 5, 6, 7]])
-    assert layout(4, 4) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
+def test_groups_follow_deepspeeds_arrangement():
+    assert group_ranks(8, 2) == ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]])
+    assert group_ranks(8, 2, data_first=True) == ([[0, 4], [1, 5], [2, 6], [3, 7]], [[0, 1, 2, 3], [4, 5, 6, 7]])
+    assert group_ranks(4, 4) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
     with pytest.raises(InputError, match="expert-parallel size 4 does not divide the world size 6"):
-        layout(6, 4)
+        group_ranks(6, 4)
 
 
 @pytest.mark.parametrize(("options", "message"), [
