@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from dsfunc.experts import dispatch
 from dsfunc.experts.grouped import GroupedExperts
 from dsfunc.experts.groups import ExpertGroups
-from dsfunc.experts.routing import _largest_count
+from dsfunc.experts.routing import largest_count
 
 
 class ExpertParallelBlock(nn.Module):
@@ -48,7 +48,7 @@ class ExpertParallelBlock(nn.Module):
         experts = self.num_experts
         chosen = torch.zeros(tokens.size(0), experts, dtype=torch.int64, device=tokens.device).scatter_(1, picked, 1)
         counts = chosen.sum(0)
-        capacity = int(_largest_count(counts, group))
+        capacity = int(largest_count(counts, group))
         locations = (chosen.cumsum(0) - 1).gather(1, picked)
         rows = dispatch.rows_of(picked.t(), locations.t(), experts, capacity)
         received = dispatch.exchange(dispatch.encode(tokens, rows, experts, capacity), group)

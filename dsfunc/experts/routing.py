@@ -52,7 +52,7 @@ def capacity(gates: Tensor, capacity_factor: float, min_capacity: int) -> Tensor
     return torch.maximum(rows, torch.tensor(min_capacity).to(torch.int64))
 
 
-def _largest_count(exp_counts: Tensor, ep_group: torch.distributed.ProcessGroup | None) -> Tensor:
+def largest_count(exp_counts: Tensor, ep_group: torch.distributed.ProcessGroup | None) -> Tensor:
     """The capacity without dropping: the largest expert count over the expert-parallel ranks."""
     most = torch.max(exp_counts)
     if ep_group is not None:
@@ -76,7 +76,7 @@ def top1(logits: Tensor, capacity_factor: float, min_capacity: int, *, used_toke
         mask = torch.einsum("s,se->se", used_token, mask)
     exp_counts = torch.sum(mask, dim=0).detach()
     if not drop_tokens:
-        rows = torch.minimum(_largest_count(exp_counts, ep_group), torch.tensor(mask.size(0)))
+        rows = torch.minimum(largest_count(exp_counts, ep_group), torch.tensor(mask.size(0)))
     l_aux = torch.sum(torch.mean(gates, dim=0) * torch.mean(mask.float(), dim=0)) * num_experts
     ranked = mask * uniform(mask.shape, logits.device, 0.0, 1.0) if use_rts else mask
     if logits.shape[0] < min_capacity:
@@ -112,7 +112,7 @@ def top2(logits: Tensor, capacity_factor: float, min_capacity: int, *, drop_toke
         mask1 = mask1 * torch.lt(locations1, rows)
         mask2 = mask2 * torch.lt(locations2, rows)
     else:
-        rows = _largest_count(exp_counts, ep_group)
+        rows = largest_count(exp_counts, ep_group)
     where1 = torch.sum(locations1 * mask1, dim=1)
     where2 = torch.sum(locations2 * mask2, dim=1)
     weight1 = torch.einsum("se,se->s", gates, mask1.float())
@@ -141,7 +141,7 @@ def topk(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, *, d
         _, kept = torch.topk(weighed, k=int(min(int(rows), gates.size(0))), dim=0, sorted=False)
         mask &= torch.zeros_like(gates, dtype=torch.bool).scatter_(0, kept, True)
     else:
-        rows = _largest_count(exp_counts, ep_group)
+        rows = largest_count(exp_counts, ep_group)
     locations = torch.cumsum(mask, dim=0) - 1
     masked = gates * mask
     masked = masked / torch.clamp(torch.sum(masked, dim=-1, keepdim=True), min=torch.finfo(masked.dtype).eps)
