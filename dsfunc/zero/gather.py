@@ -274,7 +274,7 @@ class Workspace:
         shard (a collective), or ``shard`` itself when the unit is not sharded."""
         if shard.device != self.device:
             shard = shard.to(self.device)  # an offloaded master is gathered, and shown, on the device
-        if self.plan.ways == 1:
+        if self.plan.ways_of(unit) == 1:
             return shard
         full = torch.empty(self.plan.padded_size(unit), dtype=shard.dtype, device=shard.device)
         comm.all_gather_flat(full, shard, self.plan.group_of(unit))
