@@ -205,12 +205,12 @@ def make_plan(
         for (where, label), params in members.items():
             if where != path or not params:
                 continue
-            slots, offset = [], 0
+            placed, offset = [], 0
             for name, aliases, shape in params:
-                slots.append(ParamSlot(name, tuple(shape), offset, aliases))
+                placed.append(ParamSlot(name, tuple(shape), offset, aliases))
                 offset += math.prod(shape)
             units.append(Unit(name=path if label is None else f"{path}[{label}]",
-                              module=None if path == ROOT else path, params=tuple(slots), label=label,
+                              module=None if path == ROOT else path, params=tuple(placed), label=label,
                               group=own_groups.get(path)))
     if not units:
         raise InputError("the model has no trainable parameters (every parameter has requires_grad=False)")
