@@ -79,8 +79,8 @@ def main() -> None:
                     sync(device)
                     blocks[mode].append(time.perf_counter() - start)
                 for _ in range(args.every):
-                    pending = checkpoint.api._PENDING
-                    writing = pending is not None and not pending.done()
+                    save = checkpoint.api._IN_FLIGHT
+                    writing = save is not None and not save.done()
                     t = time.perf_counter()
                     state = dsfunc.train_step(state, batch)
                     float(state.metrics.loss)  # what a logging loop does; waits for the step

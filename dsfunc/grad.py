@@ -72,7 +72,7 @@ def value_and_grad(loss_fn: LossFn | None = None) -> GradFn:
         none was given to :func:`dsfunc.init_state`).
     """
 
-    def grad_fn(ctx: GradContext, batch: Batch) -> GradResult:
+    def loss_and_grads(ctx: GradContext, batch: Batch) -> GradResult:
         runtime = ctx.runtime or local_runtime(ctx.state)
         # None: the model itself is called with the batch (see MicroBatchRuntime.forward)
         loss = scalar_loss(loss_in(runtime.forward(loss_fn or ctx.state.program.loss_fn, batch, micro=ctx.micro)))
@@ -82,7 +82,7 @@ def value_and_grad(loss_fn: LossFn | None = None) -> GradFn:
             return GradResult(loss.detach().float(), None)
         return GradResult(*runtime.finish())
 
-    return grad_fn
+    return loss_and_grads
 
 
 def accumulate(steps: int | None = None) -> GradTransform:
@@ -90,7 +90,7 @@ def accumulate(steps: int | None = None) -> GradTransform:
     the loss and gradients are the mean over micro-batches (summed in fp32)."""
 
     def transform(inner: GradFn) -> GradFn:
-        def grad_fn(ctx: GradContext, batch: Batch) -> GradResult:
+        def accumulated(ctx: GradContext, batch: Batch) -> GradResult:
             config = ctx.state.program.config
             n = steps or config.gradient_accumulation_steps
             micros = split_batch(batch, n, config.train_micro_batch_size_per_gpu if steps is None else None)
@@ -101,7 +101,7 @@ def accumulate(steps: int | None = None) -> GradTransform:
                 return GradResult(runtime.mean_loss(), None)
             return GradResult(*runtime.finish())
 
-        return grad_fn
+        return accumulated
 
     return transform
 

@@ -310,7 +310,7 @@ def _plan(model: nn.Module, stage: int, unit_modules: Sequence[str] | None, para
     found = bind_experts(model) | expert_units(model)
     experts = {path: None if g.data is None else comm.Group.of(g.data) for path, g in found.items()}
     plan = make_plan(model, stage=stage, group=group, unit_modules=unit_modules,
-                     labels=param_groups.label_of if len(groups) > 1 else None, unit_groups=experts)
+                     labels=param_groups.label_of if len(groups) > 1 else None, own_groups=experts)
     return plan, groups
 
 

@@ -50,4 +50,5 @@ def test_train_step_reaches_the_model_in_at_most_six_dsfunc_frames(stage, own_lo
     frames = _frames_to(MLP.forward.__code__, lambda: dsfunc.train_step(state, batch))
     assert frames[-1] == "step.py:train_step", frames
     assert len(frames) <= 6, frames
+    assert len(set(frames)) == len(frames), f"two frames of one name read as one in a traceback: {frames}"
 

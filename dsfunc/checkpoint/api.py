@@ -39,7 +39,7 @@ DEFAULT_TIMEOUT = 300.0  # seconds every rank gets to arrive at a save or load
 # An async save runs write_checkpoint, with its collectives on the side group, in the one worker thread.
 # Every save and load waits for it (wait_for_checkpoint) before its own first collective, so the
 # collectives of two checkpoint calls never interleave on that group.
-_PENDING: Future | None = None
+_IN_FLIGHT: Future | None = None
 _EXECUTOR: ThreadPoolExecutor | None = None
 
 
@@ -83,8 +83,8 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
     job = functools.partial(write_checkpoint, Path(save_dir), tag, tensors, meta, client, save_latest, timeout)
     if not async_save:
         return job()
-    global _PENDING
-    _PENDING = _executor().submit(job)
+    global _IN_FLIGHT
+    _IN_FLIGHT = _executor().submit(job)
     return str(Path(save_dir) / tag)
 
 
@@ -169,9 +169,9 @@ def wait_for_checkpoint() -> str | None:
 
     Every rank should call it before ``destroy_process_group`` (the save's ranks talk to each other).
     """
-    global _PENDING
-    pending, _PENDING = _PENDING, None
-    return None if pending is None else pending.result()
+    global _IN_FLIGHT
+    save, _IN_FLIGHT = _IN_FLIGHT, None
+    return None if save is None else save.result()
 
 
 def _check_state(state: Any, caller: str) -> None:

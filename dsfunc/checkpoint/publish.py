@@ -177,12 +177,12 @@ def _settle(save_dir: Path, tag: str, save_latest: bool, timeout: float) -> None
         _remove(paths.replaced(save_dir, tag))
         if not save_latest:
             return
-        pending = paths.temporary(save_dir, LATEST_FILE)
+        temporary = paths.temporary(save_dir, LATEST_FILE)
         try:
-            _write_durably(pending, tag.encode())
-            os.replace(pending, save_dir / LATEST_FILE)
+            _write_durably(temporary, tag.encode())
+            os.replace(temporary, save_dir / LATEST_FILE)
         finally:
-            pending.unlink(missing_ok=True)
+            temporary.unlink(missing_ok=True)
         _fsync_dir(save_dir)
 
 

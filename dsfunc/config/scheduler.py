@@ -112,6 +112,11 @@ def _scheduler(value: Any, path: str) -> SchedulerConfig:
     return SchedulerConfig(kind, params)
 
 
+def scheduler_arguments(kind: str) -> list[str]:
+    """The params of DeepSpeed's scheduler class ``kind`` in the order its constructor takes them."""
+    return list(_SCHEDULER_PARAMS[kind])
+
+
 def parse_scheduler(section: Any) -> SchedulerConfig:
     """A DeepSpeed ``scheduler`` section (``{"type": ..., "params": {...}}``), validated and completed with
     DeepSpeed's defaults as inside a whole config."""

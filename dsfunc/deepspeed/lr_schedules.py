@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dsfunc.config.scheduler import _SCHEDULER_PARAMS, SCHEDULER_NAMES, parse_scheduler
+from dsfunc.config.scheduler import SCHEDULER_NAMES, parse_scheduler, scheduler_arguments
 from dsfunc.deepspeed.namespace import other_name
 from dsfunc.deepspeed.views import EngineLRScheduler, Viewed
 from dsfunc.errors import InputError, InputTypeError, UsageError
@@ -51,7 +51,7 @@ class ConfigScheduler(EngineLRScheduler):
         name = type(self).__name__
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise InputTypeError(f"{name}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        names = list(_SCHEDULER_PARAMS[name])  # DeepSpeed's argument order
+        names = scheduler_arguments(name)
         if len(args) > len(names):
             raise InputTypeError(f"{name} takes at most {len(names)} arguments after the optimizer, got {len(args)}")
         params = dict(zip(names, args))

@@ -23,7 +23,7 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class Pending(Protocol):
+class InFlight(Protocol):
     """An in-flight collective: ``wait()`` blocks (the host on gloo, the current stream on NCCL)."""
 
     def wait(self) -> object: ...
@@ -81,7 +81,7 @@ def world_size() -> int:
     return dist.get_world_size() if is_distributed() else 1
 
 
-def all_reduce_sum(tensor: torch.Tensor, group: Group, *, async_op: bool = False) -> Pending:
+def all_reduce_sum(tensor: torch.Tensor, group: Group, *, async_op: bool = False) -> InFlight:
     """Sum ``tensor`` in place over ``group``."""
     if group.size == 1:
         return Done()
@@ -90,7 +90,7 @@ def all_reduce_sum(tensor: torch.Tensor, group: Group, *, async_op: bool = False
 
 
 def reduce_scatter_sum(output: torch.Tensor, flat: torch.Tensor, group: Group, *,
-                       async_op: bool = False) -> Pending:
+                       async_op: bool = False) -> InFlight:
     """``output`` (length S) gets this rank's chunk of the sum over ``group`` of ``flat`` (length W*S)."""
     if group.size == 1:
         output.copy_(flat)
@@ -111,7 +111,7 @@ def broadcast(tensor: torch.Tensor, group: Group, src: int = 0) -> None:
         tensor.copy_(dense)
 
 
-def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Group, *, async_op: bool = False) -> Pending:
+def all_gather_flat(output: torch.Tensor, shard: torch.Tensor, group: Group, *, async_op: bool = False) -> InFlight:
     """``output`` (length W*S) gets the ``shard`` (length S) of every rank of ``group``, in group order."""
     if group.size == 1:
         if output.data_ptr() != shard.data_ptr():

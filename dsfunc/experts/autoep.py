@@ -4,7 +4,7 @@ built, as DeepSpeed's ``initialize`` does from the config's ``expert_parallel`` 
 A preset names the HF block class of a model family (its number of experts is its expert weights' first dim); the
 block's router is kept and its fused expert weights (``gate_up_proj`` ``[E, 2I, H]``, ``down_proj`` ``[E, H, I]``)
 are sliced along dim 0, each rank keeping the experts of its place in its expert-parallel group (DeepSpeed's "E + D"
-layout, :mod:`dsfunc.experts.groups`). Every rank builds the whole model alike (same seed or weights), so the
+arrangement, :mod:`dsfunc.experts.groups`). Every rank builds the whole model alike (same seed or weights), so the
 slices together are the model's experts; each expert-data-parallel group then holds one replica of a slice.
 """
 

@@ -1,7 +1,7 @@
 """Dispatch and combine: tokens into per-expert buffers of fixed capacity, across the expert-parallel ranks,
 and the experts' outputs back to their tokens.
 
-[Note: every expert runs] The buffers have ``capacity`` slots per expert whatever the routing, unused slots
+[Note: every expert runs] The buffers have ``capacity`` rows per expert whatever the routing, unused rows
 holding zeros, and the all-to-all always moves all of them. So every local expert runs a forward (and its
 backward) on every rank in every step, even one no token was routed to: each rank's backward then makes the
 same gradients in the same order, which the per-unit gradient reductions of ZeRO rely on (a unit that ran on
@@ -18,27 +18,27 @@ from torch import Tensor
 from dsfunc.distributed import comm
 
 
-def slots_of(experts: Tensor, locations: Tensor, num_experts: int, capacity: int) -> Tensor:
-    """Each route's flat slot in the ``[E * C]`` buffers; a dropped route's is the scratch slot ``E * C``."""
+def rows_of(experts: Tensor, locations: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """Each route's flat row in the ``[E * C]`` buffers; a dropped route's is the scratch row ``E * C``."""
     flat = experts.long() * capacity + locations.long()
     return torch.where(experts >= 0, flat, torch.full_like(flat, num_experts * capacity))
 
 
-def encode(tokens: Tensor, slots: Tensor, num_experts: int, capacity: int) -> Tensor:
-    """The ``[E, C, M]`` buffers holding each routed token in its slot (zeros elsewhere): one gather."""
+def encode(tokens: Tensor, rows: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """The ``[E, C, M]`` buffers holding each routed token in its row (zeros elsewhere): one gather."""
     count, width = tokens.shape
-    source = torch.full((num_experts * capacity + 1,), count, dtype=torch.long, device=slots.device)
-    order = torch.arange(count, device=slots.device).expand_as(slots)
-    source.scatter_(0, slots.reshape(-1), order.reshape(-1))
+    source = torch.full((num_experts * capacity + 1,), count, dtype=torch.long, device=rows.device)
+    order = torch.arange(count, device=rows.device).expand_as(rows)
+    source.scatter_(0, rows.reshape(-1), order.reshape(-1))
     padded = torch.cat([tokens, tokens.new_zeros(1, width)])
     return padded.index_select(0, source[:-1]).view(num_experts, capacity, width)
 
 
-def decode(outputs: Tensor, slots: Tensor, weights: Tensor, count: int) -> Tensor:
-    """Each token's sum over its routes of the expert output in the route's slot times the route's weight."""
+def decode(outputs: Tensor, rows: Tensor, weights: Tensor, count: int) -> Tensor:
+    """Each token's sum over its routes of the expert output in the route's row times the route's weight."""
     width = outputs.size(-1)
     padded = torch.cat([outputs, outputs.new_zeros(1, width)])
-    routed = padded.index_select(0, slots.reshape(-1)).view(slots.size(0), count, width)
+    routed = padded.index_select(0, rows.reshape(-1)).view(rows.size(0), count, width)
     return (routed * weights.unsqueeze(-1)).sum(0).to(outputs.dtype)
 
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from dsfunc.experts import dispatch
 from dsfunc.experts.grouped import GroupedExperts
 from dsfunc.experts.groups import ExpertGroups
-from dsfunc.experts.routing import _largest_count
+from dsfunc.experts.routing import largest_count
 
 
 class ExpertParallelBlock(nn.Module):
@@ -48,19 +48,19 @@ class ExpertParallelBlock(nn.Module):
         experts = self.num_experts
         chosen = torch.zeros(tokens.size(0), experts, dtype=torch.int64, device=tokens.device).scatter_(1, picked, 1)
         counts = chosen.sum(0)
-        capacity = int(_largest_count(counts, group))
+        capacity = int(largest_count(counts, group))
         locations = (chosen.cumsum(0) - 1).gather(1, picked)
-        slots = dispatch.slots_of(picked.t(), locations.t(), experts, capacity)
-        received = dispatch.exchange(dispatch.encode(tokens, slots, experts, capacity), group)
+        rows = dispatch.rows_of(picked.t(), locations.t(), experts, capacity)
+        received = dispatch.exchange(dispatch.encode(tokens, rows, experts, capacity), group)
         sent = dispatch.exchange(counts.view(experts, 1), group).view(self.groups.ep_size, -1)
         outputs = self._run_experts(received, sent, capacity)
         returned = dispatch.exchange(outputs, group)
-        combined = dispatch.decode(returned.view(experts * capacity, -1), slots, weights.t(), tokens.size(0))
+        combined = dispatch.decode(returned.view(experts * capacity, -1), rows, weights.t(), tokens.size(0))
         return combined.reshape(shape)
 
     def _run_experts(self, received: Tensor, sent: Tensor, capacity: int) -> Tensor:
         """The local experts on the rows ``received`` ``[ranks * L, C, H]`` holds (by source rank; ``sent[r, l]``
-        rows for local expert ``l`` from rank ``r``), as ``[ranks * L, C, H]`` again, zeros in unused slots."""
+        rows for local expert ``l`` from rank ``r``), as ``[ranks * L, C, H]`` again, zeros in unused rows."""
         ranks, local = sent.shape
         width = received.size(-1)
         by_expert = received.view(ranks, local, capacity, width).transpose(0, 1).reshape(-1, width)

@@ -1,7 +1,7 @@
 """The process groups of expert parallelism: experts split over ``ep`` ranks, each expert replicated over the
 rest (its expert-data-parallel ranks).
 
-DeepSpeed's layout (``deepspeed.utils.groups``, "E + D"): with W ranks and ep size P, the expert-parallel groups
+DeepSpeed's arrangement (``deepspeed.utils.groups``, "E + D"): with W ranks and ep size P, the expert-parallel groups
 are the blocks of P neighbouring ranks ``[i*P, (i+1)*P)`` (the all-to-all runs in them) and the
 expert-data-parallel groups are the strided ranks ``{j, j+P, j+2P, ...}`` (an expert's gradients are reduced
 over them, its initial weights broadcast from the first of them). ``data_first`` ("D + E",
@@ -42,7 +42,7 @@ class ExpertGroups:
         return self
 
 
-def layout(world: int, ep_size: int, *, data_first: bool = False) -> tuple[list[list[int]], list[list[int]]]:
+def group_ranks(world: int, ep_size: int, *, data_first: bool = False) -> tuple[list[list[int]], list[list[int]]]:
     """Every expert-parallel group and every expert-data-parallel group of a world, as rank lists."""
     if ep_size < 1:
         raise InputError(f"ep_size must be at least 1, got {ep_size}")
@@ -62,7 +62,7 @@ def layout(world: int, ep_size: int, *, data_first: bool = False) -> tuple[list[
 def make_expert_groups(ep_size: int, *, data_first: bool = False) -> ExpertGroups:
     """This rank's :class:`ExpertGroups` for ``ep_size`` (a collective: every rank calls it, in the same order)."""
     world, rank = comm.world_size(), comm.rank()
-    experts, data = layout(world, ep_size, data_first=data_first)
+    experts, data = group_ranks(world, ep_size, data_first=data_first)
     mine: dict[str, Any] = {}
     for kind, lists in (("data", data), ("ep", experts)):  # DeepSpeed's creation order
         for ranks in lists:

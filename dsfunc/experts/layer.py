@@ -63,13 +63,13 @@ class MOELayer(nn.Module):
         routes = self.gate(tokens, inputs[1] if len(inputs) > 1 else None)
         self.l_aux, self.exp_counts = routes.l_aux, routes.exp_counts
         num_experts = self.ep_size * self.num_local_experts
-        slots = dispatch.slots_of(routes.experts, routes.locations, num_experts, routes.capacity)
-        buffers = dispatch.encode(tokens, slots, num_experts, routes.capacity)
+        rows = dispatch.rows_of(routes.experts, routes.locations, num_experts, routes.capacity)
+        buffers = dispatch.encode(tokens, rows, num_experts, routes.capacity)
         buffers = dispatch.exchange(buffers, self.ep_group if self.ep_size > 1 else None)
         outputs = self.experts(buffers.reshape(self.ep_size, self.num_local_experts, -1, width))
         outputs = outputs.reshape(num_experts, -1, width)
         outputs = dispatch.exchange(outputs, self.ep_group if self.ep_size > 1 else None)
-        combined = dispatch.decode(outputs.view(num_experts * routes.capacity, width), slots, routes.weights,
+        combined = dispatch.decode(outputs.view(num_experts * routes.capacity, width), rows, routes.weights,
                                    tokens.size(0))
         return combined.reshape(inputs[0].shape)
 
@@ -83,8 +83,8 @@ class MoE(nn.Module):
         num_experts: experts in the layer, over all ranks; ``ep_size`` must divide it.
         ep_size: ranks the experts are split over (it must divide the world size).
         k: experts per token (1 or 2 in DeepSpeed's docs; its code, and this, take up to ``num_experts``).
-        capacity_factor / eval_capacity_factor: slots per expert, relative to an even split, in training / eval.
-        min_capacity: slots per expert at least.
+        capacity_factor / eval_capacity_factor: rows per expert, relative to an even split, in training / eval.
+        min_capacity: rows per expert at least.
         use_residual: add a dense copy of ``expert`` mixed in by a learned softmax coefficient.
         noisy_gate_policy: None, ``'Jitter'`` or ``'RSample'`` (training only).
         drop_tokens: drop tokens over capacity (False: capacity is the largest expert count, nothing dropped).

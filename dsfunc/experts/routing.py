@@ -1,8 +1,8 @@
-"""Routing: which expert slots each token goes to, as DeepSpeed 0.19.8's gates decide (top-1, top-2, top-k).
+"""Routing: which experts (and rows of their buffers) take each token, as DeepSpeed 0.19.8's gates decide.
 
 A gate turns the router's fp32 logits ``[S, E]`` into :class:`Routes`: for each of the ``k`` routes of each
 token its expert (``-1``: dropped for lack of capacity), its position in that expert's buffer of ``capacity``
-slots, and its combine weight; plus the load-balancing loss ``l_aux`` and the tokens each expert was picked
+rows, and its combine weight; plus the load-balancing loss ``l_aux`` and the tokens each expert was picked
 for (before dropping). Capacity is ``ceil(S / E * capacity_factor)`` (``x k`` for k > 1), at least
 ``min_capacity``; without token dropping it is the largest expert count over the expert-parallel group, so
 every rank's buffers have one shape (the all-to-all needs it). The arithmetic follows DeepSpeed's op for op,
@@ -25,9 +25,9 @@ class Routes(NamedTuple):
     """A gate's decision for ``S`` tokens with ``k`` routes each (``[k, S]`` tensors)."""
 
     l_aux: Tensor  # the load-balancing loss
-    capacity: int  # slots per expert
+    capacity: int  # rows per expert
     experts: Tensor  # int32, the expert of each route, -1 where the route was dropped
-    locations: Tensor  # int32, the route's slot in its expert's buffer
+    locations: Tensor  # int32, the route's row in its expert's buffer
     weights: Tensor  # the route's combine weight
     exp_counts: Tensor  # tokens routed to each expert, before dropping
 
@@ -45,14 +45,14 @@ def uniform(shape: torch.Size, device: torch.device, low: float, high: float) ->
 
 
 def capacity(gates: Tensor, capacity_factor: float, min_capacity: int) -> Tensor:
-    """Slots per expert: ``ceil(tokens / experts * capacity_factor)`` (in fp32, as DeepSpeed), at least
+    """Rows per expert: ``ceil(tokens / experts * capacity_factor)`` (in fp32, as DeepSpeed), at least
     ``min_capacity``."""
     tokens, experts = gates.shape
-    slots = torch.ceil((tokens / experts) * torch.tensor(capacity_factor)).to(torch.int64)
-    return torch.maximum(slots, torch.tensor(min_capacity).to(torch.int64))
+    rows = torch.ceil((tokens / experts) * torch.tensor(capacity_factor)).to(torch.int64)
+    return torch.maximum(rows, torch.tensor(min_capacity).to(torch.int64))
 
 
-def _largest_count(exp_counts: Tensor, ep_group: torch.distributed.ProcessGroup | None) -> Tensor:
+def largest_count(exp_counts: Tensor, ep_group: torch.distributed.ProcessGroup | None) -> Tensor:
     """The capacity without dropping: the largest expert count over the expert-parallel ranks."""
     most = torch.max(exp_counts)
     if ep_group is not None:
@@ -68,7 +68,7 @@ def top1(logits: Tensor, capacity_factor: float, min_capacity: int, *, used_toke
     if rsample:
         noisy = logits + gumbel(logits.shape, logits.device)
     gates = F.softmax(logits, dim=1)
-    slots = capacity(gates, capacity_factor, min_capacity)
+    rows = capacity(gates, capacity_factor, min_capacity)
     chosen = torch.argmax(noisy if rsample else gates, dim=1)
     num_experts = int(gates.shape[1])
     mask = F.one_hot(chosen, num_classes=num_experts)
@@ -76,18 +76,18 @@ def top1(logits: Tensor, capacity_factor: float, min_capacity: int, *, used_toke
         mask = torch.einsum("s,se->se", used_token, mask)
     exp_counts = torch.sum(mask, dim=0).detach()
     if not drop_tokens:
-        slots = torch.minimum(_largest_count(exp_counts, ep_group), torch.tensor(mask.size(0)))
+        rows = torch.minimum(largest_count(exp_counts, ep_group), torch.tensor(mask.size(0)))
     l_aux = torch.sum(torch.mean(gates, dim=0) * torch.mean(mask.float(), dim=0)) * num_experts
     ranked = mask * uniform(mask.shape, logits.device, 0.0, 1.0) if use_rts else mask
     if logits.shape[0] < min_capacity:
         raise InputError(f"the MoE gate got {logits.shape[0]} tokens, fewer than min_capacity={min_capacity}: "
                          "pass more tokens per step or a smaller min_capacity (0 is allowed)")
-    kept = torch.topk(ranked, k=int(min(int(slots), mask.size(0))), dim=0)[1]
+    kept = torch.topk(ranked, k=int(min(int(rows), mask.size(0))), dim=0)[1]
     mask = mask * torch.zeros_like(mask).scatter_(0, kept, 1)
     chosen = torch.min(chosen, mask.sum(dim=1) * num_experts - 1)
     locations = torch.sum((torch.cumsum(mask, dim=0) - 1) * mask, dim=1)
     weights = (gates * mask).sum(dim=1)
-    return Routes(l_aux, int(slots), chosen.to(torch.int32).unsqueeze(0), locations.to(torch.int32).unsqueeze(0),
+    return Routes(l_aux, int(rows), chosen.to(torch.int32).unsqueeze(0), locations.to(torch.int32).unsqueeze(0),
                   weights.unsqueeze(0), exp_counts)
 
 
@@ -108,11 +108,11 @@ def top2(logits: Tensor, capacity_factor: float, min_capacity: int, *, drop_toke
     l_aux = torch.mean(torch.mean(gates, dim=0) * torch.mean(mask1.float(), dim=0)) * num_experts * num_experts
     exp_counts = torch.sum(mask1 + mask2, dim=0).detach()
     if drop_tokens:
-        slots = capacity(gates, capacity_factor * 2, min_capacity)
-        mask1 = mask1 * torch.lt(locations1, slots)
-        mask2 = mask2 * torch.lt(locations2, slots)
+        rows = capacity(gates, capacity_factor * 2, min_capacity)
+        mask1 = mask1 * torch.lt(locations1, rows)
+        mask2 = mask2 * torch.lt(locations2, rows)
     else:
-        slots = _largest_count(exp_counts, ep_group)
+        rows = largest_count(exp_counts, ep_group)
     where1 = torch.sum(locations1 * mask1, dim=1)
     where2 = torch.sum(locations2 * mask2, dim=1)
     weight1 = torch.einsum("se,se->s", gates, mask1.float())
@@ -121,7 +121,7 @@ def top2(logits: Tensor, capacity_factor: float, min_capacity: int, *, drop_toke
     weight1, weight2 = weight1 / total, weight2 / total
     first = torch.where(mask1.any(dim=1), first, torch.full_like(first, -1))
     second = torch.where(mask2.any(dim=1), second, torch.full_like(second, -1))
-    return Routes(l_aux, int(slots), torch.stack([first, second]).to(torch.int32),
+    return Routes(l_aux, int(rows), torch.stack([first, second]).to(torch.int32),
                   torch.stack([where1, where2]).to(torch.int32), torch.stack([weight1, weight2]), exp_counts)
 
 
@@ -136,17 +136,17 @@ def topk(logits: Tensor, k: int, capacity_factor: float, min_capacity: int, *, d
     exp_counts = torch.sum(mask, dim=0).detach()
     l_aux = torch.mean(torch.mean(gates, dim=0) * torch.mean(mask.float(), dim=0)) * num_experts * num_experts / k
     if drop_tokens:
-        slots = capacity(gates, capacity_factor * k, min_capacity)
+        rows = capacity(gates, capacity_factor * k, min_capacity)
         weighed = torch.zeros_like(gates).scatter(1, picked, best)
-        _, kept = torch.topk(weighed, k=int(min(int(slots), gates.size(0))), dim=0, sorted=False)
+        _, kept = torch.topk(weighed, k=int(min(int(rows), gates.size(0))), dim=0, sorted=False)
         mask &= torch.zeros_like(gates, dtype=torch.bool).scatter_(0, kept, True)
     else:
-        slots = _largest_count(exp_counts, ep_group)
+        rows = largest_count(exp_counts, ep_group)
     locations = torch.cumsum(mask, dim=0) - 1
     masked = gates * mask
     masked = masked / torch.clamp(torch.sum(masked, dim=-1, keepdim=True), min=torch.finfo(masked.dtype).eps)
     routed = mask.gather(1, picked)
     experts = torch.where(routed, picked, torch.full_like(picked, -1))
-    return Routes(l_aux, int(slots), experts.t().contiguous().to(torch.int32),
+    return Routes(l_aux, int(rows), experts.t().contiguous().to(torch.int32),
                   (locations.gather(1, picked) * routed).t().contiguous().to(torch.int32),
                   masked.gather(1, picked).t().contiguous(), exp_counts)

@@ -390,10 +390,10 @@ class Monitor:
         """Read the buffered metrics (one wait for the device) and write them to the event files and bar."""
         if not self._unflushed:
             return
-        pending, self._unflushed = self._unflushed, []
-        values = torch.stack([torch.stack([v.float() for v in kept]) for _, _, kept, _ in pending]).tolist()
+        records, self._unflushed = self._unflushed, []
+        values = torch.stack([torch.stack([v.float() for v in kept]) for _, _, kept, _ in records]).tolist()
         events: list[tuple[str, float, int]] = []
-        for (step, samples, _, timings), (loss, lr, scale) in zip(pending, values):
+        for (step, samples, _, timings), (loss, lr, scale) in zip(records, values):
             events.append(("Train/Samples/train_loss", loss, samples))
             events.append(("Train/Samples/lr", lr, samples))
             if self.log_loss_scale:

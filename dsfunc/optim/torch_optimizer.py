@@ -33,7 +33,7 @@ class TorchOptimizerState(NamedTuple):
     """Applied steps and the lr used, per parameter group, and each unit's optimizer state entries."""
 
     schedules: tuple[ScheduleState, ...]
-    slots: dict[str, dict[str, torch.Tensor]]
+    per_unit: dict[str, dict[str, torch.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ class TorchOptimizerUpdate:
         opt = self._copy(probe)
         with torch.no_grad():
             opt.step()
-        slots = {}
+        per_unit = {}
         for k, t in probe.items():
             entries = {}
             for key, value in opt.state.get(t, {}).items():
@@ -85,12 +85,12 @@ class TorchOptimizerUpdate:
                         f"state[{key!r}]; dsfunc keeps an optimizer's state as tensors: store it as a tensor"
                     )
                 entries[key] = torch.zeros_like(value)
-            slots[k] = entries
+            per_unit[k] = entries
         device = next(iter(params.values())).device if params else torch.device("cpu")
         count = torch.zeros((), dtype=torch.int64, device=device)
         schedules = tuple(ScheduleState(count.clone(), self._lr_at(i, count))
                           for i in range(len(self.optimizer.param_groups)))
-        return TorchOptimizerState(schedules, slots)
+        return TorchOptimizerState(schedules, per_unit)
 
     def apply(self, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor],
               opt_state: TorchOptimizerState, ctx: Any) -> tuple[FrozenDict, TorchOptimizerState]:
@@ -102,7 +102,7 @@ class TorchOptimizerUpdate:
         started = bool(int(opt_state.schedules[0].count) > 0) if opt_state.schedules else False
         if started:
             for k, t in work.items():
-                opt.state[t] = {key: v.clone() for key, v in opt_state.slots[k].items()}
+                opt.state[t] = {key: v.clone() for key, v in opt_state.per_unit[k].items()}
         lrs = []
         for i, (group, sched) in enumerate(zip(opt.param_groups, opt_state.schedules)):
             given = None if ctx.lr is None else ctx.lr.get(None if len(opt.param_groups) == 1 else f"group{i}")
@@ -117,8 +117,8 @@ class TorchOptimizerUpdate:
             return torch.where(ctx.finite, new.to(old.dtype), old, out=old)
 
         new_params = FrozenDict({k: commit(params[k], work[k]) for k in params})
-        slots = {k: {key: commit(v, opt.state[work[k]][key]) for key, v in entries.items()}
-                 for k, entries in opt_state.slots.items()}
+        per_unit = {k: {key: commit(v, opt.state[work[k]][key]) for key, v in entries.items()}
+                    for k, entries in opt_state.per_unit.items()}
         schedules = tuple(ScheduleState(torch.where(ctx.finite, s.count + 1, s.count),
                                         torch.where(ctx.finite, lr, s.lr)) for s, lr in zip(opt_state.schedules, lrs))
-        return new_params, TorchOptimizerState(schedules, slots)
+        return new_params, TorchOptimizerState(schedules, per_unit)

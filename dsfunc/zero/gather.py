@@ -93,7 +93,7 @@ class _Gathering:
 
     prefetch_budget: int | None  # live elements prefetching may reach (None: no prefetching)
     status: dict[str, UnitState] = dataclasses.field(default_factory=dict)
-    inflight: dict[str, tuple[comm.Pending, torch.Tensor, Any]] = dataclasses.field(default_factory=dict)
+    in_flight: dict[str, tuple[comm.InFlight, torch.Tensor, Any]] = dataclasses.field(default_factory=dict)
     stats: ZeroStats = dataclasses.field(default_factory=ZeroStats)
 
 
@@ -274,7 +274,7 @@ class Workspace:
         shard (a collective), or ``shard`` itself when the unit is not sharded."""
         if shard.device != self.device:
             shard = shard.to(self.device)  # an offloaded master is gathered, and shown, on the device
-        if self.plan.ways == 1:
+        if self.plan.ways_of(unit) == 1:
             return shard
         full = torch.empty(self.plan.padded_size(unit), dtype=shard.dtype, device=shard.device)
         comm.all_gather_flat(full, shard, self.plan.group_of(unit))
@@ -333,7 +333,7 @@ class Workspace:
         return self.buffers[unit.name]
 
     def _wait(self, unit: Unit) -> None:
-        work, _src, hide = self.gathering.inflight.pop(unit.name)
+        work, _src, hide = self.gathering.in_flight.pop(unit.name)
         with torch.no_grad(), hide:
             work.wait()
         self.gathering.status[unit.name] = UnitState.READY
@@ -356,7 +356,7 @@ class Workspace:
             work = comm.all_gather_flat(buf, src, self.plan.group_of(unit), async_op=True)
             if stream is not None:
                 work = _AfterStream(work, stream)
-        self.gathering.inflight[unit.name] = (work, src, hide)
+        self.gathering.in_flight[unit.name] = (work, src, hide)
         self.gathering.status[unit.name] = UnitState.GATHERING
         self.gathering.stats.live_units.add(unit.name)
         self.gathering.stats.gathers += 1
@@ -379,7 +379,7 @@ class Workspace:
             return
         if self._exposure.gathered.get(unit.name):
             return
-        if unit.name in self.gathering.inflight:
+        if unit.name in self.gathering.in_flight:
             self._wait(unit)
         self.buffers[unit.name].untyped_storage().resize_(0)
         self.gathering.status[unit.name] = UnitState.FREE
@@ -433,7 +433,7 @@ def _on_stream(stream: torch.cuda.Stream | None, device: torch.device) -> Iterat
 class _AfterStream:
     """A gather issued on a side stream: waiting for it makes the current stream wait for that one too."""
 
-    def __init__(self, work: comm.Pending, stream: torch.cuda.Stream) -> None:
+    def __init__(self, work: comm.InFlight, stream: torch.cuda.Stream) -> None:
         self.work = work
         self.event = stream.record_event()
 
@@ -443,7 +443,7 @@ class _AfterStream:
         return True
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> comm.Pending:
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> comm.InFlight:
     dst.copy_(src)
     return comm.Done()
 

@@ -161,19 +161,19 @@ def make_plan(
     group: Group,
     unit_modules: Sequence[str] | None = None,
     labels: Callable[[str], str] | None = None,
-    unit_groups: Mapping[str, Any] | None = None,
+    own_groups: Mapping[str, Any] | None = None,
 ) -> ShardingPlan:
     """Group ``model``'s trainable parameters into units (``unit_modules`` overrides the default; ZeRO-3 leaf
     modules merge the units inside them, at every stage, :mod:`dsfunc.zero.leaf`).
 
-    ``labels`` maps a parameter's (first) name to its group: units are then split by group. ``unit_groups``
+    ``labels`` maps a parameter's (first) name to its parameter group: units are then split by it. ``own_groups``
     maps modules whose parameters are reduced over ranks of their own (experts) to that process group (None in one
     process: still a unit of its own, so the units are the same at every ep degree): each is a unit of its own, even
     inside another unit's module, sharded over that group at stages 1-3.
     """
-    unit_groups = dict(unit_groups or {})
+    own_groups = dict(own_groups or {})
     modules = leaf_units(model, find_unit_modules(model) if unit_modules is None else unit_modules)
-    modules = [*(m for m in modules if m not in unit_groups), *unit_groups]
+    modules = [*(m for m in modules if m not in own_groups), *own_groups]
     for path in modules:
         model.get_submodule(path)  # raises AttributeError naming the bad path
     names_of: dict[int, list[str]] = {}
@@ -183,7 +183,7 @@ def make_plan(
         tensors[id(p)] = p
 
     def owner(name: str) -> str:
-        for path in [*unit_groups, *modules]:  # an expert module inside a unit's module owns its parameters
+        for path in [*own_groups, *modules]:  # an expert module inside a unit's module owns its parameters
             if name.startswith(path + "."):
                 return path
         return ROOT
@@ -205,13 +205,13 @@ def make_plan(
         for (where, label), params in members.items():
             if where != path or not params:
                 continue
-            slots, offset = [], 0
+            placed, offset = [], 0
             for name, aliases, shape in params:
-                slots.append(ParamSlot(name, tuple(shape), offset, aliases))
+                placed.append(ParamSlot(name, tuple(shape), offset, aliases))
                 offset += math.prod(shape)
             units.append(Unit(name=path if label is None else f"{path}[{label}]",
-                              module=None if path == ROOT else path, params=tuple(slots), label=label,
-                              group=unit_groups.get(path)))
+                              module=None if path == ROOT else path, params=tuple(placed), label=label,
+                              group=own_groups.get(path)))
     if not units:
         raise InputError("the model has no trainable parameters (every parameter has requires_grad=False)")
     return ShardingPlan(tuple(units), stage, group, tuple(frozen))

@@ -110,7 +110,7 @@ class LocalReducer:
 class ZeroReducer:
     """Gradients reduced over ranks into this rank's shard (the full gradient at stage 0)."""
 
-    max_inflight = 2  # reductions in flight during backward; older ones are waited for as new ones start
+    max_in_flight = 2  # reductions in flight during backward; older ones are waited for as new ones start
 
     def __init__(self, plan: ShardingPlan, *, comm_dtype: torch.dtype, bucket_size: int,
                  device: torch.device, store: GradStore | None = None, narrow: bool = False) -> None:
@@ -124,7 +124,7 @@ class ZeroReducer:
         self.bucket_size = bucket_size
         self.device = device
         self._local: dict[str, torch.Tensor] = {}  # stages 0-1: sums of the micro-batches before the last
-        self._in_flight: list[tuple[comm.Pending, Callable[[], None]]] = []
+        self._in_flight: list[tuple[comm.InFlight, Callable[[], None]]] = []
         self._reduced: set[str] = set()  # units reduced in this micro-batch
         self._grads: dict[str, torch.Tensor] = {}
         self._stored: dict[str, torch.Tensor] = {}  # unit -> what the store returned for its sum so far
@@ -157,7 +157,7 @@ class ZeroReducer:
             out = torch.empty(self.plan.shard_size(unit), dtype=full.dtype, device=full.device)
             work = comm.reduce_scatter_sum(out, full, self.plan.group_of(unit), async_op=True)
             self._in_flight.append((work, lambda u=unit, t=out, keep=full: self._store(u, t, last, exact, followed)))
-        self._drain(keep=self.max_inflight)
+        self._drain(keep=self.max_in_flight)
 
     def end_micro(self, *, last: bool) -> None:
         """Units no loss reached still join the collectives (every rank issues the same ones)."""

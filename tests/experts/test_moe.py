@@ -1,4 +1,4 @@
-"""The MoE layer's checks and plumbing: DeepSpeed's rank layout of expert groups, the errors for configurations
+"""The MoE layer's checks and plumbing: DeepSpeed's expert groups of ranks, the errors for configurations
 DeepSpeed rejects or dsfunc does not train yet, the optimizer-group helpers, and experts as units of their own
 reduced and sharded over their expert-data-parallel ranks (gloo, 2 ranks)."""
 
@@ -17,7 +17,8 @@ from dsfunc.deepspeed.moe import (
 )
 from dsfunc.errors import InputError, UsageError
 from dsfunc.experts import MoE
-from dsfunc.experts.groups import layout
+from dsfunc.experts.groups import group_ranks
+from dsfunc.zero.gather import owner
 from tests.multiprocess import run_world
 
 
@@ -25,12 +26,12 @@ def expert() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 4))
 
 
-def test_groups_follow_deepspeeds_layout():
-    assert layout(8, 2) == ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]])
-    assert layout(8, 2, data_first=True) == ([[0, 4], [1, 5], [2, 6], [3, 7]], [[0, 1, 2, 3], [4, 5, 6, 7]])
-    assert layout(4, 4) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
+def test_groups_follow_deepspeeds_arrangement():
+    assert group_ranks(8, 2) == ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]])
+    assert group_ranks(8, 2, data_first=True) == ([[0, 4], [1, 5], [2, 6], [3, 7]], [[0, 1, 2, 3], [4, 5, 6, 7]])
+    assert group_ranks(4, 4) == ([[0, 1, 2, 3]], [[0], [1], [2], [3]])
     with pytest.raises(InputError, match="expert-parallel size 4 does not divide the world size 6"):
-        layout(6, 4)
+        group_ranks(6, 4)
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -117,6 +118,8 @@ def _world(rank: int, world: int) -> dict:
     piece = dsfunc.utils.safe_get_local_fp32_param(weight)
     dsfunc.utils.safe_set_local_fp32_param(weight, piece * 2)
     found["piece"] = (piece.numel(), torch.equal(dsfunc.utils.safe_get_full_fp32_param(weight), 2 * piece.view(6, 4)))
+    workspace, unit = owner(weight)  # the experts' group is one rank, the plan's two: the shard is the full flat
+    found["whole"] = workspace.full_flat(unit, workspace.master[unit.name]) is workspace.master[unit.name]
     groups = dsfunc.utils.groups
     found["ranks"] = (groups._get_expert_parallel_group_ranks("ep_size_2"),
                       groups._get_expert_data_parallel_group_ranks("ep_size_2"),
@@ -133,4 +136,5 @@ def test_experts_are_units_of_their_own_and_groups_answer_as_deepspeeds():
     assert root_shard == -(-root // 2) and experts_shard == experts  # ep 2 of 2 ranks: each expert on one rank
     assert results[0]["ranks"] == ([0, 1], [0], 2, 0, 1, 0, 2)
     assert results[0]["piece"] == results[1]["piece"] == (24, True)
+    assert results[0]["whole"] and results[1]["whole"]
     assert results[1]["ranks"] == ([0, 1], [1], 2, 1, 1, 1, 2)

@@ -98,7 +98,7 @@ def test_a_unit_sum_crosses_to_the_host_once_a_joint_backward(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("device_sums", [0, 5000])
 def test_on_the_gpu_bit_for_bit_with_the_sums_on_copy_streams(device_sums):
-    """On a GPU each sum goes out and comes back on copy streams of its own, beside backward: a held sum must not be
+    """On a GPU each sum goes out and comes back on copy streams of its own, beside backward: a sum must not be
     read or freed before its copies finish. Attention through the math kernel, whose backward is deterministic."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -432,24 +432,24 @@ def test_sums_on_the_device_say_when_they_cannot_apply(caplog):
 
 @pytest.mark.parametrize("gas", [1, 2])
 @pytest.mark.parametrize("stage", [2, 3])
-def test_gradients_held_on_the_device_reach_the_host_adam_through_two_buffers(stage, gas):
+def test_gradient_sums_kept_on_the_device_reach_the_host_adam_through_two_buffers(stage, gas):
     """Three of four units keep their gradients on the device until the host Adam reads them, each copied into
     one of two host buffers as the update reaches it: the same parameters bit for bit, and no host gradient
     buffer for those units (without accumulation too: the bf16 gradient waits there)."""
-    held = 3 * 110
+    on_device = 3 * 110
     full, offloads = {}, {}
-    for device_sums in (0, held):
+    for device_sums in (0, on_device):
         state = make_state(1, stage, "optimizer", micro=4 // gas, gas=gas, device_sums=device_sums, bf16={"enabled": True})
         state = train(state, 0, 1)
         full[device_sums], offloads[device_sums] = dsfunc.full_params(state), host_of(state)
         assert sum(t.nbytes for t in offloads[device_sums].buffers()) == memory_estimate(state)["host_buffers"]
-    kept = offloads[held]
+    kept = offloads[on_device]
     assert sorted(kept.device_sums.units) == ["blocks.0", "blocks.1", "blocks.2"]
     assert sorted(kept.grads._storage) == ["root"] and len(kept.device_sums.buffers.all) == 2  # reused, unit after unit
     # without accumulation the new bf16 shards go out of the gradients' own buffers: no staging buffers
     assert all(len(o.staging._buffers) == (0 if gas == 1 else 3) and o.staging.over_grads == (gas == 1)
                for o in offloads.values())
-    assert relative_diff(full[held], full[0]) == 0.0
+    assert relative_diff(full[on_device], full[0]) == 0.0
 
 
 def test_the_engine_keeps_sums_on_the_device_until_its_accumulation_boundary():

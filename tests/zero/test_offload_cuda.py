@@ -156,5 +156,5 @@ def test_sums_kept_on_the_gpu_train_bit_for_bit(stage, gas):
     each copied in on the copy stream while the update of the unit before runs: the same sums, bit for bit."""
     sent, loss = train_mlp(stage, OFFLOAD, "bf16", gas=gas)
     kept = {"offload_optimizer": {**OFFLOAD["offload_optimizer"], "grad_accumulation_on_device": 3 * 4160}}
-    held, held_loss = train_mlp(stage, kept, "bf16", gas=gas)
-    assert relative_diff(held, sent) == 0.0 and held_loss == loss
+    on_device, on_device_loss = train_mlp(stage, kept, "bf16", gas=gas)
+    assert relative_diff(on_device, sent) == 0.0 and on_device_loss == loss

@@ -57,11 +57,11 @@ class ImportStats:
     live: int = 0
     max_elements: int = 0
 
-    def hold(self, n: int) -> None:
+    def staged(self, n: int) -> None:
         self.live += n
         self.max_elements = max(self.max_elements, self.live)
 
-    def release(self, n: int) -> None:
+    def freed(self, n: int) -> None:
         self.live -= n
 
 
@@ -182,8 +182,8 @@ def _fill_unit(ckpt: DeepSpeedCheckpoint, state: TrainState, unit: Any, quantiti
     plan, tensor = state.program.plan, state.program.tensor
     start, stop = plan.local_range(unit)
     staging = {q: torch.empty(stop - start, dtype=torch.float32) for q in quantities}
-    held = (stop - start) * len(staging)
-    IMPORT_STATS.hold(held)
+    elements = (stop - start) * len(staging)
+    IMPORT_STATS.staged(elements)
     try:
         requests = []
         for slot in unit.params:
@@ -201,21 +201,21 @@ def _fill_unit(ckpt: DeepSpeedCheckpoint, state: TrainState, unit: Any, quantiti
             target[: stop - start].copy_(staging[q])
             target[stop - start :].zero_()  # the padding tail stays zero
     finally:
-        IMPORT_STATS.release(held)
+        IMPORT_STATS.freed(elements)
 
 
 def _read_split(ckpt: DeepSpeedCheckpoint, tensor: TensorParallel, slot: ParamSlot, request: Request) -> None:
     """Fill ``request`` (elements of ``slot``'s tp-local part) from the whole parameter, read one quantity at a
     time (it stays held while read: the staging of one global parameter), and this rank's part of it sliced out."""
     whole = torch.empty(tensor.split[slot.name].shape, dtype=torch.float32)
-    IMPORT_STATS.hold(whole.numel())
+    IMPORT_STATS.staged(whole.numel())
     try:
         for quantity, view in request.views.items():
             ckpt.index.read([Request(request.name, 0, whole.numel(), {quantity: whole.view(-1)})])
             part = tensor.local_part(slot.name, whole).reshape(-1)
             view.copy_(part[request.lo : request.hi])
     finally:
-        IMPORT_STATS.release(whole.numel())
+        IMPORT_STATS.freed(whole.numel())
 
 
 @torch.no_grad()
@@ -225,12 +225,12 @@ def _fill_buffers(ckpt: DeepSpeedCheckpoint, state: TrainState, names: dict[str,
         if name not in names:
             continue
         staging = torch.empty(target.numel(), dtype=target.dtype)
-        IMPORT_STATS.hold(staging.numel())
+        IMPORT_STATS.staged(staging.numel())
         try:
             ckpt.index.read([Request(names[name], 0, staging.numel(), {MASTER: staging})])
             target.copy_(staging.view(target.shape))
         finally:
-            IMPORT_STATS.release(staging.numel())
+            IMPORT_STATS.freed(staging.numel())
 
 
 @torch.no_grad()

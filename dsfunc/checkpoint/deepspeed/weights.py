@@ -68,12 +68,12 @@ def _tensors(ckpt: DeepSpeedCheckpoint, canonical: list[str], shapes: dict, dtyp
 def _read_batch(ckpt: DeepSpeedCheckpoint, names: list[str], shapes: dict, dtypes: dict,
                 with_aliases: bool) -> Iterator[tuple[str, torch.Tensor]]:
     tensors = {n: torch.empty(shapes[n], dtype=dtypes.get(n, torch.float32)) for n in names}
-    held = sum(t.numel() for t in tensors.values())
-    IMPORT_STATS.hold(held)
+    elements = sum(t.numel() for t in tensors.values())
+    IMPORT_STATS.staged(elements)
     try:
         ckpt.index.read([Request(n, 0, t.numel(), {MASTER: t.view(-1)}) for n, t in tensors.items()])
         for name in names:
             for alias in ckpt.index.aliases[name] if with_aliases else (name,):
                 yield alias, tensors[name]
     finally:
-        IMPORT_STATS.release(held)
+        IMPORT_STATS.freed(elements)

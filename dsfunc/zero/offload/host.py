@@ -99,8 +99,8 @@ class HostOffload:
     def host_bytes(self) -> int:
         """Host bytes of the buffers besides the masters and optimizer state: gradient and parameter shards, and
         the copies a speculative update saves (once made: their size is the optimizer's)."""
-        held = sum(self.plan.shard_size(self.plan.unit(n)) for n in self.device_sums.units)
-        sent = sum(self.plan.shard_size(u) for u in self.plan.units) - held
+        on_device = sum(self.plan.shard_size(self.plan.unit(n)) for n in self.device_sums.units)
+        sent = sum(self.plan.shard_size(u) for u in self.plan.units) - on_device
         lowp = torch.empty((), dtype=self.staging.compute_dtype).element_size()
         saved = self.speculation.host_bytes() if self.speculation is not None else 0
         return ((sent + self.device_sums.host_elements()) * self.grads.grad_bytes + self.staging.host_elements() * lowp

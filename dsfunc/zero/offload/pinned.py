@@ -19,12 +19,12 @@ class PinnedAllocator:
     """Host tensors page-locked at their exact size, unlocked when released or when their owner goes."""
 
     def __init__(self, owner: object) -> None:
-        # each registered buffer by address, held here until released or unregistered: freed while still
+        # each registered buffer by address, kept here until released or unregistered: freed while still
         # registered (its holder gone before the owner), its pages would make a later registration there fail
         # with cudaErrorHostMemoryAlreadyRegistered, an error the next kernel launch then raises
-        self.held: dict[int, torch.Tensor] = {}
+        self.registered: dict[int, torch.Tensor] = {}
         self.failed = False
-        weakref.finalize(owner, PinnedAllocator._unregister_all, self.held)
+        weakref.finalize(owner, PinnedAllocator._unregister_all, self.registered)
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         out = torch.empty(numel, dtype=dtype)
@@ -35,25 +35,25 @@ class PinnedAllocator:
             self.failed = True  # e.g. the locked-memory limit (ulimit -l): pageable copies are slower, not wrong
             logger.warning("offload: page-locking %d host bytes failed; host buffers stay pageable", out.nbytes)
             return out
-        self.held[out.data_ptr()] = out
+        self.registered[out.data_ptr()] = out
         return out
 
     def release(self, tensor: torch.Tensor) -> None:
         """Unlock ``tensor`` before it is dropped, once the device is done with it."""
-        if tensor.data_ptr() in self.held:
+        if tensor.data_ptr() in self.registered:
             torch.cuda.synchronize()  # a non-blocking copy into or out of it may still be in flight
             torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
-            del self.held[tensor.data_ptr()]
+            del self.registered[tensor.data_ptr()]
 
     @staticmethod
-    def _unregister_all(held: dict[int, torch.Tensor]) -> None:
+    def _unregister_all(registered: dict[int, torch.Tensor]) -> None:
         # Runs as the owner goes. A buffer that outlives it is pageable memory from then on: copies with it
         # are synchronous, still correct.
-        if held:
+        if registered:
             torch.cuda.synchronize()
-        for ptr in held:
+        for ptr in registered:
             torch.cuda.cudart().cudaHostUnregister(ptr)
-        held.clear()
+        registered.clear()
 
 
 class HostMemory:
