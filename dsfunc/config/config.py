@@ -326,8 +326,12 @@ def mesh_sections(source: Any) -> tuple[TensorParallelConfig, int, PipelineConfi
 
 
 def _check_bf16_masters(bf16: BF16Config, zero: Any) -> None:
-    """DeepSpeed's rules for bf16 master weights and optimizer states, and what dsfunc does not do with them."""
+    """DeepSpeed's rules for bf16 master weights and optimizer states; ``bf16.rounding`` only rounds bf16 masters."""
     if not (bf16.bf16_master_weights_and_grads or bf16.bf16_optimizer_states):
+        if bf16.rounding != "nearest":
+            raise ConfigError(f"bf16.rounding = {bf16.rounding!r} rounds bf16 master weights, which this config does "
+                              "not keep: set bf16.bf16_master_weights_and_grads (and bf16_optimizer_states) to true, "
+                              "or remove bf16.rounding")
         return
     if bf16.bf16_optimizer_states and not bf16.bf16_master_weights_and_grads:
         raise ConfigError("bf16.bf16_optimizer_states requires bf16.bf16_master_weights_and_grads (as in DeepSpeed): "
@@ -337,10 +341,8 @@ def _check_bf16_masters(bf16: BF16Config, zero: Any) -> None:
     if zero.stage not in (1, 2, 3):
         raise ConfigError(f"bf16.bf16_master_weights_and_grads is only supported with ZeRO stage 1, 2 or 3 (as in "
                           f"DeepSpeed); zero_optimization.stage is {zero.stage}")
-    if zero.offload_optimizer is not None:
-        raise ConfigError("bf16.bf16_master_weights_and_grads with zero_optimization.offload_optimizer is not "
-                          "supported by dsfunc (its host Adam keeps fp32 masters); remove the offload, or these keys")
-    if not bf16.bf16_optimizer_states:
-        raise ConfigError("bf16.bf16_master_weights_and_grads without bf16.bf16_optimizer_states needs ZeRO-Offload "
-                          "in DeepSpeed, which dsfunc does not support with bf16 masters; set "
+    if not bf16.bf16_optimizer_states and zero.offload_optimizer is None:
+        raise ConfigError("bf16.bf16_master_weights_and_grads without bf16.bf16_optimizer_states keeps the moments in "
+                          "fp32, which needs zero_optimization.offload_optimizer (as in DeepSpeed, where the CPU Adam "
+                          "holds them): add \"offload_optimizer\": {\"device\": \"cpu\"}, or set "
                           "bf16.bf16_optimizer_states to true as well")

@@ -58,14 +58,17 @@ class BF16Config:
     enabled: bool = _key(False, _bool)
     """Run forward and backward in bfloat16, with fp32 master weights and no loss scaling."""
     bf16_master_weights_and_grads: bool = _key(False, _bool)
-    """Keep the master weights in bf16 (2 bytes a parameter instead of 4), as DeepSpeed (ZeRO 1-3 only). The
-    gradients keep dsfunc's rule (bf16 where that holds their sum exactly, else fp32)."""
+    """Keep the master weights in bf16 (2 bytes a parameter instead of 4), as DeepSpeed (ZeRO 1-3 only; without
+    bf16_optimizer_states only with ``zero_optimization.offload_optimizer``, whose host update then keeps fp32
+    moments). The gradients keep dsfunc's rule (bf16 where that holds their sum exactly, else fp32)."""
     bf16_optimizer_states: bool = _key(False, _bool)
     """Keep the optimizer's moments in bf16 too (needs bf16_master_weights_and_grads, as in DeepSpeed)."""
-    rounding: str = _key("nearest", _choice("nearest", "stochastic"))
-    """A dsfunc key: how bf16 masters and moments are rounded after each update. ``nearest`` (DeepSpeed's: its
-    fused and CPU Adam compute in fp32 and round to nearest once); ``stochastic`` rounds up with probability
-    equal to the remainder, so that small updates are not lost on average."""
+    rounding: str = _key("nearest", _choice("nearest", "stochastic", "kahan"))
+    """A dsfunc key: how bf16 masters and moments are rounded after each update, on the device and on the host
+    alike. ``nearest`` (DeepSpeed's: its fused and CPU Adam compute in fp32 and round to nearest once);
+    ``stochastic`` rounds up with probability equal to the remainder, so that small updates are not lost on
+    average; ``kahan`` rounds to nearest and keeps each master's remainder in a bf16 compensation (2 more bytes
+    a parameter) that the next update adds back: deterministic, and about fp32's accuracy for the masters."""
 
 
 _NOT_FOR_BF16 = _reject(

@@ -59,6 +59,7 @@ import optree
 import torch
 
 from dsfunc.batch import split_batch
+from dsfunc.config.dtypes import dtype_name
 from dsfunc.distributed import comm
 from dsfunc.errors import InputError, MissingDependencyError
 from dsfunc.grad import compute_loss
@@ -87,6 +88,7 @@ def startup_summary(state: Any) -> str:
     est = memory_estimate(state)
     mib = {k: v / 2**20 for k, v in est.items()}
     params = sum(u.numel for u in plan.units)
+    master = _master_words(state)
     frozen = sum(state.buffers[n].numel() for n in plan.frozen)
     lines = [
         f"[dsfunc] ZeRO stage {plan.stage} over {plan.world_size} rank(s), {params:,} trainable parameters"
@@ -94,7 +96,7 @@ def startup_summary(state: Any) -> str:
         + f" in {len(plan.units)} unit(s), compute dtype {str(program.compute_dtype).replace('torch.', '')}",
         (
             "[dsfunc] model states per rank (estimate, no activations): "
-            f"{mib['total']:.2f} MiB = fp32 master {mib['master']:.2f} + optimizer {mib['optimizer']:.2f} "
+            f"{mib['total']:.2f} MiB = {master} {mib['master']:.2f} + optimizer {mib['optimizer']:.2f} "
             f"+ gradients {mib['gradients']:.2f} + compute copy {mib['compute']:.2f} + buffers {mib['buffers']:.2f}"
             + (f" + host buffers {mib['host_buffers']:.2f}" if est["host"] else "")
         ),
@@ -102,10 +104,17 @@ def startup_summary(state: Any) -> str:
     if est["host"]:
         lines.append(
             f"[dsfunc] ZeRO-Offload: {mib['device']:.2f} MiB on the device, {mib['host']:.2f} MiB in host memory "
-            "(fp32 master, optimizer state and host buffers)"
+            f"({master}, optimizer state and host buffers)"
             + program.run.placement.summary
         )
     return "\n".join(lines)
+
+
+def _master_words(state: Any) -> str:
+    """What the masters are: ``fp32 master``, ``bf16 master`` or ``bf16 master + compensation`` (Kahan)."""
+    dtypes = sorted({dtype_name(p.dtype) for p in state.params.values()})
+    kahan = state.program.config.bf16.rounding == "kahan"
+    return "/".join(dtypes) + " master" + (" + compensation" if kahan else "")
 
 
 def tokens_in(batch: Any) -> int:

@@ -91,9 +91,9 @@ def update_from_config(cfg: Config, schedule_for: LrSchedule | None = None, *,
               for label, section in sections.items()}
     groups = dict(unit_groups or {})
     optimizer = chains[None] if None in chains else multi_transform(chains, groups)
-    low = cfg.bf16.bf16_optimizer_states
-    if low:  # moments (and masters) in bf16: the transform chain rounds them as it stores them
-        optimizer = low_precision(optimizer, cfg.bf16.rounding)
+    low = cfg.bf16.bf16_master_weights_and_grads
+    if low:  # masters (and moments) in bf16: the transform chain rounds them as it stores them, on device or host
+        optimizer = low_precision(optimizer, cfg.bf16.rounding, states=cfg.bf16.bf16_optimizer_states)
     chain = named_chain(
         ("unscale", scale_by_factor("grad_scale")),
         ("clip", clip_by_global_norm(cfg.gradient_clipping)),

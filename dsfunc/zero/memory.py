@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import optree
 import torch
 
+from dsfunc.optim.low_precision import compensations
 from dsfunc.zero.reduce import grad_dtype
 
 if TYPE_CHECKING:
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
 def memory_estimate(state: TrainState) -> dict[str, int]:
     """Bytes each rank holds for the model states, by category, as the ZeRO stage lays them out.
 
-    ``master`` (fp32 weights: this rank's shard), ``optimizer`` (moments etc., measured in the state),
+    ``master`` (the master weights, fp32 or bf16, and with ``bf16.rounding = "kahan"`` their bf16 compensations:
+    this rank's shard, measured in the state), ``optimizer`` (moments etc., measured in the state),
     ``gradients`` (the full flat at stages 0-1, the shard at 2-3, in :func:`~dsfunc.zero.reduce.grad_dtype`:
     bf16 for one micro-batch on one rank when the update reads 16-bit gradients, else fp32; none with the
     optimizer offloaded, but at stage 1 with gradient accumulation, and the sums of the units that
@@ -46,9 +48,10 @@ def memory_estimate(state: TrainState) -> dict[str, int]:
         largest = sorted((plan.padded_size(u) for u in lazy), reverse=True)[:2]
         kept = run.workspace.source.device_elements(sum(plan.shard_size(u) for u in lazy))
         compute = (persistent + sum(largest) + kept) * cbytes
+    compensation = sum(c.nbytes for c in compensations(state.opt_state))
     out = {
-        "master": sum(p.numel() * p.element_size() for p in state.params.values()),
-        "optimizer": sum(t.numel() * t.element_size() for t in optree.tree_leaves(state.opt_state) if t.dim() > 0),
+        "master": sum(p.nbytes for p in state.params.values()) + compensation,
+        "optimizer": sum(t.nbytes for t in optree.tree_leaves(state.opt_state) if t.dim() > 0) - compensation,
         "gradients": run.grads.device_bytes(gbytes * (full if plan.stage <= 1 else shard)),
         "compute": compute,
         "buffers": sum(t.numel() * t.element_size() for t in state.buffers.values()),

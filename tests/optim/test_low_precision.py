@@ -13,7 +13,7 @@ import torch
 import dsfunc
 from dsfunc.config import ConfigError
 from dsfunc.optim import adamw, sgd
-from dsfunc.optim.low_precision import low_precision, round_stochastically
+from dsfunc.optim.low_precision import ROUNDINGS, compensations, low_precision, round_stochastically
 from tests.models import MLP, mlp_batches
 from tests.multiprocess import run_world
 
@@ -24,7 +24,12 @@ OPTIMIZERS = {
 }
 
 
-def bf16_config(stage: int, optimizer: str, rounding: str = "nearest") -> dict:
+def bf16_config(stage: int, optimizer: str, rounding: str = "nearest", *, states: bool = True,
+                offload: bool = False) -> dict:
+    """bf16 masters (and moments, if ``states``) at ZeRO ``stage``; ``offload``: the optimizer on the host."""
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "optimizer": {"type": optimizer, "params": OPTIMIZERS[optimizer]},
@@ -32,10 +37,10 @@ def bf16_config(stage: int, optimizer: str, rounding: str = "nearest") -> dict:
         "bf16": {
             "enabled": True,
             "bf16_master_weights_and_grads": True,
-            "bf16_optimizer_states": True,
+            "bf16_optimizer_states": states,
             "rounding": rounding,
         },
-        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": zero,
     }
 
 
@@ -48,12 +53,16 @@ def adamw_step(
     return m, v, ((m / (1 - b1**t)) / (v.sqrt() / math.sqrt(1 - b2**t)).add(eps)).add(w, alpha=decay)
 
 
-def reference(world: int, optimizer: str) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference(world: int, optimizer: str, rounding: str = "nearest",
+              states: bool = True) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process: a bf16 copy of the model (the masters) computes each rank's gradient, their mean in fp32 is
-    clipped; then the optimizer in fp32 from the bf16 moments, every new moment and weight rounded to nearest."""
+    clipped; then the optimizer in fp32 from the stored moments (bf16 if ``states``, else fp32), every new bf16
+    value rounded to nearest; with ``rounding="kahan"`` each weight's target adds its compensation, which keeps
+    the remainder."""
     torch.manual_seed(0)
     model = MLP(width=10, depth=3).bfloat16()
     opts, state, norms = OPTIMIZERS[optimizer], {}, []
+    stored = torch.bfloat16 if states else torch.float32
     for t, (x, y) in enumerate(mlp_batches(STEPS, MICRO * world), start=1):
         grads = {n: torch.zeros(p.shape) for n, p in model.named_parameters()}
         for r in range(world):
@@ -70,29 +79,38 @@ def reference(world: int, optimizer: str) -> tuple[dict[str, torch.Tensor], list
                 g, s, w = grads[name] / coef, state.setdefault(name, {}), p.float()
                 if optimizer == "AdamW":
                     m, v, step = adamw_step(s, g, w, t, *opts["betas"], opts["eps"], opts["weight_decay"])
-                    s["m"], s["v"] = m.bfloat16(), v.bfloat16()
+                    s["m"], s["v"] = m.to(stored), v.to(stored)
                 else:
                     m = step = g if t == 1 else s["m"].float().mul(opts["momentum"]).add(g)
-                    s["m"] = m.bfloat16()
-                p.copy_((w + step * -opts["lr"]).bfloat16())
+                    s["m"] = m.to(stored)
+                if rounding == "kahan":
+                    target = w + (step * -opts["lr"] + s.get("c", torch.zeros_like(p)).float())
+                    p.copy_(target.bfloat16())
+                    s["c"] = (target - p.float()).bfloat16()
+                else:
+                    p.copy_((w + step * -opts["lr"]).bfloat16())
     return {k: v.float() for k, v in model.state_dict().items()}, norms
 
 
-def train_ranks(rank: int, world: int, optimizer: str, stages: list[int]) -> dict:
+def train_ranks(rank: int, world: int, optimizer: str, stages: list[int], rounding: str = "nearest", *,
+                states: bool = True, offload: bool = False) -> dict:
     out = {}
     for stage in stages:
         torch.manual_seed(0)
-        state = dsfunc.init_state(MLP(width=10, depth=3), bf16_config(stage, optimizer))
+        cfg = bf16_config(stage, optimizer, rounding, states=states, offload=offload)
+        state = dsfunc.init_state(MLP(width=10, depth=3), cfg)
         norms = []
         for x, y in mlp_batches(STEPS, MICRO * world):
             mine = slice(rank * MICRO, (rank + 1) * MICRO)
             state = dsfunc.train_step(state, (x[mine], y[mine]))
             norms.append(state.metrics.grad_norm.item())
-        stored = [t.dtype for t in optree.tree_leaves(state.opt_state) if t.dim() > 0]
+        stored = [t.dtype for t in optree.tree_leaves(state.opt_state["optimizer"].inner) if t.dim() > 0]
         out[stage] = {
             "full": dsfunc.full_params(state),
             "norms": norms,
             "moments": stored,
+            "offloaded": getattr(state.program.run.runner, "host", None) is not None,
+            "on_host": {p.device.type for p in state.params.values()} == {"cpu"},
             "masters": [p.dtype for p in state.params.values()],
             "bytes": sum(
                 t.numel() * t.element_size()
@@ -187,22 +205,18 @@ def test_stochastic_rounding_keeps_updates_below_an_ulp():
     assert finals["nearest"]["blocks.0.0.weight"] < finals["stochastic"]["blocks.0.0.weight"]
 
 
+BOTH = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+
+
 @pytest.mark.parametrize(
     ("bf16", "zero", "match"),
     [
         ({"bf16_optimizer_states": True}, {"stage": 2}, "requires bf16.bf16_master_weights_and_grads"),
-        ({"bf16_master_weights_and_grads": True}, {"stage": 2}, "bf16_optimizer_states to true"),
-        (
-            {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
-            {"stage": 0},
-            "stage 1, 2 or 3",
-        ),
-        (
-            {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
-            {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-            "offload",
-        ),
+        ({"bf16_master_weights_and_grads": True}, {"stage": 2}, "needs zero_optimization.offload_optimizer"),
+        (BOTH, {"stage": 0}, "stage 1, 2 or 3"),
+        ({"bf16_master_weights_and_grads": True}, {"stage": 0, "offload_optimizer": {"device": "cpu"}}, "stage 1, 2"),
         ({"rounding": "up"}, {"stage": 2}, "rounding"),
+        ({"rounding": "kahan"}, {"stage": 2}, "rounds bf16 master weights"),
     ],
 )
 def test_bad_bf16_state_configs_are_clear_errors(bf16, zero, match):
@@ -212,22 +226,59 @@ def test_bad_bf16_state_configs_are_clear_errors(bf16, zero, match):
         )
 
 
-def test_bf16_states_resume_exactly(tmp_path):
-    """3 steps, save, 3 more equals a resumed run's 3 more, bit for bit (the stochastic bits' step included)."""
+def test_kahan_masters_track_fp32_where_nearest_and_stochastic_drift():
+    """1000 SGD-with-momentum steps, each moving the weights by under half a bf16 ulp: to nearest the bf16 masters
+    never move (over 50 ulps behind the fp32 masters), stochastically they wander (several ulps);
+    with Kahan compensation they stay within about half an ulp (the masters' own rounding), and master plus
+    compensation within a tenth. Deterministic: a second run is bit for bit the first."""
+    g = torch.Generator().manual_seed(0)
+    start = (1 + torch.rand(4096, generator=g)).bfloat16()
+    grads = [-(0.5 + torch.rand(4096, generator=g)) for _ in range(1000)]
+
+    def run(tx, w: torch.Tensor) -> tuple[torch.Tensor, object]:
+        p, state = {"w": w}, tx.init({"w": w})
+        for grad in grads:
+            updates, state = tx.update({"w": grad}, state, p)
+            p = {"w": (p["w"] + updates["w"]).to(w.dtype)}
+        return p["w"], state
+
+    reference, _ = run(sgd(lr=2**-12, momentum=0.9), start.float())
+    ulp = 2.0 ** (torch.floor(torch.log2(reference)) - 7)  # of bf16 at the reference value
+    error = {}
+    for rounding in ROUNDINGS:
+        w, state = run(low_precision(sgd(lr=2**-12, momentum=0.9), rounding, states=False), start)
+        assert w.dtype == torch.bfloat16
+        error[rounding] = ((w.float() - reference).abs() / ulp).max().item()
+    assert ((reference - start.float()) / ulp).min() > 50  # the fp32 masters moved by over 50 ulps
+    assert error["kahan"] <= 0.6 and error["nearest"] > 50 and error["stochastic"] > 2, error
+    compensated = (w.float() + state.compensation["w"].float() - reference).abs() / ulp
+    assert compensated.max() <= 0.1
+    again, _ = run(low_precision(sgd(lr=2**-12, momentum=0.9), "kahan", states=False), start)
+    assert torch.equal(again, w)
+
+
+@pytest.mark.parametrize("rounding", ["stochastic", "kahan"])
+def test_bf16_states_resume_exactly(tmp_path, rounding):
+    """3 steps, save, 3 more equals a resumed run's 3 more, bit for bit (the stochastic bits' step, the Kahan
+    compensations included)."""
 
     def fresh() -> dsfunc.TrainState:
         torch.manual_seed(0)
-        return dsfunc.init_state(MLP(width=10, depth=3), bf16_config(2, "AdamW", "stochastic"))
+        return dsfunc.init_state(MLP(width=10, depth=3), bf16_config(2, "AdamW", rounding))
 
     batches = mlp_batches(6, MICRO)
     state = fresh()
     for batch in batches[:3]:
         state = dsfunc.train_step(state, batch)
     dsfunc.save_checkpoint(state, str(tmp_path))
+    saved = [c.clone() for c in compensations(state.opt_state)]
     for batch in batches[3:]:
         state = dsfunc.train_step(state, batch)
     resumed, _ = dsfunc.load_checkpoint(str(tmp_path), fresh())
     assert {p.dtype for p in resumed.params.values()} == {torch.bfloat16}
+    loaded = compensations(resumed.opt_state)
+    assert len(loaded) == len(saved) == (4 if rounding == "kahan" else 0)  # one per unit
+    assert all(torch.equal(a, b) for a, b in zip(loaded, saved)) and any(c.any() for c in loaded) == bool(saved)
     for batch in batches[3:]:
         resumed = dsfunc.train_step(resumed, batch)
     a, b = dsfunc.full_params(state), dsfunc.full_params(resumed)

@@ -1,4 +1,8 @@
-"""ZeRO-Offload: the fp32 masters and optimizer state in host memory, the update on the CPU.
+"""ZeRO-Offload: the masters and optimizer state in host memory, the update on the CPU.
+
+The masters are fp32, or bf16 with ``bf16.bf16_master_weights_and_grads`` (the moments too with
+``bf16_optimizer_states``): those the host updates with the transform chain the device would run
+(:mod:`dsfunc.optim.low_precision`), rounded alike.
 
 Everything offload-specific lives here; the step sees it only through the three policies of
 :mod:`dsfunc.zero.policy`, which :func:`placement` makes from the config (:class:`HostOffload` for the parts).

@@ -1,0 +1,90 @@
+"""bf16 master weights (and moments) with the optimizer offloaded: the host keeps them in bf16 and runs the update
+chain the device runs (:mod:`dsfunc.optim.low_precision`), so every rounding lands bit for bit where the
+on-device run's does, and where DeepSpeed's CPU Adam is exact (fp32 arithmetic, one round to nearest) on the
+hand-computed reference of ``tests/optim/test_low_precision.py``. On the CPU the offload path runs with separate
+host buffers and copies (``tests/zero/test_offload.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dsfunc
+from dsfunc.monitor.progress import startup_summary
+from dsfunc.zero import memory_estimate
+from tests.models import MLP
+from tests.multiprocess import run_world
+from tests.optim.test_low_precision import bf16_config, reference, train_ranks
+
+STAGES = [1, 2, 3]
+
+
+def device_and_host(rank: int, world: int, optimizer: str, rounding: str, states: bool) -> dict:
+    """Each stage trained with the update on the host, and (bf16 moments only) on the device."""
+    out = {"host": train_ranks(rank, world, optimizer, STAGES, rounding, states=states, offload=True)}
+    if states:  # bf16 masters keep fp32 moments only under offload (DeepSpeed's rule)
+        out["device"] = train_ranks(rank, world, optimizer, STAGES, rounding, states=states)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "rounding", "states"),
+    [("AdamW", "nearest", True), ("AdamW", "nearest", False), ("SGD", "kahan", True), ("AdamW", "stochastic", True)],
+)
+def test_the_host_update_lands_where_the_device_and_the_reference_do(optimizer, rounding, states):
+    """ZeRO 1-3 on 2 ranks, clipping active: the host's bf16 masters equal the device run's bit for bit, and the
+    reference's where it is deterministic (every rounding but stochastic's, whose bits are dsfunc's own)."""
+    world = 2
+    expected, norms = reference(world, optimizer, rounding, states)
+    assert min(norms) > 0.5  # the clip acts
+    for rank, result in enumerate(run_world(device_and_host, world, optimizer, rounding, states, timeout=600)):
+        for stage in STAGES:
+            host = result["host"][stage]
+            assert host["offloaded"] and host["on_host"]
+            assert set(host["masters"]) == {torch.bfloat16}
+            assert set(host["moments"]) == {torch.bfloat16 if states else torch.float32}
+            if "device" in result:
+                device = result["device"][stage]
+                assert not device["offloaded"]
+                assert all(torch.equal(host["full"][k], v) for k, v in device["full"].items()), (rank, stage)
+            if rounding != "stochastic":
+                for name, value in expected.items():
+                    assert torch.equal(host["full"][name], value), (rank, stage, name)
+            else:
+                assert any(not torch.equal(host["full"][k], v) for k, v in expected.items())
+
+
+def per_parameter(stage: int, offload: bool, states: bool, rounding: str) -> tuple[dict[str, float], str]:
+    cfg = bf16_config(stage, "AdamW", rounding, states=states, offload=offload)
+    cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"] = 2, 2
+    state = dsfunc.init_state(MLP(width=10, depth=3), cfg)
+    psi = sum(u.numel for u in state.program.plan.units)
+    return {k: v / psi for k, v in memory_estimate(state).items()}, startup_summary(state)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_memory_estimate_counts_bf16_masters_moments_and_compensations(stage):
+    """Bytes per parameter (one rank) of AdamW's masters and moments, on the device or on the host: fp32 masters
+    4 + 8, bf16 masters 2 + 8 (host only) or 2 + 4, Kahan's compensation 2 more, counted with the masters."""
+    fp32 = bf16_config(stage, "AdamW", offload=True)
+    fp32["bf16"] = {"enabled": True}
+    fp32["train_micro_batch_size_per_gpu"], fp32["gradient_accumulation_steps"] = 2, 2
+    state = dsfunc.init_state(MLP(width=10, depth=3), fp32)
+    base = {k: v / sum(u.numel for u in state.program.plan.units) for k, v in memory_estimate(state).items()}
+    assert (base["master"], base["optimizer"]) == (4, 8)
+    cases = {  # (offload, bf16 moments, rounding) -> (master, optimizer) bytes per parameter
+        (False, True, "nearest"): (2, 4), (False, True, "kahan"): (4, 4),
+        (True, True, "nearest"): (2, 4), (True, True, "stochastic"): (2, 4), (True, True, "kahan"): (4, 4),
+        (True, False, "nearest"): (2, 8), (True, False, "kahan"): (4, 8),
+    }
+    for (offload, states, rounding), (master, optimizer) in cases.items():
+        est, summary = per_parameter(stage, offload, states, rounding)
+        assert (est["master"], est["optimizer"]) == (master, optimizer), (offload, states, rounding)
+        states_bytes = master + optimizer
+        if offload:  # the states leave the device; the host buffers (gradients, staging) are fp32 masters' too
+            assert est["host"] == states_bytes + est["host_buffers"] and est["host_buffers"] == base["host_buffers"]
+            assert est["device"] == base["device"]
+            assert f"bf16 master{' + compensation' if rounding == 'kahan' else ''}, optimizer state" in summary
+        else:
+            assert est["host"] == 0 and est["device"] == est["total"]
+            assert "bf16 master" in summary
