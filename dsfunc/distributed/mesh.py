@@ -22,8 +22,9 @@ gradient at ZeRO-3 (Trainer's factor restores it); the ALST tutorial's loss (the
 differentiable all-gather or all-reduce, whose backward gives every rank the whole mean's gradient) gets sp times
 one process's gradient at ZeRO 0-2 and one process's at ZeRO-3. dsfunc's own sp loss backpropagates the share or
 the whole to match (:func:`~dsfunc.parallel.sequence.sequence_parallel_loss`): one process's gradient at every
-stage. (DeepSpeed 0.19.8's ZeRO-3 with ``reduce_scatter: false`` divides some buckets by dp, others by dp x sp;
-dsfunc divides as its default.)
+stage (``tests/parallel/test_ulysses_against_deepspeed.py``). DeepSpeed 0.19.8's ZeRO-3 with ``reduce_scatter:
+false`` divides by dp on its contiguous-gradients path (Trainer refuses that configuration); dsfunc divides as the
+default reduce-scatter.
 """
 
 from __future__ import annotations

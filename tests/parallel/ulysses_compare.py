@@ -1,9 +1,11 @@
 """One DeepSpeed ALST script for real DeepSpeed and for dsfunc (``DSFUNC_AS_DEEPSPEED=1``): a tiny Hugging Face
 Llama (GQA) with ``UlyssesSPAttentionHF.register_with_transformers``, ``deepspeed.initialize(mpu=...)``, batches
-through ``UlyssesSPDataLoaderAdapter`` and the loss aggregated over the sp group by token counts, as ALST's tutorial
-does, as sums (a rank whose positions are all padding adds 0) through a differentiable all-reduce (DeepSpeed's
-workaround: torch's differentiable all_gather mixes up ranks in backward over gloo when sp < world). Writes ``<out>.rank<r>.pt`` with the losses and the
-final parameters and the grad norm of each step.
+through ``UlyssesSPDataLoaderAdapter`` and the loss aggregated over the sp group by token counts as sums (a rank
+whose positions are all padding adds 0). ``--loss alst``: as ALST's tutorial, through a differentiable all-reduce
+(DeepSpeed's workaround: torch's differentiable all_gather mixes up ranks in backward over gloo when sp < world),
+so every rank backpropagates the whole mean; ``--loss share``: as Hugging Face Trainer, each rank backpropagates its
+own tokens' share. Writes ``<out>.rank<r>.pt`` with the losses, the final parameters (gathered at ZeRO-3) and the
+grad norm of each step.
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/parallel/ulysses_compare.py --out x --optimizer adamw
 """
