@@ -125,7 +125,9 @@ def shard(mesh: Mesh | DeviceMesh | None = None) -> GradTransform:
     (gathered per unit at stage 3), and gradients are reduced over ranks into this rank's shard (the
     full gradient at stage 0) as backward produces them. Gradients are the mean over ranks.
 
-    The ranks are the state's mesh's ``dp x sp`` (tensor-parallel parts are each rank's own): the mesh is the
+    The ranks are the state's mesh's ``dp x sp`` (tensor-parallel parts are each rank's own), the sp ranks'
+    gradients added up, not averaged, below ZeRO-3 ([Note: the gradient over sp] in
+    :mod:`dsfunc.distributed.mesh`): the mesh is the
     state's, chosen by ``init_state(mesh=...)``; ``mesh`` here names it too, and must be that one."""
 
     def with_runtime(ctx: GradContext) -> GradContext:

@@ -223,7 +223,8 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     skeleton = model if in_place else make_skeleton(model)
     tensor = _split(model, skeleton, cfg, mesh, tp_plan)
     if mesh.size("sp") > 1:  # Ulysses over each tp rank's heads: attention routed, the loss over the split sequence
-        loss_fn = sequence_parallel(skeleton, loss_fn, mesh.group("sp"), mesh.size("tp"))
+        loss_fn = sequence_parallel(skeleton, loss_fn, mesh.group("sp"), mesh.size("tp"),
+                                    whole=mesh.sp_summed(zero.stage) == 1)
     # a split model's units hold each rank's tp parts: the skeleton's (local) shapes
     plan, groups = _plan(model if tensor is None else skeleton, zero.stage, unit_modules, param_groups, mesh.zero)
     if tensor is not None:

@@ -6,9 +6,25 @@ innermost (a tensor-parallel group's ranks are neighbours), so with ``sp = tp = 
 (``tensor_parallel.autotp_size``, ``sequence_parallel_size``, ``pipeline.stages``; the rest is ``dp``) or from
 a torch ``DeviceMesh`` the user gives, and the program carries it; every collective is then given one of its
 :class:`~dsfunc.distributed.comm.Group` s. ZeRO shards and reduces over ``dp x sp`` (parameters are replicated
-over ``sp``, as DeepSpeed folds sequence parallelism into ZeRO's group); the config's batch sizes count ``dp``.
+over ``sp``, as DeepSpeed folds sequence parallelism into ZeRO's group; [Note: the gradient over sp] says what the
+sum is divided by); the config's batch sizes count ``dp``.
 ``ep`` is reserved for expert parallelism. Pipeline stages take the data-parallel rest of the world: they do not
 compose with ``tp`` or ``sp`` yet (:func:`pipeline_mesh` refuses them by name).
+
+[Note: the gradient over sp] DeepSpeed 0.19.8 sums each parameter's gradient over ZeRO's dp x sp group and divides
+by dp at ZeRO 0-2 (``stage_1_and_2.py``, the engine's allreduce: ``div_(world / sequence_parallel_size)``) but by
+dp x sp at ZeRO-3 (its default reduce-scatter averages over the whole group; 0.20.2 divides by dp there too, and
+Hugging Face's Trainer multiplies its sp loss by sp at ZeRO-3 for DeepSpeed below 0.20.2, the version dsfunc
+answers as). dsfunc divides as DeepSpeed 0.19.8 (:meth:`Mesh.sp_summed`), so a script's loss gets DeepSpeed's
+gradient at every stage. Measured against one process at sp 2 (and sp 2 x dp 2), SGD: a loss whose backward gives
+each sp rank its own tokens' share of the mean (Trainer's) trains like one process at ZeRO 0-2, at 1/sp of its
+gradient at ZeRO-3 (Trainer's factor restores it); the ALST tutorial's loss (the ranks' sums combined by a
+differentiable all-gather or all-reduce, whose backward gives every rank the whole mean's gradient) gets sp times
+one process's gradient at ZeRO 0-2 and one process's at ZeRO-3. dsfunc's own sp loss backpropagates the share or
+the whole to match (:func:`~dsfunc.parallel.sequence.sequence_parallel_loss`): one process's gradient at every
+stage (``tests/parallel/test_ulysses_against_deepspeed.py``). DeepSpeed 0.19.8's ZeRO-3 with ``reduce_scatter:
+false`` divides by dp on its contiguous-gradients path (Trainer refuses that configuration); dsfunc divides as the
+default reduce-scatter.
 """
 
 from __future__ import annotations
@@ -61,6 +77,11 @@ class Mesh:
     def zero(self) -> comm.Group:
         """The ranks ZeRO shards each unit over and reduces its gradients over: ``dp x sp``."""
         return self.group(ZERO)
+
+    def sp_summed(self, stage: int) -> int:
+        """The sp ranks whose gradients ZeRO stage ``stage`` adds up, not averages, as DeepSpeed 0.19.8 does: all at
+        ZeRO 0-2 (the dp x sp sum divided by dp), one at ZeRO-3 (divided by dp x sp): [Note: the gradient over sp]."""
+        return 1 if stage == 3 else self.size("sp")
 
     @property
     def batch_ranks(self) -> int:

@@ -25,17 +25,19 @@ from dsfunc.parallel.ulysses import UlyssesAttention, check_heads, ulysses
 _NAMES = itertools.count()  # one registered name per routed model
 
 
-def sequence_parallel(model: nn.Module, loss_fn: LossFn | None, group: Group, tp: int = 1) -> LossFn:
+def sequence_parallel(model: nn.Module, loss_fn: LossFn | None, group: Group, tp: int = 1, *,
+                      whole: bool) -> LossFn:
     """Route ``model``'s attention through Ulysses over ``group`` (a Hugging Face model's; any other model must
-    hold a :class:`UlyssesAttention`) and return the loss over the sequence split across ``group``; ``tp``: the
-    tensor-parallel ranks each layer's heads are already split over."""
+    hold a :class:`UlyssesAttention`) and return the loss over the sequence split across ``group`` (``whole`` as in
+    :func:`~dsfunc.parallel.sequence.sequence_parallel_loss`); ``tp``: the tensor-parallel ranks each layer's heads
+    are already split over."""
     if _config(model) is not None:
         route_attention(model, group, tp)
     elif not any(isinstance(m, UlyssesAttention) for m in model.modules()):
         raise InputError(f"sequence_parallel_size {group.size}: {type(model).__name__} is not a Hugging Face model "
                          "(no config._attn_implementation) and holds no UlyssesAttention / DistributedAttention; wrap "
                          "its attention in one (deepspeed.sequence.layer.DistributedAttention)")
-    return sequence_parallel_loss(loss_fn, group)
+    return sequence_parallel_loss(loss_fn, group, whole=whole)
 
 
 def check_config(config: Any, sp: int, tp: int = 1) -> None:

@@ -5,10 +5,12 @@ global tokens.
 position ``t`` is token ``t + 1``; the last position's is -100), so the token that crosses a rank boundary is
 predicted once, by the rank holding the position before it. Each rank's loss is the sum over its valid tokens
 divided by the micro-batch's valid tokens over all its sp ranks (known on every rank: each has the whole
-micro-batch before the split), and the ranks' losses are summed by a differentiable all-reduce. So every sp
-rank reports the micro-batch's mean, a rank whose positions are all padding contributes 0 (not 0/0), and in
-backward each rank's loss gets ``sp`` times the seed: the runtime's ``1 / ranks`` over dp x sp ranks then
-leaves the mean over dp replicas, the one-process gradient.
+micro-batch before the split), and the ranks' losses are summed by an all-reduce. So every sp rank reports the
+micro-batch's mean, and a rank whose positions are all padding contributes 0 (not 0/0). What each rank
+backpropagates follows the runtime's divisor ([Note: the gradient over sp] in :mod:`dsfunc.distributed.mesh`): at
+ZeRO 0-2, whose gradients add up over sp, its own tokens' share of the mean (the backward passes the seed
+through); at ZeRO-3, which averages over sp, the whole mean (the backward sums the ranks' seeds, the all-reduce's
+adjoint). Either way the step's gradient is one process's.
 """
 
 from __future__ import annotations
@@ -67,16 +69,17 @@ def split_sequence(batch: Mapping[str, Any], rank: int, size: int) -> dict[str, 
 
 
 class _SumOver(torch.autograd.Function):
-    """The sum of ``x`` over ``group``'s ranks; backward sums the incoming gradients the same way."""
+    """The sum of ``x`` over ``group``'s ranks; backward sums the incoming gradients the same way when ``whole``,
+    else passes this rank's through (the sum's other terms held constant)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Group) -> Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: Tensor, group: Group, whole: bool) -> Tensor:
+        ctx.group, ctx.whole = group, whole
         return _all_reduce(x.clone(), group)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _all_reduce(grad.clone(), ctx.group), None
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return (_all_reduce(grad.clone(), ctx.group) if ctx.whole else grad), None, None
 
 
 def _all_reduce(x: Tensor, group: Group) -> Tensor:
@@ -85,9 +88,10 @@ def _all_reduce(x: Tensor, group: Group) -> Tensor:
     return x
 
 
-def sum_over(x: Tensor, group: Group) -> Tensor:
-    """Differentiable sum of ``x`` over ``group`` (see [Note: the loss over a split sequence])."""
-    return _SumOver.apply(x, group)
+def sum_over(x: Tensor, group: Group, *, whole: bool) -> Tensor:
+    """The sum of ``x`` over ``group``, differentiable as a sum (``whole``) or as this rank's share of it (see
+    [Note: the loss over a split sequence])."""
+    return _SumOver.apply(x, group, whole)
 
 
 def token_loss(logits: Tensor, labels: Tensor, count: Tensor) -> Tensor:
@@ -98,12 +102,13 @@ def token_loss(logits: Tensor, labels: Tensor, count: Tensor) -> Tensor:
     return total / count
 
 
-def sequence_parallel_loss(loss_fn: LossFn | None, group: Group) -> LossFn:
+def sequence_parallel_loss(loss_fn: LossFn | None, group: Group, *, whole: bool) -> LossFn:
     """``loss_fn`` over the sequence split across ``group``: it gets this rank's :func:`split_sequence` of the
     micro-batch with ``num_items_in_batch`` (the micro-batch's valid tokens, over every sp rank) and returns its
     tokens' loss sum divided by that (Hugging Face's loss functions do, given ``shift_labels`` and
     ``num_items_in_batch``). Without ``loss_fn`` the model's ``logits`` for the rank's positions give it. The
-    result is the micro-batch's mean on every sp rank ([Note: the loss over a split sequence])."""
+    result is the micro-batch's mean on every sp rank; its backward gives this rank the whole mean's gradient
+    (``whole``: ZeRO-3) or its share's ([Note: the loss over a split sequence])."""
 
     def loss(model: nn.Module, batch: Any) -> Tensor:
         if not isinstance(batch, Mapping) or "labels" not in batch:
@@ -118,6 +123,6 @@ def sequence_parallel_loss(loss_fn: LossFn | None, group: Group) -> LossFn:
             out = model(**shard)
             logits = out["logits"] if isinstance(out, Mapping) else getattr(out, "logits", out)
             local = token_loss(logits, labels, count.clamp(min=1))
-        return sum_over(local.reshape(()), group)
+        return sum_over(local.reshape(()), group, whole=whole)
 
     return loss

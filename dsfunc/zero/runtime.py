@@ -21,7 +21,7 @@ micro-batch's loss is the sum of the losses backpropagated in it, and ``finish()
 over micro-batches. A forward that no backward follows is dropped by ``end()`` or :meth:`drop_forward`.
 
 The backward seed makes the step's gradient the mean over every micro-batch of every rank:
-``loss * loss_scale / ranks / micro_count`` (``ranks`` is the number of ranks the reducer sums over).
+``loss * loss_scale / ranks / micro_count`` (``ranks``: the ranks the reducer's sum is a mean over).
 ``torch.autograd.backward`` is called here and nowhere else.
 
 A script's own ``loss.backward()`` is the DeepSpeed engine's business ([Note: a backward the runtime does not run] in
@@ -113,7 +113,7 @@ class MicroBatchRuntime:
 
     def __init__(self, state: TrainState, reducer: Reducer, *, ranks: int = 1,
                  micro_batches_per_backward: int = 1) -> None:
-        """``ranks``: how many ranks' gradients ``reducer`` sums (the seed divides by it).
+        """``ranks``: the seed's divisor, which makes the sum over ranks that ``reducer`` takes a mean.
         ``micro_batches_per_backward``: micro-batches whose backward runs together, unit by unit (see [Note:
         backward by units])."""
         self.state = state
@@ -555,8 +555,10 @@ def zero_runtime(state: TrainState, kind: type[R] = MicroBatchRuntime) -> R:
                           bucket_size=program.config.zero_optimization.reduce_bucket_size, store=run.grads,
                           narrow=program.update.reads_16_bit_grads)
     per_backward = 1 if kind.direct_backward else run.grads.micro_batches_per_backward
-    # the seed's 1/ranks makes the reducer's sum a mean; gradient_allreduce_op "sum" keeps the sum
-    ranks = 1 if program.config.gradient_allreduce_op == "sum" else program.plan.world_size
+    # the seed's 1/ranks makes the reducer's sum a mean over dp (the sp ranks' gradients add up where DeepSpeed's do:
+    # [Note: the gradient over sp] in dsfunc.distributed.mesh); gradient_allreduce_op "sum" keeps the sum
+    summed = 1 if program.mesh is None else program.mesh.sp_summed(program.plan.stage)
+    ranks = 1 if program.config.gradient_allreduce_op == "sum" else program.plan.world_size // summed
     return kind(state, reducer, ranks=ranks, micro_batches_per_backward=per_backward)
 
 

@@ -59,8 +59,10 @@ def _train(rank: int, world: int, optimizer: str, sp: int, tp: int, stage: int,
 
 
 def _engine(rank: int, world: int, optimizer: str, sp: int, tp: int, stage: int) -> tuple[list[float], dict, Any]:
-    """The same through DeepSpeed's engine, as an ALST script drives it: each rank forwards its sp shard of every
-    micro-batch and sums the loss over the sp group by token counts (a differentiable all-reduce)."""
+    """The same through DeepSpeed's engine, as Hugging Face Trainer drives it under sequence parallelism: each rank
+    forwards its sp shard of every micro-batch, its loss is the mean over the sp group's tokens, and it
+    backpropagates its own tokens' share, which the sp ranks' gradients add up ([Note: the gradient over sp] in
+    dsfunc.distributed.mesh)."""
     engine, *_ = dsfunc.initialize(model=llama(), config=mesh_config(optimizer, sp=sp, tp=tp, stage=stage))
     mesh = engine.state.program.mesh
     group = engine.get_sequence_parallel_group()
@@ -74,7 +76,8 @@ def _engine(rank: int, world: int, optimizer: str, sp: int, tp: int, stage: int)
             labels = shard["shift_labels"]
             local = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
             count = (labels != -100).sum().float()
-            loss = dist_fn.all_reduce(local, group=group) / dist_fn.all_reduce(count, group=group)
+            total = dist_fn.all_reduce(local.detach(), group=group)
+            loss = (local + (total - local.detach())) / dist_fn.all_reduce(count, group=group)
             engine.backward(loss)
             engine.step()
         losses.append(engine.state.metrics.loss.item())

@@ -49,15 +49,17 @@ def rank_batch(step: int, rank: int) -> dict[str, torch.Tensor]:
     return batch | {"position_ids": torch.arange(SEQ).expand(len(rows), SEQ)}
 
 
-def one_process(optimizer: dict, batches: list[list[dict[str, torch.Tensor]]]) -> tuple[list[float], dict]:
+def one_process(optimizer: dict, batches: list[list[dict[str, torch.Tensor]]]) -> tuple[list[float], dict, list[float]]:
     """The reference: one process, each step the batches of ``batches[step]`` cut into micro-batches of MICRO samples
-    (the mean over them is the mean over the parallel run's replicas); its losses and final parameters."""
+    (the mean over them is the mean over the parallel run's replicas); its losses, final parameters and gradient
+    norms (before clipping)."""
     import dsfunc
 
     gas = sum(len(b["input_ids"]) for b in batches[0]) // MICRO
     state = dsfunc.init_state(llama(), config(optimizer, gas=gas))
-    losses = []
+    losses, norms = [], []
     for step in batches:
         state = dsfunc.train_step(state, {k: torch.cat([b[k] for b in step]) for k in step[0]})
         losses.append(state.metrics.loss.item())
-    return losses, dsfunc.full_params(state)
+        norms.append(state.metrics.grad_norm.item())
+    return losses, dsfunc.full_params(state), norms

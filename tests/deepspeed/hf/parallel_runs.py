@@ -3,7 +3,8 @@ ParallelismConfig (dsfunc behind ``DSFUNC_AS_DEEPSPEED=1``); the last line print
 
 ``python parallel_runs.py reference OUT`` (one process, no DeepSpeed); under ``torch.distributed.run`` on 2 ranks,
 ``python parallel_runs.py tp OUT`` (``"tensor_parallel": {"autotp_size": 2}``) and ``python parallel_runs.py sp OUT``
-(``TrainingArguments(parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed"))``).
+(``TrainingArguments(parallelism_config=ParallelismConfig(sp_size=2, sp_backend="deepspeed"))``, ZeRO-1; ``sp-zero3``:
+the same at ZeRO-3).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def main() -> None:
                            lambda: made.append(llama()) or made[0], history=history), history)
         # the engine trains the model in place: its split layers hold this rank's rows
         res["q_proj_rows"] = made[0].model.layers[0].self_attn.q_proj.weight.shape[0]
-    elif kind == "sp":
+    elif kind in ("sp", "sp-zero3"):
         from accelerate.parallelism_config import ParallelismConfig
         from accelerate.utils import DeepSpeedSequenceParallelConfig
 
@@ -53,8 +54,9 @@ def main() -> None:
         deepspeed.init_distributed(dist_backend="gloo")  # the real DeepSpeed's register_with_transformers needs it
         # the real DeepSpeed's UlyssesSPDataLoaderAdapter wants each token's position in the batch
         positioned = [{**s, "position_ids": torch.arange(len(s["input_ids"]))} for s in samples()]
-        res = logged(train(f"{out}/sp", ds_config(1, optimizer=True), llama, history=history, dataset=positioned,
-                           parallelism_config=pc), history)
+        stage = 3 if kind == "sp-zero3" else 1
+        res = logged(train(f"{out}/{kind}", ds_config(stage, optimizer=True), llama, history=history,
+                           dataset=positioned, parallelism_config=pc), history)
     else:
         raise SystemExit(f"unknown run {kind!r}")
     if int(os.environ.get("RANK", "0")) == 0:

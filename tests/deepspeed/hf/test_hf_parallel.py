@@ -5,13 +5,11 @@ registers Ulysses attention, passes the mpu to ``initialize``, wraps the loader 
 Trainer reduces the loss over ``deepspeed.utils.groups._get_sequence_parallel_group()``). On 2 gloo ranks the
 logged losses equal a one-process Trainer run without DeepSpeed within 1e-5.
 
-[Note: Trainer's Ulysses loss and the gradient over sp] Trainer's loss under DeepSpeed sequence parallelism gives
-each sp rank the gradient of its own share of the sequence's mean only, for DeepSpeed, which sums gradients over
-the sp group (ZeRO-1/2 divide the dp x sp sum by dp). dsfunc divides by dp x sp (the ALST tutorial's loss, whose
-every sp rank holds the whole mean's gradient, trains like one process that way), so under Trainer its gradients
-are 1/sp of one process's: Adam's update barely sees it (losses agree) but the logged gradient norm is halved,
-and clipping or SGD would see it. Real DeepSpeed 0.19.8 runs the same Trainer script with one process's gradient
-norms. The strict xfail below holds dsfunc's gap until the rule is settled.
+The logged gradient norms equal one process's too, under dsfunc and under real DeepSpeed 0.19.8, at ZeRO-1 and
+(dsfunc) ZeRO-3: Trainer's loss gives each sp rank its own tokens' share of the mean, which the sp ranks' gradients
+add up to at ZeRO 0-2, and sp times that at ZeRO-3 for DeepSpeed below 0.20.2, whose ZeRO-3 averages them ([Note:
+the gradient over sp] in :mod:`dsfunc.distributed.mesh`). A gradient 1/sp or sp times one process's halves or
+doubles the norm, which Adam's update barely shows in the losses.
 """
 
 from __future__ import annotations
@@ -57,17 +55,21 @@ def test_trainer_with_autotp_trains_like_one_process(runs):
 
 
 def test_trainer_with_parallelism_config_sp_trains_like_one_process(runs, as_deepspeed, tmp_path):
-    assert_close(runs("sp")["losses"], runs("reference")["losses"])
+    reference = runs("reference")
+    assert_close(runs("sp")["losses"], reference["losses"])
+    assert_close(runs("sp")["grad_norms"], reference["grad_norms"])
     pytest.importorskip("deepspeed", reason="real DeepSpeed is the reference (.ci/setup_test_tools.sh)")
     real = {k: v for k, v in as_deepspeed.items() if k != "DSFUNC_AS_DEEPSPEED"} | {"DS_ACCELERATOR": "cpu"}
     theirs = trainer_run("sp", tuple(sorted(real.items())), str(tmp_path))
-    assert_close(theirs["losses"], runs("reference")["losses"])
-    assert_close(theirs["grad_norms"], runs("reference")["grad_norms"])  # what dsfunc's xfail below misses
+    assert_close(theirs["losses"], reference["losses"])
+    assert_close(theirs["grad_norms"], reference["grad_norms"])
 
 
-@pytest.mark.xfail(strict=True, reason="see [Note: Trainer's Ulysses loss and the gradient over sp]")
-def test_trainer_sp_gradients_are_one_process_s(runs):
-    assert_close(runs("sp")["grad_norms"], runs("reference")["grad_norms"])
+def test_trainer_sp_at_zero3_trains_like_one_process(runs):
+    # Trainer multiplies its sp loss by sp at ZeRO-3 for DeepSpeed below 0.20.2, whose ZeRO-3 averages the sp ranks'
+    # gradients: dsfunc answers as 0.19.8 and averages there too
+    assert_close(runs("sp-zero3")["losses"], runs("reference")["losses"])
+    assert_close(runs("sp-zero3")["grad_norms"], runs("reference")["grad_norms"])
 
 
 def test_tp_model_init_records_and_initialize_checks():
