@@ -25,7 +25,6 @@ import optree
 import torch
 import torch.distributed as dist
 
-from dsfunc import kernels
 from dsfunc.batch import Batch, scalar_loss, split_batch
 from dsfunc.distributed import comm
 from dsfunc.errors import InputError
@@ -140,11 +139,10 @@ class Pipeline:
     # -- the update half -----------------------------------------------------------------------------
     def norm_and_loss(self, plan: ShardingPlan, grads: Mapping[str, torch.Tensor],
                       loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole model's sum of squares (each tied module once) and the last stage's mean loss."""
-        counted = [g for name, g in grads.items() if name not in self.uncounted]
-        device = loss.device
-        sumsq = kernels.sum_of_squares(counted).to(device) if counted else torch.zeros((), device=device)
-        sumsq, loss = global_norm_and_loss(plan, grads, loss, sumsq=sumsq)
+        """The whole model's sum of squares (each tied module once, a tp-split parameter's parts summed over tp) and
+        the last stage's mean loss."""
+        counted = {name: g for name, g in grads.items() if name not in self.uncounted}
+        sumsq, loss = global_norm_and_loss(plan, counted, loss)
         if self.topology.stages == 1:
             return sumsq, loss
         packed = torch.stack([sumsq.float(), loss.float() if self.topology.is_last_stage else torch.zeros_like(
