@@ -1,0 +1,207 @@
+"""Pipeline stages whose layers are split over tensor-parallel ranks (``pipeline.stages`` with
+``tensor_parallel.autotp_size``: a ``pp x dp x tp`` mesh) train like one process on the same global batch: losses
+within 1e-5 (relative) and every parameter within 1e-5 after 4 clipped steps, for 2 stages x tp 2 on 4 ranks through
+``init_state``/``train_step`` (SGD with momentum, ZeRO 0) and through DeepSpeed's ``PipelineModule`` and
+``engine.train_batch`` (AdamW, ZeRO 1), and for 2 stages x dp 2 x tp 2 on 8 ranks (AdamW, ZeRO 1). The layers are
+attention + MLP blocks AutoTP splits by their projection names, between a tied embedding and output head (replicated
+over tp, held by both stages: counted once in the norm). The clipping thresholds lie inside the runs' gradient norms
+(measured: SGD 3.8 to 6.7 under 6.0, AdamW 5.1 to 6.7 under 6.0, and at dp 2 4.4 to 5.7 under 5.0), so some steps
+clip and others not, and a norm that counted the tied module or a tp part twice (or missed a stage) would change the
+result; the norms themselves are compared too. Also the errors for a bad shape, and sp refused in a pipeline.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dsfunc
+import dsfunc.parallel
+from dsfunc.pipeline import LayerSpec, StageModule, TiedLayerSpec
+from tests.multiprocess import run_world
+
+VOCAB, DIM, HEADS, HIDDEN, SEQ, MICRO, GAS, STEPS = 16, 8, 2, 12, 5, 2, 2, 4
+PIPE = {"stages": 2, "partition_method": "uniform"}
+SGD = {"optimizer": {"type": "SGD", "params": {"lr": 0.3, "momentum": 0.9}}, "gradient_clipping": 6.0}
+ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}, "gradient_clipping": 6.0}
+ADAMW_DP2 = ADAMW | {"gradient_clipping": 5.0}  # twice the batch: smaller norms
+
+
+class Block(nn.Module):
+    """Causal self-attention and an MLP, each with a residual; ``q/k/v/o_proj`` and ``up/down_proj`` are the names
+    AutoTP splits (column, then row). Heads are read from the projections' (local) width, as Hugging Face's are."""
+
+    def __init__(self, dim: int = DIM, heads: int = HEADS, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.num_attention_heads, self.head_dim = heads, dim // heads
+        # no bias on the attention projections: a key's bias has no gradient (the softmax ignores it), so Adam would
+        # turn its rounding noise into updates of either sign
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.up_proj, self.down_proj = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        b, s, _ = h.shape
+        q, k, v = (p(h).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        h = h + self.o_proj(attention)
+        return h + self.down_proj(torch.tanh(self.up_proj(h)))
+
+
+def head(embedding: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    return h @ embedding.weight.t()
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def layers(*block: int) -> list[Any]:
+    """Embedding, three blocks, the tied head: uniform over 2 stages, stage 0 holds two blocks, stage 1 one."""
+    return [TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM), *(LayerSpec(Block, *block) for _ in range(3)),
+            TiedLayerSpec("embed", nn.Embedding, VOCAB, DIM, forward_fn=head)]
+
+
+def config(optimizer: dict[str, Any], *, tp: int = 1, zero: int = 0, gas: int = GAS, **extra: Any) -> dict[str, Any]:
+    out = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": gas,
+           "zero_optimization": {"stage": zero}, "steps_per_print": None, **optimizer} | extra
+    return out | ({"tensor_parallel": {"autotp_size": tp}} if tp > 1 else {})
+
+
+def micro_batches(step: int, replicas: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Step ``step``'s GAS micro-batches of each replica: ``[replica][micro] = (tokens, labels)``; two batches
+    alternate, so that training lowers the loss."""
+    g = torch.Generator().manual_seed(100 + step % 2)
+    tokens = torch.randint(0, VOCAB, (replicas, GAS, MICRO, SEQ), generator=g)
+    return [[(t, torch.roll(t, -1, dims=1)) for t in tokens[r]] for r in range(replicas)]
+
+
+def _run(state: Any, replicas: int, train: Any) -> dict[str, Any]:
+    init, losses, norms = dsfunc.full_params(state), [], []
+    for step in range(STEPS):
+        state = train(state, step)
+        losses.append(float(state.metrics.loss))
+        norms.append(float(state.metrics.grad_norm))
+    mesh = state.program.mesh
+    where = dsfunc.parallel.placements(state)
+    return {"init": init, "losses": losses, "norms": norms, "final": dsfunc.full_params(state),
+            "groups": (dict(mesh.sizes), mesh.group("pp").ranks, mesh.group("dp").ranks, mesh.group("tp").ranks),
+            "placements": {k: where.get(k) for k in ("tied_modules.embed.weight", "1.q_proj.weight",
+                                                     "1.o_proj.weight")}}
+
+
+def _functional(optimizer: dict[str, Any], zero: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    state = dsfunc.init_state(layers(), config(optimizer, tp=2, zero=zero), loss_fn=loss_fn, pipeline=PIPE)
+    replicas, replica = state.program.mesh.size("dp"), state.program.mesh.group("dp").rank
+    return _run(state, replicas, lambda s, step: dsfunc.train_step(s, micro_batches(step, replicas)[replica]))
+
+
+def _engine() -> dict[str, Any]:
+    """DeepSpeed's spelling: a PipelineModule, the tp size in the config, ``engine.train_batch(iterator)``."""
+    pipe = importlib.import_module("dsfunc.pipe")
+    torch.manual_seed(0)
+    model = pipe.PipelineModule(layers(), num_stages=2, loss_fn=loss_fn, partition_method="uniform")
+    engine, *_ = dsfunc.initialize(model=model, config=config(ADAMW, tp=2, zero=1))
+
+    def train(state: Any, step: int) -> Any:
+        engine.train_batch(iter(micro_batches(step, 1)[0]))
+        return engine.state
+
+    return _run(engine.state, 1, train)
+
+
+def _error(build: Any) -> str:
+    try:
+        build()
+    except (dsfunc.InputError, dsfunc.NotSupportedError) as e:
+        return str(e)
+    finally:
+        torch.distributed.barrier()
+    return "no error"
+
+
+def _four_ranks(rank: int, world: int) -> dict[str, Any]:
+    out = {"sgd": _functional(SGD, 0), "engine": _engine()}
+    build = functools.partial(dsfunc.init_state, loss_fn=loss_fn, pipeline=PIPE)
+    out["heads"] = _error(lambda: build(layers(12, 3), config(SGD, tp=2)))  # 3 heads of 4 over tp 2
+    out["features"] = _error(lambda: build(layers(DIM, HEADS, 5), config(SGD, tp=2)))  # 5 hidden features
+    out["world"] = _error(lambda: build(layers(), config(SGD, tp=4)))  # pp 2 x tp 4 on 4 ranks
+    out["sp"] = _error(lambda: build(layers(), config(SGD, sequence_parallel_size=2)))
+    return out
+
+
+def _eight_ranks(rank: int, world: int) -> dict[str, Any]:
+    return _functional(ADAMW_DP2, 1)
+
+
+def one_process(init: dict[str, torch.Tensor], optimizer: dict[str, Any], replicas: int) -> dict[str, Any]:
+    """The reference: the same layers in one process, each step every replica's micro-batch i joined as one."""
+    model = StageModule(layers(), partition_method="uniform")
+    model.load_state_dict(init)
+    state = dsfunc.init_state(model, config(optimizer, train_micro_batch_size_per_gpu=MICRO * replicas),
+                              loss_fn=lambda m, b: loss_fn(m(b[0]), b[1]))
+    losses, norms = [], []
+    for step in range(STEPS):
+        parts = micro_batches(step, replicas)
+        joined = [tuple(torch.cat([parts[r][i][j] for r in range(replicas)]) for j in (0, 1)) for i in range(GAS)]
+        state = dsfunc.train_step(state, joined)
+        losses.append(float(state.metrics.loss))
+        norms.append(float(state.metrics.grad_norm))
+    return {"losses": losses, "norms": norms, "final": dsfunc.full_params(state)}
+
+
+def assert_like_one_process(results: list[dict[str, Any]], optimizer: dict[str, Any], replicas: int) -> None:
+    run = results[0]
+    want = one_process(run["init"], optimizer, replicas)
+    clip = optimizer["gradient_clipping"]
+    assert min(want["norms"]) < clip < max(want["norms"]), want["norms"]  # some steps clip, others not
+    assert want["losses"][-1] < want["losses"][0]
+    for other in results:
+        assert max(abs(a - b) / b for a, b in zip(other["losses"], want["losses"])) < 1e-5, (other["losses"], want)
+        assert max(abs(a - b) / b for a, b in zip(other["norms"], want["norms"])) < 1e-5, (other["norms"], want)
+        assert other["final"].keys() == want["final"].keys()
+        for name, value in want["final"].items():
+            assert other["final"][name].shape == value.shape, name
+            assert (other["final"][name] - value).abs().max() < 1e-5, name
+            assert torch.equal(other["init"][name], run["init"][name]), name  # every rank trains one model
+
+
+@functools.cache
+def four_ranks() -> list[dict[str, Any]]:
+    return run_world(_four_ranks, 4, timeout=900)
+
+
+def test_two_stages_by_tp2_train_like_one_process():
+    results = four_ranks()
+    assert_like_one_process([r["sgd"] for r in results], SGD, 1)
+    # pp outermost, tp innermost: stage 0 on ranks 0, 1 (its tp pair), each tp rank's pipeline its own
+    assert [r["sgd"]["groups"] for r in results] == [
+        ({"pp": 2, "dp": 1, "sp": 1, "tp": 2}, pipe, (rank,), tp)
+        for rank, pipe, tp in ((0, (0, 2), (0, 1)), (1, (1, 3), (0, 1)), (2, (0, 2), (2, 3)), (3, (1, 3), (2, 3)))]
+    where = results[0]["sgd"]["placements"]
+    assert where["tied_modules.embed.weight"]["tp"] == "Replicate()"
+    assert (where["1.q_proj.weight"]["tp"], where["1.o_proj.weight"]["tp"]) == ("Shard(dim=0)", "Shard(dim=1)")
+
+
+def test_pipeline_module_with_autotp_trains_like_one_process_through_train_batch():
+    assert_like_one_process([r["engine"] for r in four_ranks()], ADAMW, 1)
+
+
+def test_two_stages_by_dp2_by_tp2_at_zero_1_train_like_one_process():
+    results = run_world(_eight_ranks, 8, timeout=1200)
+    assert_like_one_process(results, ADAMW_DP2, 2)
+    assert [r["groups"][1:] for r in results[:4]] == [((0, 4), (0, 2), (0, 1)), ((1, 5), (1, 3), (0, 1)),
+                                                      ((2, 6), (0, 2), (2, 3)), ((3, 7), (1, 3), (2, 3))]
+
+
+def test_bad_shapes_are_named():
+    for r in four_ranks():
+        assert "num_attention_heads (3) is not divisible by the 2 tensor-parallel ranks" in r["heads"], r["heads"]
+        assert "has 5 rows along dim 0, not divisible by the 2 tensor-parallel ranks" in r["features"], r["features"]
+        assert "world size 4 is not divisible by the mesh's tp 4 x sp 1 x pp 2 = 8" in r["world"], r["world"]
+        assert "pipeline stages with sequence parallelism" in r["sp"] and "split each micro-batch" in r["sp"], r["sp"]
