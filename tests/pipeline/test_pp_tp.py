@@ -7,7 +7,9 @@ attention + MLP blocks AutoTP splits by their projection names, between a tied e
 over tp, held by both stages: counted once in the norm). The clipping thresholds lie inside the runs' gradient norms
 (measured: SGD 3.8 to 6.7 under 6.0, AdamW 5.1 to 6.7 under 6.0, and at dp 2 4.4 to 5.7 under 5.0), so some steps
 clip and others not, and a norm that counted the tied module or a tp part twice (or missed a stage) would change the
-result; the norms themselves are compared too. Also the errors for a bad shape, and sp refused in a pipeline.
+result; the norms themselves are compared too. A checkpoint saved half way at pp 2 x tp 2 is the whole model: it
+loads into one process and the rest of the run there gives the pipelined run's losses. Also the errors for a bad
+shape, and sp refused in a pipeline.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import functools
 import importlib
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -80,25 +83,29 @@ def micro_batches(step: int, replicas: int) -> list[list[tuple[torch.Tensor, tor
     return [[(t, torch.roll(t, -1, dims=1)) for t in tokens[r]] for r in range(replicas)]
 
 
-def _run(state: Any, replicas: int, train: Any) -> dict[str, Any]:
-    init, losses, norms = dsfunc.full_params(state), [], []
+def _run(state: Any, replicas: int, train: Any, folder: str | None = None) -> dict[str, Any]:
+    """STEPS steps of ``train(state, step)``; with ``folder``, a checkpoint there half way."""
+    init, losses, norms, saved = dsfunc.full_params(state), [], [], None
     for step in range(STEPS):
+        if folder is not None and step == STEPS // 2:
+            dsfunc.save_checkpoint(state, folder, tag="half")
+            saved = dsfunc.full_params(state)
         state = train(state, step)
         losses.append(float(state.metrics.loss))
         norms.append(float(state.metrics.grad_norm))
     mesh = state.program.mesh
     where = dsfunc.parallel.placements(state)
-    return {"init": init, "losses": losses, "norms": norms, "final": dsfunc.full_params(state),
+    return {"init": init, "losses": losses, "norms": norms, "final": dsfunc.full_params(state), "saved": saved,
             "groups": (dict(mesh.sizes), mesh.group("pp").ranks, mesh.group("dp").ranks, mesh.group("tp").ranks),
             "placements": {k: where.get(k) for k in ("tied_modules.embed.weight", "1.q_proj.weight",
                                                      "1.o_proj.weight")}}
 
 
-def _functional(optimizer: dict[str, Any], zero: int) -> dict[str, Any]:
+def _functional(optimizer: dict[str, Any], zero: int, folder: str | None = None) -> dict[str, Any]:
     torch.manual_seed(0)
     state = dsfunc.init_state(layers(), config(optimizer, tp=2, zero=zero), loss_fn=loss_fn, pipeline=PIPE)
     replicas, replica = state.program.mesh.size("dp"), state.program.mesh.group("dp").rank
-    return _run(state, replicas, lambda s, step: dsfunc.train_step(s, micro_batches(step, replicas)[replica]))
+    return _run(state, replicas, lambda s, step: dsfunc.train_step(s, micro_batches(step, replicas)[replica]), folder)
 
 
 def _engine() -> dict[str, Any]:
@@ -125,8 +132,8 @@ def _error(build: Any) -> str:
     return "no error"
 
 
-def _four_ranks(rank: int, world: int) -> dict[str, Any]:
-    out = {"sgd": _functional(SGD, 0), "engine": _engine()}
+def _four_ranks(rank: int, world: int, folder: str) -> dict[str, Any]:
+    out = {"sgd": _functional(SGD, 0, folder), "engine": _engine()}
     build = functools.partial(dsfunc.init_state, loss_fn=loss_fn, pipeline=PIPE)
     out["heads"] = _error(lambda: build(layers(12, 3), config(SGD, tp=2)))  # 3 heads of 4 over tp 2
     out["features"] = _error(lambda: build(layers(DIM, HEADS, 5), config(SGD, tp=2)))  # 5 hidden features
@@ -171,13 +178,14 @@ def assert_like_one_process(results: list[dict[str, Any]], optimizer: dict[str, 
             assert torch.equal(other["init"][name], run["init"][name]), name  # every rank trains one model
 
 
-@functools.cache
-def four_ranks() -> list[dict[str, Any]]:
-    return run_world(_four_ranks, 4, timeout=900)
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], str]:
+    folder = str(tmp_path_factory.mktemp("pp_tp") / "ckpt")
+    return run_world(_four_ranks, 4, folder, timeout=900), folder
 
 
-def test_two_stages_by_tp2_train_like_one_process():
-    results = four_ranks()
+def test_two_stages_by_tp2_train_like_one_process(four_ranks):
+    results, _ = four_ranks
     assert_like_one_process([r["sgd"] for r in results], SGD, 1)
     # pp outermost, tp innermost: stage 0 on ranks 0, 1 (its tp pair), each tp rank's pipeline its own
     assert [r["sgd"]["groups"] for r in results] == [
@@ -188,8 +196,21 @@ def test_two_stages_by_tp2_train_like_one_process():
     assert (where["1.q_proj.weight"]["tp"], where["1.o_proj.weight"]["tp"]) == ("Shard(dim=0)", "Shard(dim=1)")
 
 
-def test_pipeline_module_with_autotp_trains_like_one_process_through_train_batch():
-    assert_like_one_process([r["engine"] for r in four_ranks()], ADAMW, 1)
+def test_pipeline_module_with_autotp_trains_like_one_process_through_train_batch(four_ranks):
+    assert_like_one_process([r["engine"] for r in four_ranks[0]], ADAMW, 1)
+
+
+def test_a_pp_tp_checkpoint_is_the_whole_model_and_resumes_in_one_process(four_ranks):
+    results, folder = four_ranks
+    run = results[0]["sgd"]
+    model = StageModule(layers(), partition_method="uniform")
+    state = dsfunc.init_state(model, config(SGD), loss_fn=lambda m, b: loss_fn(m(b[0]), b[1]))
+    state, _ = dsfunc.load_checkpoint(folder, state, tag="half")
+    loaded = dsfunc.full_params(state)
+    assert loaded.keys() == run["saved"].keys() and all(torch.equal(loaded[k], v) for k, v in run["saved"].items())
+    for step in range(STEPS // 2, STEPS):  # the momentum came along: the rest of the run is the pipelined one's
+        state = dsfunc.train_step(state, micro_batches(step, 1)[0])
+        assert abs(float(state.metrics.loss) - run["losses"][step]) < 1e-5 * run["losses"][step]
 
 
 def test_two_stages_by_dp2_by_tp2_at_zero_1_and_3_train_like_one_process():
@@ -200,8 +221,8 @@ def test_two_stages_by_dp2_by_tp2_at_zero_1_and_3_train_like_one_process():
                                                       ((2, 6), (0, 2), (2, 3)), ((3, 7), (1, 3), (2, 3))]
 
 
-def test_bad_shapes_are_named():
-    for r in four_ranks():
+def test_bad_shapes_are_named(four_ranks):
+    for r in four_ranks[0]:
         assert "num_attention_heads (3) is not divisible by the 2 tensor-parallel ranks" in r["heads"], r["heads"]
         assert "has 5 rows along dim 0, not divisible by the 2 tensor-parallel ranks" in r["features"], r["features"]
         assert "world size 4 is not divisible by the mesh's tp 4 x sp 1 x pp 2 = 8" in r["world"], r["world"]
