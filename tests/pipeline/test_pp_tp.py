@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 import dsfunc
 import dsfunc.parallel
@@ -101,9 +102,9 @@ def _run(state: Any, replicas: int, train: Any, folder: str | None = None) -> di
                                                      "1.o_proj.weight")}}
 
 
-def _functional(optimizer: dict[str, Any], zero: int, folder: str | None = None) -> dict[str, Any]:
+def _functional(optimizer: dict[str, Any], zero: int, folder: str | None = None, mesh: Any = None) -> dict[str, Any]:
     torch.manual_seed(0)
-    state = dsfunc.init_state(layers(), config(optimizer, tp=2, zero=zero), loss_fn=loss_fn, pipeline=PIPE)
+    state = dsfunc.init_state(layers(), config(optimizer, tp=2, zero=zero), loss_fn=loss_fn, pipeline=PIPE, mesh=mesh)
     replicas, replica = state.program.mesh.size("dp"), state.program.mesh.group("dp").rank
     return _run(state, replicas, lambda s, step: dsfunc.train_step(s, micro_batches(step, replicas)[replica]), folder)
 
@@ -119,7 +120,9 @@ def _engine() -> dict[str, Any]:
         engine.train_batch(iter(micro_batches(step, 1)[0]))
         return engine.state
 
-    return _run(engine.state, 1, train)
+    out = _run(engine.state, 1, train)
+    out["evaluated"] = float(engine.eval_batch(iter(micro_batches(0, 1)[0])))
+    return out
 
 
 def _error(build: Any) -> str:
@@ -134,7 +137,11 @@ def _error(build: Any) -> str:
 
 def _four_ranks(rank: int, world: int, folder: str) -> dict[str, Any]:
     out = {"sgd": _functional(SGD, 0, folder), "engine": _engine()}
+    # the same mesh, given as torch's DeviceMesh
+    out["given_mesh"] = _functional(SGD, 0, mesh=init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp")))
     build = functools.partial(dsfunc.init_state, loss_fn=loss_fn, pipeline=PIPE)
+    tp_outermost = init_device_mesh("cpu", (2, 2), mesh_dim_names=("tp", "pp"))
+    out["mesh_order"] = _error(lambda: build(layers(), config(SGD, tp=2), mesh=tp_outermost))
     out["heads"] = _error(lambda: build(layers(12, 3), config(SGD, tp=2)))  # 3 heads of 4 over tp 2
     out["features"] = _error(lambda: build(layers(DIM, HEADS, 5), config(SGD, tp=2)))  # 5 hidden features
     out["world"] = _error(lambda: build(layers(), config(SGD, tp=4)))  # pp 2 x tp 4 on 4 ranks
@@ -197,7 +204,20 @@ def test_two_stages_by_tp2_train_like_one_process(four_ranks):
 
 
 def test_pipeline_module_with_autotp_trains_like_one_process_through_train_batch(four_ranks):
-    assert_like_one_process([r["engine"] for r in four_ranks[0]], ADAMW, 1)
+    results = [r["engine"] for r in four_ranks[0]]
+    assert_like_one_process(results, ADAMW, 1)
+    model = StageModule(layers(), partition_method="uniform")  # eval_batch: the mean loss of the trained model
+    model.load_state_dict(results[0]["final"])
+    with torch.no_grad():
+        want = sum(float(loss_fn(model(x), y)) for x, y in micro_batches(0, 1)[0]) / GAS
+    assert all(abs(r["evaluated"] - want) < 1e-5 * want for r in results), ([r["evaluated"] for r in results], want)
+
+
+def test_a_mesh_given_as_a_device_mesh_trains_the_same(four_ranks):
+    for r in four_ranks[0]:
+        assert r["given_mesh"]["losses"] == r["sgd"]["losses"] and r["given_mesh"]["groups"] == r["sgd"]["groups"]
+        assert all(torch.equal(v, r["sgd"]["final"][k]) for k, v in r["given_mesh"]["final"].items())
+        assert "a pipeline's mesh has pp outermost" in r["mesh_order"], r["mesh_order"]
 
 
 def test_a_pp_tp_checkpoint_is_the_whole_model_and_resumes_in_one_process(four_ranks):
