@@ -14,6 +14,11 @@ ordinary one (:func:`dsfunc.step.make_train_step`) with :meth:`Pipeline.grad_fn`
 * the update half (:func:`dsfunc.apply_gradients`) takes its global norm from :meth:`Pipeline.norm_and_loss`:
   every stage's sum of squares (a tied module's once) and the last stage's loss, summed over the pipeline
   group, so clipping, the overflow check and the metrics are the whole model's on every rank.
+
+With tensor parallelism the stage module's layers were split over the stage's tp ranks as an unpipelined model's
+are (:mod:`dsfunc.parallel.tensor`): a split block's output is all-reduced back to a full tensor, so the activations
+and their gradients a stage sends are full, tp-replicated tensors, tp rank ``t`` of one stage talking to tp rank
+``t`` of the next over its own pipeline group; each stage's norm already sums its split parameters' parts over tp.
 """
 
 from __future__ import annotations
