@@ -1,15 +1,15 @@
 """Pipeline stages whose layers are split over tensor-parallel ranks (``pipeline.stages`` with
 ``tensor_parallel.autotp_size``: a ``pp x dp x tp`` mesh) train like one process on the same global batch: losses
 within 1e-5 (relative) and every parameter within 1e-5 after 4 clipped steps, for 2 stages x tp 2 on 4 ranks through
-``init_state``/``train_step`` (SGD with momentum, ZeRO 0) and through DeepSpeed's ``PipelineModule`` and
-``engine.train_batch`` (AdamW, ZeRO 1), and for 2 stages x dp 2 x tp 2 on 8 ranks (AdamW, ZeRO 1 and 3). The layers are
-attention + MLP blocks AutoTP splits by their projection names, between a tied embedding and output head (replicated
-over tp, held by both stages: counted once in the norm). The clipping thresholds lie inside the runs' gradient norms
-(measured: SGD 3.8 to 6.7 under 6.0, AdamW 5.1 to 6.7 under 6.0, and at dp 2 4.4 to 5.7 under 5.0), so some steps
-clip and others not, and a norm that counted the tied module or a tp part twice (or missed a stage) would change the
-result; the norms themselves are compared too. A checkpoint saved half way at pp 2 x tp 2 is the whole model: it
-loads into one process and the rest of the run there gives the pipelined run's losses. Also the errors for a bad
-shape, and sp refused in a pipeline.
+``init_state``/``train_step`` (SGD with momentum, ZeRO 0; also 4 interleaved stages with activation checkpointing)
+and through DeepSpeed's ``PipelineModule`` and ``engine.train_batch`` (AdamW, ZeRO 1), and for 2 stages x dp 2 x tp
+2 on 8 ranks (AdamW, ZeRO 1 and 3). The layers are attention + MLP blocks AutoTP splits by their projection names,
+between a tied embedding and output head (replicated over tp, held by both stages: counted once in the norm). The
+clipping thresholds lie inside the runs' gradient norms (measured: SGD 3.8 to 6.7 under 6.0, AdamW 5.1 to 6.7 under
+6.0, and at dp 2 4.4 to 5.7 under 5.0), so some steps clip and others not, and a norm that counted the tied module
+or a tp part twice (or missed a stage) would change the result; the norms themselves are compared too. A checkpoint
+saved half way at pp 2 x tp 2 is the whole model: it loads into one process and the rest of the run there gives the
+pipelined run's losses. Also the errors for a bad shape, and sp refused in a pipeline.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from tests.multiprocess import run_world
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ, MICRO, GAS, STEPS = 16, 8, 2, 12, 5, 2, 2, 4
 PIPE = {"stages": 2, "partition_method": "uniform"}
+# 4 stages on 2 pipeline ranks (each rank two of them), every layer recomputed in backward
+INTERLEAVED = {"stages": 4, "stages_per_rank": 2, "schedule": "Interleaved1F1B", "partition_method": "uniform",
+               "activation_checkpoint_interval": 1}
 SGD = {"optimizer": {"type": "SGD", "params": {"lr": 0.3, "momentum": 0.9}}, "gradient_clipping": 6.0}
 ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}, "gradient_clipping": 6.0}
 ADAMW_DP2 = ADAMW | {"gradient_clipping": 5.0}  # twice the batch: smaller norms
@@ -102,9 +105,11 @@ def _run(state: Any, replicas: int, train: Any, folder: str | None = None) -> di
                                                      "1.o_proj.weight")}}
 
 
-def _functional(optimizer: dict[str, Any], zero: int, folder: str | None = None, mesh: Any = None) -> dict[str, Any]:
+def _functional(optimizer: dict[str, Any], zero: int, folder: str | None = None, mesh: Any = None,
+                pipeline: dict[str, Any] = PIPE) -> dict[str, Any]:
     torch.manual_seed(0)
-    state = dsfunc.init_state(layers(), config(optimizer, tp=2, zero=zero), loss_fn=loss_fn, pipeline=PIPE, mesh=mesh)
+    state = dsfunc.init_state(layers(), config(optimizer, tp=2, zero=zero), loss_fn=loss_fn, pipeline=pipeline,
+                              mesh=mesh)
     replicas, replica = state.program.mesh.size("dp"), state.program.mesh.group("dp").rank
     return _run(state, replicas, lambda s, step: dsfunc.train_step(s, micro_batches(step, replicas)[replica]), folder)
 
@@ -136,7 +141,8 @@ def _error(build: Any) -> str:
 
 
 def _four_ranks(rank: int, world: int, folder: str) -> dict[str, Any]:
-    out = {"sgd": _functional(SGD, 0, folder), "engine": _engine()}
+    out = {"sgd": _functional(SGD, 0, folder), "engine": _engine(),
+           "interleaved": _functional(SGD, 0, pipeline=INTERLEAVED)}
     # the same mesh, given as torch's DeviceMesh
     out["given_mesh"] = _functional(SGD, 0, mesh=init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp")))
     build = functools.partial(dsfunc.init_state, loss_fn=loss_fn, pipeline=PIPE)
@@ -201,6 +207,10 @@ def test_two_stages_by_tp2_train_like_one_process(four_ranks):
     where = results[0]["sgd"]["placements"]
     assert where["tied_modules.embed.weight"]["tp"] == "Replicate()"
     assert (where["1.q_proj.weight"]["tp"], where["1.o_proj.weight"]["tp"]) == ("Shard(dim=0)", "Shard(dim=1)")
+
+
+def test_interleaved_stages_with_activation_checkpointing_by_tp2_train_like_one_process(four_ranks):
+    assert_like_one_process([r["interleaved"] for r in four_ranks[0]], SGD, 1)
 
 
 def test_pipeline_module_with_autotp_trains_like_one_process_through_train_batch(four_ranks):
