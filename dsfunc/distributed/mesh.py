@@ -144,13 +144,14 @@ def pipeline_mesh(stages: int, config: Any, given: Mesh | DeviceMesh | None, dev
     """The mesh of a pipelined run: ``stages`` pipeline ranks outermost, each stage's ranks ``dp x tp`` (the config's
     ``tensor_parallel.autotp_size``), or ``given`` (checked against the stages and the config's tp)."""
     tensor, sp, _ = mesh_sections(config)
-    if sp > 1 or (given is not None and _checked(given, config).size("sp") > 1):
+    mesh = _checked(given, config) if given is not None else None
+    if sp > 1 or (mesh is not None and mesh.size("sp") > 1):
         raise NotSupportedError(
             f"pipeline stages with sequence parallelism (sequence_parallel_size {sp}, or a mesh with an sp axis) are "
             "not supported by dsfunc yet: the pipelined step would have to split each micro-batch's inputs and labels "
             "along the sequence and average the last stage's loss over the sp ranks, which it does not. Drop "
             "sequence_parallel_size, or the pipeline (dp x tp x sp composes with ZeRO 1-3, and so does pp x dp x tp)")
-    mesh = make_mesh(tp=tensor.size, pp=stages, device_type=device_type) if given is None else _checked(given, config)
+    mesh = mesh or make_mesh(tp=tensor.size, pp=stages, device_type=device_type)
     if mesh.size("pp") != stages:
         raise InputError(f"the mesh given has pp {mesh.size('pp')} but the pipeline has {stages} pipeline ranks per "
                          "replica (pipeline.stages / stages_per_rank): make them agree")
