@@ -9,7 +9,8 @@ clipping thresholds lie inside the runs' gradient norms (measured: SGD 3.8 to 6.
 6.0, and at dp 2 4.4 to 5.7 under 5.0), so some steps clip and others not, and a norm that counted the tied module
 or a tp part twice (or missed a stage) would change the result; the norms themselves are compared too. A checkpoint
 saved half way at pp 2 x tp 2 is the whole model: it loads into one process and the rest of the run there gives the
-pipelined run's losses. Also the errors for a bad shape, and sp refused in a pipeline.
+pipelined run's losses. fp16 overflows skip the same steps on every rank. Also the errors for a bad shape, and sp
+refused in a pipeline.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ INTERLEAVED = {"stages": 4, "stages_per_rank": 2, "schedule": "Interleaved1F1B",
                "activation_checkpoint_interval": 1}
 SGD = {"optimizer": {"type": "SGD", "params": {"lr": 0.3, "momentum": 0.9}}, "gradient_clipping": 6.0}
 ADAMW = {"optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}, "gradient_clipping": 6.0}
+FP16 = {"enabled": True, "initial_scale_power": 17, "hysteresis": 1}
 ADAMW_DP2 = ADAMW | {"gradient_clipping": 5.0}  # twice the batch: smaller norms
 
 
@@ -87,29 +89,36 @@ def micro_batches(step: int, replicas: int) -> list[list[tuple[torch.Tensor, tor
     return [[(t, torch.roll(t, -1, dims=1)) for t in tokens[r]] for r in range(replicas)]
 
 
+def _metrics(state: Any) -> tuple[float, float, tuple[int, float]]:
+    """A step's loss, gradient norm, and whether it skipped the update with the loss scale after it."""
+    m = state.metrics
+    return float(m.loss), float(m.grad_norm), (int(m.skipped), float(m.loss_scale))
+
+
 def _run(state: Any, replicas: int, train: Any, folder: str | None = None) -> dict[str, Any]:
     """STEPS steps of ``train(state, step)``; with ``folder``, a checkpoint there half way."""
-    init, losses, norms, saved = dsfunc.full_params(state), [], [], None
+    init, seen, saved = dsfunc.full_params(state), [], None
     for step in range(STEPS):
         if folder is not None and step == STEPS // 2:
             dsfunc.save_checkpoint(state, folder, tag="half")
             saved = dsfunc.full_params(state)
         state = train(state, step)
-        losses.append(float(state.metrics.loss))
-        norms.append(float(state.metrics.grad_norm))
+        seen.append(_metrics(state))
+    losses, norms, skipped = (list(m) for m in zip(*seen))
     mesh = state.program.mesh
     where = dsfunc.parallel.placements(state)
-    return {"init": init, "losses": losses, "norms": norms, "final": dsfunc.full_params(state), "saved": saved,
+    return {"init": init, "losses": losses, "norms": norms, "skipped": skipped, "final": dsfunc.full_params(state),
+            "saved": saved,
             "groups": (dict(mesh.sizes), mesh.group("pp").ranks, mesh.group("dp").ranks, mesh.group("tp").ranks),
             "placements": {k: where.get(k) for k in ("tied_modules.embed.weight", "1.q_proj.weight",
                                                      "1.o_proj.weight")}}
 
 
 def _functional(optimizer: dict[str, Any], zero: int, folder: str | None = None, mesh: Any = None,
-                pipeline: dict[str, Any] = PIPE) -> dict[str, Any]:
+                pipeline: dict[str, Any] = PIPE, **extra: Any) -> dict[str, Any]:
     torch.manual_seed(0)
-    state = dsfunc.init_state(layers(), config(optimizer, tp=2, zero=zero), loss_fn=loss_fn, pipeline=pipeline,
-                              mesh=mesh)
+    state = dsfunc.init_state(layers(), config(optimizer, tp=2, zero=zero, **extra), loss_fn=loss_fn,
+                              pipeline=pipeline, mesh=mesh)
     replicas, replica = state.program.mesh.size("dp"), state.program.mesh.group("dp").rank
     return _run(state, replicas, lambda s, step: dsfunc.train_step(s, micro_batches(step, replicas)[replica]), folder)
 
@@ -142,7 +151,7 @@ def _error(build: Any) -> str:
 
 def _four_ranks(rank: int, world: int, folder: str) -> dict[str, Any]:
     out = {"sgd": _functional(SGD, 0, folder), "engine": _engine(),
-           "interleaved": _functional(SGD, 0, pipeline=INTERLEAVED)}
+           "interleaved": _functional(SGD, 0, pipeline=INTERLEAVED), "fp16": _functional(SGD, 0, fp16=FP16)}
     # the same mesh, given as torch's DeviceMesh
     out["given_mesh"] = _functional(SGD, 0, mesh=init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp")))
     build = functools.partial(dsfunc.init_state, loss_fn=loss_fn, pipeline=PIPE)
@@ -159,20 +168,20 @@ def _eight_ranks(rank: int, world: int) -> dict[int, Any]:
     return {zero: _functional(ADAMW_DP2, zero) for zero in (1, 3)}
 
 
-def one_process(init: dict[str, torch.Tensor], optimizer: dict[str, Any], replicas: int) -> dict[str, Any]:
+def one_process(init: dict[str, torch.Tensor], optimizer: dict[str, Any], replicas: int, **extra: Any) -> dict[str, Any]:
     """The reference: the same layers in one process, each step every replica's micro-batch i joined as one."""
     model = StageModule(layers(), partition_method="uniform")
     model.load_state_dict(init)
-    state = dsfunc.init_state(model, config(optimizer, train_micro_batch_size_per_gpu=MICRO * replicas),
+    state = dsfunc.init_state(model, config(optimizer, train_micro_batch_size_per_gpu=MICRO * replicas, **extra),
                               loss_fn=lambda m, b: loss_fn(m(b[0]), b[1]))
-    losses, norms = [], []
+    seen = []
     for step in range(STEPS):
         parts = micro_batches(step, replicas)
         joined = [tuple(torch.cat([parts[r][i][j] for r in range(replicas)]) for j in (0, 1)) for i in range(GAS)]
         state = dsfunc.train_step(state, joined)
-        losses.append(float(state.metrics.loss))
-        norms.append(float(state.metrics.grad_norm))
-    return {"losses": losses, "norms": norms, "final": dsfunc.full_params(state)}
+        seen.append(_metrics(state))
+    losses, norms, skipped = (list(m) for m in zip(*seen))
+    return {"losses": losses, "norms": norms, "skipped": skipped, "final": dsfunc.full_params(state)}
 
 
 def assert_like_one_process(results: list[dict[str, Any]], optimizer: dict[str, Any], replicas: int) -> None:
@@ -207,6 +216,19 @@ def test_two_stages_by_tp2_train_like_one_process(four_ranks):
     where = results[0]["sgd"]["placements"]
     assert where["tied_modules.embed.weight"]["tp"] == "Replicate()"
     assert (where["1.q_proj.weight"]["tp"], where["1.o_proj.weight"]["tp"]) == ("Shard(dim=0)", "Shard(dim=1)")
+
+
+def test_fp16_overflows_skip_the_same_steps_on_every_rank_as_in_one_process(four_ranks):
+    """fp16 from a loss scale of 2**17: the first steps overflow and every rank skips them, as one process does, with
+    the same loss scales; then the runs train alike (within fp16's rounding, 2e-2)."""
+    results = [r["fp16"] for r in four_ranks[0]]
+    want = one_process(results[0]["init"], SGD, 1, fp16=FP16)
+    assert 0 < sum(skipped for skipped, _ in want["skipped"]) < STEPS, want["skipped"]  # some steps skip, not all
+    for run in results:
+        assert run["skipped"] == want["skipped"]
+        assert max(abs(a - b) / b for a, b in zip(run["losses"], want["losses"])) < 2e-2, (run["losses"], want)
+        assert all((run["final"][k] - v).abs().max() < 2e-2 for k, v in want["final"].items())
+        assert any((run["final"][k] != run["init"][k]).any() for k in run["init"])
 
 
 def test_interleaved_stages_with_activation_checkpointing_by_tp2_train_like_one_process(four_ranks):
