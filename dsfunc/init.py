@@ -38,7 +38,7 @@ from dsfunc.config.dtypes import DTYPES
 from dsfunc.config.leaf_modules import LeafModules
 from dsfunc.distributed import comm
 from dsfunc.distributed.env import rank_variable
-from dsfunc.distributed.mesh import Mesh, no_mesh, pipeline_mesh, run_mesh
+from dsfunc.distributed.mesh import Mesh, run_mesh
 from dsfunc.distributed.process_group import join_launched_world
 from dsfunc.errors import InputError, NotSupportedError
 from dsfunc.experts.autoep import apply_autoep, expert_units
@@ -149,9 +149,10 @@ def init_state(
       pipeline: pipeline parallelism (:mod:`dsfunc.pipeline`): the stages, or a ``pipeline`` config section
         (``{"stages": 2, "schedule": "1F1B"}``); default: the config's section. ``model`` is then a layer list
         (``nn.Sequential``, or modules, ``LayerSpec``/``TiedLayerSpec`` and callables) or a ``PipelineModule``;
-        each rank builds and trains its own stage, ZeRO runs over the stage's data-parallel ranks
-        (``world_size / stages``, which the config's batch sizes count), ``loss_fn(outputs, labels)`` runs on the
-        last stage, and a step's batch is ``(inputs, labels)``.
+        each rank builds and trains its own stage (its layers split over the stage's tp ranks with
+        ``tensor_parallel.autotp_size``: a ``pp x dp x tp`` mesh), ZeRO runs over the stage's data-parallel ranks
+        (``world_size / (stages x tp)``, which the config's batch sizes count), ``loss_fn(outputs, labels)`` runs on
+        the last stage, and a step's batch is ``(inputs, labels)``.
       mesh: the ranks' named axes (:mod:`dsfunc.distributed.mesh`): a torch ``DeviceMesh`` with dimensions among
         ``pp``, ``dp``, ``sp``, ``tp`` (or a :class:`~dsfunc.distributed.mesh.Mesh`); default: the one the
         config describes (``tensor_parallel.autotp_size``, ``sequence_parallel_size``, the rest ``dp``). ZeRO
@@ -167,16 +168,14 @@ def init_state(
     """
     join_launched_world()  # the ranks a launcher started train one model, as deepspeed.initialize's do
     _fit_threads_to_host()
-    placement = place(model, config, pipeline, loss_fn)
+    placement = place(model, config, pipeline, loss_fn, mesh, _default_device(device).type)
     if placement is not None:
-        no_mesh(mesh, "a pipeline")
-        topology = placement.pipeline.topology
         return _build(placement.module, config, None, optimizer=optimizer, seed=seed,
                       unit_modules=placement.module.unit_modules() if unit_modules is None else unit_modules,
                       param_init_fn=param_init_fn, device=device, compile=compile,
                       activation_checkpointing=activation_checkpointing, in_place=in_place,
                       param_groups=param_groups, lr_schedule=lr_schedule, pipeline=placement.pipeline,
-                      mesh=pipeline_mesh(topology.stages, topology.data, config))
+                      mesh=placement.mesh, tp_plan=tp_plan)
     if unit_modules is None and isinstance(model, StageModule):  # a layer list's units are its layers
         unit_modules = model.unit_modules()
     return _build(model, config, loss_fn, optimizer=optimizer, seed=seed, unit_modules=unit_modules,

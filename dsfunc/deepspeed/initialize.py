@@ -120,7 +120,7 @@ def initialize(
     sp = mesh.size("sp") if mesh is not None else sp  # DeepSpeed counts the mpu's sp ranks out of the batch
     check_recorded(model, tensor.autotp_size)  # deepspeed.tp_model_init's tp size (HF Trainer calls it)
     # the data-parallel ranks (a world the mesh does not divide is init_state's error)
-    world = comm.world_size() // (model.num_stages if pipelined else tensor.size * sp) or comm.world_size()
+    world = comm.world_size() // ((model.num_stages if pipelined else sp) * tensor.size) or comm.world_size()
     cfg = batch_config(source, world, 1 if pipelined else tensor.size)
     _check_unmanaged(cfg, pipelined)
     if training_data is not None:

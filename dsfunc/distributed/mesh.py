@@ -8,8 +8,8 @@ a torch ``DeviceMesh`` the user gives, and the program carries it; every collect
 :class:`~dsfunc.distributed.comm.Group` s. ZeRO shards and reduces over ``dp x sp`` (parameters are replicated
 over ``sp``, as DeepSpeed folds sequence parallelism into ZeRO's group; [Note: the gradient over sp] says what the
 sum is divided by); the config's batch sizes count ``dp``.
-``ep`` is reserved for expert parallelism. Pipeline stages take the data-parallel rest of the world: they do not
-compose with ``tp`` or ``sp`` yet (:func:`pipeline_mesh` refuses them by name).
+``ep`` is reserved for expert parallelism. A pipelined run's mesh is ``pp x dp x tp`` (:func:`pipeline_mesh`): each
+stage's layers are split over its tp ranks as an unpipelined model's are; ``sp`` is refused there by name.
 
 [Note: the gradient over sp] DeepSpeed 0.19.8 sums each parameter's gradient over ZeRO's dp x sp group and divides
 by dp at ZeRO 0-2 (``stage_1_and_2.py``, the engine's allreduce: ``div_(world / sequence_parallel_size)``) but by
@@ -161,17 +161,22 @@ def from_device_mesh(device_mesh: DeviceMesh, *, flatten: bool = True) -> Mesh:
     return Mesh(sizes, device_mesh, groups)
 
 
-def pipeline_mesh(stages: int, data: comm.Group, config: Any) -> Mesh:
-    """The mesh of a pipelined run, whose stages and data-parallel groups :mod:`dsfunc.pipeline.topology` made;
-    a config that also asks for tensor or sequence parallelism is refused (a stage is not split further yet)."""
+def pipeline_mesh(stages: int, config: Any, given: Mesh | DeviceMesh | None, device_type: str) -> Mesh:
+    """The mesh of a pipelined run: ``stages`` pipeline ranks outermost, each stage's ranks ``dp x tp`` (the config's
+    ``tensor_parallel.autotp_size``), or ``given`` (checked against the stages and the config's tp)."""
     tensor, sp, _ = mesh_sections(config)
-    asked = {key: n for key, n in (("tensor_parallel.autotp_size", tensor.size), ("sequence_parallel_size", sp)) if n > 1}
-    if asked:
+    mesh = _checked(given, config) if given is not None else None
+    if sp > 1 or (mesh is not None and mesh.size("sp") > 1):
         raise NotSupportedError(
-            f"pipeline stages with {' and '.join(f'{k} {n}' for k, n in asked.items())} are not supported by dsfunc "
-            "yet: a stage's layers are not split over tp or sp ranks (the stages take the data-parallel rest of the "
-            f"world). Drop {' and '.join(asked)}, or the pipeline (tp x sp x dp composes with ZeRO 1-3)")
-    return Mesh({"pp": stages, "dp": data.size, "sp": 1, "tp": 1}, None, {"dp": data, ZERO: data})
+            f"pipeline stages with sequence parallelism (sequence_parallel_size {sp}, or a mesh with an sp axis) are "
+            "not supported by dsfunc yet: the pipelined step would have to split each micro-batch's inputs and labels "
+            "along the sequence and average the last stage's loss over the sp ranks, which it does not. Drop "
+            "sequence_parallel_size, or the pipeline (dp x tp x sp composes with ZeRO 1-3, and so does pp x dp x tp)")
+    mesh = mesh or make_mesh(tp=tensor.size, pp=stages, device_type=device_type)
+    if mesh.size("pp") != stages:
+        raise InputError(f"the mesh given has pp {mesh.size('pp')} but the pipeline has {stages} pipeline ranks per "
+                         "replica (pipeline.stages / stages_per_rank): make them agree")
+    return mesh
 
 
 def run_mesh(config: Any, given: Mesh | DeviceMesh | None, device: torch.device) -> Mesh:
@@ -180,6 +185,16 @@ def run_mesh(config: Any, given: Mesh | DeviceMesh | None, device: torch.device)
     tensor, sp, _ = mesh_sections(config)
     if given is None:
         return make_mesh(tp=tensor.size, sp=sp, device_type=device.type)
+    mesh = _checked(given, config)
+    if mesh.size("pp") > 1:
+        raise InputError(f"the mesh given has pp {mesh.size('pp')} but the run has no pipeline: give the config a "
+                         "pipeline section (or init_state(pipeline=...)) with that many stages, or a mesh without pp")
+    return mesh
+
+
+def _checked(given: Mesh | DeviceMesh, config: Any) -> Mesh:
+    """``given`` as a :class:`Mesh`, checked against the config's tp and sp where it names them."""
+    tensor, sp, _ = mesh_sections(config)
     mesh = given if isinstance(given, Mesh) else from_device_mesh(given)
     for axis, wanted in (("tp", tensor.size if tensor.autotp_size else None), ("sp", sp if sp > 1 else None)):
         if wanted is not None and mesh.size(axis) != wanted:
@@ -187,10 +202,3 @@ def run_mesh(config: Any, given: Mesh | DeviceMesh | None, device: torch.device)
                              f"({'tensor_parallel.autotp_size' if axis == 'tp' else 'sequence_parallel_size'}); "
                              "make them agree or drop the config key")
     return mesh
-
-
-def no_mesh(given: Mesh | DeviceMesh | None, what: str) -> None:
-    """Refuse a mesh for a run that makes its own groups (a pipeline's)."""
-    if given is not None:
-        raise NotSupportedError(f"init_state(mesh=...) with {what} is not supported by dsfunc yet: {what} builds its "
-                                "own grid of ranks; drop mesh=")

@@ -149,11 +149,17 @@ def _view_as_dtensors(module: nn.Module, device_mesh: DeviceMesh, specs: Mapping
 
 
 def _check_heads(model: nn.Module, tp: int) -> None:
-    """Attention heads and KV heads must split whole over tp (a tp rank runs its own heads)."""
-    config = getattr(model, "config", None)
-    for key in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, key, None)
-        if isinstance(heads, int) and heads % tp:
-            raise InputError(f"the model's {key} ({heads}) is not divisible by the {tp} tensor-parallel ranks "
-                             "(tensor_parallel.autotp_size): each tp rank needs whole heads; choose an autotp_size "
-                             f"that divides {heads}")
+    """Attention heads and KV heads must split whole over tp (a tp rank runs its own heads): as the model's
+    ``config`` says them, or a submodule's (a pipeline stage's layers), or a module's own attributes."""
+    holders: dict[int, tuple[str, Any]] = {}
+    for path, module in model.named_modules():
+        for where, holder in ((f"{path or 'model'}.config", getattr(module, "config", None)), (path or "model", module)):
+            if holder is not None:
+                holders.setdefault(id(holder), (where, holder))
+    for where, holder in holders.values():
+        for key in ("num_attention_heads", "num_key_value_heads"):
+            heads = getattr(holder, key, None)
+            if isinstance(heads, int) and heads % tp:
+                raise InputError(f"{where}.{key} ({heads}) is not divisible by the {tp} tensor-parallel ranks "
+                                 "(tensor_parallel.autotp_size): each tp rank needs whole heads; choose an autotp_size "
+                                 f"that divides {heads}")

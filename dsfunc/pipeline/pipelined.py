@@ -14,6 +14,11 @@ ordinary one (:func:`dsfunc.step.make_train_step`) with :meth:`Pipeline.grad_fn`
 * the update half (:func:`dsfunc.apply_gradients`) takes its global norm from :meth:`Pipeline.norm_and_loss`:
   every stage's sum of squares (a tied module's once) and the last stage's loss, summed over the pipeline
   group, so clipping, the overflow check and the metrics are the whole model's on every rank.
+
+With tensor parallelism the stage module's layers were split over the stage's tp ranks as an unpipelined model's
+are (:mod:`dsfunc.parallel.tensor`): a split block's output is all-reduced back to a full tensor, so the activations
+and their gradients a stage sends are full, tp-replicated tensors, tp rank ``t`` of one stage talking to tp rank
+``t`` of the next over its own pipeline group; each stage's norm already sums its split parameters' parts over tp.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ import optree
 import torch
 import torch.distributed as dist
 
-from dsfunc import kernels
 from dsfunc.batch import Batch, scalar_loss, split_batch
 from dsfunc.distributed import comm
 from dsfunc.errors import InputError
@@ -140,11 +144,10 @@ class Pipeline:
     # -- the update half -----------------------------------------------------------------------------
     def norm_and_loss(self, plan: ShardingPlan, grads: Mapping[str, torch.Tensor],
                       loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole model's sum of squares (each tied module once) and the last stage's mean loss."""
-        counted = [g for name, g in grads.items() if name not in self.uncounted]
-        device = loss.device
-        sumsq = kernels.sum_of_squares(counted).to(device) if counted else torch.zeros((), device=device)
-        sumsq, loss = global_norm_and_loss(plan, grads, loss, sumsq=sumsq)
+        """The whole model's sum of squares (each tied module once, a tp-split parameter's parts summed over tp) and
+        the last stage's mean loss."""
+        counted = {name: g for name, g in grads.items() if name not in self.uncounted}
+        sumsq, loss = global_norm_and_loss(plan, counted, loss)
         if self.topology.stages == 1:
             return sumsq, loss
         packed = torch.stack([sumsq.float(), loss.float() if self.topology.is_last_stage else torch.zeros_like(

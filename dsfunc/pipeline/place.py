@@ -14,10 +14,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from dsfunc.config import PipelineConfig, parse_pipeline
 from dsfunc.config.config import pipeline_section
 from dsfunc.distributed import comm
+from dsfunc.distributed.mesh import Mesh, pipeline_mesh
 from dsfunc.errors import InputError, InputTypeError
 from dsfunc.pipeline.pipelined import Pipeline
 from dsfunc.pipeline.stage import StageModule
@@ -32,10 +34,16 @@ class Placement:
     pipeline: Pipeline
     built: bool
 
+    @property
+    def mesh(self) -> Mesh:
+        return self.pipeline.topology.mesh
+
 
 def place(model: Any, config: Any, given: int | Mapping[str, Any] | PipelineConfig | None,
-          loss_fn: Callable[..., torch.Tensor] | None) -> Placement | None:
-    """This rank's stage of ``model`` (None: no pipeline). Every rank must call it (it creates groups).
+          loss_fn: Callable[..., torch.Tensor] | None, mesh: Mesh | DeviceMesh | None = None,
+          device_type: str = "cpu") -> Placement | None:
+    """This rank's stage of ``model`` (None: no pipeline) on the run's ``pp x dp x tp`` mesh (``mesh``, or the one the
+    config describes). Every rank must call it (it creates groups).
 
     A ``PipelineModule`` is pipelined even with one stage, as in DeepSpeed (its engine's ``train_batch``)."""
     section = parse_pipeline(given) if given is not None else pipeline_section(config)
@@ -45,6 +53,7 @@ def place(model: Any, config: Any, given: int | Mapping[str, Any] | PipelineConf
             raise InputError(f"the pipeline config asks for {section.stages} stages but the PipelineModule was "
                              f"built with num_stages={model.num_stages}; make them agree (or drop the key)")
         module, built = model, False
+        run_mesh = pipeline_mesh(module.pipeline_ranks, config, mesh, device_type)
     elif section.stages is None or section.stages == 1:
         return None
     else:
@@ -53,8 +62,9 @@ def place(model: Any, config: Any, given: int | Mapping[str, Any] | PipelineConf
         if not ranks:
             raise InputError(f"pipeline.stages ({section.stages}) must be a multiple of stages_per_rank "
                              f"({section.stages_per_rank})")
-        dp = check_world(ranks, comm.world_size())
-        module = StageModule(layers, stages=section.stages, stage=comm.rank() // dp,
+        check_world(ranks, comm.world_size())
+        run_mesh = pipeline_mesh(ranks, config, mesh, device_type)
+        module = StageModule(layers, stages=section.stages, stage=run_mesh.group("pp").rank,
                              stages_per_rank=section.stages_per_rank,
                              partition_method=section.partition_method, loss_fn=loss_fn,
                              activation_checkpoint_interval=section.activation_checkpoint_interval,
@@ -64,7 +74,12 @@ def place(model: Any, config: Any, given: int | Mapping[str, Any] | PipelineConf
     if loss is None:
         raise InputError("a pipeline needs loss_fn(outputs, labels): pass loss_fn= to init_state (or to the "
                          "PipelineModule); the last stage applies it to its outputs and the batch's labels")
-    topology = module.pipe_topology or make_topology(module.pipeline_ranks, module.tied_ranks)
+    topology = module.pipe_topology
+    if topology is None or topology.mesh is not run_mesh:  # a PipelineModule's grid is pp x dp: split it over tp
+        topology = make_topology(module.pipeline_ranks, module.tied_ranks, run_mesh)
+    if topology.stage != module.stage_id:
+        raise InputError(f"this rank built pipeline stage {module.stage_id} but the mesh places it at stage "
+                         f"{topology.stage}: a pipeline's mesh has pp outermost")
     sync_tied(module, topology)
     return Placement(module, Pipeline(topology, section.schedule, loss), built)
 

@@ -52,20 +52,3 @@ def test_dp_tp_and_dp_sp_groups_on_four_ranks():
         ((1, 3), (2, 3), (0, 1, 2, 3), (2, 3), (2, 3)),
     ]
     assert all(o[6] == 2.0 for o in out)
-
-
-def _pipeline_with_tp(rank, world_size):
-    layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    config = {"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "pipeline": {"stages": 2}, "tensor_parallel": {"autotp_size": 2}}
-    try:
-        dsfunc.init_state(layers, config, loss_fn=torch.nn.functional.mse_loss)
-    except dsfunc.NotSupportedError as e:
-        return str(e)
-    return "no error"
-
-
-def test_pipeline_stages_with_tensor_parallelism_are_refused_by_name():
-    for message in run_world(_pipeline_with_tp, 2, timeout=600):
-        assert "pipeline stages with tensor_parallel.autotp_size 2 are not supported" in message, message
-        assert "Drop tensor_parallel.autotp_size, or the pipeline" in message, message
