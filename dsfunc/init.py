@@ -41,7 +41,7 @@ from dsfunc.distributed.env import rank_variable
 from dsfunc.distributed.mesh import Mesh, run_mesh
 from dsfunc.distributed.process_group import join_launched_world
 from dsfunc.errors import InputError, NotSupportedError
-from dsfunc.experts.autoep import apply_autoep, expert_units
+from dsfunc.experts.autoep import apply_autoep, check_expert_mesh, expert_units
 from dsfunc.experts.ep_block import ExpertParallelBlock
 from dsfunc.experts.layer import MoE, bind_experts
 from dsfunc.experts.placement import expert_split, whole_values
@@ -207,7 +207,9 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     announce_without_effect(cfg)
     device = _default_device(device)
     zero = cfg.zero_optimization
-    apply_autoep(model, cfg.expert_parallel)  # the user's model, as DeepSpeed's initialize replaces its blocks
+    check_expert_mesh(model, cfg.expert_parallel, mesh)
+    # the user's model, as DeepSpeed's initialize replaces its blocks; a tp group's ranks share their tokens out
+    apply_autoep(model, cfg.expert_parallel, mesh.group("tp"))
     _mark_leaves(model, zero.leaf_module)
     muon = optimizer is None and cfg.optimizer is not None and cfg.optimizer.type == "muon"
     if muon:  # DeepSpeed splits every group into a Muon half and an Adam half: so do the units
@@ -237,7 +239,7 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
         raise NotSupportedError("ZeRO-Offload with pipeline parallelism is not supported by dsfunc; remove the "
                                 "offload_optimizer/offload_param sections or the pipeline")
     params, buffers = materialize(model, skeleton, plan, device, seed, param_init_fn, placement,
-                                  local=None if tensor is None else tensor.local_value)
+                                  local=None if tensor is None else _tp_local(tensor, plan))
     if tensor is not None:
         tensor.sync(buffers)
     if cfg.buffer_dtype is not None:  # data_types.buffer_dtype: the floating buffers cast (not frozen parameters)
@@ -284,6 +286,13 @@ def _split(model: nn.Module, skeleton: nn.Module, cfg: Config, mesh: Mesh,
     check_tensor_parallel(model, cfg.zero_optimization.offload_optimizer is not None,
                           None if cfg.optimizer is None else cfg.optimizer.type)
     return tensor_parallel(skeleton, mesh, cfg.tensor_parallel, tp_plan)
+
+
+def _tp_local(tensor: TensorParallel, plan: ShardingPlan) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """Each parameter's tp part (tp rank 0's value, split), but an expert's, which is this rank's own slice of the
+    experts (its place in the expert-parallel group, whatever its tp rank)."""
+    own = {slot.name for unit in plan.units if unit.group is not None for slot in unit.params}
+    return lambda name, value: value if name in own else tensor.local_value(name, value)
 
 
 def _first_state(program: Program, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor],
@@ -452,11 +461,12 @@ def _full_params(state: TrainState) -> dict[str, torch.Tensor]:
         shard = state.params[unit.name].to(program.device)  # an offloaded master is gathered on the device
         flat = torch.empty(plan.padded_size(unit), dtype=shard.dtype, device=shard.device)  # bf16 masters: bf16
         comm.all_gather_flat(flat, shard, plan.group_of(unit)) if plan.ways > 1 else flat.copy_(shard)
-        if program.tensor is not None:
+        split = expert_split(program.skeleton, unit)
+        if program.tensor is not None and split is None:
             values = [(slot.aliases, program.tensor.full_value(slot.name, view))
                       for slot, view in zip(unit.params, unit_views(unit, flat))]
         else:  # each expert under its place in the whole model
-            values = whole_values(expert_split(program.skeleton, unit), unit, flat[: unit.numel])
+            values = whole_values(split, unit, flat[: unit.numel])
             experts[unit.params[0].aliases[0]] = [a for aliases, _ in values for a in aliases]
         for aliases, value in values:
             value = value.to(torch.float32, copy=True)  # bf16 masters come out in fp32, as every other's

@@ -14,10 +14,12 @@ from torch import nn
 
 from dsfunc.config.expert_parallel import PRESETS, ExpertParallelConfig
 from dsfunc.distributed import comm
-from dsfunc.errors import InputError
+from dsfunc.distributed.mesh import Mesh
+from dsfunc.errors import InputError, NotSupportedError
 from dsfunc.experts.ep_block import ExpertParallelBlock
 from dsfunc.experts.grouped import GroupedExperts
 from dsfunc.experts.groups import ExpertGroups, make_expert_groups
+from dsfunc.experts.layer import MoE
 
 # the model families AutoEP knows, by the class of their sparse blocks (a router ``gate``, fused ``experts``)
 _BLOCK_CLASSES = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock"}
@@ -54,9 +56,10 @@ def _blocks(model: nn.Module, name: str) -> dict[str, nn.Module]:
     return found
 
 
-def apply_autoep(model: nn.Module, config: ExpertParallelConfig) -> list[str]:
+def apply_autoep(model: nn.Module, config: ExpertParallelConfig, tp: comm.Group | None = None) -> list[str]:
     """Replace ``model``'s MoE blocks by :class:`ExpertParallelBlock` over ``config.autoep_size`` ranks (a
-    collective: every rank calls it, with the same model); returns the replaced paths ([] when AutoEP is off)."""
+    collective: every rank calls it, with the same model); returns the replaced paths ([] when AutoEP is off).
+    ``tp``: the mesh's tensor-parallel ranks, which share each block's tokens out (:mod:`dsfunc.experts.ep_block`)."""
     if not config.enabled:
         return []
     name = _preset_of(model, config)
@@ -75,11 +78,32 @@ def apply_autoep(model: nn.Module, config: ExpertParallelConfig) -> list[str]:
     groups = make_expert_groups(size)
     for path, block in blocks.items():
         if not isinstance(block, ExpertParallelBlock):
-            model.set_submodule(path, _replacement(block, groups, fused=config.use_grouped_mm))
+            block = _replacement(block, groups, fused=config.use_grouped_mm)
+            model.set_submodule(path, block)
         elif block.groups.ep_size != size:
             raise InputError(f"{path} was split over {block.groups.ep_size} ranks by an earlier state, not "
                              f"expert_parallel.autoep_size={size}: build the model again to split it differently")
+        block.tp = tp or comm.Group.lone()
     return list(blocks)
+
+
+def check_expert_mesh(model: nn.Module, config: ExpertParallelConfig, mesh: Mesh) -> None:
+    """What expert parallelism does not compose with on the mesh, refused by name: DeepSpeed's MoE layer under
+    tensor parallelism, and any MoE under sequence parallelism."""
+    layers = any(isinstance(m, MoE) for m in model.modules())
+    if layers and mesh.size("tp") > 1:
+        raise NotSupportedError(
+            f"deepspeed.moe.layer.MoE with tensor_parallel.autotp_size {mesh.size('tp')} is not supported by dsfunc "
+            "yet: its gate and all-to-all would take every tp rank's copy of the tokens. What composes with tp is "
+            "AutoEP (expert_parallel.enabled) on a Hugging Face Qwen3-MoE or Mixtral; the MoE layer composes with "
+            "ZeRO 0-3 over data parallelism at autotp_size 1")
+    if (layers or config.enabled) and mesh.size("sp") > 1:
+        raise NotSupportedError(
+            f"mixture-of-experts layers with sequence_parallel_size {mesh.size('sp')} are not supported by dsfunc "
+            "yet: the router's load-balancing loss is a function of all of a batch's tokens, and each sp rank "
+            "routes its part of the sequence only (the sequence-parallel loss has no load-balancing term either). "
+            "Drop sequence_parallel_size; expert parallelism composes with tensor_parallel.autotp_size (AutoEP) "
+            "and ZeRO 0-3")
 
 
 def _num_experts(block: nn.Module) -> int:

@@ -50,24 +50,29 @@ def global_norm_and_loss(plan: ShardingPlan, grads: Mapping[str, torch.Tensor], 
 def _tensor_parallel_norm_and_loss(plan: ShardingPlan, grads: Mapping[str, torch.Tensor],
                                    loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`global_norm_and_loss` when parameters are split over tp: the split parameters' squares summed over
-    ``plan.group`` and tp, the replicated ones' over ``plan.group`` only."""
-    split, replicated = [], []
+    ``plan.group`` and tp, the replicated ones' over ``plan.group`` only. Experts (units with a group of their own)
+    differ between the ranks of a tp group too: their squares are summed over every rank, each divided by its
+    group's size at stage 0 (where each of the group's ranks holds it whole)."""
+    replicated, split, own = [], [], []
     for name, grad in grads.items():
         unit = plan.unit(name)
         start, stop = plan.local_range(unit)
+        if unit.group is not None:
+            own.append(kernels.sum_of_squares([grad]).float() / (1 if plan.ways > 1 else unit.group.size))
+            continue
         for slot in unit.params:
             lo, hi = max(slot.offset, start), min(slot.offset + slot.numel, stop)
             if lo < hi:
                 (split if slot.name in plan.split else replicated).append(grad[lo - start : hi - start])
     zero = loss.new_zeros((), dtype=torch.float32)
-    sums = [kernels.sum_of_squares(part).float() if part else zero for part in (split, replicated)]
-    packed = torch.stack([*sums, loss.float()])
+    sums = [kernels.sum_of_squares(part).float() if part else zero for part in (replicated, split)]
+    packed = torch.stack([*sums, torch.stack(own).sum() if own else zero, loss.float()])
     if plan.ways > 1:
         comm.all_reduce_sum(packed, plan.group)
-    elif plan.world_size > 1:  # unsharded: every rank holds the same full gradients, only the loss differs
+    elif plan.world_size > 1:  # unsharded: every rank holds the same full gradients, but experts and the loss
         comm.all_reduce_sum(packed[2:], plan.group)
-    comm.all_reduce_sum(packed[:1], plan.tp)
-    return packed[0] + packed[1], packed[2] / plan.world_size
+    comm.all_reduce_sum(packed[1:3], plan.tp)
+    return packed[:3].sum(), packed[3] / plan.world_size
 
 
 def segment_norm_fn(plan: ShardingPlan, device: torch.device) -> Callable[[Any], Any]:
