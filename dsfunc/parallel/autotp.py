@@ -18,7 +18,12 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from dsfunc.config import TensorParallelConfig
 from dsfunc.errors import InputError, NotSupportedError
@@ -45,6 +50,9 @@ _HF_STYLES = {
     "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),  # vocab rows split, output summed
     "vocab_parallel": head_style,  # dsfunc's: an LM head whose logits stay split (dsfunc.parallel.vocab)
+    # a per-head norm (Qwen3's q_norm, k_norm): its weight replicated, its input a tp rank's heads (dim -2), so the
+    # weight's gradient is each rank's heads' part, all-reduced over tp by torch's SequenceParallel over that dim
+    "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=-2, use_local_output=True),
 }
 _SPEC_STYLES = {"column": _HF_STYLES["colwise"], "row": _HF_STYLES["rowwise"]}
 
