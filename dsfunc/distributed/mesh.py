@@ -8,7 +8,13 @@ a torch ``DeviceMesh`` the user gives, and the program carries it; every collect
 :class:`~dsfunc.distributed.comm.Group` s. ZeRO shards and reduces over ``dp x sp`` (parameters are replicated
 over ``sp``, as DeepSpeed folds sequence parallelism into ZeRO's group; [Note: the gradient over sp] says what the
 sum is divided by); the config's batch sizes count ``dp``.
-``ep`` is reserved for expert parallelism. A pipelined run's mesh is ``pp x dp x tp`` (:func:`pipeline_mesh`): each
+``ep`` is no axis of this mesh: experts are laid out on one of their own over the same ranks, as DeepSpeed's
+AutoEP+AutoTP "folding" lays them out (``module_inject/auto_ep_folding.py``): ep groups are blocks of
+``expert_parallel.autoep_size`` consecutive ranks and each expert is replicated over the strided rest (its
+expert-data-parallel ranks; :mod:`dsfunc.experts.groups`), whatever tp and dp are. With tp innermost an ep group
+of tp's size is a tp group; one may also span tp groups or sit inside one, since a tp group's ranks share their
+tokens out before dispatch ([Note: experts under tensor parallelism] in :mod:`dsfunc.experts.ep_block`).
+A pipelined run's mesh is ``pp x dp x tp`` (:func:`pipeline_mesh`): each
 stage's layers are split over its tp ranks as an unpipelined model's are; ``sp`` is refused there by name.
 
 [Note: the gradient over sp] DeepSpeed 0.19.8 sums each parameter's gradient over ZeRO's dp x sp group and divides
@@ -105,7 +111,10 @@ class Mesh:
 
 def _check_axis(axis: str) -> None:
     if axis == "ep":
-        raise NotSupportedError("the mesh's ep axis (expert parallelism) is reserved: dsfunc does not split experts")
+        raise NotSupportedError("the mesh has no ep axis: experts are split over groups of their own over the same "
+                                "ranks (expert_parallel.autoep_size consecutive ranks, as DeepSpeed folds them "
+                                "beside tp; dsfunc.experts.groups); set expert_parallel.autoep_size, and leave ep "
+                                "out of the mesh")
     if axis not in AXES:
         raise InputError(f"no mesh axis {axis!r}: the axes are {', '.join(AXES)} (and {ZERO!r}, ZeRO's dp x sp)")
 

@@ -8,9 +8,11 @@ sequence parallelism are refused by name."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import dsfunc
 import dsfunc.parallel
+from dsfunc.experts import MoE
 from dsfunc.experts.ep_block import ExpertParallelBlock
 from tests.experts import hf_moe
 from tests.multiprocess import run_world
@@ -50,3 +52,26 @@ def test_tp2_ep2_dp2_equals_one_process(family, optimizer, stage):
         assert r["params"].keys() == params.keys()
         for name, value in params.items():
             assert hf_moe.relative(r["params"][name], value) <= 1e-4, name
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    """What init_state says on 2 ranks to DeepSpeed's MoE layer at tp 2, and to AutoEP at sp 2."""
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), MoE(4, torch.nn.Linear(4, 4), num_experts=2, ep_size=2))
+    cases = [(layer, {"tensor_parallel": {"autotp_size": 2}}),
+             (hf_moe.build("mixtral"), {"sequence_parallel_size": 2, "expert_parallel": {"enabled": True}})]
+    out = []
+    for model, sections in cases:
+        try:
+            dsfunc.init_state(model, hf_moe.config(1, "sgd", **sections), loss_fn=lambda m, b: m(b).sum())
+        except dsfunc.NotSupportedError as e:
+            out.append(str(e))
+    torch.distributed.barrier()  # no rank leaves while another still builds the mesh's groups
+    return out
+
+
+def test_moe_layer_under_tp_and_moe_under_sp_are_refused_by_name():
+    for layer, sp in run_world(_refusals, 2, timeout=600):
+        assert "deepspeed.moe.layer.MoE with tensor_parallel.autotp_size 2 is not supported" in layer, layer
+        assert "What composes with tp is AutoEP" in layer, layer
+        assert "mixture-of-experts layers with sequence_parallel_size 2 are not supported" in sp, sp
+        assert "load-balancing loss" in sp, sp
