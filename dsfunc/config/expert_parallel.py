@@ -40,7 +40,8 @@ class ExpertParallelConfig:
     """Replace every MoE block AutoEP knows when the state (or engine) is built."""
     autoep_size: int = _key(1, _integer(ge=1))
     """Ranks each block's experts are split over (it must divide the world size and each block's number of
-    experts); every other rank of the world holds a replica (expert data parallelism)."""
+    experts): blocks of that many consecutive ranks, whatever ``tensor_parallel.autotp_size`` is (DeepSpeed's
+    AutoEP+AutoTP folding); the strided rest of the world holds replicas (expert data parallelism)."""
     preset_model: str | None = _key(None, _optional(_preset))
     """Which model family's blocks to replace; by default the one ``model.config.model_type`` names."""
     use_grouped_mm: bool = _key(True, _bool)
@@ -55,7 +56,8 @@ def _fixed(default: Any) -> Any:
 
 _FIXED = {
     "expert_tensor_parallel_size": _fixed(1),
-    "validate_folding_routing": _accepted(_bool),  # checks AutoEP+AutoTP folding, which dsfunc does not fold
+    # DeepSpeed's check that a tp group's ranks routed alike: dsfunc's run one router on the same tokens
+    "validate_folding_routing": _accepted(_bool),
     "async_split_plan": _fixed(False),
     "moe_layer_pattern": _fixed(None),
     "expert_pattern": _fixed(None),

@@ -1,9 +1,11 @@
-"""AutoEP composed with AutoTP: a tiny Hugging Face MoE model on 4 gloo ranks at ``tensor_parallel.autotp_size`` 2
-(attention split over tp, dp 2) and ``expert_parallel.autoep_size`` 2 (experts split over DeepSpeed's ep groups,
-blocks of consecutive ranks: here the tp groups, each expert replicated over its dp ranks), at ZeRO 1 and 2, trains
-like the unmodified model in one process on the same global batches (3 steps, clipped; SGD with momentum and
-AdamW): losses within 1e-5, every parameter within 1e-4. DeepSpeed's MoE layer under tp and any MoE under
-sequence parallelism are refused by name."""
+"""AutoEP composed with AutoTP: a tiny Hugging Face Mixtral and Qwen3-MoE on 4 gloo ranks at
+``tensor_parallel.autotp_size`` 2 (attention split over tp, Qwen3's per-head norms' gradients all-reduced over it,
+dp 2) with their experts split over DeepSpeed's ep groups (blocks of ``autoep_size`` consecutive ranks): at ep 2
+(the tp groups, each expert replicated over its dp ranks) at ZeRO 1 and 2, and at ep 4 (across both tp groups) at
+ZeRO 3, train like the unmodified model in one process on the same global batches (3 steps clipped below the
+gradients' norm, so an expert counted twice or missed would change every step; SGD with momentum and AdamW):
+losses within 1e-5, every parameter within 1e-4. DeepSpeed's MoE layer under tp and any MoE under sequence
+parallelism are refused by name."""
 
 from __future__ import annotations
 
@@ -21,9 +23,9 @@ STEPS = 3
 REPLICAS = 2  # 4 ranks at tp 2
 
 
-def _train(rank: int, world: int, family: str, optimizer: str, stage: int) -> dict:
+def _train(rank: int, world: int, family: str, optimizer: str, stage: int, ep: int) -> dict:
     model = hf_moe.build(family)
-    config = hf_moe.config(REPLICAS, optimizer, expert_parallel={"enabled": True, "autoep_size": 2},
+    config = hf_moe.config(REPLICAS, optimizer, expert_parallel={"enabled": True, "autoep_size": ep},
                            tensor_parallel={"autotp_size": 2}, zero_optimization={"stage": stage})
     state = dsfunc.init_state(model, config)
     mesh = state.program.mesh
@@ -39,15 +41,18 @@ def _train(rank: int, world: int, family: str, optimizer: str, stage: int) -> di
                        block.groups.data_ranks), "q_proj": where}
 
 
-@pytest.mark.parametrize(("family", "optimizer", "stage"), [("mixtral", "sgd", 1), ("qwen3_moe", "adamw", 2)])
-def test_tp2_ep2_dp2_equals_one_process(family, optimizer, stage):
-    results = run_world(_train, 4, family, optimizer, stage, timeout=900)
+@pytest.mark.parametrize(("family", "optimizer", "stage", "ep"),
+                         [("mixtral", "sgd", 1, 2), ("qwen3_moe", "adamw", 2, 2), ("qwen3_moe", "sgd", 3, 4)])
+def test_tp2_dp2_with_autoep_equals_one_process(family, optimizer, stage, ep):
+    results = run_world(_train, 4, family, optimizer, stage, ep, timeout=900)
     losses, params = hf_moe.reference(family, REPLICAS, optimizer, STEPS)
-    # tp innermost, ep groups the blocks of 2 consecutive ranks (DeepSpeed's), dp and expert-data-parallel strided
-    assert [r["groups"] for r in results] == [((0, 1), (0, 2), (0, 1), (0, 2)), ((0, 1), (1, 3), (0, 1), (1, 3)),
-                                              ((2, 3), (0, 2), (2, 3), (0, 2)), ((2, 3), (1, 3), (2, 3), (1, 3))]
-    for r in results:
-        assert r["local"] == 2 and r["q_proj"] == "Shard(dim=0)"
+    for rank, r in enumerate(results):
+        # tp innermost, dp strided; ep groups DeepSpeed's blocks of ep consecutive ranks (at ep 2 the tp groups, at
+        # ep 4 across both), each expert replicated over the strided rest
+        first = rank - rank % ep
+        assert r["groups"] == ((rank - rank % 2, rank - rank % 2 + 1), (rank % 2, rank % 2 + 2),
+                               tuple(range(first, first + ep)), tuple(range(rank % ep, 4, ep)))
+        assert r["local"] == 4 // ep and r["q_proj"] == "Shard(dim=0)"
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["losses"], losses)), (r["losses"], losses)
         assert r["params"].keys() == params.keys()
         for name, value in params.items():
