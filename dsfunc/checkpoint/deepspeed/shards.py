@@ -173,7 +173,6 @@ def build_index(files: DeepSpeedFiles, main: Mapping[str, Any], *, frozen_hint: 
     aliases = _aliases(module, buffer_names)
     buffers = {n: (module[n].shape, module[n].dtype) for n in buffer_names if n in module}
     params = [n for n in aliases if n not in buffers]
-    experts = {n: shape for layer in layers for n, (shape, _) in layer.params.items()}
     hint = set(frozen_hint or ())
     first = None
     if files.optim_states:
@@ -214,7 +213,7 @@ def build_index(files: DeepSpeedFiles, main: Mapping[str, Any], *, frozen_hint: 
     order = in_module_order(aliases, layers)
     aliases = {n: aliases.get(n, (n,)) for n in order}
     names = tuple(in_module_order(module, layers))
-    trainable = {n: trainable[n] for n in order if n in trainable} if experts else trainable
+    trainable = {n: trainable[n] for n in order if n in trainable} if layers else trainable
     index = ShardIndex(kind, trainable, frozen, buffers, aliases, names,
                        {n: tuple(p) for n, p in pieces.items()}, trust_pickle, files.main, main)
     check_coverage(files.folder, index)
@@ -253,13 +252,10 @@ def _stage0_experts(files: DeepSpeedFiles, main: Mapping[str, Any], params: list
     """Stage 0 with MoE experts (:mod:`.experts`): the dense parameters as without experts, read from the model
     states (rank 0's optimizer); each expert's master from its file and its moments from its expert-parallel
     rank's optimizer file, whose ``moe`` groups hold that rank's experts in module order."""
-    if not files.expert_optim_states:  # no optimizer: every parameter trained, none has moments
-        trainable, pieces = _stage0(files.main, main, params, frozen_hint)
-        for layer in layers:
-            for name, (shape, path) in layer.params.items():
-                trainable[name] = shape
-                pieces[name] = [Piece(path, ("expert", name), 0, math.prod(shape), 0)]
-        return trainable, pieces
+    if not files.expert_optim_states:
+        raise CheckpointCorruptError(
+            f"{files.folder} holds the experts of a ZeRO stage 0 run but none of the optimizer files of its "
+            "expert-parallel ranks (expp_rank_<q>_mp_rank_00_optim_states.pt): it is incomplete")
     ep = len(files.expert_optim_states)
     trainable, pieces = {}, {}
     for rank, path in enumerate(files.expert_optim_states):
@@ -271,8 +267,9 @@ def _stage0_experts(files: DeepSpeedFiles, main: Mapping[str, Any], params: list
             raise CheckpointMismatchError(
                 f"{path}: expert-parallel rank {rank}'s optimizer holds {sum(moe for moe, _ in entries)} expert "
                 f"parameters, but its experts' files {len(mine)}: its MoE param groups were not made by "
-                "split_params_into_different_moe_groups_for_optimizer from the model's parameters in order; pass "
-                "load_optimizer_states=False to take the weights only")
+                "split_params_into_different_moe_groups_for_optimizer from the model's parameters in order, which "
+                "dsfunc reads the experts' moments by (DeepSpeed records no names at stage 0). Convert it with "
+                "DeepSpeed's zero_to_fp32.py, or resume it in DeepSpeed at ZeRO stage 1 or 2 and save again.")
         experts = iter(mine)
         for moe, i in entries:
             name = next(experts if moe else dense)
