@@ -4,7 +4,8 @@ the load equals DeepSpeed's step after loading its own checkpoint (losses and ev
 ZeRO 0 with AdamW (moments from the ``expp_rank_<q>`` optimizer files), ZeRO 2 with AdamW and clipping (moments from
 the shards, local expert names renamed) and ZeRO 1 with SGD and momentum, weights only (``load_optimizer_states=
 False`` on both sides). dsfunc loads them through the engine at ep 2 and through the functional API at ep 1 x dp 2
-(each rank holding every expert: resharded); ``dsfunc export`` writes the whole model."""
+(each rank holding every expert: resharded); ``dsfunc export`` writes the whole model. A tiny HF Qwen3-MoE that
+DeepSpeed trained without experts parallelism loads into dsfunc's AutoEP at ep 2, each rank its slice."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from torch import nn
 
 import dsfunc
 from dsfunc.experts.placement import is_expert_name, whole_expert_name
+from tests.experts import hf_moe
 from tests.multiprocess import run_world
 
 pytest.importorskip("deepspeed", reason="real DeepSpeed is the reference (.ci/setup_test_tools.sh)")
@@ -101,7 +103,23 @@ def deepspeed_runs(rank: int, world: int, folder: str) -> dict[str, Any]:
         params = {whole_expert_name(k, rank, EXPERTS // 2) if is_expert_name(k) else k: v.detach().clone()
                   for k, v in engine.module.state_dict().items()}
         found[case] = {"losses": losses, "params": params}
+    _save_hf_moe(deepspeed, rank, f"{folder}/hf")
     return found
+
+
+HF_CONFIG = {"train_micro_batch_size_per_gpu": hf_moe.MICRO, "zero_optimization": {"stage": 1},
+             "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "torch_adam": True}}}
+
+
+def _save_hf_moe(deepspeed: Any, rank: int, folder: str) -> None:
+    """A tiny HF Qwen3-MoE trained one step by DeepSpeed without AutoEP (plain data parallelism, ZeRO 1), saved:
+    its stacked experts (``experts.gate_up_proj`` ``[E, ...]``) whole in the shards."""
+    model = hf_moe.build("qwen3_moe")
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=HF_CONFIG)
+    ids = hf_moe.batch(0, 2 * hf_moe.MICRO).split(hf_moe.MICRO)[rank]
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    engine.save_checkpoint(folder)
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +153,9 @@ def dsfunc_resumes(rank: int, world: int, folder: str) -> dict[str, Any]:
             state = dsfunc.train_step(state, batch(step, rank))
             losses.append(float(state.metrics.loss))
         found[f"{case} ep1"] = {"losses": losses, "params": dsfunc.full_params(state)}
+    autoep = {**HF_CONFIG, "expert_parallel": {"enabled": True, "autoep_size": 2}}
+    state, _ = dsfunc.load_checkpoint(f"{folder}/hf", dsfunc.init_state(hf_moe.build("qwen3_moe"), autoep))
+    found["hf"] = dsfunc.full_params(state)
     return found
 
 
@@ -148,12 +169,15 @@ def test_deepspeed_moe_checkpoint_resumes_like_deepspeed(saved):
         "expp_rank_0_mp_rank_00_optim_states.pt", "expp_rank_1_mp_rank_00_optim_states.pt",
         *[f"layer_0_expert_{e}_mp_rank_00_model_states.pt" for e in range(EXPERTS)], "mp_rank_00_model_states.pt"]
     runs = run_world(dsfunc_resumes, 2, str(folder), timeout=900)
+    whole = torch.load(dsfunc.export_fp32(folder / "hf", folder / "hf.pt"))
+    for found in runs:  # AutoEP at ep 2: each rank read its slice of DeepSpeed's whole stacked experts
+        assert all(torch.equal(found["hf"][k], v) for k, v in whole.items()) and found["hf"].keys() == whole.keys()
     for case in CASES:
         theirs = want[case]
         mean = torch.tensor(theirs["losses"]).mean(0)  # the functional API's loss is the global batch's
         for rank, found in enumerate(runs):
             for run, got in found.items():
-                if not run.startswith(case):
+                if not run.startswith(f"{case} "):
                     continue
                 losses = torch.tensor(got["losses"])
                 expected = torch.tensor(theirs["losses"][rank]) if run.endswith("ep2") else mean

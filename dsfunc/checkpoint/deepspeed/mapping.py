@@ -20,7 +20,8 @@ The dropout seed and the metrics stay the template's (DeepSpeed saves neither). 
 matches the checkpoint's global shapes; each of its split parameters is read whole and this tp rank's part
 sliced out (:meth:`dsfunc.parallel.tensor.TensorParallel.local_part`), whatever tp the checkpoint was saved at.
 An expert-parallel template matches the checkpoint's experts by their names in the whole model
-(:func:`dsfunc.checkpoint.per_param.whole_params`); each rank reads its own experts, whatever ep DeepSpeed saved at.
+(:func:`dsfunc.checkpoint.per_param.whole_params`); each rank reads its own experts (AutoEP's stacked ones: its
+dim-0 slice of each), whatever ep DeepSpeed saved at.
 
 [Note: a unit at a time]
 The template is filled one unit at a time: for each unit, host staging buffers of this rank's slice (one
@@ -193,12 +194,11 @@ def _fill_unit(ckpt: DeepSpeedCheckpoint, state: TrainState, unit: Any, quantiti
             if lo < hi:
                 views = {q: s[lo - start : hi - start] for q, s in staging.items()}
                 where = part(state, unit, slot)  # an expert: its place in the whole model
-                if where.placements is not None and (tensor is None or slot.name not in tensor.split):
-                    raise CheckpointMismatchError(
-                        f"{where.name} is split over the expert-parallel ranks (AutoEP's grouped experts), which "
-                        f"the DeepSpeed checkpoint {ckpt.folder} does not hold; load it into a state without AutoEP")
-                request = Request(names[where.name], lo - slot.offset, hi - slot.offset, views)
-                if tensor is not None and slot.name in tensor.split:
+                tp_split = tensor is not None and slot.name in tensor.split
+                # AutoEP's stacked experts: this ep rank's dim-0 slice, one run of the whole flattened tensor
+                base = where.group.rank * slot.numel if where.placements is not None and not tp_split else 0
+                request = Request(names[where.name], base + lo - slot.offset, base + hi - slot.offset, views)
+                if tp_split:
                     _read_split(ckpt, tensor, slot, request)
                 else:
                     requests.append(request)
