@@ -15,9 +15,9 @@ from dsfunc.config.checks import _accepted, _bool, _choice, _integer, _only, _op
 from dsfunc.config.errors import _bad
 from dsfunc.config.schema import _key, _section
 
-PRESETS = ("qwen3_moe", "mixtral")
-"""The presets dsfunc applies (Hugging Face's fused-expert Qwen3-MoE and Mixtral blocks)."""
-DEEPSPEED_ONLY_PRESETS = ("qwen3_5_moe", "deepseek_v2", "deepseek_v3", "minimax_m3")
+PRESETS = ("qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+"""The presets dsfunc applies (Hugging Face's fused-expert Qwen3-MoE, Mixtral and DeepSeek-V2/V3 blocks)."""
+DEEPSPEED_ONLY_PRESETS = ("qwen3_5_moe", "minimax_m3")
 
 
 def _preset(value: Any, path: str) -> str:

@@ -20,9 +20,13 @@ from dsfunc.experts.ep_block import ExpertParallelBlock
 from dsfunc.experts.grouped import GroupedExperts
 from dsfunc.experts.groups import ExpertGroups, make_expert_groups
 from dsfunc.experts.layer import MoE
+from dsfunc.experts.shared import SharedExpertParallelBlock
 
-# the model families AutoEP knows, by the class of their sparse blocks (a router ``gate``, fused ``experts``)
-_BLOCK_CLASSES = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock"}
+# the model families AutoEP knows, by the class of their sparse blocks (a router ``gate``, fused ``experts``, and
+# DeepSeek's ``shared_experts``); each router returns ``(logits, weights, experts)``: DeepSeek's, with its
+# group-limited top-k, sigmoid scores (V3) and routed scaling, routes as in the HF model
+_BLOCK_CLASSES = {"qwen3_moe": "Qwen3MoeSparseMoeBlock", "mixtral": "MixtralSparseMoeBlock",
+                  "deepseek_v2": "DeepseekV2Moe", "deepseek_v3": "DeepseekV3MoE"}
 
 
 def _preset_of(model: nn.Module, config: ExpertParallelConfig) -> str:
@@ -121,7 +125,9 @@ def _replacement(block: nn.Module, groups: ExpertGroups, *, fused: bool) -> Expe
     for mine, theirs in ((experts.gate_up_proj, source.gate_up_proj), (experts.down_proj, source.down_proj)):
         mine.requires_grad_(theirs.requires_grad)
         mine.allreduce, mine.group_name = False, groups.name  # DeepSpeed's marks of an expert parameter
-    return ExpertParallelBlock(block.gate, experts, num_experts, groups, getattr(block, "jitter_noise", 0.0))
+    routed = ExpertParallelBlock(block.gate, experts, num_experts, groups, getattr(block, "jitter_noise", 0.0))
+    shared = getattr(block, "shared_experts", None)
+    return routed if shared is None else SharedExpertParallelBlock(routed, shared)
 
 
 def expert_units(model: nn.Module) -> dict[str, ExpertGroups]:

@@ -32,10 +32,29 @@ class ExpertSplit:
 
     def name(self, unit: Unit, name: str, rank: int) -> str:
         """The whole model's name of ep rank ``rank``'s parameter ``name`` of ``unit``."""
-        if self.stacked:
-            return name
-        index, rest = name.removeprefix(f"{unit.module}{_MODULES}").split(".", 1)
-        return f"{unit.module}{_MODULES}{rank * self.local + int(index)}.{rest}"
+        return name if self.stacked else whole_expert_name(name, rank, self.local)
+
+
+def whole_expert_name(name: str, rank: int, local: int) -> str:
+    """The whole model's name of expert-parallel rank ``rank``'s expert parameter ``name``, each rank holding
+    ``local`` experts."""
+    experts, index, rest = split_expert_name(name)
+    return f"{experts}{_MODULES}{rank * local + index}.{rest}"
+
+
+def split_expert_name(name: str) -> tuple[str, int, str]:
+    """``(experts module, expert index, rest)`` of a parameter name of DeepSpeed's ``MoE`` experts
+    (``<layer>.deepspeed_moe.experts.deepspeed_experts.<index>.<rest>``); a ValueError for any other name."""
+    experts, _, tail = name.partition(_MODULES)
+    index, _, rest = tail.partition(".")
+    if not (experts and index.isdigit() and rest):
+        raise ValueError(f"{name} is not a parameter of an expert of DeepSpeed's MoE")
+    return experts, int(index), rest
+
+
+def is_expert_name(name: str) -> bool:
+    """Whether ``name`` is a parameter of one of the experts of DeepSpeed's ``MoE``."""
+    return _MODULES in name
 
 
 def expert_split(model: nn.Module, unit: Unit) -> ExpertSplit | None:

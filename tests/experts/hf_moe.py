@@ -1,4 +1,5 @@
-"""Tiny Hugging Face MoE models (Qwen3-MoE, Mixtral: hidden 32, 2 layers, 4 experts, top-2) and the one-process
+"""Tiny Hugging Face MoE models (Qwen3-MoE, Mixtral, DeepSeek-V2/V3 with a shared expert and group-limited routing:
+hidden 32, 2 MoE layers, 4 experts, top-2) and the one-process
 reference a data-parallel run of them must equal: the unmodified model, the global batch, loss the mean of the
 ranks' losses (the router's load-balancing loss is a function of each rank's own tokens, so the mean over ranks is
 what data parallelism trains), torch's clipping and optimizer."""
@@ -20,8 +21,9 @@ OPTIMIZERS = {
 
 
 def build(family: str, *, norm_topk_prob: bool = True) -> nn.Module:
-    """A tiny model of ``family`` ("qwen3_moe" or "mixtral") with seed-0 weights, router logits output on (its
-    load-balancing loss in the loss)."""
+    """A tiny model of ``family`` ("qwen3_moe", "mixtral", "deepseek_v2" or "deepseek_v3") with seed-0 weights,
+    router logits output on (its load-balancing loss in the loss). DeepSeek's pick 2 of 4 experts in the best of 2
+    groups (V3: by sigmoid scores, after a dense first layer), scaled by 1.5, plus a shared expert."""
     torch.manual_seed(0)
     common = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 8, "num_experts_per_tok": 2, "output_router_logits": True,
@@ -30,8 +32,19 @@ def build(family: str, *, norm_topk_prob: bool = True) -> nn.Module:
         config = transformers.Qwen3MoeConfig(**common, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
                                              norm_topk_prob=norm_topk_prob)
         return transformers.Qwen3MoeForCausalLM(config)
-    config = transformers.MixtralConfig(**common, intermediate_size=16, num_local_experts=4)
-    return transformers.MixtralForCausalLM(config)
+    if family == "mixtral":
+        config = transformers.MixtralConfig(**common, intermediate_size=16, num_local_experts=4)
+        return transformers.MixtralForCausalLM(config)
+    deepseek = {**common, "head_dim": 4, "num_key_value_heads": 4, "intermediate_size": 64, "moe_intermediate_size": 16,
+                "n_routed_experts": 4, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+                "routed_scaling_factor": 1.5, "q_lora_rank": None, "kv_lora_rank": 16, "qk_rope_head_dim": 4,
+                "qk_nope_head_dim": 4, "v_head_dim": 8}
+    if family == "deepseek_v2":
+        config = transformers.DeepseekV2Config(**deepseek, first_k_dense_replace=0, topk_method="group_limited_greedy")
+        return transformers.DeepseekV2ForCausalLM(config)
+    config = transformers.DeepseekV3Config(**{**deepseek, "num_hidden_layers": 3}, first_k_dense_replace=1,
+                                           norm_topk_prob=norm_topk_prob)
+    return transformers.DeepseekV3ForCausalLM(config)
 
 
 def batch(step: int, samples: int, *, one_token: bool = False) -> torch.Tensor:

@@ -17,6 +17,7 @@ from dsfunc.errors import InputError
 from dsfunc.experts.autoep import apply_autoep
 from dsfunc.experts.ep_block import ExpertParallelBlock
 from dsfunc.experts.grouped import grouped_mm
+from dsfunc.experts.shared import SharedExpertParallelBlock
 from tests.experts import hf_moe
 
 
@@ -30,7 +31,7 @@ def test_section_reads_deepspeeds_keys_and_defaults():
 
 
 @pytest.mark.parametrize(("section", "message"), [
-    ({"preset_model": "deepseek_v3"}, "DeepSpeed's 'deepseek_v3' preset is not implemented by dsfunc"),
+    ({"preset_model": "minimax_m3"}, "DeepSpeed's 'minimax_m3' preset is not implemented by dsfunc"),
     ({"preset_model": "llama"}, 'one of "qwen3_moe", "mixtral"'),
     ({"top_k": 3}, "top_k"),
     ({"load_balance_coeff": 0.1}, "load_balance_coeff"),
@@ -130,3 +131,34 @@ def test_initialize_with_the_models_parameters_trains_the_replaced_experts():
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, expected)), (losses, expected)
     full = dsfunc.full_params(engine.state)
     assert all(hf_moe.relative(full[name], value) <= 1e-5 for name, value in params.items())
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_blocks_keep_shared_experts_and_group_limited_routing_and_train_as_hf(family):
+    """DeepSeek's presets: the shared expert kept beside the routed ones, the router's group-limited top-k (which
+    the tiny config makes differ from a plain top-k) deciding, outputs and one-process training equal to HF's."""
+    model = hf_moe.build(family)
+    replaced = copy.deepcopy(model)
+    layers = (0, 1) if family == "deepseek_v2" else (1, 2)  # V3's first layer is dense
+    assert apply_autoep(replaced, ExpertParallelConfig(enabled=True)) == [f"model.layers.{i}.mlp" for i in layers]
+    block = replaced.model.layers[layers[0]].mlp
+    assert isinstance(block, SharedExpertParallelBlock)
+    assert [n for n, _ in block.named_parameters()] == [
+        "gate.weight", "experts.gate_up_proj", "experts.down_proj", "shared_experts.gate_proj.weight",
+        "shared_experts.up_proj.weight", "shared_experts.down_proj.weight"]
+    tokens = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    picked = block.gate(tokens)[2].sort(1).values
+    assert (picked != torch.topk(tokens @ block.gate.weight.t(), 2).indices.sort(1).values).any()
+    ids = hf_moe.batch(0, 4)
+    ours, theirs = replaced(input_ids=ids, labels=ids), model(input_ids=ids, labels=ids)
+    torch.testing.assert_close(ours.logits, theirs.logits, rtol=1e-5, atol=1e-6)
+    state = dsfunc.init_state(hf_moe.build(family), hf_moe.config(1, "sgd", expert_parallel={"enabled": True}))
+    losses = []
+    for step in range(3):
+        ids = hf_moe.batch(step, hf_moe.MICRO)
+        state = dsfunc.train_step(state, {"input_ids": ids, "labels": ids})
+        losses.append(float(state.metrics.loss))
+    expected, params = hf_moe.reference(family, 1, "sgd", 3)
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, expected)), (losses, expected)
+    full = dsfunc.full_params(state)
+    assert all(hf_moe.relative(full[n], v) <= 1e-5 for n, v in params.items())  # (full: V3's router bias too)

@@ -10,9 +10,12 @@ DeepSpeed's engine writes, into ``save_dir/<tag>/`` (``deepspeed/runtime/engine.
                                                         optimizer state (ZeRO 1-3, and the bf16 optimizer)
 
 and ``save_dir/latest`` holding the tag. AutoTP (tensor parallelism) writes the same files for each tp rank,
-``mp_rank_01`` and higher (joined by :mod:`.autotp`). Pipeline parallelism writes
-``layer_<i>-model_<j>-model_states.pt``, mixture-of-experts ``expp_rank_*`` and ``layer_*_expert_*`` files, NVMe offload an ``offloaded_tensors/`` folder: those layouts are refused here,
-naming the file, before anything is read.
+``mp_rank_01`` and higher (joined by :mod:`.autotp`). A model with DeepSpeed's ``MoE`` layers adds one file per
+expert, ``layer_<l>_expert_<e>_mp_rank_00_model_states.pt``, and at stage 0 one optimizer file per expert-parallel
+rank, ``expp_rank_<q>_mp_rank_00_optim_states.pt`` (joined by :mod:`.experts`). Pipeline parallelism writes
+``layer_<i>-model_<j>-model_states.pt``, DeepSpeed before 0.6 its experts as ``expert_<e>_mp_rank_*`` files,
+NVMe offload an ``offloaded_tensors/`` folder: those layouts are refused here, naming the file, before anything is
+read.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from dsfunc.checkpoint.files import open_regular
 
 _MODEL = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_EXPERT = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+_EXPERT_OPTIM = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+_PIPELINE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
 _UNSUPPORTED = (
-    (re.compile(r"^layer_\d+_expert_\d+_mp_rank_\d+_model_states\.pt$"), "mixture-of-experts expert weights"),
-    (re.compile(r"^expp_rank_\d+_mp_rank_\d+_optim_states\.pt$"), "mixture-of-experts optimizer state"),
-    (re.compile(r"^layer_\d+-model_\d+-model_states\.pt$"), "pipeline-parallel layer weights"),
+    (_PIPELINE, "pipeline-parallel layer weights"),
+    (re.compile(r"^expert_\d+_mp_rank_\d+_model_states\.pt$"), "experts in the layout of DeepSpeed before 0.6"),
 )
 
 
@@ -41,6 +46,8 @@ class DeepSpeedFiles:
     model_states: tuple[Path, ...]  # one file (ZeRO 0-2), or one per data-parallel rank (ZeRO-3)
     optim_states: tuple[Path, ...]  # one per data-parallel rank, in rank order; empty when the optimizer
     #                                 state is inside the model states (stage 0 without the bf16 optimizer)
+    experts: tuple[tuple[Path, ...], ...] = ()  # per MoE layer (in module order), one file per expert
+    expert_optim_states: tuple[Path, ...] = ()  # stage 0 with experts: one per expert-parallel rank
 
     @property
     def main(self) -> Path:
@@ -52,7 +59,7 @@ def is_deepspeed_folder(folder: Path) -> bool:
     """Whether ``folder`` holds a DeepSpeed checkpoint (any model-states file, readable or not)."""
     try:
         return folder.is_dir() and any(
-            _MODEL.match(p.name) or _UNSUPPORTED[2][0].match(p.name) for p in folder.iterdir())
+            _MODEL.match(p.name) or _PIPELINE.match(p.name) for p in folder.iterdir())
     except OSError:
         return False
 
@@ -70,9 +77,9 @@ def find_files(folder: Path, mp: int = 0) -> DeepSpeedFiles:
 
     Raises:
       NotRegularFileError: one of them is a symbolic link, a FIFO or a device, not a regular file.
-      CheckpointUnsupportedError: a model-parallel, pipeline-parallel, mixture-of-experts or NVMe-offload
-        checkpoint (the message names the file).
-      CheckpointCorruptError: a rank's file is missing.
+      CheckpointUnsupportedError: a pipeline-parallel, NVMe-offload or pre-0.6 mixture-of-experts checkpoint (the
+        message names the file).
+      CheckpointCorruptError: a rank's or an expert's file is missing.
     """
     names = sorted(p.name for p in folder.iterdir())
     for name in names:
@@ -94,10 +101,32 @@ def find_files(folder: Path, mp: int = 0) -> DeepSpeedFiles:
         raise CheckpointCorruptError(
             f"{folder} has {len(model_states)} ZeRO-3 model-states files but {len(optim_states)} optimizer-states "
             "files: one of each per data-parallel rank was written; some are missing")
-    for path in (*model_states, *optim_states):
+    experts, expert_optim = _expert_files(folder, names, mp)
+    for path in (*model_states, *optim_states, *(p for layer in experts for p in layer), *expert_optim):
         with open_regular(path):  # a link, FIFO or device is refused before any reader opens it
             pass
-    return DeepSpeedFiles(folder, model_states, optim_states)
+    return DeepSpeedFiles(folder, model_states, optim_states, experts, expert_optim)
+
+
+def _expert_files(folder: Path, names: list[str], mp: int) -> tuple[tuple[tuple[Path, ...], ...], tuple[Path, ...]]:
+    """The expert files of model-parallel rank ``mp``: per layer, per expert; and the expert-parallel optimizers."""
+    layers: dict[int, dict[int, Path]] = {}
+    for name in names:
+        if (m := _EXPERT.match(name)) and int(m.group(3)) == mp:
+            layers.setdefault(int(m.group(1)), {})[int(m.group(2))] = folder / name
+    optim = {int(m.group(1)): folder / n for n in names if (m := _EXPERT_OPTIM.match(n)) and int(m.group(2)) == mp}
+    if layers and sorted(layers) != list(range(len(layers))):
+        missing = min(set(range(max(layers) + 1)) - set(layers))
+        raise CheckpointCorruptError(f"the DeepSpeed checkpoint {folder} has no file of MoE layer {missing}'s experts "
+                                     f"(layer_{missing}_expert_*_mp_rank_{mp:02d}_model_states.pt): it is incomplete")
+    experts = tuple(_complete(folder, layers[i], f"layer_{i}_expert_{{}}_mp_rank_{mp:02d}_model_states.pt",
+                              "every expert") for i in range(len(layers)))
+    expert_optim = (_complete(folder, optim, f"expp_rank_{{}}_mp_rank_{mp:02d}_optim_states.pt",
+                              "every expert-parallel rank") if optim else ())
+    if expert_optim and not experts:
+        raise CheckpointCorruptError(f"the DeepSpeed checkpoint {folder} has the optimizer files of expert-parallel "
+                                     "ranks (expp_rank_*) but no expert's weights (layer_*_expert_*): it is incomplete")
+    return experts, expert_optim
 
 
 def _refuse_unsupported(folder: Path, name: str) -> None:
@@ -111,16 +140,17 @@ def _refuse_unsupported(folder: Path, name: str) -> None:
     for pattern, what in _UNSUPPORTED:
         if pattern.match(name):
             raise CheckpointUnsupportedError(
-                f"{path}: {what}. dsfunc imports data-parallel DeepSpeed checkpoints (ZeRO stages 0-3) only; "
-                "convert this one with DeepSpeed's ds_to_universal.py or zero_to_fp32.py first.")
+                f"{path}: {what}. dsfunc imports data-parallel, AutoTP and MoE DeepSpeed checkpoints (ZeRO stages "
+                "0-3) only; convert this one with DeepSpeed's ds_to_universal.py or zero_to_fp32.py first.")
 
 
-def _complete(folder: Path, by_rank: dict[int, Path], pattern: str) -> tuple[Path, ...]:
-    """The files of ranks 0..N-1 in order, or an error naming the first one missing."""
+def _complete(folder: Path, by_rank: dict[int, Path], pattern: str,
+              writer: str = "every data-parallel rank") -> tuple[Path, ...]:
+    """The files of ranks (or experts) 0..N-1 in order, or an error naming those missing."""
     world = max(by_rank) + 1
     missing = [pattern.format(r) for r in range(world) if r not in by_rank]
     if missing:
         raise CheckpointCorruptError(
-            f"the DeepSpeed checkpoint {folder} is incomplete: {', '.join(missing)} is missing (every "
-            "data-parallel rank writes its own file)")
+            f"the DeepSpeed checkpoint {folder} is incomplete: {', '.join(missing)} is missing ({writer} writes "
+            "its own file)")
     return tuple(by_rank[r] for r in range(world))

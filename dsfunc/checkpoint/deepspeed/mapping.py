@@ -19,6 +19,9 @@ module buffers, frozen parameters           ``buffers/<name>``
 The dropout seed and the metrics stay the template's (DeepSpeed saves neither). A tensor-parallel template
 matches the checkpoint's global shapes; each of its split parameters is read whole and this tp rank's part
 sliced out (:meth:`dsfunc.parallel.tensor.TensorParallel.local_part`), whatever tp the checkpoint was saved at.
+An expert-parallel template matches the checkpoint's experts by their names in the whole model
+(:func:`dsfunc.checkpoint.per_param.whole_params`); each rank reads its own experts (AutoEP's stacked ones: its
+dim-0 slice of each), whatever ep DeepSpeed saved at.
 
 [Note: a unit at a time]
 The template is filled one unit at a time: for each unit, host staging buffers of this rank's slice (one
@@ -42,7 +45,7 @@ from dsfunc.checkpoint.deepspeed.shards import EXP_AVG, EXP_AVG_SQ, MASTER, Requ
 from dsfunc.checkpoint.errors import CheckpointMismatchError
 from dsfunc.checkpoint.keys import entries
 from dsfunc.checkpoint.metadata import precision
-from dsfunc.checkpoint.per_param import part
+from dsfunc.checkpoint.per_param import part, whole_params
 from dsfunc.optim.from_config import lr_schedule
 from dsfunc.optim.transforms import ScaleByAdamState, ScheduleState
 from dsfunc.parallel.tensor import TensorParallel
@@ -114,10 +117,10 @@ def _match_names(ckpt: DeepSpeedCheckpoint, state: TrainState) -> dict[str, str]
     program, index = state.program, ckpt.index
     canonical: dict[str, str] = {}
     mine: dict[str, tuple[int, ...]] = {}
-    for unit in program.plan.units:
-        for slot in unit.params:
-            mine[slot.name] = part(state, unit, slot).shape  # a tp state's split parameters: the whole model's
-            canonical.update({alias: slot.name for alias in slot.aliases})
+    for unit in program.plan.units:  # a tp state's split parameters, an ep state's experts: the whole model's
+        for name, shape, aliases in whole_params(state, unit):
+            mine[name] = shape
+            canonical.update({alias: name for alias in aliases})
     for name in program.plan.frozen:
         mine[name] = tuple(state.buffers[name].shape)
         canonical[name] = name
@@ -190,8 +193,12 @@ def _fill_unit(ckpt: DeepSpeedCheckpoint, state: TrainState, unit: Any, quantiti
             lo, hi = max(start, slot.offset), min(stop, slot.offset + slot.numel)
             if lo < hi:
                 views = {q: s[lo - start : hi - start] for q, s in staging.items()}
-                request = Request(names[slot.name], lo - slot.offset, hi - slot.offset, views)
-                if tensor is not None and slot.name in tensor.split:
+                where = part(state, unit, slot)  # an expert: its place in the whole model
+                tp_split = tensor is not None and slot.name in tensor.split
+                # AutoEP's stacked experts: this ep rank's dim-0 slice, one run of the whole flattened tensor
+                base = where.group.rank * slot.numel if where.placements is not None and not tp_split else 0
+                request = Request(names[where.name], base + lo - slot.offset, base + hi - slot.offset, views)
+                if tp_split:
                     _read_split(ckpt, tensor, slot, request)
                 else:
                     requests.append(request)

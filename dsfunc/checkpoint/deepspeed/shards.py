@@ -20,6 +20,10 @@ pieces asked for ([Note: one shard at a time]). The layouts (``deepspeed/runtime
   each parameter of sub-group g (``param_shapes[g]``) back to back. Frozen parameters are chunked the same
   way in each rank's ``frozen_param_fragments``.
 
+* **MoE experts** (:mod:`.experts`): stage 0 reads each expert's master from its own file and its moments from
+  its expert-parallel rank's optimizer file; ZeRO 1-2 finds them in the shards under local names, renamed to
+  the whole model's. The index is the whole model's, every expert of every rank.
+
 Buffers and (below ZeRO-3) frozen parameters are read from the module state dict of the model-states file.
 Tied parameters are one tensor saved under several names; the index keeps the first name and records the
 others as aliases (two names are tied when they share storage and offset in the file).
@@ -35,6 +39,13 @@ from typing import Any
 
 import torch
 
+from dsfunc.checkpoint.deepspeed.experts import (
+    ExpertLayer,
+    expert_layers,
+    in_module_order,
+    rank_experts,
+    shard_renaming,
+)
 from dsfunc.checkpoint.deepspeed.folder import DeepSpeedFiles
 from dsfunc.checkpoint.deepspeed.unpickle import load_file
 from dsfunc.checkpoint.errors import (
@@ -43,6 +54,7 @@ from dsfunc.checkpoint.errors import (
     CheckpointUnsupportedError,
 )
 from dsfunc.checkpoint.pickle_bounds import check_tensor
+from dsfunc.experts.placement import is_expert_name
 from dsfunc.zero.layout import chunk_range
 
 MASTER, EXP_AVG, EXP_AVG_SQ = "fp32", "exp_avg", "exp_avg_sq"  # the quantities a piece can be read as
@@ -52,13 +64,15 @@ MOMENTS = (EXP_AVG, EXP_AVG_SQ)
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """Elements ``[offset, offset + numel)`` of a flattened parameter, stored in ``path`` from ``start`` of
-    the flat tensor ``key`` names (see :meth:`ShardIndex.tensor`)."""
+    the flat tensor ``key`` names (see :meth:`ShardIndex.tensor`): of the ``quantities`` named, or of all (None).
+    A parameter whose master and moments lie in different files has a piece of each."""
 
     path: Path
     key: tuple[Hashable, ...]
     start: int
     numel: int
     offset: int
+    quantities: tuple[str, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +107,8 @@ class ShardIndex:
             return contents["module"][key[1]] if quantity == MASTER else None
         if kind == "frozen":
             return contents["frozen_param_fragments"][key[1]] if quantity == MASTER else None
+        if kind == "expert":  # a file of one expert's weights (:mod:`.experts`)
+            return contents[key[1]] if quantity == MASTER else None
         if kind == "stage0":
             _, name, index = key
             if quantity == MASTER:
@@ -131,6 +147,8 @@ class ShardIndex:
             for req, piece in work:
                 a, b = max(req.lo, piece.offset), min(req.hi, piece.offset + piece.numel)
                 for quantity, view in req.views.items():
+                    if piece.quantities is not None and quantity not in piece.quantities:
+                        continue
                     source = self.tensor(contents, quantity, piece.key)
                     target = view[a - req.lo : b - req.lo]
                     if source is None:
@@ -151,31 +169,52 @@ def build_index(files: DeepSpeedFiles, main: Mapping[str, Any], *, frozen_hint: 
     """
     module = main["module"]
     buffer_names = list(main.get("buffer_names") or [])
+    layers = expert_layers(files, main, trust_pickle)
     aliases = _aliases(module, buffer_names)
     buffers = {n: (module[n].shape, module[n].dtype) for n in buffer_names if n in module}
     params = [n for n in aliases if n not in buffers]
     hint = set(frozen_hint or ())
     first = None
     if files.optim_states:
-        kind, trainable, pieces, first = _sharded(files, main, trust_pickle)
+        kind, trainable, pieces, first = _sharded(files, main, trust_pickle, layers)
     elif isinstance(main.get("optimizer"), Mapping) and "fp32_groups" in main["optimizer"]:
         kind = "stage0-wrapped"
+        if layers:
+            raise CheckpointUnsupportedError(
+                f"{files.main}: DeepSpeed's fp16 optimizer at ZeRO stage 0 with MoE experts, whose master weights "
+                "dsfunc does not import; resume it in DeepSpeed at ZeRO stage 1 or 2 and save again, or load it "
+                "in fp32.")
         trainable, pieces = _wrapped(files.main, main, params, hint)
     elif isinstance(main.get("optimizer"), Mapping) and "fp32_groups_flat" in main["optimizer"]:
         raise CheckpointUnsupportedError(
             f"{files.main}: DeepSpeed's fused fp16 optimizer (stage 0 with FusedAdam) keeps its fp32 master "
             "weights in flat groups without parameter names; dsfunc does not import that layout. Resume it "
             "in DeepSpeed with ZeRO stage 1 or higher (or torch_adam) and save again.")
+    elif layers:
+        kind = "stage0"
+        trainable, pieces = _stage0_experts(files, main, params, hint, layers, trust_pickle)
     else:
         kind = "stage0"
         trainable, pieces = _stage0(files.main, main, params, hint)
     frozen = {n: module[n].shape for n in params if n not in trainable}
     if kind == "zero3":
+        if layers:
+            raise CheckpointUnsupportedError(f"{files.folder}: MoE experts at ZeRO stage 3, which DeepSpeed's own "
+                                             "MoE refuses; this checkpoint was not written by DeepSpeed's MoE layer")
         frozen = dict(main.get("frozen_param_shapes") or {})
         pieces.update(_chunked(files.model_states, [(n, s, ("frozen", n), 0) for n, s in frozen.items()]))
     for name in [*buffers, *([] if kind == "zero3" else frozen)]:
         pieces[name] = (Piece(files.main, ("module", name), 0, module[name].numel(), 0),)
-    index = ShardIndex(kind, trainable, frozen, buffers, aliases, tuple(module),
+    for layer in layers:  # an expert's weights are its master (fp32) or its values (frozen)
+        for name, (shape, path) in layer.params.items():
+            if name not in trainable:
+                frozen[name] = shape
+                pieces[name] = (Piece(path, ("expert", name), 0, math.prod(shape), 0),)
+    order = in_module_order(aliases, layers)
+    aliases = {n: aliases.get(n, (n,)) for n in order}
+    names = tuple(in_module_order(module, layers))
+    trainable = {n: trainable[n] for n in order if n in trainable} if layers else trainable
+    index = ShardIndex(kind, trainable, frozen, buffers, aliases, names,
                        {n: tuple(p) for n, p in pieces.items()}, trust_pickle, files.main, main)
     check_coverage(files.folder, index)
     return index, first
@@ -205,6 +244,51 @@ def _stage0(path: Path, main: Mapping[str, Any], params: list[str],
     index = dict(zip(names, indices))
     trainable = {n: module[n].shape for n in names}
     pieces = {n: [Piece(path, ("stage0", n, index.get(n)), 0, module[n].numel(), 0)] for n in names}
+    return trainable, pieces
+
+
+def _stage0_experts(files: DeepSpeedFiles, main: Mapping[str, Any], params: list[str], frozen_hint: set[str],
+                    layers: Sequence[ExpertLayer], trust_pickle: bool) -> tuple[dict, dict]:
+    """Stage 0 with MoE experts (:mod:`.experts`): the dense parameters as without experts, read from the model
+    states (rank 0's optimizer); each expert's master from its file and its moments from its expert-parallel
+    rank's optimizer file, whose ``moe`` groups hold that rank's experts in module order."""
+    if not files.expert_optim_states:
+        raise CheckpointCorruptError(
+            f"{files.folder} holds the experts of a ZeRO stage 0 run but none of the optimizer files of its "
+            "expert-parallel ranks (expp_rank_<q>_mp_rank_00_optim_states.pt): it is incomplete")
+    ep = len(files.expert_optim_states)
+    trainable, pieces = {}, {}
+    for rank, path in enumerate(files.expert_optim_states):
+        opt = load_file(path, trust_pickle=trust_pickle).get("optimizer") or {}
+        entries = [(bool(group.get("moe")), i) for group in opt.get("param_groups", []) for i in group["params"]]
+        dense = iter(_optimizer_order(path, sum(not moe for moe, _ in entries), params, frozen_hint))
+        mine = rank_experts(layers, rank, ep)
+        if sum(moe for moe, _ in entries) != len(mine):
+            raise CheckpointMismatchError(
+                f"{path}: expert-parallel rank {rank}'s optimizer holds {sum(moe for moe, _ in entries)} expert "
+                f"parameters, but its experts' files {len(mine)}: its MoE param groups were not made by "
+                "split_params_into_different_moe_groups_for_optimizer from the model's parameters in order, which "
+                "dsfunc reads the experts' moments by (DeepSpeed records no names at stage 0). Convert it with "
+                "DeepSpeed's zero_to_fp32.py, or resume it in DeepSpeed at ZeRO stage 1 or 2 and save again.")
+        experts = iter(mine)
+        for moe, i in entries:
+            name = next(experts if moe else dense)
+            if moe:
+                shape, source = next(layer.params[name] for layer in layers if name in layer.params)
+                numel = math.prod(shape)
+                pieces[name] = [Piece(source, ("expert", name), 0, numel, 0, (MASTER,)),
+                                Piece(path, ("stage0", name, i), 0, numel, 0, MOMENTS)]
+            elif rank == 0:  # the model states hold rank 0's optimizer, the dense master weights with it
+                shape = main["module"][name].shape
+                pieces[name] = [Piece(files.main, ("stage0", name, i), 0, math.prod(shape), 0)]
+            else:
+                continue
+            moment = opt.get("state", {}).get(i, {}).get(EXP_AVG)
+            if moment is not None and moment.shape != shape:
+                raise CheckpointMismatchError(
+                    f"{path}: the optimizer's parameter {i} has moments of shape {tuple(moment.shape)} but "
+                    f"{name} is {tuple(shape)}: the optimizer was not built from the model's parameters in order")
+            trainable[name] = shape
     return trainable, pieces
 
 
@@ -243,17 +327,20 @@ def _optimizer_order(path: Path, count: int, params: list[str], frozen_hint: set
         "apart), or pass load_optimizer_states=False to take the weights only.")
 
 
-def _sharded(files: DeepSpeedFiles, main: Mapping[str, Any], trust_pickle: bool) -> tuple[str, dict, dict, Any]:
-    """ZeRO 1-3 and the bf16 optimizer: the pieces of every trainable parameter in the optimizer files, and
-    the first file's optimizer state dict."""
+def _sharded(files: DeepSpeedFiles, main: Mapping[str, Any], trust_pickle: bool,
+             layers: Sequence[ExpertLayer]) -> tuple[str, dict, dict, Any]:
+    """ZeRO 1-3 and the bf16 optimizer: the pieces of every trainable parameter in the optimizer files (an
+    expert's under its whole-model name, :mod:`.experts`), and the first file's optimizer state dict."""
     world = len(files.optim_states)
-    shapes = {n: torch.Size(s) for group in main.get("param_shapes") or [] for n, s in group.items()}
+    experts = {n: shape for layer in layers for n, (shape, _) in layer.params.items()}
+    shapes = {n: torch.Size(s) for group in main.get("param_shapes") or [] for n, s in group.items()
+              if not is_expert_name(n)}  # an expert's under its local name on rank 0: from its file instead
     kind, pieces, filled, first = None, {}, {}, None
-    for path in files.optim_states:  # [Note: one shard at a time]
+    for rank, path in enumerate(files.optim_states):  # [Note: one shard at a time]
         osd = load_file(path, trust_pickle=trust_pickle)["optimizer_state_dict"]
         first = osd if first is None else first
-        count = osd.get("partition_count")
-        count = max(count) if isinstance(count, list) else count
+        counts = osd.get("partition_count")
+        count = max(counts) if isinstance(counts, list) else counts
         if count != world:
             raise CheckpointCorruptError(
                 f"{path} was written by one of {count} data-parallel ranks, but {files.folder} holds {world} "
@@ -263,7 +350,10 @@ def _sharded(files: DeepSpeedFiles, main: Mapping[str, Any], trust_pickle: bool)
             _check_zero3_sizes(path, osd, main["param_shapes"], world)
             continue
         for g, mapping in enumerate(osd["param_slice_mappings"]):
-            for name, fragment in mapping.items():
+            partitions = counts[g] if isinstance(counts, list) else world
+            rename = shard_renaming(layers, main.get("ds_config"), rank, world, partitions) if layers else str
+            for local, fragment in mapping.items():
+                name = rename(local)
                 offset = filled.get(name, 0)
                 pieces.setdefault(name, []).append(Piece(path, ("zero12", g), fragment.start, fragment.numel, offset))
                 filled[name] = offset + fragment.numel
@@ -277,7 +367,8 @@ def _sharded(files: DeepSpeedFiles, main: Mapping[str, Any], trust_pickle: bool)
                 start += chunk_range(math.prod(shape), world, 0)[1]
         pieces = _chunked(files.optim_states, layout)
     if not shapes:  # the bf16 optimizer without ZeRO records no param_shapes: the module has them
-        shapes = {n: main["module"][n].shape for n in pieces}
+        shapes = {n: main["module"][n].shape for n in pieces if n not in experts}
+    shapes.update({n: experts[n] for n in pieces if n in experts})
     return kind, shapes, pieces, first
 
 
@@ -306,11 +397,13 @@ def _chunked(paths: Sequence[Path], layout: Iterable[tuple[str, Any, tuple, int]
 
 
 def check_coverage(folder: Path, index: ShardIndex) -> None:
-    """Every tensor's pieces cover it exactly, in order."""
+    """Every tensor's pieces of its master weights (or values) cover it exactly, in order."""
     shapes = {**index.trainable, **index.frozen, **{n: s for n, (s, _) in index.buffers.items()}}
     for name, shape in shapes.items():
         offset = 0
         for piece in index.pieces.get(name, ()):
+            if piece.quantities is not None and MASTER not in piece.quantities:
+                continue
             if piece.offset != offset:
                 break
             offset += piece.numel

@@ -39,8 +39,7 @@ def test_tags_and_latest_resolve_as_for_dsfunc_checkpoints(copy):
 
 @pytest.mark.parametrize(("name", "message"), [
     ("layer_01-model_00-model_states.pt", "pipeline-parallel layer weights"),
-    ("expp_rank_0_mp_rank_00_optim_states.pt", "mixture-of-experts optimizer state"),
-    ("layer_0_expert_3_mp_rank_00_model_states.pt", "mixture-of-experts expert weights"),
+    ("expert_3_mp_rank_00_model_states.pt", "experts in the layout of DeepSpeed before 0.6"),
     ("offloaded_tensors", "offloaded to NVMe"),
 ])
 def test_unsupported_layouts_are_refused_naming_the_file(copy, name, message):
@@ -54,11 +53,16 @@ def test_unsupported_layouts_are_refused_naming_the_file(copy, name, message):
 
 
 @pytest.mark.parametrize(("name", "error", "message"), [
+    ("layer_0_expert_3_mp_rank_00_model_states.pt", ckpt.CheckpointCorruptError,
+     r"layer_0_expert_0_mp_rank_00_model_states.pt, .*expert_2_.* is missing \(every expert writes its own"),
+    ("layer_1_expert_0_mp_rank_00_model_states.pt", ckpt.CheckpointCorruptError, "no file of MoE layer 0's experts"),
+    ("expp_rank_0_mp_rank_00_optim_states.pt", ckpt.CheckpointCorruptError, "no expert's weights"),
     ("mp_rank_01_model_states.pt", ckpt.CheckpointCorruptError, "mp_rank_01_model_states.pt"),
     ("bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt", ckpt.CheckpointCorruptError, "no mp_rank_01_model_states.pt"),
 ])
-def test_a_damaged_or_partial_tp_rank_is_named(copy, name, error, message):
-    """A second tp rank's files (AutoTP) are read: an empty one, or one without its model states, is named."""
+def test_a_damaged_or_partial_tp_rank_or_expert_is_named(copy, name, error, message):
+    """A second tp rank's files (AutoTP) and MoE experts' files are read: an empty one, one without its model
+    states, a layer's experts without expert 0 or without layer 0, an expert optimizer without experts, is named."""
     (copy / "global_step3" / name).write_bytes(b"")
     state = template()
     with pytest.raises(error, match=message):
