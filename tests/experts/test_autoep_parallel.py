@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dsfunc
+import dsfunc.parallel
 from dsfunc.experts.ep_block import ExpertParallelBlock
 from tests.experts import hf_moe
 from tests.multiprocess import run_world
@@ -36,17 +37,26 @@ def _train(rank: int, world: int, family: str, ep: int, optimizer: str, one_toke
         dsfunc.save_checkpoint(state, folder)
     units = {u.name: u.group is not None for u in state.program.plan.units}
     return {"losses": losses, "params": dsfunc.full_params(state), "units": units, "counts": counts,
-            "local": blocks[0].experts.gate_up_proj.shape[0]}
+            "local": blocks[0].experts.gate_up_proj.shape[0], "where": dsfunc.parallel.placements(state)}
 
 
-def _check(results: list[dict], family: str, world: int, ep: int, optimizer: str, one_token: bool = False) -> None:
+def _check(results: list[dict], family: str, world: int, ep: int, optimizer: str, one_token: bool = False,
+           stage: int = 0) -> None:
     losses, params = hf_moe.reference(family, world, optimizer, STEPS, one_token=one_token)
     mean = [sum(r["losses"][i] for r in results) / world for i in range(STEPS)]
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(mean, losses)), (mean, losses)
     experts = next(name for name in results[0]["units"] if name.endswith(".mlp.experts"))
     assert results[0]["units"][experts] is (world > 1)
-    for r in results:
+    for rank, r in enumerate(results):
         assert r["local"] == 4 // ep
+        # placements: the experts split over their ep block on dim 0, ZeRO-sharded over their strided replicas
+        block, replicas = tuple(range(rank - rank % ep, rank - rank % ep + ep)), tuple(range(rank % ep, world, ep))
+        zero = f"Shard(0) of the flat unit {experts!r} over ranks {replicas}" if stage and len(replicas) > 1 else \
+            "Replicate()"
+        assert r["where"][f"{experts}.gate_up_proj"] == {"tp": "Replicate()", "ep": f"Shard(dim=0) over ranks {block}",
+                                                        "edp": zero}, r["where"]
+        assert r["where"]["model.norm.weight"] == {"tp": "Replicate()", "dp_sp": "Shard(0) of the flat unit 'root'"
+                                                   if stage else "Replicate()"}, r["where"]
         assert params.keys() <= r["params"].keys()  # (and DeepSeek-V3's router bias, a buffer)
         for name, value in params.items():  # every rank's experts: full_params is the whole model
             assert hf_moe.relative(r["params"][name], value) <= 1e-4, name
@@ -71,7 +81,7 @@ def test_ep2_equals_one_process_and_its_checkpoint_loads_at_ep1(tmp_path, family
 
 @pytest.mark.parametrize(("family", "optimizer", "stage"), [("qwen3_moe", "sgd", 3), ("mixtral", "adamw", 2)])
 def test_ep2_dp2_equals_one_process(family, optimizer, stage):
-    _check(run_world(_train, 4, family, 2, optimizer, False, stage), family, 4, 2, optimizer)
+    _check(run_world(_train, 4, family, 2, optimizer, False, stage), family, 4, 2, optimizer, stage=stage)
 
 
 def test_an_expert_without_tokens_on_a_rank_neither_hangs_nor_differs():
