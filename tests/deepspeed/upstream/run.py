@@ -135,8 +135,10 @@ def run_file(tests: Path, file: str, side: str, ids: list[str] | None, timeout: 
 def _run_once(tests: Path, side: str, args: list[str], timeout: int, log: Path, records: Path) -> bool:
     """One pytest process over ``args`` (a file or test ids), its output appended to ``log`` and its outcomes to
     ``records``; True if it had to be stopped (it ran past 4 x ``timeout`` seconds)."""
+    # a base temporary folder of its own: pytest prunes all but the newest few under /tmp/pytest-of-<user>, so runs
+    # beside it (another file's, another developer's) would delete the folders its tests are writing in
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "upstream_outcomes", "-q",
-               "--timeout", str(timeout), *args]
+               "--timeout", str(timeout), f"--basetemp={log.with_suffix('.tmp')}", *args]
     env = environment(side)
     env["UPSTREAM_OUTCOMES"] = str(records)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])])
