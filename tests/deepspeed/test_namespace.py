@@ -47,11 +47,12 @@ IMPORTS = [
     ("module_inject", "replace_transformer_layer"),
     ("inference.config", "DeepSpeedInferenceConfig"),
     ("checkpointing", "checkpoint"),
+    ("checkpoint.utils", "get_model_ckpt_name_for_rank"),
 ]
 UNSUPPORTED = {"estimate_zero3_model_states_mem_needs_all_live",
                "PipeModelDataParallelTopology", "init_compression",
                "replace_transformer_layer",
-               "DeepSpeedInferenceConfig"}
+               "DeepSpeedInferenceConfig", "get_model_ckpt_name_for_rank"}
 
 
 @pytest.mark.parametrize("module, name", IMPORTS)
