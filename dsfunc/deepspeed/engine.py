@@ -108,6 +108,7 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         self.lr_scheduler = engine_scheduler(self, section) if groups is not None and scheduled else None
         self.global_samples = 0
         self._stepped = False  # whether the last step() ended an optimizer step
+        self._stepping = False  # whether step() is running (the boundary when the script owns it)
         self._timings: dict[str, float] = {}
         self._tokens = 0
         self._compiled = self.config.compile.enabled
@@ -154,7 +155,10 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         return self.monitor.skipped_steps
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        """True while the current micro-batch is the last of its optimizer step."""
+        """True while the current micro-batch is the last of its optimizer step; with
+        ``managed_gradient_accumulation`` false only while ``step()`` runs (DeepSpeed's: that call is the boundary)."""
+        if not self.config.managed_gradient_accumulation:
+            return self._stepping
         return self.steps.is_boundary()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
@@ -288,6 +292,13 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """End the micro-batch; at the accumulation boundary apply the update (or skip it on overflow)."""
+        self._stepping = True
+        try:
+            self._step(lr_kwargs)
+        finally:
+            self._stepping = False
+
+    def _step(self, lr_kwargs: dict[str, Any] | None) -> None:
         if lr_kwargs:
             raise InputError("lr_kwargs is not supported: dsfunc's lr schedule is a function of the step count")
         if self.inside_no_sync_ctxt:

@@ -71,6 +71,7 @@ ALIASES = {
     "runtime.zero.config": "dsfunc.deepspeed.zero_config",
     "runtime.zero.offload_config": "dsfunc.deepspeed.zero_config",
     "runtime.zero.leaf_module_config": "dsfunc.deepspeed.zero_config",
+    "git_version_info": "dsfunc.deepspeed.git_version_info",
     # DeepSpeed's modules inside packages whose names are dsfunc's own (dsfunc.checkpoint, dsfunc.launcher)
     "checkpoint.utils": "dsfunc.deepspeed.checkpoint_utils",
     "launcher.runner": "dsfunc.deepspeed.runner",

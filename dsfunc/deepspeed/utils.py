@@ -215,7 +215,7 @@ def _step_grad(param: Tensor, copy: bool = False) -> tuple[Workspace, Unit, Para
     runtime = engine.steps.runtime
     stage = workspace.plan.stage
     offloaded = engine.state.program.run.grads.off_device
-    off_boundary = stage == 2 and not offloaded and not engine.is_gradient_accumulation_boundary()
+    off_boundary = stage == 2 and not offloaded and not engine.steps.is_boundary()
     if runtime is None or not runtime.has_gradients or off_boundary:
         raise ValueError(_NO_GRADIENTS)
     total, reduced = runtime.reducer.so_far(unit, copy)

@@ -44,7 +44,6 @@ from typing import Protocol
 import torch
 
 from dsfunc.distributed import comm
-from dsfunc.errors import InputError
 from dsfunc.zero.layout import ShardingPlan, Unit
 from dsfunc.zero.policy import DeviceGrads, GradStore
 
@@ -184,13 +183,14 @@ class ZeroReducer:
         """``unit``'s gradient of the step so far, ending nothing: ``(its reduced sum, True)`` once a reduction
         of it ran (this rank's shard at stages 1-3), else ``(this rank's own sum, False)`` (stages 0-1 before the
         last micro-batch), ``(None, False)`` before any. The in-flight reductions are waited for. A sum gone to
-        the host (offload_optimizer) comes back as a copy on the device when ``copy`` (to read, not write)."""
+        the host (offload_optimizer) comes back on the device: a copy to read when ``copy``, else to write, kept
+        there as a sum that stays (:meth:`finish` hands it to the store, which takes its norm then, as any)."""
         self._drain()
         if unit.name in self._stored:
             if copy:
                 return self.store.take(unit, self._stored[unit.name]), True
-            raise InputError("the step's gradients are on their way to the host (offload_optimizer); read them "
-                             "without offloading")
+            # cloned: on a CPU ``take`` may hand back the host buffer itself, which finish would then not store anew
+            self._grads[unit.name] = self.store.take(unit, self._stored.pop(unit.name)).clone()
         if unit.name in self._grads:
             return self._grads[unit.name], True
         return self._local.get(unit.name), False

@@ -21,7 +21,10 @@ SCRIPT = f"{ROOT}/tests/deepspeed/scripts/ds_client_objects.py"
 
 def test_client_optimizer_and_scheduler_as_deepspeed(tmp_path):
     for rank, (ds, ours) in enumerate(both_sides(tmp_path, SCRIPT)):
-        assert ds.pop("untested_refused") and ours.pop("untested_refused")
+        refused = ds.pop("untested_refused")
+        assert ours.pop("untested_refused") == refused
+        assert {case for case, v in refused.items() if v == "refused"} == {
+            (1, "sgd", False), (2, "sgd", False), (3, "sgd", False), (1, "heavyball", False)}
         expected_cases, got_cases = ds.pop("config_optimizer"), ours.pop("config_optimizer")
         assert sorted(got_cases) == sorted(expected_cases)
         for case, expected in expected_cases.items():

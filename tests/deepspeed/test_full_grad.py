@@ -35,7 +35,8 @@ def test_full_grad_as_deepspeed(tmp_path):
 
 
 def test_full_grad_with_the_optimizer_offloaded_as_deepspeed(tmp_path):
-    """With offload_optimizer the reduced gradients go to the host as they are made; the helper reads them back. Off
+    """With offload_optimizer the reduced gradients go to the host as they are made; the helper reads them back, and
+    a set one comes back to the device until the step, which applies it (clipping off: see the script). Off
     the boundary at stages 2-3 DeepSpeed answers what its host buffer held (zeros before the first step's boundary,
     then the last step's gradient) where dsfunc answers this step's sum so far: those reads are checked on
     DeepSpeed's side only."""

@@ -47,11 +47,12 @@ IMPORTS = [
     ("module_inject", "replace_transformer_layer"),
     ("inference.config", "DeepSpeedInferenceConfig"),
     ("checkpointing", "checkpoint"),
+    ("checkpoint.utils", "get_model_ckpt_name_for_rank"),
 ]
 UNSUPPORTED = {"estimate_zero3_model_states_mem_needs_all_live",
                "PipeModelDataParallelTopology", "init_compression",
                "replace_transformer_layer",
-               "DeepSpeedInferenceConfig"}
+               "DeepSpeedInferenceConfig", "get_model_ckpt_name_for_rank"}
 
 
 @pytest.mark.parametrize("module, name", IMPORTS)
@@ -173,3 +174,16 @@ def test_which_native_ops_dsfunc_answers():
     assert not deepspeed.ops.__compatible_ops__["transformer_inference"] and not AsyncIOBuilder().is_compatible()
     with pytest.raises(NotSupportedError, match="use deepspeed.ops.adam.FusedAdam"):
         FusedAdamBuilder().load()
+
+
+def test_build_information_as_deepspeed_gives_it():
+    """``deepspeed.git_version_info`` (DeepSpeed's test helpers read ``torch_info`` to skip bf16 tests): DeepSpeed's
+    names and keys, versions as "major.minor" ("0.0" where there is none, as DeepSpeed writes it)."""
+    from dsfunc.git_version_info import accelerator_name, git_hash, installed_ops, torch_info, version
+
+    assert version == dsfunc.__version__ and git_hash == dsfunc.__git_hash__ and accelerator_name == "cpu"
+    assert installed_ops["fused_adam"] and not installed_ops["async_io"]
+    assert torch_info == {"version": ".".join(torch.__version__.split(".")[:2]), "bf16_support": False,
+                          "cuda_version": "0.0", "nccl_version": "0.0", "hip_version": "0.0"}
+    real = pytest.importorskip("deepspeed.git_version_info", reason="real DeepSpeed lists the keys")
+    assert set(torch_info) == set(real.torch_info)

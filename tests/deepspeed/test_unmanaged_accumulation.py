@@ -1,7 +1,8 @@
 """``"managed_gradient_accumulation": false`` under real DeepSpeed 0.19.8 (CPU, gloo, 2 ranks) and under dsfunc: every
 ``engine.step()`` applies the update of the backwards since the last one, whatever their count, at ZeRO stages 0-3
 (SGD with momentum, clipping): the same steps applied, ``global_steps``/``global_samples``, returned losses and
-parameters; ``set_gradient_accumulation_boundary`` is refused. What DeepSpeed refuses with it, dsfunc refuses."""
+parameters; ``is_gradient_accumulation_boundary()`` False outside ``step()``; ``set_gradient_accumulation_boundary``
+is refused. What DeepSpeed refuses with it, dsfunc refuses."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dsfunc.deepspeed import initialize
 from tests.deepspeed.test_against_deepspeed import ROOT, both_sides
 
 SCRIPT = f"{ROOT}/tests/deepspeed/scripts/ds_unmanaged.py"
+BACKWARDS = (2, 5, 3)  # the script's backwards per step
 
 
 def test_unmanaged_accumulation_as_deepspeed(tmp_path):
@@ -21,7 +23,8 @@ def test_unmanaged_accumulation_as_deepspeed(tmp_path):
         for stage, expected in ds.items():
             got = ours[stage]
             assert expected["applied"] == [True] * 3 and expected["boundary_refused"]
-            for key in ("applied", "global_steps", "global_samples", "boundary_refused"):
+            assert expected["boundary"] == [False] * (sum(BACKWARDS) + len(BACKWARDS))  # True only inside step()
+            for key in ("applied", "global_steps", "global_samples", "boundary_refused", "boundary"):
                 assert got[key] == expected[key], (rank, stage, key)
             assert got["returned"] == pytest.approx(expected["returned"], rel=1e-5), (rank, stage)
             for name, value in expected["params"].items():

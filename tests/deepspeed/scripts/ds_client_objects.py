@@ -128,14 +128,22 @@ def config_optimizer(stage, kind):
 
 
 def untested_refused():
-    """DeepSpeed refuses an optimizer it has not tested with ZeRO unless the config allows it."""
-    net = Net()
-    try:
-        deepspeed.initialize(model=net, optimizer=HeavyBall(net.parameters()),
-                             config={"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 1}})
-    except AssertionError:
-        return True
-    return False
+    """Which client optimizers DeepSpeed refuses, by ZeRO stage: those it has not tested with ZeRO (torch's SGD, a
+    class of the client's own; not Adam), unless ``zero_allow_untested_optimizer``."""
+    out = {}
+    cases = [(stage, "sgd", False) for stage in range(4)] + [(1, "heavyball", False), (3, "adam", False), (2, "sgd", True)]
+    for stage, kind, allow in cases:
+        net = Net()
+        make = {"sgd": torch.optim.SGD, "heavyball": HeavyBall, "adam": torch.optim.Adam}[kind]
+        config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": stage}}
+        if allow:
+            config["zero_allow_untested_optimizer"] = 1
+        try:
+            deepspeed.initialize(model=net, optimizer=make(net.parameters(), lr=0.1), config=config)
+            out[stage, kind, allow] = "accepted"
+        except AssertionError:
+            out[stage, kind, allow] = "refused"
+    return out
 
 
 results = {(stage, kind): train(stage, kind) for stage in range(4) for kind in ("heavyball",)}

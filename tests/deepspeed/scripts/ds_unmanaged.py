@@ -2,7 +2,7 @@
 false``, where every ``engine.step()`` applies the update of the backwards since the last (2, 5 and 3 of them, with
 gradient_accumulation_steps 4), at ZeRO stages 0-3 with SGD and momentum and clipping. Writes
 ``<out>.<backend>.rank<r>.pt``: per stage, ``was_step_applied()``, ``global_steps`` and ``global_samples`` after each
-step, the values ``backward`` returned, the final (gathered) parameters, and whether
+step, the values ``backward`` returned, ``is_gradient_accumulation_boundary()`` after each backward and step, the final (gathered) parameters, and whether
 ``set_gradient_accumulation_boundary`` was refused.
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/deepspeed/scripts/ds_unmanaged.py --backend deepspeed --out x
@@ -28,12 +28,14 @@ def run(stage):
               "zero_allow_untested_optimizer": True}
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
     g = torch.Generator().manual_seed(1 + rank)
-    out = {"applied": [], "global_steps": [], "global_samples": [], "returned": []}
+    out = {"applied": [], "global_steps": [], "global_samples": [], "returned": [], "boundary": []}
     for count in BACKWARDS:
         for _ in range(count):
             x, y = torch.randn(2, 6, generator=g), torch.randint(0, 4, (2,), generator=g)
             out["returned"].append(engine.backward(F.cross_entropy(engine(x), y)).item())
+            out["boundary"].append(engine.is_gradient_accumulation_boundary())
         engine.step()
+        out["boundary"].append(engine.is_gradient_accumulation_boundary())
         out["applied"].append(engine.was_step_applied())
         out["global_steps"].append(engine.global_steps)
         out["global_samples"].append(engine.global_samples)

@@ -5,7 +5,8 @@ git repository (``git archive``) or taken from an existing checkout, and each of
 folders runs in its own pytest process on the CPU (``DS_ACCELERATOR=cpu``, gloo), once per side: ``ds`` (the
 installed DeepSpeed) and ``dsfunc`` (this repository's dsfunc answering ``import deepspeed``). One file per
 process: DeepSpeed's ``DistributedTest`` ends the whole session when a test hangs, and a file's hang must
-not hide the rest. The outcome of every test id goes to ``OUT/<side>.json``; ``OUT/table.csv`` lists each id
+not hide the rest; a file's run that overruns goes on in a new process after the test it stopped in
+(:func:`run_file`), so a hang, or a file of many slow tests, costs one test and not the rest. The outcome of every test id goes to ``OUT/<side>.json``; ``OUT/table.csv`` lists each id
 with its outcome on both sides, and the counts are printed: all, and those that exercise public API (the ids
 ``internal.txt`` lists, with why, reach into DeepSpeed's internals or features dsfunc does not build).
 
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import xml.etree.ElementTree as ET
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -72,44 +73,85 @@ def environment(side: str) -> dict[str, str]:
     return env
 
 
-def outcomes(junit: Path, file: str) -> dict[str, str]:
-    """``{test id: passed | failed | error | skipped}`` from pytest's JUnit XML of one file's run."""
-    module = file[: -len(".py")].replace("/", ".")
-    result = {}
-    for case in ET.parse(junit).iter("testcase"):
-        classname = case.get("classname", "")
-        inner = classname[len(module) + 1:].replace(".", "::") if classname.startswith(module + ".") else ""
-        test_id = "::".join(filter(None, [file, inner, case.get("name", "")]))
-        kinds = {child.tag for child in case}
-        result[test_id] = next((k for k in ("error", "failure", "skipped") if k in kinds), "passed")
-        result[test_id] = {"failure": "failed"}.get(result[test_id], result[test_id])
-    return result
+def outcomes(records: list[dict]) -> tuple[dict[str, str], set[str], tuple[str, float] | None]:
+    """From :mod:`upstream_outcomes`'s records of one run: ``{test id: passed | failed | error | skipped}`` of the
+    tests it finished, the ids it collected, and the test it had started and not finished (with its start time)."""
+    result: dict[str, str] = {}
+    collected: set[str] = set()
+    started: dict[str, float] = {}
+    for record in records:
+        if "collected" in record:
+            collected.update(record["collected"])
+        elif "start" in record:
+            started[record["id"]] = record["start"]
+        elif record["when"] == "collect":
+            result[record["id"] or "<collection>"] = "error"
+        elif record["outcome"] == "failed":
+            result[record["id"]] = "failed" if record["when"] == "call" else "error"
+        elif record["outcome"] == "skipped":
+            result[record["id"]] = "skipped"
+        elif record["when"] == "call":
+            result.setdefault(record["id"], "passed")
+        if record.get("when") == "teardown":
+            started.pop(record["id"], None)
+    running = next(reversed(started.items()), None)  # one at most: a test's teardown report ends it
+    return result, collected, running
 
 
 def run_file(tests: Path, file: str, side: str, ids: list[str] | None, timeout: int, log: Path) -> dict[str, str]:
-    """One test file (or the given ids of it) under one side; a file that does not finish in 4 x ``timeout``
-    seconds is stopped and its unreported tests count as ``timeout``; tests not reported otherwise (the file
-    could not be collected) as ``error``."""
-    junit = log.with_suffix(".xml")
-    junit.unlink(missing_ok=True)
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--timeout", str(timeout),
-               f"--junitxml={junit}", *(ids or [file])]
-    killed = False
-    with open(log, "w") as out:
-        process = subprocess.Popen(command, cwd=tests, env=environment(side), stdout=out, stderr=subprocess.STDOUT,
+    """One test file (or the given ids of it) under one side. A run that does not finish in 4 x ``timeout`` seconds
+    is stopped and the tests it had not reached run again in a new one (a file of many slow tests takes several):
+    the test it stopped in counts as ``timeout`` once it had run ``timeout`` seconds or was stopped in twice (else
+    it runs again), so each run gets further. Tests never reported (the file could not be collected) count as
+    ``error``."""
+    records_path = log.with_suffix(".jsonl")
+    log.unlink(missing_ok=True)
+    result: dict[str, str] = {}
+    expected: set[str] = set(ids or [])
+    pending, stopped_in, unreported = ids or [file], None, "error"
+    while pending:
+        records_path.unlink(missing_ok=True)
+        killed = _run_once(tests, side, pending, timeout, log, records_path)
+        records = [json.loads(line) for line in records_path.read_text().splitlines()] if records_path.exists() else []
+        got, collected, running = outcomes(records)
+        result.update(got)
+        expected |= collected
+        if not killed:
+            break
+        if running is None and not got:  # stopped before any test began: nothing to go on from
+            unreported = "timeout"
+            break
+        if running is not None and (time.time() - running[1] >= timeout or running[0] == stopped_in):
+            result[running[0]] = "timeout"
+        stopped_in = running and running[0]
+        pending = sorted(expected - set(result))
+    for test_id in expected:
+        result.setdefault(test_id, unreported)
+    if not result:
+        result[file] = "error"
+    return result
+
+
+def _run_once(tests: Path, side: str, args: list[str], timeout: int, log: Path, records: Path) -> bool:
+    """One pytest process over ``args`` (a file or test ids), its output appended to ``log`` and its outcomes to
+    ``records``; True if it had to be stopped (it ran past 4 x ``timeout`` seconds)."""
+    # a base temporary folder of its own: pytest prunes all but the newest few under /tmp/pytest-of-<user>, so runs
+    # beside it (another file's, another developer's) would delete the folders its tests are writing in
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "upstream_outcomes", "-q",
+               "--timeout", str(timeout), f"--basetemp={log.with_suffix('.tmp')}", *args]
+    env = environment(side)
+    env["UPSTREAM_OUTCOMES"] = str(records)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])])
+    with open(log, "a") as out:
+        process = subprocess.Popen(command, cwd=tests, env=env, stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True)
         try:
             process.wait(timeout=4 * timeout)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-            killed = True
-    result = outcomes(junit, file) if junit.exists() else {}
-    for test_id in ids or []:
-        result.setdefault(test_id, "timeout" if killed else "error")
-    if not result:
-        result[file] = "error"
-    return result
+            return True
+    return False
 
 
 def run_side(tests: Path, side: str, files: list[str], select: set[str] | None, timeout: int,

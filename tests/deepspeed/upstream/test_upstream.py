@@ -40,3 +40,31 @@ def test_deepspeeds_own_tests_pass_under_dsfunc(tmp_path):
     failed = {i: got.get(i, "not run") for i in ids if got.get(i) != "passed"}
     logs = "\n".join(str(p) for p in sorted(tmp_path.glob("*.log")))
     assert not failed, f"{len(failed)} of DeepSpeed's tests no longer pass under dsfunc: {failed}\nlogs:\n{logs}"
+
+
+HANGS = """
+import signal, time
+
+def test_first():
+    pass
+
+def test_hangs():
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # pytest-timeout cannot stop it: the runner must
+    time.sleep(600)
+
+def test_after():
+    pass
+
+def test_skipped():
+    import pytest
+    pytest.skip("no")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_file_that_overruns_goes_on_after_the_test_it_stopped_in(tmp_path):
+    (tmp_path / "unit").mkdir()
+    (tmp_path / "unit" / "test_hangs.py").write_text(HANGS)
+    got = run.run_file(tmp_path, "unit/test_hangs.py", "ds", None, 5, tmp_path / "hangs.log")
+    assert got == {"unit/test_hangs.py::test_first": "passed", "unit/test_hangs.py::test_hangs": "timeout",
+                   "unit/test_hangs.py::test_after": "passed", "unit/test_hangs.py::test_skipped": "skipped"}
