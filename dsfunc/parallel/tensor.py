@@ -120,9 +120,6 @@ def check_tensor_parallel(model: nn.Module, offload: bool, optimizer_type: str |
     if any(p.is_meta or "ds_tensor" in p.__dict__ for p in model.parameters()):
         raise NotSupportedError("tensor parallelism over a model on the meta device or built under zero.Init is not "
                                 "supported by dsfunc yet: build the model with its values (or at tp 1)")
-    if offload:
-        raise NotSupportedError("ZeRO-Offload with tensor parallelism is not supported by dsfunc yet; remove the "
-                                "offload sections or tensor_parallel")
     if optimizer_type is not None and optimizer_type.lower() == "lamb":
         raise NotSupportedError("Lamb with tensor parallelism is not supported by dsfunc yet (its per-parameter "
                                 "norms would be a tp rank's part's); use Adam/AdamW/SGD or tp 1")
