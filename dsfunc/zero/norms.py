@@ -88,12 +88,15 @@ def _tensor_parallel_norm_and_loss(plan: ShardingPlan, grads: Mapping[str, torch
 
 
 def segment_norm_fn(plan: ShardingPlan, device: torch.device) -> Callable[[Any], Any]:
-    """Per-parameter L2 norms over flat shards, broadcast back per element (Lamb's trust ratio).
+    """Per-parameter L2 norms over flat shards, broadcast back per element (Lamb's trust ratio): each parameter's
+    squares summed over the ranks its unit is sharded over, and a tp-split parameter's over tp too (the whole
+    parameter's norm; a replicated one's is already whole on each tp rank).
 
     The per-element segment index it needs is built on the first call, so optimizers that never ask
     (Adam, SGD, ...) pay no memory for it.
     """
     ids: dict[str, torch.Tensor] = {}
+    split: dict[str, torch.Tensor] = {}  # unit -> the indices of its tp-split parameters
 
     def segment_ids(where: torch.device) -> dict[str, torch.Tensor]:
         for unit in plan.units:
@@ -104,6 +107,8 @@ def segment_norm_fn(plan: ShardingPlan, device: torch.device) -> Callable[[Any],
                 if lo < hi:
                     seg[lo - start : hi - start] = i
             ids[unit.name] = seg.to(where)
+            split[unit.name] = torch.tensor([i for i, slot in enumerate(unit.params) if slot.name in plan.split],
+                                            dtype=torch.int64, device=where)
         return ids
 
     def segment_norm(squares: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -123,6 +128,11 @@ def segment_norm_fn(plan: ShardingPlan, device: torch.device) -> Callable[[Any],
             packed = torch.cat([sums[n] for n in names]).to(device)  # offloaded shards: reduce on the device (NCCL)
             comm.all_reduce_sum(packed, plan.group_of(plan.unit(names[0])))
             sums.update(zip(names, packed.to(host).split([sums[n].numel() for n in names])))
+        if plan.split:  # every rank's units in the same order: one all-reduce over tp
+            packed = torch.cat([sums[n][split[n]] for n in sums]).to(device)
+            comm.all_reduce_sum(packed, plan.tp)
+            for name, part in zip(sums, packed.to(host).split([split[n].numel() for n in sums])):
+                sums[name] = sums[name].index_copy(0, split[name], part)
         return {name: s.sqrt()[seg[name]].to(squares[name].dtype) for name, s in sums.items()}
 
     return segment_norm

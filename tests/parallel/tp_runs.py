@@ -15,6 +15,8 @@ import dsfunc.parallel
 GLOBAL_BATCH, SEQ, VOCAB, STEPS = 8, 12, 64, 8
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
 SGD = {"type": "SGD", "params": {"lr": 4.0, "momentum": 0.9}}
+LAMB = {"type": "Lamb", "params": {"lr": 2e-2, "weight_decay": 0.01}}
+OPTIMIZERS = {"AdamW": ADAMW, "SGD": SGD, "Lamb": LAMB}
 
 
 def llama(heads: int = 4, kv_heads: int = 2) -> transformers.LlamaForCausalLM:
