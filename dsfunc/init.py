@@ -283,8 +283,7 @@ def _split(model: nn.Module, skeleton: nn.Module, cfg: Config, mesh: Mesh,
         return None
     from dsfunc.parallel.tensor import check_tensor_parallel, tensor_parallel
 
-    check_tensor_parallel(model, cfg.zero_optimization.offload_optimizer is not None,
-                          None if cfg.optimizer is None else cfg.optimizer.type)
+    check_tensor_parallel(model)
     return tensor_parallel(skeleton, mesh, cfg.tensor_parallel, tp_plan)
 
 

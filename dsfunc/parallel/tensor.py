@@ -115,17 +115,11 @@ def tensor_parallel(skeleton: nn.Module, mesh: Mesh, section: TensorParallelConf
     return TensorParallel(mesh.group("tp"), device_mesh, split)
 
 
-def check_tensor_parallel(model: nn.Module, offload: bool, optimizer_type: str | None) -> None:
+def check_tensor_parallel(model: nn.Module) -> None:
     """What tensor parallelism does not compose with yet, refused by name."""
     if any(p.is_meta or "ds_tensor" in p.__dict__ for p in model.parameters()):
         raise NotSupportedError("tensor parallelism over a model on the meta device or built under zero.Init is not "
                                 "supported by dsfunc yet: build the model with its values (or at tp 1)")
-    if offload:
-        raise NotSupportedError("ZeRO-Offload with tensor parallelism is not supported by dsfunc yet; remove the "
-                                "offload sections or tensor_parallel")
-    if optimizer_type is not None and optimizer_type.lower() == "lamb":
-        raise NotSupportedError("Lamb with tensor parallelism is not supported by dsfunc yet (its per-parameter "
-                                "norms would be a tp rank's part's); use Adam/AdamW/SGD or tp 1")
 
 
 def _view_as_dtensors(module: nn.Module, device_mesh: DeviceMesh, specs: Mapping[str, SplitParam]) -> None:

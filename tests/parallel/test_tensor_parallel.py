@@ -2,7 +2,8 @@
 trains a tiny Hugging Face Llama (GQA) like one process on the same global batch: losses within 1e-5
 (relative) and every parameter within 1e-4 (norm-wise) after 8 clipped steps, with AdamW and with SGD with
 momentum (not scale-invariant: a norm that counted a replicated parameter once per tp rank, or missed a split
-one's other parts, would change the clip factor and every update)."""
+one's other parts, would change the clip factor and every update), offloaded too, and with Lamb (whose trust
+ratio needs each split parameter's whole norm)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from tests.parallel import tp_runs as runs
 @functools.cache
 def reference(optimizer: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, no tensor parallelism, the whole global batch."""
-    return runs.train(runs.ds_config(runs.ADAMW if optimizer == "AdamW" else runs.SGD, 0, 1))
+    return runs.train(runs.ds_config(runs.OPTIMIZERS[optimizer], 0, 1))
 
 
 def assert_like_one_process(results: list, optimizer: str) -> None:
@@ -38,20 +39,23 @@ def assert_like_one_process(results: list, optimizer: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "stage", "dp", "tensor", "mesh_dims"),
+    ("optimizer", "stage", "dp", "offload", "tensor", "mesh_dims"),
     [
-        ("AdamW", 1, 1, {}, None),  # the model's own tp plan (base_model_tp_plan + lm_head, embed_tokens)
-        ("AdamW", 2, 2, {"preset_model": "llama"}, None),
-        ("SGD", 1, 2, {"partition_config": {"layer_specs": [
+        ("AdamW", 1, 1, False, {}, None),  # the model's own tp plan (base_model_tp_plan + lm_head, embed_tokens)
+        ("AdamW", 2, 2, False, {"preset_model": "llama"}, None),
+        ("SGD", 1, 2, False, {"partition_config": {"layer_specs": [
             {"patterns": [r".*\.(o_proj|down_proj)\.weight$"], "partition_type": "row"},
             {"patterns": [r".*\.([qkv]_proj|gate_proj|up_proj)\.weight$"], "partition_type": "column"}]}},
          ("dp", "tp")),
-        ("SGD", 3, 2, {}, None),
+        ("SGD", 3, 2, False, {}, None),
+        ("SGD", 2, 2, True, {}, None),  # ZeRO-Offload: the host update clips by the same tp-aware norm
+        ("Lamb", 1, 2, False, {}, None),  # trust ratios of whole parameters: norms over dp, then over tp
     ],
-    ids=["tp2-hf-plan-zero1", "tp2xdp2-preset-zero2", "tp2xdp2-specs-sgd-zero1-given-mesh", "tp2xdp2-sgd-zero3"],
+    ids=["tp2-hf-plan-zero1", "tp2xdp2-preset-zero2", "tp2xdp2-specs-sgd-zero1-given-mesh", "tp2xdp2-sgd-zero3",
+         "tp2xdp2-sgd-zero2-offload", "tp2xdp2-lamb-zero1"],
 )
-def test_tensor_parallel_trains_like_one_process(optimizer, stage, dp, tensor, mesh_dims):
-    config = runs.ds_config(runs.ADAMW if optimizer == "AdamW" else runs.SGD, stage, dp, tp=2, **tensor)
+def test_tensor_parallel_trains_like_one_process(optimizer, stage, dp, offload, tensor, mesh_dims):
+    config = runs.ds_config(runs.OPTIMIZERS[optimizer], stage, dp, tp=2, offload=offload, **tensor)
     results = run_world(runs.train_rank, 2 * dp, config, mesh_dims, timeout=900)
     assert_like_one_process(results, optimizer)
 

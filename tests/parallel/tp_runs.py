@@ -15,6 +15,8 @@ import dsfunc.parallel
 GLOBAL_BATCH, SEQ, VOCAB, STEPS = 8, 12, 64, 8
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
 SGD = {"type": "SGD", "params": {"lr": 4.0, "momentum": 0.9}}
+LAMB = {"type": "Lamb", "params": {"lr": 2e-2, "weight_decay": 0.01}}
+OPTIMIZERS = {"AdamW": ADAMW, "SGD": SGD, "Lamb": LAMB}
 
 
 def llama(heads: int = 4, kv_heads: int = 2) -> transformers.LlamaForCausalLM:
@@ -25,10 +27,15 @@ def llama(heads: int = 4, kv_heads: int = 2) -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(config)
 
 
-def ds_config(optimizer: dict[str, Any], stage: int, dp: int, tp: int = 1, **tensor: Any) -> dict[str, Any]:
-    """Two micro-batches per step, clipped at 0.05 (below the gradients' norm, so the clip scales every step)."""
+def ds_config(optimizer: dict[str, Any], stage: int, dp: int, tp: int = 1, offload: bool = False,
+              **tensor: Any) -> dict[str, Any]:
+    """Two micro-batches per step, clipped at 0.05 (below the gradients' norm, so the clip scales every step);
+    ``offload``: the optimizer's update on the host (ZeRO-Offload)."""
+    zero: dict[str, Any] = {"stage": stage}
+    if offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
     config = {"train_batch_size": GLOBAL_BATCH, "gradient_accumulation_steps": 2, "optimizer": optimizer,
-              "gradient_clipping": 0.05, "zero_optimization": {"stage": stage}, "steps_per_print": None}
+              "gradient_clipping": 0.05, "zero_optimization": zero, "steps_per_print": None}
     if tp > 1:
         config["tensor_parallel"] = {"autotp_size": tp, **tensor}
     return config

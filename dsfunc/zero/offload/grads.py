@@ -8,7 +8,8 @@ the sum a unit's next micro-batch adds to comes back on a second stream while th
 (:meth:`HostGrads.take`). The sums of the units in :attr:`DeviceSums.units` (``grad_accumulation_on_device``)
 stay on the device instead, after the last micro-batch too, until the update reads them
 (:mod:`dsfunc.zero.offload.device_sums`). The sum of squares for the global norm is taken on the device after
-the last micro-batch, so only one number per unit is summed there.
+the last micro-batch, so only one number per unit is summed there (three with tensor parallelism:
+:func:`dsfunc.zero.norms.unit_sumsq`).
 
 The buffer holds the narrowest dtype that holds the gradient exactly (:func:`dsfunc.zero.reduce.exact_dtype`:
 16 bits for one micro-batch on one rank, or with 16-bit communication), half the host bytes of fp32 and the
@@ -23,8 +24,8 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from dsfunc import kernels
 from dsfunc.zero.layout import ShardingPlan, Unit
+from dsfunc.zero.norms import unit_sumsq
 from dsfunc.zero.offload.device_sums import DeviceSums
 from dsfunc.zero.offload.executor import HostExecutor
 from dsfunc.zero.offload.pinned import HostMemory
@@ -76,7 +77,7 @@ class HostGrads:
         ``last`` micro-batch's. The caller may drop ``grad`` at once (the copy is ordered on its stream). A
         later call for the same unit (the next micro-batch, another backward) replaces both."""
         if last:
-            self._sumsq[unit.name] = kernels.sum_of_squares([grad])
+            self._sumsq[unit.name] = unit_sumsq(self.plan, unit, grad)
         self._executor.wait_unit(unit.name)  # the last step's update may still read the buffer
         if self.speculation is not None:  # and this step's, run ahead of it: undone, the buffer is written again
             self.speculation.release(unit.name)
@@ -134,7 +135,7 @@ class HostGrads:
         for name, grad in grads.items():
             if grad is not None and grad is not self._grads.get(name):
                 if name in self.device_sums.units:  # on the device until the update reads it
-                    self._sumsq[name] = kernels.sum_of_squares([grad])
+                    self._sumsq[name] = unit_sumsq(self.plan, self.plan.unit(name), grad)
                     self.device_sums.wait_there(name, grad)
                 else:
                     grad = self.put(self.plan.unit(name), grad)
@@ -146,8 +147,7 @@ class HostGrads:
             torch.cuda.current_stream(self.compute_device).synchronize()  # the host reads them next
             self._copies.synchronize()
             self._fetched = {}
-        total = torch.stack(sums).sum() if sums else torch.zeros((), device=self.compute_device)
-        return HostGradMap(out, self.device_sums), total
+        return HostGradMap(out, self.device_sums), torch.stack(sums).sum(0)
 
     def dtypes(self) -> set[torch.dtype]:
         """The dtypes the host gradient buffers hold now."""
