@@ -7,12 +7,17 @@ gradients' norm, so an expert counted twice or missed would change every step; S
 losses within 1e-5, every parameter within 1e-4. A checkpoint of tp 2 x ep 2 x dp 2 (experts whole over tp, each
 ep rank's slice saved under the whole model's names) loads at tp 1 x ep 2 x dp 4 and in one process and steps on as
 the uninterrupted run, and exports as the whole HF model; ``dsfunc.initialize`` at tp 2 x ep 2 trains as one
-process. DeepSpeed's MoE layer under tp and any MoE under sequence parallelism are refused by name."""
+process. DeepSpeed's MoE layer under tp, any MoE under sequence parallelism and a tp plan that splits AutoEP's experts
+are refused by name."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
 import dsfunc
 import dsfunc.parallel
@@ -61,15 +66,28 @@ def test_tp2_dp2_with_autoep_equals_one_process(family, optimizer, stage, ep):
             assert hf_moe.relative(r["params"][name], value) <= 1e-4, name
 
 
+class _SplitColumns(ParallelStyle):
+    """A user's tp style that splits every parameter of a module on dim 1 (here AutoEP's stacked experts)."""
+
+    def _apply(self, module: torch.nn.Module, device_mesh: Any) -> torch.nn.Module:
+        for name, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, torch.nn.Parameter(distribute_tensor(p.data, device_mesh, [Shard(1)])))
+        return module
+
+
 def _refusals(rank: int, world: int) -> list[str]:
-    """What init_state says on 2 ranks to DeepSpeed's MoE layer at tp 2, and to AutoEP at sp 2."""
+    """What init_state says on 2 ranks to DeepSpeed's MoE layer at tp 2, to AutoEP at sp 2, and to a tp plan
+    that splits AutoEP's experts."""
     layer = torch.nn.Sequential(torch.nn.Linear(4, 4), MoE(4, torch.nn.Linear(4, 4), num_experts=2, ep_size=2))
-    cases = [(layer, {"tensor_parallel": {"autotp_size": 2}}),
-             (hf_moe.build("mixtral"), {"sequence_parallel_size": 2, "expert_parallel": {"enabled": True}})]
+    tp_ep = {"tensor_parallel": {"autotp_size": 2}, "expert_parallel": {"enabled": True, "autoep_size": 2}}
+    cases = [(layer, {"tensor_parallel": {"autotp_size": 2}}, None),
+             (hf_moe.build("mixtral"), {"sequence_parallel_size": 2, "expert_parallel": {"enabled": True}}, None),
+             (hf_moe.build("qwen3_moe"), tp_ep, {"model.layers.*.mlp.experts": _SplitColumns()})]
     out = []
-    for model, sections in cases:
+    for model, sections, plan in cases:
         try:
-            dsfunc.init_state(model, hf_moe.config(1, "sgd", **sections), loss_fn=lambda m, b: m(b).sum())
+            dsfunc.init_state(model, hf_moe.config(1, "sgd", **sections), loss_fn=lambda m, b: m(b).sum(),
+                              tp_plan=plan)
         except dsfunc.NotSupportedError as e:
             out.append(str(e))
     torch.distributed.barrier()  # no rank leaves while another still builds the mesh's groups
@@ -77,11 +95,14 @@ def _refusals(rank: int, world: int) -> list[str]:
 
 
 def test_moe_layer_under_tp_and_moe_under_sp_are_refused_by_name():
-    for layer, sp in run_world(_refusals, 2, timeout=600):
+    for layer, sp, split in run_world(_refusals, 2, timeout=600):
         assert "deepspeed.moe.layer.MoE with tensor_parallel.autotp_size 2 is not supported" in layer, layer
         assert "What composes with tp is AutoEP" in layer, layer
         assert "mixture-of-experts layers with sequence_parallel_size 2 are not supported" in sp, sp
         assert "load-balancing loss" in sp, sp
+        assert "the tp plan splits model.layers.0.mlp.experts.down_proj, model.layers.0.mlp.experts.gate_up_proj" \
+            in split, split
+        assert "leave the MoE blocks' gate and experts out of the tp plan" in split, split
 
 
 def _micro1(sections: dict, optimizer: str = "adamw") -> dict:
