@@ -145,6 +145,15 @@ def _save_resume_engine(rank: int, world: int, folder: str) -> dict:
         engine.step()
         losses.append(float(loss.detach()))
     out["engine"] = (losses, dsfunc.full_params(engine.state))
+    # DeepSeek's block (its shared expert split over tp by a plan of the user's) shares its tokens out over tp too
+    shared = {f"model.layers.*.mlp.shared_experts.{name}": style
+              for name, style in (("gate_proj", "colwise"), ("up_proj", "colwise"), ("down_proj", "rowwise"))}
+    state = dsfunc.init_state(hf_moe.build("deepseek_v2"), hf_moe.config(REPLICAS, "sgd", **tp_ep), tp_plan=shared)
+    losses = []
+    for step in range(STEPS):
+        state = dsfunc.train_step(state, _sample(step, state.program.mesh.group("dp").rank, 2))
+        losses.append(float(state.metrics.loss))
+    out["deepseek"] = (losses, dsfunc.full_params(state))
     return out
 
 
@@ -182,3 +191,8 @@ def test_tp2_ep2_checkpoint_loads_at_other_shapes_and_the_engine_trains_alike(tm
     for r in results:
         for name, value in params.items():
             assert hf_moe.relative(r["engine"][1][name], value) <= 1e-4, name
+    losses, params = hf_moe.reference("deepseek_v2", REPLICAS, "sgd", STEPS)
+    for r in results:
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["deepseek"][0], losses)), (r["deepseek"][0], losses)
+        for name, value in params.items():
+            assert hf_moe.relative(r["deepseek"][1][name], value) <= 1e-4, name
