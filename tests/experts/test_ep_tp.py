@@ -169,8 +169,8 @@ def test_tp2_ep2_checkpoint_loads_at_other_shapes_and_the_engine_trains_alike(tm
         for name, value in want["params"].items():
             assert hf_moe.relative(r["resumed"][1][name], value) <= 1e-5, name
     assert max(hf_moe.relative(want["params"][k], v) for k, v in want["saved"].items()) > 1e-3  # the step moved them
-    # one process, no tp and ep 1 (every expert): the whole model as saved, then the same step
-    state = dsfunc.init_state(hf_moe.build("qwen3_moe"), _micro1({"expert_parallel": {"enabled": True, "autoep_size": 1}}))
+    # one process, the plain HF model (no tp, no ep, its own units): the whole model as saved, then the same step
+    state = dsfunc.init_state(hf_moe.build("qwen3_moe"), _micro1({}))
     state, _ = dsfunc.load_checkpoint(tmp_path / "ckpt", state)
     loaded = dsfunc.full_params(state)
     assert loaded.keys() == want["saved"].keys()
