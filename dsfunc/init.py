@@ -229,6 +229,7 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     # a split model's units hold each rank's tp parts: the skeleton's (local) shapes
     plan, groups = _plan(model if tensor is None else skeleton, zero.stage, unit_modules, param_groups, mesh.zero)
     if tensor is not None:
+        _check_experts_whole(skeleton, tensor)
         plan = dataclasses.replace(plan, tp=tensor.group, split=frozenset(tensor.split))
     comm_dtype = DTYPES[cfg.communication_data_type or "fp32"]
     gas = cfg.gradient_accumulation_steps
@@ -285,6 +286,18 @@ def _split(model: nn.Module, skeleton: nn.Module, cfg: Config, mesh: Mesh,
 
     check_tensor_parallel(model)
     return tensor_parallel(skeleton, mesh, cfg.tensor_parallel, tp_plan)
+
+
+def _check_experts_whole(skeleton: nn.Module, tensor: TensorParallel) -> None:
+    """AutoEP's routers and experts stay whole over tp (each tp rank routes its share of the tokens through them:
+    [Note: experts under tensor parallelism]), so checkpoints and full weights take an expert's ep slice alone."""
+    blocks = [f"{path}." for path, m in skeleton.named_modules() if isinstance(m, ExpertParallelBlock)]
+    split = sorted(n for n in tensor.split for b in blocks if n.startswith((f"{b}gate.", f"{b}experts.")))
+    if split:
+        raise NotSupportedError(
+            f"the tp plan splits {', '.join(split[:2])}{' ...' if len(split) > 2 else ''} over the tp ranks, but "
+            "AutoEP's routers and experts stay whole on each tp rank (the experts are split over "
+            "expert_parallel.autoep_size instead): leave the MoE blocks' gate and experts out of the tp plan")
 
 
 def _tp_local(tensor: TensorParallel, plan: ShardingPlan) -> Callable[[str, torch.Tensor], torch.Tensor]:

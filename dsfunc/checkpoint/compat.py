@@ -10,7 +10,7 @@ from typing import Any
 from dsfunc.checkpoint.errors import CheckpointMismatchError
 from dsfunc.checkpoint.keys import entries
 from dsfunc.checkpoint.metadata import precision
-from dsfunc.checkpoint.per_param import LAYOUT, uses_per_param, whole_params
+from dsfunc.checkpoint.per_param import LAYOUT, param_key, uses_per_param, whole_params
 from dsfunc.state import TrainState
 
 
@@ -54,7 +54,8 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
     my_units = [(u.name, [name for name, _, _ in whole_params(state, u)]) for u in plan.units]
     if pipelined:
         saved_units = [u for u in saved_units if u[0] in {name for name, _ in my_units}]
-    if saved_units != my_units:
+    per_param = meta.get("layout", "units") == LAYOUT  # read by parameter name: any grouping into units takes it
+    if saved_units != my_units and not per_param:
         raise CheckpointMismatchError(
             f"the checkpoint {folder} groups the parameters into units {[n for n, _ in saved_units]}, this "
             f"state into {[n for n, _ in my_units]}: pass the unit_modules the saving run used to "
@@ -65,10 +66,11 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
         return f"unit {unit}" if unit else f"shape {tuple(shape)}"
 
     units = {u.name for u in plan.units}
-    saved_opt = {k[6:]: describe(v["unit"], v["shape"]) for k, v in unit_tensors(meta).items()
+    saved_opt = {k[6:]: describe(None if "param" in v else v["unit"], v["shape"])
+                 for k, v in (meta["tensors"] if per_param else unit_tensors(meta)).items()
                  if k.startswith("optim/") and not (pipelined and v["unit"] is not None and v["unit"] not in units)}
-    mine_opt = {e.key[6:]: describe(e.unit, e.tensor.shape)
-                for e in entries(state) if e.key.startswith("optim/")}
+    mine_opt = {k[6:]: describe(unit, shape) for k, (unit, shape) in stored_keys(state, per_param).items()
+                if k.startswith("optim/")}
     lines = differences(saved_opt, mine_opt, "this state's optimizer")
     if lines and selection.optimizer and not selection.module_only:
         cfg = state.program.config
@@ -88,7 +90,8 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
             f"{'load it at tensor_parallel.autotp_size 1 and save it again, or ' if tp else ''}export it "
             "(dsfunc export) and build the state from the exported weights"
         )
-    absent = sorted(wanted(meta, state, selection) - unit_tensors(meta).keys())
+    absent = sorted(stored_keys(state, per_param, wanted(meta, state, selection)).keys()
+                    - (meta["tensors"] if per_param else unit_tensors(meta)).keys())
     if absent:
         raise CheckpointMismatchError(
             f"the checkpoint {folder} (written by dsfunc {meta.get('dsfunc_version')}) has no "
@@ -111,6 +114,22 @@ def differences(saved: Mapping[str, Any], mine: Mapping[str, Any], what: str, li
     if changed := sorted(k for k in saved.keys() & mine.keys() if saved[k] != mine[k]):
         lines += listed("different", [f"{k} (checkpoint {saved[k]}, {what} {mine[k]})" for k in changed])
     return lines
+
+
+def stored_keys(state: TrainState, per_param: bool,
+                keys: set[str] | None = None) -> dict[str, tuple[str | None, tuple[int, ...]]]:
+    """``{key: (unit, shape)}`` of ``state``'s entries (those in ``keys``) as a checkpoint stores them: in a
+    per-parameter one (:mod:`.per_param`) each unit-shaped tensor as its parameters (no unit, their whole shapes)."""
+    plan = state.program.plan
+    out: dict[str, tuple[str | None, tuple[int, ...]]] = {}
+    for e in entries(state):
+        if keys is not None and e.key not in keys:
+            continue
+        if per_param and e.unit is not None:
+            out.update({param_key(e.key, name): (None, shape) for name, shape, _ in whole_params(state, plan.unit(e.unit))})
+        else:
+            out[e.key] = (e.unit, tuple(e.tensor.shape))
+    return out
 
 
 def unit_tensors(meta: dict[str, Any]) -> dict[str, dict[str, Any]]:

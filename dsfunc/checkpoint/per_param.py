@@ -13,7 +13,10 @@ load reads whole tp-local parameters into a flat buffer of the template's layout
 Any mesh (tp 1 or 2, dp, sp, one process) loads such a checkpoint; export reads each parameter whole.
 
 A state with MoE experts is saved the same way, each expert under its place in the whole model
-(:mod:`dsfunc.experts.placement`), so a load at another expert-parallel degree reads the experts it holds.
+(:mod:`dsfunc.experts.placement`), so a load at another expert-parallel degree reads the experts it holds. A
+parameter is a tp slice or an ep slice, never both (AutoEP's experts stay whole over tp: ``init_state`` refuses a tp
+plan that splits them). Everything is read by parameter name, so the loading state may group its parameters into
+other units (a tp x ep AutoEP checkpoint loads into the plain Hugging Face model).
 """
 
 from __future__ import annotations

@@ -194,6 +194,7 @@ def _fill_unit(ckpt: DeepSpeedCheckpoint, state: TrainState, unit: Any, quantiti
             if lo < hi:
                 views = {q: s[lo - start : hi - start] for q, s in staging.items()}
                 where = part(state, unit, slot)  # an expert: its place in the whole model
+                # tp-split or an ep slice, never both: init_state refuses a tp plan that splits AutoEP's experts
                 tp_split = tensor is not None and slot.name in tensor.split
                 # AutoEP's stacked experts: this ep rank's dim-0 slice, one run of the whole flattened tensor
                 base = where.group.rank * slot.numel if where.placements is not None and not tp_split else 0
