@@ -16,16 +16,11 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-import optree
-import torch
 import torch.distributed as dist
-from bench_mesh import MODELS, Counter, nbytes, parse_shape, qwen3_moe  # the same model, shapes and counting
+from bench_mesh import MODELS, measure, nbytes, parse_and_join, parse_shape, qwen3_moe  # one model, one count
 
 import dsfunc
 
@@ -35,44 +30,15 @@ def run_shape(model_name: str, sizes: dict[str, int], stage: int, args: argparse
     if set(sizes) - {"dp", "ep"} or sizes.get("dp", world) != world:
         raise SystemExit(f"bad shape {sizes}: a shape is dp{world}:STAGE (plain ZeRO) or epN:STAGE (AutoEP)")
     ep = sizes.get("ep", 0)
-    model = qwen3_moe(model_name, args.seq, 0)  # the HF model as it is; AutoEP swaps its blocks in init_state
+    model = qwen3_moe(model_name, args.seq)  # the HF model as it is; AutoEP swaps its blocks in init_state
     config = {"train_batch_size": args.batch, "train_micro_batch_size_per_gpu": args.batch // world,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
               "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}, "steps_per_print": None}
     if ep:
         config["expert_parallel"] = {"enabled": True, "autoep_size": ep}
     state = dsfunc.init_state(model, config)
-    counter = Counter(state)
-    step = dsfunc.make_train_step(counter.grad_fn(
-        dsfunc.scale_loss()(dsfunc.shard()(dsfunc.accumulate()(dsfunc.value_and_grad())))))
-    vocab = MODELS[model_name][4]
-    g = torch.Generator().manual_seed(1234)
-    times, losses = [], []
-    for i in range(args.warmup + args.steps):
-        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g).chunk(world)[dist.get_rank()]
-        batch = {"input_ids": ids, "labels": ids}
-        last = i == args.warmup + args.steps - 1
-        dist.barrier()
-        start = time.perf_counter()
-        if last:
-            with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-                state = step(state, batch)
-        else:
-            state = step(state, batch)
-        losses.append(state.metrics.loss.item())
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-    workspace = state.program.run.workspace
-    moments = [t for t in optree.tree_leaves(state.opt_state) if t.dim() > 0]
-    mine = {
-        "master": nbytes(list(state.params.values())),
-        "experts": nbytes([t for name, t in state.params.items() if name.endswith(".experts")]) if ep else None,
-        "compute": 0 if workspace.aliases_master else nbytes(list(workspace.buffers.values())),
-        "grads": counter.grads,
-        "optimizer": nbytes(moments),
-        "activations": sum(counter.saved.values()),
-        "step_s": statistics.median(times),
-    }
+    state, mine, losses = measure(state, dsfunc.shard(), model_name, args, dist.get_rank(), world)
+    mine["experts"] = nbytes([t for name, t in state.params.items() if name.endswith(".experts")]) if ep else None
     ranks = [None] * world
     dist.all_gather_object(ranks, mine)
     row = {"shape": f"ep{ep}" if ep else f"dp{world}", "stage": stage, "model": model_name, "ranks": ranks,
@@ -104,15 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=[m for m in MODELS if m.startswith("qwen3moe")], default="qwen3moe-tiny")
     parser.add_argument("--shapes", default="dp2:3,ep2:1,ep2:2,ep2:3")
-    parser.add_argument("--batch", type=int, default=8, help="global batch, sequences")
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--json", help="write every rank's figures here")
-    parser.add_argument("--local_rank", type=int, default=-1, help="set by a launcher; unused")
-    args = parser.parse_args()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dsfunc.init_distributed(dist_backend="gloo", verbose=False)
+    args = parse_and_join(parser)
     world = dist.get_world_size()
     rows = [run_shape(args.model, *parse_shape(s, 3), args) for s in args.shapes.split(",")]
     if dist.get_rank() == 0:

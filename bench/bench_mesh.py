@@ -1,13 +1,12 @@
 """Per-rank memory (counted bytes) and step time by mesh shape, in one process group.
 
     torchrun --nproc_per_node 4 bench/bench_mesh.py --model llama-small --shapes dp4,tp2xdp2,sp2xdp2,tp2xsp2
-    torchrun --nproc_per_node 2 bench/bench_mesh.py --model qwen3moe-small --shapes dp2:0,dp2:3,ep2:0
+    torchrun --nproc_per_node 2 bench/bench_mesh.py --model qwen3moe-small --shapes dp2:0,dp2:3
 
 A shape is its mesh axes (``tp2xsp2xdp2``; the rest of the world is ``dp``) and optionally ``:STAGE``, the ZeRO
 stage (default ``--stage``). ``llama-*`` is a Hugging Face Llama with grouped-query attention; ``qwen3moe-*`` a Hugging Face
-Qwen3-MoE (top-2 of 8 experts), trained as it is by plain ZeRO, or, at a shape with an ``ep`` axis, with its
-sparse blocks swapped for DeepSpeed's ``MoE`` layer of ``ep_size`` ep (experts over ep ranks; MoE layers train
-at ZeRO stage 0 only in dsfunc, as in DeepSpeed at stage 3).
+Qwen3-MoE (top-2 of 8 experts), trained as it is by plain ZeRO (its expert-parallel shapes are
+bench/bench_ep.py's, which reuses this model and these counts).
 
 Every shape trains the same global batch (``--batch`` sequences of ``--seq`` tokens; each data-parallel replica
 takes its slice) with fp32 AdamW and clipping. The bytes are read from the tensors each rank holds after the
@@ -34,14 +33,12 @@ from typing import Any
 import optree
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import dsfunc
 import dsfunc.parallel
-from dsfunc.experts import MoE
 
 MODELS = {  # hidden, layers, heads, kv heads, vocab, intermediate
     "llama-tiny": (64, 2, 8, 4, 256, 128),
@@ -75,33 +72,8 @@ def llama(name: str, seq: int) -> nn.Module:
     return LlamaForCausalLM(config)
 
 
-class SwiGLU(nn.Module):
-    """One Qwen3-MoE expert: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class ExpertParallel(nn.Module):
-    """Qwen3-MoE's sparse block as DeepSpeed's MoE layer over ``ep`` ranks (what AutoEP swaps in): the same gate
-    and expert shapes, top-k routing with DeepSpeed's capacity; the aux loss is left out, as the HF model's is."""
-
-    def __init__(self, hidden: int, inter: int, experts: int, k: int, ep: int) -> None:
-        super().__init__()
-        self.moe = MoE(hidden, SwiGLU(hidden, inter), num_experts=experts, ep_size=ep, k=k, min_capacity=4)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.moe(h)[0]
-
-
-def qwen3_moe(name: str, seq: int, ep: int) -> nn.Module:
-    """A Hugging Face Qwen3-MoE (top-2 of ``EXPERTS``); at ``ep`` > 0 its sparse blocks are DeepSpeed MoE layers."""
+def qwen3_moe(name: str, seq: int) -> nn.Module:
+    """A Hugging Face Qwen3-MoE (top-2 of ``EXPERTS``), as it is (bench/bench_ep.py runs it under AutoEP)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     hidden, layers, heads, kv, vocab, inter = MODELS[name]
@@ -110,11 +82,7 @@ def qwen3_moe(name: str, seq: int, ep: int) -> nn.Module:
                             head_dim=hidden // heads, vocab_size=vocab, num_experts=EXPERTS, num_experts_per_tok=2,
                             max_position_embeddings=seq, attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config)
-    if ep:
-        for layer in model.model.layers:
-            layer.mlp = ExpertParallel(hidden, inter, EXPERTS, 2, ep)
-    return model
+    return Qwen3MoeForCausalLM(config)
 
 
 def nbytes(tensors: list[torch.Tensor]) -> int:
@@ -153,37 +121,18 @@ class Counter:
         return t
 
 
-def run_shape(model_name: str, sizes: dict[str, int], stage: int, args: argparse.Namespace) -> dict[str, Any]:
-    world = dist.get_world_size()
-    tp, sp, ep = sizes.get("tp", 1), sizes.get("sp", 1), sizes.get("ep", 1)
-    dp = world // (tp * sp)
-    if sizes.get("dp", dp) != dp or dp * tp * sp != world:
-        raise SystemExit(f"the shape {sizes} does not cover the {world} ranks")
-    moe = model_name.startswith("qwen3moe")
-    model = qwen3_moe(model_name, args.seq, ep if "ep" in sizes else 0) if moe else llama(model_name, args.seq)
-    numels = {name: p.numel() for name, p in model.named_parameters()}
-    config = {"train_batch_size": args.batch, "train_micro_batch_size_per_gpu": args.batch // dp,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
-              "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}, "steps_per_print": None}
-    if tp > 1:
-        config["tensor_parallel"] = {"autotp_size": tp}
-    if sp > 1:
-        config["sequence_parallel_size"] = sp
-    # torch's mesh, given to init_state and to the step's shard() (the config's axes must agree with it)
-    names = tuple(a for a in ("dp", "sp", "tp") if a == "dp" or sizes.get(a, 1) > 1)
-    device_mesh = init_device_mesh("cpu", tuple({"dp": dp, "sp": sp, "tp": tp}[a] for a in names),
-                                   mesh_dim_names=names)
-    state = dsfunc.init_state(model, config, mesh=device_mesh)
-    mesh = state.program.mesh
-    replica = mesh.group("dp").rank
+def measure(state: Any, shard: Any, model_name: str, args: argparse.Namespace, replica: int,
+            replicas: int) -> tuple[Any, dict[str, Any], list[float]]:
+    """Train ``state`` (``args.warmup + args.steps`` steps of this replica's slice of the bench's batches, through
+    ``shard``); the trained state, this rank's counted bytes and median step time, and the losses."""
     counter = Counter(state)
     step = dsfunc.make_train_step(counter.grad_fn(
-        dsfunc.scale_loss()(dsfunc.shard(mesh=device_mesh)(dsfunc.accumulate()(dsfunc.value_and_grad())))))
+        dsfunc.scale_loss()(shard(dsfunc.accumulate()(dsfunc.value_and_grad())))))
     vocab = MODELS[model_name][4]
     g = torch.Generator().manual_seed(1234)
     times, losses = [], []
     for i in range(args.warmup + args.steps):
-        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g).chunk(dp)[replica]
+        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g).chunk(replicas)[replica]
         batch = {"input_ids": ids, "labels": ids}
         last = i == args.warmup + args.steps - 1
         dist.barrier()
@@ -203,6 +152,35 @@ def run_shape(model_name: str, sizes: dict[str, int], stage: int, args: argparse
         "activations": sum(counter.saved.values()),
         "step_s": statistics.median(times),
     }
+    return state, mine, losses
+
+
+def run_shape(model_name: str, sizes: dict[str, int], stage: int, args: argparse.Namespace) -> dict[str, Any]:
+    world = dist.get_world_size()
+    if "ep" in sizes:
+        raise SystemExit("expert parallelism has its own bench: bench/bench_ep.py (AutoEP against plain ZeRO)")
+    tp, sp = sizes.get("tp", 1), sizes.get("sp", 1)
+    dp = world // (tp * sp)
+    if sizes.get("dp", dp) != dp or dp * tp * sp != world:
+        raise SystemExit(f"the shape {sizes} does not cover the {world} ranks")
+    moe = model_name.startswith("qwen3moe")
+    model = qwen3_moe(model_name, args.seq) if moe else llama(model_name, args.seq)
+    numels = {name: p.numel() for name, p in model.named_parameters()}
+    config = {"train_batch_size": args.batch, "train_micro_batch_size_per_gpu": args.batch // dp,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+              "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}, "steps_per_print": None}
+    if tp > 1:
+        config["tensor_parallel"] = {"autotp_size": tp}
+    if sp > 1:
+        config["sequence_parallel_size"] = sp
+    # torch's mesh, given to init_state and to the step's shard() (the config's axes must agree with it)
+    names = tuple(a for a in ("dp", "sp", "tp") if a == "dp" or sizes.get(a, 1) > 1)
+    device_mesh = init_device_mesh("cpu", tuple({"dp": dp, "sp": sp, "tp": tp}[a] for a in names),
+                                   mesh_dim_names=names)
+    state = dsfunc.init_state(model, config, mesh=device_mesh)
+    mesh = state.program.mesh
+    replica = mesh.group("dp").rank
+    state, mine, losses = measure(state, dsfunc.shard(mesh=device_mesh), model_name, args, replica, dp)
     ranks = [None] * world
     dist.all_gather_object(ranks, mine)
     row = {"shape": "x".join(f"{a}{n}" for a, n in sizes.items()), "stage": stage, "model": model_name,
@@ -229,11 +207,9 @@ def markdown(row: dict[str, Any], args: argparse.Namespace) -> str:
             f"{step * 1e3:.0f} | {tokens:,.0f} | {row['losses'][0]:.4f} -> {row['losses'][-1]:.4f} |")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=list(MODELS), default="llama-tiny")
-    parser.add_argument("--shapes", default="dp4,tp2xdp2,sp2xdp2,tp2xsp2")
-    parser.add_argument("--stage", type=int, default=1, help="ZeRO stage of a shape that names none")
+def parse_and_join(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The arguments every mesh bench takes (batch, sequence, steps, output) added to ``parser`` and parsed; the
+    gloo world joined."""
     parser.add_argument("--batch", type=int, default=8, help="global batch, sequences")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=1)
@@ -243,6 +219,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dsfunc.init_distributed(dist_backend="gloo", verbose=False)
+    return args
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=list(MODELS), default="llama-tiny")
+    parser.add_argument("--shapes", default="dp4,tp2xdp2,sp2xdp2,tp2xsp2")
+    parser.add_argument("--stage", type=int, default=1, help="ZeRO stage of a shape that names none")
+    args = parse_and_join(parser)
     rows = [run_shape(args.model, *parse_shape(s, args.stage), args) for s in args.shapes.split(",")]
     if dist.get_rank() == 0:
         print(f"{args.model}, {rows[0]['params']:,} parameters, global batch {args.batch} x {args.seq} tokens, "
