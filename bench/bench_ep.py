@@ -30,7 +30,7 @@ def run_shape(model_name: str, sizes: dict[str, int], stage: int, args: argparse
     if set(sizes) - {"dp", "ep"} or sizes.get("dp", world) != world:
         raise SystemExit(f"bad shape {sizes}: a shape is dp{world}:STAGE (plain ZeRO) or epN:STAGE (AutoEP)")
     ep = sizes.get("ep", 0)
-    model = qwen3_moe(model_name, args.seq)  # the HF model as it is; AutoEP swaps its blocks in init_state
+    model = qwen3_moe(model_name, args.seq).to(args.device)  # the HF model as it is; AutoEP swaps its blocks
     config = {"train_batch_size": args.batch, "train_micro_batch_size_per_gpu": args.batch // world,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
               "gradient_clipping": 1.0, "zero_optimization": {"stage": stage}, "steps_per_print": None}
@@ -76,7 +76,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         params = next((r["params"] for r in rows if r["params"]), None)
         print(f"{args.model}{f', {params:,} parameters' if params else ''}, global batch {args.batch} x {args.seq} "
-              f"tokens, {world} gloo CPU ranks; MiB on the largest rank")
+              f"tokens, {world} {args.device.type} ranks; MiB on the largest rank")
         print("| model | ranks | shape | ZeRO | master | of it experts | compute | grads | optimizer | activations | "
               "total | step ms | tokens/s | loss |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")

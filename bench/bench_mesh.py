@@ -3,6 +3,8 @@
     torchrun --nproc_per_node 4 bench/bench_mesh.py --model llama-small --shapes dp4,tp2xdp2,sp2xdp2,tp2xsp2
     torchrun --nproc_per_node 2 bench/bench_mesh.py --model qwen3moe-small --shapes dp2:0,dp2:3
 
+On one node's GPUs (NCCL, a GPU a rank) add ``--device cuda``; the default is gloo on the CPU.
+
 A shape is its mesh axes (``tp2xsp2xdp2``; the rest of the world is ``dp``) and optionally ``:STAGE``, the ZeRO
 stage (default ``--stage``). ``llama-*`` is a Hugging Face Llama with grouped-query attention; ``qwen3moe-*`` a Hugging Face
 Qwen3-MoE (top-2 of 8 experts), trained as it is by plain ZeRO (its expert-parallel shapes are
@@ -132,14 +134,16 @@ def measure(state: Any, shard: Any, model_name: str, args: argparse.Namespace, r
     g = torch.Generator().manual_seed(1234)
     times, losses = [], []
     for i in range(args.warmup + args.steps):
-        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g).chunk(replicas)[replica]
+        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g).chunk(replicas)[replica].to(args.device)
         batch = {"input_ids": ids, "labels": ids}
         last = i == args.warmup + args.steps - 1
         dist.barrier()
+        if args.device.type == "cuda":
+            torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t) if last else contextlib.nullcontext():
             state = step(state, batch)
-        losses.append(state.metrics.loss.item())
+        losses.append(state.metrics.loss.item())  # waits for the step's device work
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     workspace = state.program.run.workspace
@@ -164,7 +168,7 @@ def run_shape(model_name: str, sizes: dict[str, int], stage: int, args: argparse
     if sizes.get("dp", dp) != dp or dp * tp * sp != world:
         raise SystemExit(f"the shape {sizes} does not cover the {world} ranks")
     moe = model_name.startswith("qwen3moe")
-    model = qwen3_moe(model_name, args.seq) if moe else llama(model_name, args.seq)
+    model = (qwen3_moe(model_name, args.seq) if moe else llama(model_name, args.seq)).to(args.device)
     numels = {name: p.numel() for name, p in model.named_parameters()}
     config = {"train_batch_size": args.batch, "train_micro_batch_size_per_gpu": args.batch // dp,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
@@ -175,7 +179,7 @@ def run_shape(model_name: str, sizes: dict[str, int], stage: int, args: argparse
         config["sequence_parallel_size"] = sp
     # torch's mesh, given to init_state and to the step's shard() (the config's axes must agree with it)
     names = tuple(a for a in ("dp", "sp", "tp") if a == "dp" or sizes.get(a, 1) > 1)
-    device_mesh = init_device_mesh("cpu", tuple({"dp": dp, "sp": sp, "tp": tp}[a] for a in names),
+    device_mesh = init_device_mesh(args.device.type, tuple({"dp": dp, "sp": sp, "tp": tp}[a] for a in names),
                                    mesh_dim_names=names)
     state = dsfunc.init_state(model, config, mesh=device_mesh)
     mesh = state.program.mesh
@@ -208,17 +212,19 @@ def markdown(row: dict[str, Any], args: argparse.Namespace) -> str:
 
 
 def parse_and_join(parser: argparse.ArgumentParser) -> argparse.Namespace:
-    """The arguments every mesh bench takes (batch, sequence, steps, output) added to ``parser`` and parsed; the
-    gloo world joined."""
+    """The arguments every mesh bench takes (batch, sequence, steps, output, device) added to ``parser`` and parsed;
+    the world joined (gloo on the CPU, NCCL with ``--device cuda``, one GPU a rank)."""
     parser.add_argument("--batch", type=int, default=8, help="global batch, sequences")
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", help="write every rank's figures here")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by a launcher; unused")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dsfunc.init_distributed(dist_backend="gloo", verbose=False)
+    dsfunc.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo", verbose=False)
+    args.device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     return args
 
 
@@ -231,7 +237,7 @@ def main() -> None:
     rows = [run_shape(args.model, *parse_shape(s, args.stage), args) for s in args.shapes.split(",")]
     if dist.get_rank() == 0:
         print(f"{args.model}, {rows[0]['params']:,} parameters, global batch {args.batch} x {args.seq} tokens, "
-              f"{dist.get_world_size()} ranks; MiB on the largest rank")
+              f"{dist.get_world_size()} {args.device.type} ranks; MiB on the largest rank")
         print("| model | shape | ZeRO | master | compute | grads | optimizer | activations | total | step ms | "
               "tokens/s | loss |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
