@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from bench_mesh import MODELS, measure, nbytes, parse_and_join, parse_shape, qwen3_moe  # one model, one count
+from bench_mesh import (  # one model, one count
+    MODELS,
+    measure,
+    nbytes,
+    parse_and_join,
+    parse_shape,
+    qwen3_moe,
+    report,
+)
 
 import dsfunc
 
@@ -77,15 +83,8 @@ def main() -> None:
         params = next((r["params"] for r in rows if r["params"]), None)
         print(f"{args.model}{f', {params:,} parameters' if params else ''}, global batch {args.batch} x {args.seq} "
               f"tokens, {world} {args.device.type} ranks; MiB on the largest rank")
-        print("| model | ranks | shape | ZeRO | master | of it experts | compute | grads | optimizer | activations | "
-              "total | step ms | tokens/s | loss |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for row in rows:
-            print(markdown(row, args, world))
-        if args.json:
-            Path(args.json).write_text(json.dumps({"batch": args.batch, "seq": args.seq, "rows": rows}, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    report(["model", "ranks", "shape", "ZeRO", "master", "of it experts", "compute", "grads", "optimizer",
+            "activations", "total", "step ms", "tokens/s", "loss"], [markdown(row, args, world) for row in rows], rows, args)
 
 
 if __name__ == "__main__":

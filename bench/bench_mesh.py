@@ -228,6 +228,18 @@ def parse_and_join(parser: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
+def report(columns: list[str], lines: list[str], rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Rank 0 prints the Markdown table (``lines`` under ``columns``) and writes ``--json``; then the world ends."""
+    if dist.get_rank() == 0:
+        print("| " + " | ".join(columns) + " |")
+        print("|" + "---|" * len(columns))
+        print("\n".join(lines))
+        if args.json:
+            Path(args.json).write_text(json.dumps({"batch": args.batch, "seq": args.seq, "rows": rows}, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=list(MODELS), default="llama-tiny")
@@ -238,15 +250,8 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"{args.model}, {rows[0]['params']:,} parameters, global batch {args.batch} x {args.seq} tokens, "
               f"{dist.get_world_size()} {args.device.type} ranks; MiB on the largest rank")
-        print("| model | shape | ZeRO | master | compute | grads | optimizer | activations | total | step ms | "
-              "tokens/s | loss |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for row in rows:
-            print(markdown(row, args))
-        if args.json:
-            Path(args.json).write_text(json.dumps({"batch": args.batch, "seq": args.seq, "rows": rows}, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    report(["model", "shape", "ZeRO", "master", "compute", "grads", "optimizer", "activations", "total", "step ms",
+            "tokens/s", "loss"], [markdown(row, args) for row in rows], rows, args)
 
 
 if __name__ == "__main__":
