@@ -3,6 +3,8 @@ GPT trained by train_step at every ZeRO stage on two gloo ranks against the unti
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -136,3 +138,30 @@ def test_a_tiled_gpt_trains_like_the_untiled_one_at_every_zero_stage_on_two_rank
         for params in ranks:
             assert relative_diff(params, reference) < 1e-5, stage
     assert relative_diff(train_gpt(0, 1, 0, 5), reference) < 1e-5
+
+
+def test_hf_llama_under_dsfunc_tiled_and_offloaded_has_the_untiled_models_loss_and_gradients(monkeypatch):
+    """bench/long_hf.py's hf+dsfunc (ZeRO-3, optimizer offload, layers checkpointed to host memory, MLPs and the loss
+    tiled) against the plain HF model's own loss and autograd gradients: one SGD step of lr 100 without clipping
+    moves each parameter by 100 x its gradient."""
+    transformers = pytest.importorskip("transformers")
+    from bench import long_hf
+
+    monkeypatch.setattr(long_hf, "LOSS_SLICE_BYTES", 8000)  # 100 tokens x vocab 97 x 4 B: 5 loss slices
+    shape = dict(long_hf.SHAPES["llama-tiny"], vocab_size=97, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(long_hf.llama_config(shape, 100))
+    tiled_model = copy.deepcopy(model)
+    assert long_hf.tile_mlps(tiled_model) == 2  # 100 tokens, width 32: 4 slices each
+    ids = torch.randint(0, 97, (1, 100), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids.masked_fill(torch.arange(100) < 7, -100)}  # a prompt without loss
+    loss = model(**batch).loss
+    loss.backward()
+    lr = 100.0
+    config = long_hf.dsfunc_config(set(), optimizer={"type": "SGD", "params": {"lr": lr}}, clip=0.0, bf16=False)
+    state = dsfunc.init_state(tiled_model, config, loss_fn=long_hf.tiled_causal_lm_loss, device="cpu")
+    state = dsfunc.train_step(state, batch)
+    assert close(state.metrics.loss, loss.detach(), tol=1e-6)
+    for name, value in dsfunc.full_params(state).items():
+        p = model.get_parameter(name)
+        assert close((p.detach() - value) / lr, p.grad, tol=1e-5), name
