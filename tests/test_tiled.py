@@ -165,3 +165,42 @@ def test_hf_llama_under_dsfunc_tiled_and_offloaded_has_the_untiled_models_loss_a
     for name, value in dsfunc.full_params(state).items():
         p = model.get_parameter(name)
         assert close((p.detach() - value) / lr, p.grad, tol=1e-5), name
+
+
+class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most elements of any tensor an op makes while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel, self.shape = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() > self.numel:
+                self.numel, self.shape = t.numel(), tuple(t.shape)
+        return out
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no mask", "padding mask"])
+def test_no_sequence_squared_tensor_in_the_hf_llama_step(padded):
+    """hf+dsfunc's model and loss (SDPA, no attention mask, HF's default position ids) make no tensor of more than
+    seq x max(width, vocab) elements in forward and backward; a padding mask, which HF turns into a seq x seq one, is
+    seen (what the check would catch)."""
+    transformers = pytest.importorskip("transformers")
+    from bench import long_hf
+
+    seq, shape = 1024, long_hf.SHAPES["llama-tiny"]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(long_hf.llama_config(shape, seq))
+    long_hf.tile_mlps(model)
+    batch = long_hf.tokens(shape["vocab_size"], seq, torch.device("cpu"))
+    if padded:
+        batch["attention_mask"] = torch.ones_like(batch["input_ids"]).index_fill_(1, torch.tensor([seq - 1]), 0)
+    with LargestTensor() as largest:
+        if padded:
+            model(**batch).loss.backward()
+        else:
+            long_hf.tiled_causal_lm_loss(model, batch).backward()
+    bound = seq * max(shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"])
+    assert (largest.numel >= seq * seq) if padded else (largest.numel <= bound), largest.shape
