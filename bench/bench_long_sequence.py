@@ -196,17 +196,25 @@ def activation_bytes(shape: dict, seq: int) -> dict[str, float]:
     decoder layer's recompute and backward (its input back from the host, norms, q/k/v before and after RoPE,
     attention's output and fp32 log-sum-exp, the residual, the gradients flowing through); ``mlp``: its MLP's gate,
     up, activation and product with two of their gradients, for the whole sequence or, tiled, for one slice (ALST's:
-    about as many tokens as the model is wide) plus the tiled MLP's input and its gradient; ``loss``: one loss
-    slice's logits (bf16, fp32, fp32 gradient) and the last hidden states with their gradient; ``checkpoint``: one
-    layer's saved input (host memory under cpu_checkpointing)."""
-    h, inter, heads = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"]
+    about as many tokens as the model is wide) plus the tiled MLP's input, its gradient and the weights' gradients
+    summed in fp32; ``loss``: one loss slice's logits (bf16, fp32, fp32 gradient), the last hidden states with their
+    gradient and the head's gradient summed in fp32; ``checkpoint``: one layer's saved input in pinned host memory
+    (cpu_checkpointing), which torch's pinned allocator rounds up to a power of two."""
+    h, inter, heads, vocab = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"], \
+        shape["vocab_size"]
     kv = shape["num_key_value_heads"] * h // heads
     layer = seq * (10 * h + 4 * kv) * 2 + seq * h * 4 + heads * seq * 4
     slice_tokens = math.ceil(seq / default_shards(seq, h))
-    vocab = shape["vocab_size"]
     loss_tokens = math.ceil(seq / math.ceil(seq * vocab * 4 / LOSS_SLICE_BYTES))
-    return {"layer": layer, "mlp": seq * inter * 2 * 6, "mlp_tiled": slice_tokens * inter * 2 * 6 + seq * h * 2 * 2,
-            "loss": loss_tokens * vocab * (2 + 4 + 4) + seq * h * 2 * 2, "checkpoint": seq * h * 2}
+    return {"layer": layer, "mlp": seq * inter * 2 * 6,
+            "mlp_tiled": slice_tokens * inter * 2 * 6 + seq * h * 2 * 2 + 3 * h * inter * 4,
+            "loss": loss_tokens * vocab * (2 + 4 + 4) + seq * h * 2 * 2 + vocab * h * 4,
+            "checkpoint": pinned(seq * h * 2)}
+
+
+def pinned(nbytes: int) -> int:
+    """What torch's caching pinned-memory allocator takes for ``nbytes``: the next power of two."""
+    return 1 << max(0, nbytes - 1).bit_length()
 
 
 def estimate(model: str, seqs: list[int], host_gib: float, gpu_gib: float) -> None:
@@ -220,11 +228,11 @@ def estimate(model: str, seqs: list[int], host_gib: float, gpu_gib: float) -> No
               f"GiB ({states['host_per_param']:.1f} B/param + staging), device {states['device'] / GIB:.1f} GiB "
               f"({states['device_per_param']:.1f} B/param + gathered units)")
         print("| seq | GPU: states | layer | MLP whole / tiled | loss (tiled) | GPU total whole / tiled | "
-              f"host: states | checkpoints | host total | fits {host_gib:.0f} GiB host | longest seq the host fits |")
+              f"host: states | checkpoints | host total | fits {host_gib:.0f} GiB host | longest seq the host fits (all checkpoints there) |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         room = host_gib * GIB - states["host"]
-        per_token = layers * activation_bytes(shape, 1)["checkpoint"]
-        longest = max(0, int(room // per_token))
+        per_layer_room = room / layers  # a power of two of bf16 hidden vectors a layer
+        longest = 0 if per_layer_room < 1 else (1 << int(math.log2(per_layer_room))) // (shape["hidden_size"] * 2)
         for seq in seqs:
             act = activation_bytes(shape, seq)
             ckpt = layers * act["checkpoint"]
