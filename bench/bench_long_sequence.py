@@ -19,8 +19,10 @@ gives the step's seconds, the peak GPU memory (``max_memory_allocated``) and the
 
 ``--estimate`` counts bytes instead of running: the model states as dsfunc's ``memory_estimate`` counts them for
 hf+dsfunc's config (fitted on two tiny states of the same family, see :func:`states_bytes`), one decoder layer's
-activations at that sequence (MLP whole or tiled) and the tiled loss's on the GPU, the layer checkpoints in host
-memory, and the longest sequence whose checkpoints fit the host beside the states.
+activations at that sequence (MLP whole or tiled) and the tiled loss's on the GPU, the layer checkpoints in pinned
+host memory (each rounded up to a power of two, as torch's pinned allocator does), and the longest sequence whose
+checkpoints fit the host beside the states. Not counted: the process's own host memory (CUDA context, libraries:
+a few GiB) and the allocators' fragmentation.
 """
 
 from __future__ import annotations
@@ -157,10 +159,6 @@ def table(model: str, system: str, rows: list[dict]) -> None:
 
 # ---- counted bytes (--estimate) ----
 
-def _fit_shape(shape: dict, layers: int) -> dict:
-    return {**shape, "num_hidden_layers": layers}
-
-
 def states_bytes(shape: dict, options: set[str]) -> dict[str, float]:
     """The model states' bytes under hf+dsfunc's config, as dsfunc's ``memory_estimate`` counts them: on each side
     (host, device) ``a x params + b x largest unit``, fitted on two tiny states of this family (2 and 4 layers,
@@ -173,7 +171,7 @@ def states_bytes(shape: dict, options: set[str]) -> dict[str, float]:
     tiny = {**SHAPES["llama-tiny"], "vocab_size": 1024, "tie_word_embeddings": shape["tie_word_embeddings"]}
     points = []
     for layers in (2, 4):
-        model = meta_llama(_fit_shape(tiny, layers), 64)
+        model = meta_llama({**tiny, "num_hidden_layers": layers}, 64)
         state = dsfunc.init_state(model, dsfunc_config(options), loss_fn=tiled_causal_lm_loss,
                                   param_init_fn=init_llama, device="cpu")
         units = state.program.plan.units
