@@ -101,25 +101,28 @@ def test_bench_ep_counts_autoep_against_plain_zero3():
     assert len({r[-1].split("->")[0].strip() for r in rows}) == 1, proc.stdout  # AutoEP computes the HF model
 
 
-def test_bench_long_sequence_probes_both_hf_systems_stops_a_slow_probe_and_counts_bytes():
-    """One step of a tiny HF Llama under plain DeepSpeed ZeRO-3 offload and under dsfunc (tiled, offloaded), a probe
-    stopped by its time limit, and the counted bytes of Llama-8B at 512K tokens (its checkpoints alone 128 GiB)."""
+def _long_sequence_rows(*args: str) -> list[list[str]]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    script = [sys.executable, "-W", "ignore", str(ROOT / "bench" / "bench_long_sequence.py"), "--device", "cpu"]
+    cmd = [sys.executable, "-W", "ignore", str(ROOT / "bench" / "bench_long_sequence.py"), "--device", "cpu", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines() if line.startswith("| ")]
 
-    def rows(*args: str) -> list[list[str]]:
-        proc = subprocess.run([*script, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-                              check=False)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        return [[c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines() if line.startswith("| ")]
 
-    probes = rows("--model", "llama-tiny", "--systems", "hf+deepspeed,hf+dsfunc", "--seqs", "96", "--limit", "300")
+def test_bench_long_sequence_trains_a_step_of_both_hf_systems():
+    """One step of a tiny HF Llama under plain DeepSpeed ZeRO-3 offload and under dsfunc (tiled, offloaded)."""
+    probes = _long_sequence_rows("--model", "llama-tiny", "--systems", "hf+deepspeed,hf+dsfunc", "--seqs", "96",
+                                 "--limit", "300")
     steps = [r for r in probes if r[2] == "96"]
     assert [(r[1], r[3]) for r in steps] == [("hf+deepspeed", "trains"), ("hf+dsfunc", "trains")], probes
     assert all(float(r[4]) > 0 and float(r[7]) > 0 for r in steps), probes  # seconds, host peak
-    slow = rows("--model", "llama-tiny", "--systems", "hf+dsfunc", "--seqs", "96", "--limit", "0.5")
+
+
+def test_bench_long_sequence_stops_a_slow_probe_and_counts_bytes():
+    """A probe past its time limit is slower, not out of memory; the counted bytes of Llama-8B at 512K tokens."""
+    slow = _long_sequence_rows("--model", "llama-tiny", "--systems", "hf+dsfunc", "--seqs", "96", "--limit", "0.5")
     assert [r[3] for r in slow if r[2] == "96"] == ["slower than the limit"], slow
-    counted = rows("--model", "llama-8b", "--estimate", "524288")
+    counted = _long_sequence_rows("--model", "llama-8b", "--estimate", "524288")
     at_512k = [r for r in counted if r[0] == "524,288"]
     assert len(at_512k) == 2 and all(r[7] == "128.0" for r in at_512k), counted  # 32 x 512K x 4096 x 2 B
     assert at_512k[0][9].startswith("no:"), counted  # fp32 master and Adam states beside them overflow 128 GiB
