@@ -37,7 +37,7 @@ def test_bench_single_runs_every_kind_of_system():
                "dsfunc+fused+muon"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-W", "ignore", str(ROOT / "bench" / "bench_single.py"), "--device", "cpu",
-           "--model", "tiny", "--systems", ",".join(systems), "--warmup", "1", "--steps", "2", "--accum", "2"]
+           "--model", "tiny", "--systems", ",".join(systems), "--warmup", "1", "--steps", "1", "--accum", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
