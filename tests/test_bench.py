@@ -33,17 +33,19 @@ def test_bench_zero_runs_every_system_on_gloo_ranks():
 
 def test_bench_single_runs_every_kind_of_system():
     systems = ["plain", "plain+compile", "plain+ckpt", "plain+fused", "dsfunc", "dsfunc+compile", "dsfunc+units",
-               "dsfunc+selective", "dsfunc+graph", "dsfunc+fused", "dsfunc+zero3+compile+units", "dsfunc+zero3+units+tiled"]
+               "dsfunc+selective", "dsfunc+graph", "dsfunc+fused", "dsfunc+zero3+compile+units", "dsfunc+zero3+units+tiled",
+               "dsfunc+fused+muon"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-W", "ignore", str(ROOT / "bench" / "bench_single.py"), "--device", "cpu",
-           "--model", "tiny", "--systems", ",".join(systems), "--warmup", "1", "--steps", "2"]
+           "--model", "tiny", "--systems", ",".join(systems), "--warmup", "1", "--steps", "1", "--accum", "2"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| tiny |")]
     assert [r[1].strip() for r in rows] == systems
     first_losses = {r[1].strip(): float(r[6].split("->")[0]) for r in rows}
-    # every dsfunc variant computes the same first step (checkpointing, compiling, graphs, the fused loss, tiling change no
-    # math), and so does every plain one (the compiled model with its loss inside, the fused loss)
+    # every dsfunc variant computes the same first step's loss, the mean over 2 micro-batches (checkpointing, compiling,
+    # graphs, the fused loss, tiling change no math; Muon moves the weights after it), and so does every plain one
+    # (the compiled model with its loss inside, the fused loss)
     assert len({round(v, 4) for k, v in first_losses.items() if k.startswith("dsfunc")}) == 1, first_losses
     assert len({round(v, 4) for k, v in first_losses.items() if k.startswith("plain")}) == 1, first_losses
 

@@ -12,10 +12,19 @@ and the Adam half is DeepSpeed's ``adam_update`` with decoupled decay (Muon's Ad
 eps 1e-10). Which parameters take Muon is DeepSpeed's rule (:func:`takes_muon`): at least 2-D and named neither
 ``embed`` nor ``lm_head``.
 
-Where dsfunc differs from DeepSpeed: Newton-Schulz runs in fp32 (DeepSpeed: fp16 for ``ns_method: "gram"``, bf16
-for ``"standard"``, fp32 where the device lacks them; dsfunc accepts both names and runs the standard iteration,
-of which gram is a faster arrangement). Clipping scales the gradients Muon's momentum takes in, at every stage, as
-DeepSpeed's stage 0 does; its ZeRO 1-3 take the global norm over Muon's orthogonalised update and clip that.
+Newton-Schulz is DeepSpeed's, operation for operation: ``ns_method: "gram"`` (DeepSpeed's default) iterates on
+the Gram matrix in fp16, ``"standard"`` runs the quintic in bf16, each in fp32 where the device lacks that dtype
+(:func:`ns_dtype`); the aspect scale is taken from the parameter's last two dims (a conv filter's kernel dims, as
+DeepSpeed and Keller Jordan do). So an update equals DeepSpeed's eager ``muon_update`` bit for bit.
+
+Where dsfunc differs from DeepSpeed: DeepSpeed ``torch.compile``s ``muon_update``; its fused elementwise ops round
+once where eager ones round at each op, and half-precision Newton-Schulz carries that on (on a 20x48 matrix on the
+CPU, compiled and eager DeepSpeed differ by 1% of the largest entry in fp16, 6% in bf16); dsfunc runs eagerly. The
+dtype follows the device the matrix is on (DeepSpeed's: its accelerator's). DeepSpeed keeps the momentum out of a
+step whose gradient overflowed (and its 0.19.8 fails on 4-D filters there); dsfunc's loss scaler skips such a step
+before the optimizer sees it. A parameter group's ``use_muon`` overrides the name rule (:func:`muon_groups`).
+Clipping scales the gradients Muon's momentum takes in, at every stage, as DeepSpeed's stage 0 does; its ZeRO 1-3
+take the global norm over Muon's orthogonalised update and clip that.
 
 [Note: whole matrices under ZeRO] A unit's flat buffer is split over ranks wherever the split falls, so a
 matrix may straddle two ranks' shards, and Newton-Schulz needs the whole matrix. DeepSpeed all-reduces the full
@@ -53,6 +62,7 @@ from dsfunc.optim.transforms import add_decayed_weights, scale_by_learning_rate
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c), DeepSpeed's and Keller Jordan's
 NO_MUON_NAMES = ("embed", "lm_head")  # DeepSpeed's set_optimizer_flags: these matrices take Adam
+GRAM_RESTART = 2  # the Gram iteration's restart step, DeepSpeed's
 
 
 def takes_muon(name: str, shape: tuple[int, ...]) -> bool:
@@ -61,35 +71,92 @@ def takes_muon(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2 and not any(word in name.lower() for word in NO_MUON_NAMES)
 
 
-def newton_schulz(g: Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> Tensor:
-    """The orthogonal factor of ``g`` (its last two dims; leading dims are a batch), approximately: Frobenius
-    normalisation, then ``steps`` quintic iterations ``X = a X + (b A + c A A) X`` with ``A = X X^T``, on the wide
-    orientation, in ``dtype`` (DeepSpeed's GPU default is fp16/bf16; fp32 here, so equal to a reference in
-    fp32 to rounding)."""
+def ns_dtype(method: str, device: torch.device) -> torch.dtype:
+    """The dtype Newton-Schulz runs in on ``device``, DeepSpeed's ``ns_compute_dtype``: fp16 for ``"gram"``, bf16
+    for ``"standard"``, fp32 where the device lacks that dtype (CUDA: bf16 as torch reports it, fp16 from
+    compute capability 7; CPU: bf16 always, fp16 where oneDNN has it; other devices: fp32)."""
+    half = torch.float16 if method == "gram" else torch.bfloat16
+    return half if _has(half, device) else torch.float32
+
+
+def _has(dtype: torch.dtype, device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported() if dtype == torch.bfloat16 else torch.cuda.get_device_capability(
+            device)[0] >= 7
+    if device.type == "cpu":
+        return dtype == torch.bfloat16 or bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
+def _quintic(x: Tensor, steps: int) -> Tensor:
+    """``steps`` quintic iterations ``X = a X + (b A + c A A) X`` with ``A = X X^T`` on a wide ``x``."""
     a, b, c = NS_COEFFICIENTS
-    x = g.to(dtype)
-    tall = g.size(-2) > g.size(-1)
-    if tall:
-        x = x.mT
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     for _ in range(steps):
         A = x @ x.mT
         B = b * A + c * A @ A
         x = a * x + B @ x
+    return x
+
+
+def newton_schulz(g: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
+    """The orthogonal factor of ``g`` (its last two dims; leading dims are a batch), approximately, as
+    DeepSpeed's ``zeropower_via_newtonschulz5``: cast to ``dtype``, the wide orientation, Frobenius
+    normalisation, then :func:`_quintic`, all in ``dtype``."""
+    x = g.to(dtype)
+    tall = g.size(-2) > g.size(-1)
+    if tall:
+        x = x.mT
+    x = _quintic(x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7), steps)
     return x.mT if tall else x
 
 
-def orthogonalize(u: Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> Tensor:
-    """Muon's update for one parameter's blended momentum ``u``: Newton-Schulz scaled by ``sqrt(max(1, rows /
-    cols))`` (a 4-D conv filter as ``(out, -1)``), in ``u``'s shape and dtype."""
+def gram_newton_schulz(g: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
+    """:func:`newton_schulz` iterated on the small Gram matrix ``R = X X^T`` (Tri Dao's arrangement, fewer
+    flops for a wide ``X``), as DeepSpeed's ``zeropower_via_gram_newtonschulz``: normalised in ``g``'s dtype
+    (fp32 for an fp16 ``g``, whose range a scaled gradient may exceed), then cast to ``dtype``; the
+    iteration accumulates ``Q`` with ``X = Q X`` at the end and restarts from ``X = Q X`` at step
+    ``GRAM_RESTART`` to keep half precision stable. A square matrix takes the plain quintic."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.to(torch.float32 if g.dtype == torch.float16 else g.dtype)
+    tall = g.size(-2) > g.size(-1)
+    if tall:
+        x = x.mT
+    x = (x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)).to(dtype)
+    if x.size(-1) <= x.size(-2):
+        x = _quintic(x, steps)
+        return x.mT if tall else x
+    R, Q = x @ x.mT, None
+    for i in range(steps):
+        if i == GRAM_RESTART:
+            x = Q @ x
+            R, Q = x @ x.mT, None
+        Z = b * R + c * R @ R
+        if Q is None:
+            Q = Z.clone()
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)
+        else:
+            Q = a * Q + Z @ Q
+        if i < steps - 1 and i + 1 != GRAM_RESTART:
+            RZ = a * R + Z @ R
+            R = a * RZ + Z @ RZ
+    return x.mT @ Q.mT if tall else Q @ x
+
+
+NS_METHODS = {"gram": gram_newton_schulz, "standard": newton_schulz}
+
+
+def orthogonalize(u: Tensor, steps: int = 5, method: str = "gram") -> Tensor:
+    """Muon's update for one parameter's blended momentum ``u``, as DeepSpeed's ``muon_update``: ``method``'s
+    Newton-Schulz (a 4-D conv filter as ``(out, -1)``) in :func:`ns_dtype`, times ``sqrt(max(1, rows /
+    cols))`` of ``u``'s last two dims, in ``u``'s shape and dtype."""
     _check(
         u.ndim >= 2,
         f"Muon orthogonalises matrices; got a tensor of shape {tuple(u.shape)}: give 1-D "
         "parameters to the Adam half (dsfunc.optim.muon.takes_muon)",
     )
     x = u.reshape(len(u), -1) if u.ndim == 4 else u
-    rows, cols = x.size(-2), x.size(-1)
-    out = newton_schulz(x, steps, dtype) * math.sqrt(max(1.0, rows / cols))
+    out = NS_METHODS[method](x, steps, ns_dtype(method, u.device))
+    out *= math.sqrt(max(1.0, u.size(-2) / u.size(-1)))  # in the iteration's dtype, as DeepSpeed scales it
     return out.reshape(u.shape).to(u.dtype)
 
 
@@ -104,7 +171,7 @@ class MatrixShards:
     local: tuple[int, int]  # this rank's [start, stop) in the flat buffer
     gather: Callable[[Tensor], Tensor]
 
-    def orthogonalize(self, shard: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
+    def orthogonalize(self, shard: Tensor, steps: int, method: str) -> Tensor:
         """This rank's slice of every matrix's :func:`orthogonalize`, laid out like ``shard``."""
         start, stop = self.local
         flat = self.gather(shard)
@@ -114,7 +181,7 @@ class MatrixShards:
             if lo >= hi:
                 continue  # another rank's matrix
             full = flat[offset : offset + math.prod(shape)].view(shape)
-            mine = orthogonalize(full, steps, dtype).reshape(-1)[lo - offset : hi - offset]
+            mine = orthogonalize(full, steps, method).reshape(-1)[lo - offset : hi - offset]
             out[lo - start : hi - start] = mine.to(shard.device)
         return out
 
@@ -130,7 +197,7 @@ def scale_by_muon(
     nesterov: bool = True,
     ns_steps: int = 5,
     matrices: Mapping[str, MatrixShards] | None = None,
-    ns_dtype: torch.dtype = torch.float32,
+    ns_method: str = "gram",
 ) -> Transform:
     """Muon's direction: the momentum EMA, the nesterov blend, then :func:`orthogonalize`.
 
@@ -139,15 +206,16 @@ def scale_by_muon(
     """
     _check(0.0 <= momentum < 1.0, f"Muon's momentum must be in [0, 1), got {momentum!r}")
     _check(ns_steps >= 1, f"ns_steps must be >= 1, got {ns_steps!r}")
+    _check(ns_method in NS_METHODS, f"ns_method must be one of {sorted(NS_METHODS)}, got {ns_method!r}")
 
     def init(params: Params) -> ScaleByMuonState:
         return ScaleByMuonState(_map(torch.zeros_like, params))
 
     def direction(key: str | None, u: Tensor) -> Tensor:
         if matrices is None:
-            return orthogonalize(u, ns_steps, ns_dtype)
+            return orthogonalize(u, ns_steps, ns_method)
         _check(key in matrices, f"scale_by_muon: no matrix layout for {key!r}; it has {sorted(matrices)}")
-        return matrices[key].orthogonalize(u, ns_steps, ns_dtype)
+        return matrices[key].orthogonalize(u, ns_steps, ns_method)
 
     def update(
         updates: Updates, state: ScaleByMuonState, params: Params | None = None, **extra: Any
@@ -170,7 +238,7 @@ def muon(
     nesterov: bool = True,
     ns_steps: int = 5,
     matrices: Mapping[str, MatrixShards] | None = None,
-    ns_dtype: torch.dtype = torch.float32,
+    ns_method: str = "gram",
 ) -> Transform:
     """Muon for hidden weight matrices (DeepSpeed's defaults): ``p = p * (1 - lr * wd) - lr * muon_direction``.
     State keys: ``muon``, ``weight_decay``, ``lr``.
@@ -182,7 +250,7 @@ def muon(
     torch.Size([2, 3])
     """
     return named_chain(
-        ("muon", scale_by_muon(momentum, nesterov, ns_steps, matrices, ns_dtype)),
+        ("muon", scale_by_muon(momentum, nesterov, ns_steps, matrices, ns_method)),
         ("weight_decay", add_decayed_weights(weight_decay)),
         ("lr", scale_by_learning_rate(lr)),
     )
@@ -221,7 +289,7 @@ def muon_half(
         )
     lr = schedule if schedule is not None else params["lr"]
     if use_muon:
-        return muon(lr, params["momentum"], params["weight_decay"], matrices=matrices)
+        return muon(lr, params["momentum"], params["weight_decay"], matrices=matrices, ns_method=params["ns_method"])
     return adam(lr, params["betas"], params["eps"], params["weight_decay"], adam_w_mode=params["adam_w_mode"])
 
 
@@ -230,7 +298,10 @@ def muon_groups(
 ) -> ParamGroups:
     """DeepSpeed's split of every parameter group into a Muon half and an Adam half (by :func:`takes_muon`),
     labelled as DeepSpeed names them (``muon-params``, ``adam-params``; ``<group>-muon-params`` when there are
-    groups), each with its resolved options (:func:`half_options`) and ``use_muon``.
+    groups), each with its resolved options (:func:`half_options`) and ``use_muon``. A group whose options set
+    ``use_muon`` (as ``MuonWithAuxAdam``'s groups do; DeepSpeed's engine ignores it) overrides the name rule:
+    False puts all its parameters on Adam (a model whose embeddings are not named ``embed``), True its matrices
+    on Muon.
 
     Args:
       shapes: every trainable parameter's name and (whole) shape.
@@ -240,7 +311,9 @@ def muon_groups(
     bases = groups.order(shapes) if groups is not None else [None]
     labels, options = {}, {}
     for name, shape in shapes.items():
-        base, half = groups.label_of(name) if groups is not None else None, takes_muon(name, shape)
+        base = groups.label_of(name) if groups is not None else None
+        chosen = groups.options.get(base, {}).get("use_muon") if groups is not None else None
+        half = takes_muon(name, shape) if chosen is None else bool(chosen) and len(shape) >= 2
         word = "muon" if half else "adam"
         labels[name] = f"{word}-params" if base is None else f"{base}-{word}-params"
         options.setdefault((bases.index(base), not half), (labels[name], base, half))

@@ -1,11 +1,12 @@
 """Muon (``"type": "Muon"``): ZeRO 0-3 on 1 and 2 gloo ranks against a one-process reference written here from
 the published algorithm (Keller Jordan's Muon as DeepSpeed runs it: momentum EMA, nesterov blend, quintic
-Newton-Schulz, aspect scaling, decoupled decay; Adam for the rest), with clipping; DeepSpeed's config keys and
-its split of the parameters."""
+Newton-Schulz in bf16, aspect scaling, decoupled decay; Adam for the rest), with clipping; both Newton-Schulz
+methods against DeepSpeed's own, bit for bit; DeepSpeed's config keys and its split of the parameters."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import optree
 import pytest
@@ -18,7 +19,16 @@ from dsfunc.config import ConfigError, parse_optimizer
 from dsfunc.errors import InputError
 from dsfunc.optim import ParamGroups
 from dsfunc.optim.from_config import optimizer_from_config
-from dsfunc.optim.muon import ScaleByMuonState, muon, muon_groups, takes_muon
+from dsfunc.optim.muon import (
+    NS_METHODS,
+    ScaleByMuonState,
+    muon,
+    muon_groups,
+    ns_dtype,
+    orthogonalize,
+    scale_by_muon,
+    takes_muon,
+)
 from tests.multiprocess import run_world
 
 STEPS, MICRO, SEQ, VOCAB = 5, 2, 5, 11
@@ -81,7 +91,7 @@ def muon_config(world: int, stage: int, offload: str = "none") -> dict:
         "gradient_accumulation_steps": 1,
         "optimizer": {
             "type": "Muon",
-            "params": {"muon_lr": MUON_LR, "adam_lr": ADAM_LR, "weight_decay": DECAY},
+            "params": {"muon_lr": MUON_LR, "adam_lr": ADAM_LR, "weight_decay": DECAY, "ns_method": "standard"},
         },
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0, **OFFLOAD[offload]},
@@ -89,13 +99,16 @@ def muon_config(world: int, stage: int, offload: str = "none") -> dict:
 
 
 def reference_ns(g: torch.Tensor) -> torch.Tensor:
-    """Newton-Schulz as published: quintic (3.4445, -4.7750, 2.0315), 5 steps, on the wide orientation."""
-    x = g.T if g.shape[0] > g.shape[1] else g
-    x = x / (x.norm() + 1e-7)
+    """Newton-Schulz as published: quintic (3.4445, -4.7750, 2.0315), 5 steps, on the wide orientation, in bf16
+    (``"ns_method": "standard"``'s dtype), scaled by sqrt(max(1, rows / cols)) before it returns to fp32."""
+    x = g.to(torch.bfloat16)
+    x = x.T if g.shape[0] > g.shape[1] else x
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     for _ in range(5):
         a = x @ x.T
         x = 3.4445 * x + (-4.7750 * a + 2.0315 * a @ a) @ x
-    return x.T if g.shape[0] > g.shape[1] else x
+    x = x.T if g.shape[0] > g.shape[1] else x
+    return (x * math.sqrt(max(1.0, g.shape[0] / g.shape[1]))).float()
 
 
 def reference(world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -115,8 +128,8 @@ def reference(world: int) -> tuple[dict[str, torch.Tensor], list[float]]:
             for name, p in model.named_parameters():
                 g, s = p.grad / coef, state.setdefault(name, {})
                 if p.ndim == 2 and "embed" not in name and "lm_head" not in name:
-                    m = s["m"] = 0.95 * s.get("m", torch.zeros_like(p)) + 0.05 * g
-                    u = reference_ns(0.05 * g + 0.95 * m) * math.sqrt(max(1.0, p.shape[0] / p.shape[1]))
+                    m = s["m"] = s.get("m", torch.zeros_like(p)).lerp(g, 0.05)  # as published: an EMA by lerp
+                    u = reference_ns(g.lerp(m, 0.95))
                     p.mul_(1 - MUON_LR * DECAY).sub_(MUON_LR * u)
                 else:
                     m = s["m"] = 0.9 * s.get("m", torch.zeros_like(p)) + 0.1 * g
@@ -180,6 +193,36 @@ def test_muon_moves_hidden_matrices_by_an_orthogonal_step():
     assert torch.allclose(state["muon"].momentum["w"], 0.05 * g)
 
 
+SHAPES = [(48, 20), (20, 48), (32, 32), (3, 20, 48)]  # tall, wide, square, a batch (an expert group's)
+
+
+@pytest.mark.parametrize("method", ["gram", "standard"])
+def test_muon_direction_is_deepspeeds_bit_for_bit(method):
+    """Three steps of momentum, nesterov blend and Newton-Schulz against DeepSpeed 0.19.8's ``muon_update`` (eager:
+    compiled, it rounds elementwise ops differently), gradients growing 100x a step; a conv filter against the steps
+    of ``muon_update`` (DeepSpeed's own fails on 4-D filters, in its overflow guard)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    real = pytest.importorskip("deepspeed.runtime.zero.muon.original_muon", reason="real DeepSpeed is the reference")
+    assert ns_dtype(method, torch.device("cpu")) == real.ns_compute_dtype(method)
+    g = torch.Generator().manual_seed(0)
+    for shape in SHAPES:
+        tx = scale_by_muon(ns_method=method)
+        state, momentum = tx.init({"w": torch.zeros(shape)}), torch.zeros(shape)
+        for step in range(3):
+            grad = torch.randn(shape, generator=g) * 100.0**step
+            ours, state = tx.update({"w": grad.clone()}, state)
+            with torch.compiler.set_stance("force_eager"):
+                theirs = real.muon_update(grad.clone(), momentum, ns_method=method)
+            assert torch.equal(ours["w"], theirs) and torch.equal(state.momentum["w"], momentum), (shape, step)
+    conv = torch.randn(32, 2, 3, 3, generator=g)  # (out, in, kh, kw): orthogonalised as (32, 18), scaled by 3 / 3
+    iterate = real.zeropower_via_gram_newtonschulz if method == "gram" else real.zeropower_via_newtonschulz5
+    with torch.compiler.set_stance("force_eager"):
+        theirs = iterate(conv.view(32, -1), steps=5) * real._aspect_ratio_scale(3, 3)
+    assert torch.equal(orthogonalize(conv, method=method), theirs.view(conv.shape).float())
+    if ns_dtype(method, conv.device) != torch.float32:  # the half dtype shows: fp32 gives other values
+        assert not torch.equal(NS_METHODS[method](conv.view(32, -1), 5, torch.float32), theirs)
+
+
 def test_deepspeed_rule_picks_the_muon_parameters():
     assert takes_muon("blocks.0.attn.weight", (4, 4)) and takes_muon("conv.weight", (2, 3, 3, 3))
     assert not takes_muon("blocks.0.attn.bias", (4,))
@@ -205,6 +248,12 @@ def test_halves_resolve_lr_as_deepspeed_does():
     assert split.options["x-muon-params"] == {"lr": 0.5, "use_muon": True}  # betas are the Adam half's
     assert split.options["y-muon-params"] == {"lr": 0.1, "use_muon": True}
     assert split.options["y-adam-params"] == {"lr": 0.2, "use_muon": False}
+    # a group's use_muon overrides the name rule, as MuonWithAuxAdam's groups say which half they are
+    shapes = {"wte.weight": (9, 4), "h.weight": (4, 4), "embed.weight": (9, 4), "h.bias": (4,)}
+    chosen = ParamGroups(label=lambda n: n.split(".")[0], options={"wte": {"use_muon": False}, "embed": {"use_muon": True}})
+    split = muon_groups(shapes, params, chosen)
+    assert [split.label_of(n) for n in shapes] == ["wte-adam-params", "h-muon-params", "embed-muon-params",
+                                                   "h-adam-params"]
 
 
 def test_config_keys_and_defaults_are_deepspeeds():
