@@ -75,7 +75,7 @@ def run_probe(model: str, system: str, seq: int, device: torch.device) -> None:
             from dsfunc.models.gpt import GPTConfig
 
             cfg = dataclasses.replace(GPTConfig.preset(model), seq_len=seq)
-            seconds, losses, _ = RUNNERS[kind](cfg, set(options), 1, 0, 1, device)
+            seconds, losses, _ = RUNNERS[kind](cfg, set(options), micro=1, accum=1, warmup=0, steps=1, device=device)
             loss = losses[-1]
         row = {"outcome": "trains", "seconds": round(seconds, 2), "loss": loss}
     except torch.OutOfMemoryError as e:
