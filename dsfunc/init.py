@@ -80,7 +80,7 @@ from dsfunc.zero.matrices import matrix_shards
 from dsfunc.zero.norms import segment_norm_fn
 from dsfunc.zero.offload import placement as placement_from_config
 from dsfunc.zero.placeholders import full_shape
-from dsfunc.zero.reduce import grad_dtype
+from dsfunc.zero.reduce import grad_dtype, sum_dtype
 
 if TYPE_CHECKING:
     from dsfunc.parallel.autotp import Plan
@@ -234,7 +234,8 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
     comm_dtype = DTYPES[cfg.communication_data_type or "fp32"]
     gas = cfg.gradient_accumulation_steps
     placement = placement_from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype,
-                                      grad_dtype=grad_dtype(cfg.compute_dtype, comm_dtype, plan.world_size, gas),
+                                      grad_dtype=grad_dtype(cfg.compute_dtype, comm_dtype, plan.world_size, gas,
+                                                            sum_dtype(cfg)),
                                       micro_batches=gas)
     if pipeline is not None and placement.masters is not None:
         raise NotSupportedError("ZeRO-Offload with pipeline parallelism is not supported by dsfunc; remove the "

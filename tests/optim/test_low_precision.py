@@ -4,6 +4,7 @@ ZeRO 1-3 on 1 and 2 gloo ranks against a one-process reference written here."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import optree
@@ -25,13 +26,15 @@ OPTIMIZERS = {
 
 
 def bf16_config(stage: int, optimizer: str, rounding: str = "nearest", *, states: bool = True,
-                offload: bool = False) -> dict:
-    """bf16 masters (and moments, if ``states``) at ZeRO ``stage``; ``offload``: the optimizer on the host."""
+                offload: bool = False, gas: int = 1) -> dict:
+    """bf16 masters (and moments, if ``states``) at ZeRO ``stage``, ``gas`` micro-batches a step; ``offload``:
+    the optimizer on the host."""
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     return {
         "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
         "optimizer": {"type": optimizer, "params": OPTIMIZERS[optimizer]},
         "gradient_clipping": CLIP,
         "bf16": {
@@ -53,24 +56,30 @@ def adamw_step(
     return m, v, ((m / (1 - b1**t)) / (v.sqrt() / math.sqrt(1 - b2**t)).add(eps)).add(w, alpha=decay)
 
 
-def reference(world: int, optimizer: str, rounding: str = "nearest",
-              states: bool = True) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference(world: int, optimizer: str, rounding: str = "nearest", states: bool = True,
+              gas: int = 1) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process: a bf16 copy of the model (the masters) computes each rank's gradient, their mean in fp32 is
-    clipped; then the optimizer in fp32 from the stored moments (bf16 if ``states``, else fp32), every new bf16
-    value rounded to nearest; with ``rounding="kahan"`` each weight's target adds its compensation, which keeps
-    the remainder."""
+    rounded to bf16 (DeepSpeed's bf16 gradients; with ``gas`` micro-batches on one rank, each micro-batch's
+    gradient of loss / gas added to the bf16 sum and rounded to nearest) and clipped; then the optimizer in fp32
+    from the stored moments (bf16 if ``states``, else fp32), every new bf16 value rounded to nearest; with
+    ``rounding="kahan"`` each weight's target adds its compensation, which keeps the remainder."""
+    assert world == 1 or gas == 1  # over ranks the stages sum micro-batches in different orders
     torch.manual_seed(0)
     model = MLP(width=10, depth=3).bfloat16()
     opts, state, norms = OPTIMIZERS[optimizer], {}, []
     stored = torch.bfloat16 if states else torch.float32
-    for t, (x, y) in enumerate(mlp_batches(STEPS, MICRO * world), start=1):
+    rows = MICRO * gas
+    for t, (x, y) in enumerate(mlp_batches(STEPS, rows * world), start=1):
         grads = {n: torch.zeros(p.shape) for n, p in model.named_parameters()}
         for r in range(world):
-            model.zero_grad()
-            model(x[r * MICRO : (r + 1) * MICRO].bfloat16(), y[r * MICRO : (r + 1) * MICRO]).backward()
-            for n, p in model.named_parameters():
-                grads[n] += p.grad.float()
-        grads = {n: g / world for n, g in grads.items()}
+            for k in range(r * rows, (r + 1) * rows, MICRO):
+                model.zero_grad()
+                (model(x[k : k + MICRO].bfloat16(), y[k : k + MICRO]) / gas).backward()
+                for name, p in model.named_parameters():
+                    grads[name] = grads[name] + p.grad.float()
+                    if gas > 1:
+                        grads[name] = grads[name].bfloat16().float()
+        grads = {n: (g / world).bfloat16().float() for n, g in grads.items()}
         norm = torch.sqrt(sum(g.pow(2).sum() for g in grads.values()))
         norms.append(norm.item())
         coef = max(1.0, (norm.item() + 1e-6) / CLIP)
@@ -93,15 +102,15 @@ def reference(world: int, optimizer: str, rounding: str = "nearest",
 
 
 def train_ranks(rank: int, world: int, optimizer: str, stages: list[int], rounding: str = "nearest", *,
-                states: bool = True, offload: bool = False) -> dict:
+                states: bool = True, offload: bool = False, gas: int = 1) -> dict:
     out = {}
     for stage in stages:
         torch.manual_seed(0)
-        cfg = bf16_config(stage, optimizer, rounding, states=states, offload=offload)
+        cfg = bf16_config(stage, optimizer, rounding, states=states, offload=offload, gas=gas)
         state = dsfunc.init_state(MLP(width=10, depth=3), cfg)
         norms = []
-        for x, y in mlp_batches(STEPS, MICRO * world):
-            mine = slice(rank * MICRO, (rank + 1) * MICRO)
+        for x, y in mlp_batches(STEPS, MICRO * gas * world):
+            mine = slice(rank * MICRO * gas, (rank + 1) * MICRO * gas)
             state = dsfunc.train_step(state, (x[mine], y[mine]))
             norms.append(state.metrics.grad_norm.item())
         stored = [t.dtype for t in optree.tree_leaves(state.opt_state["optimizer"].inner) if t.dim() > 0]
@@ -123,13 +132,14 @@ def train_ranks(rank: int, world: int, optimizer: str, stages: list[int], roundi
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize(("world", "gas"), [(1, 1), (2, 1), (1, 4)])
 @pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
-def test_bf16_states_match_the_reference(world, optimizer):
-    """Every weight equal to the reference's, bit for bit, at every stage and world size."""
-    expected, norms = reference(world, optimizer)
+def test_bf16_states_match_the_reference(world, gas, optimizer):
+    """Every weight equal to the reference's, bit for bit, at every stage and world size, the gradients summed over
+    micro-batches in bf16."""
+    expected, norms = reference(world, optimizer, gas=gas)
     assert min(norms) > CLIP  # the clip is active: a wrong clip factor shows
-    for rank, result in enumerate(run_world(train_ranks, world, optimizer, [1, 2, 3], timeout=600)):
+    for rank, result in enumerate(run_world(functools.partial(train_ranks, gas=gas), world, optimizer, [1, 2, 3], timeout=600)):
         for stage, got in result.items():
             assert set(got["moments"]) == {torch.bfloat16} and set(got["masters"]) == {torch.bfloat16}
             assert max(abs(a - b) / b for a, b in zip(got["norms"], norms)) < 1e-2

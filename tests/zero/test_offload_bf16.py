@@ -19,25 +19,27 @@ from tests.optim.test_low_precision import bf16_config, reference, train_ranks
 STAGES = [1, 2, 3]
 
 
-def device_and_host(rank: int, world: int, optimizer: str, rounding: str, states: bool) -> dict:
+def device_and_host(rank: int, world: int, optimizer: str, rounding: str, states: bool, gas: int) -> dict:
     """Each stage trained with the update on the host, and (bf16 moments only) on the device."""
-    out = {"host": train_ranks(rank, world, optimizer, STAGES, rounding, states=states, offload=True)}
+    out = {"host": train_ranks(rank, world, optimizer, STAGES, rounding, states=states, offload=True, gas=gas)}
     if states:  # bf16 masters keep fp32 moments only under offload (DeepSpeed's rule)
-        out["device"] = train_ranks(rank, world, optimizer, STAGES, rounding, states=states)
+        out["device"] = train_ranks(rank, world, optimizer, STAGES, rounding, states=states, gas=gas)
     return out
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "rounding", "states"),
-    [("AdamW", "nearest", True), ("AdamW", "nearest", False), ("SGD", "kahan", True), ("AdamW", "stochastic", True)],
+    ("optimizer", "rounding", "states", "gas"),
+    [("AdamW", "nearest", True, 1), ("AdamW", "nearest", False, 1), ("SGD", "kahan", True, 1),
+     ("AdamW", "stochastic", True, 1), ("SGD", "nearest", True, 4)],
 )
-def test_the_host_update_lands_where_the_device_and_the_reference_do(optimizer, rounding, states):
-    """ZeRO 1-3 on 2 ranks, clipping active: the host's bf16 masters equal the device run's bit for bit, and the
-    reference's where it is deterministic (every rounding but stochastic's, whose bits are dsfunc's own)."""
-    world = 2
-    expected, norms = reference(world, optimizer, rounding, states)
+def test_the_host_update_lands_where_the_device_and_the_reference_do(optimizer, rounding, states, gas):
+    """ZeRO 1-3 on 2 ranks (on one with ``gas`` micro-batches, their gradients summed in bf16 in host memory),
+    clipping active: the host's bf16 masters equal the device run's bit for bit, and the reference's where it is
+    deterministic (every rounding but stochastic's, whose bits are dsfunc's own)."""
+    world = 2 if gas == 1 else 1
+    expected, norms = reference(world, optimizer, rounding, states, gas)
     assert min(norms) > 0.5  # the clip acts
-    for rank, result in enumerate(run_world(device_and_host, world, optimizer, rounding, states, timeout=600)):
+    for rank, result in enumerate(run_world(device_and_host, world, optimizer, rounding, states, gas, timeout=600)):
         for stage in STAGES:
             host = result["host"][stage]
             assert host["offloaded"] and host["on_host"]
@@ -65,7 +67,8 @@ def per_parameter(stage: int, offload: bool, states: bool, rounding: str) -> tup
 @pytest.mark.parametrize("stage", [2, 3])
 def test_the_memory_estimate_counts_bf16_masters_moments_and_compensations(stage):
     """Bytes per parameter (one rank) of AdamW's masters and moments, on the device or on the host: fp32 masters
-    4 + 8, bf16 masters 2 + 8 (host only) or 2 + 4, Kahan's compensation 2 more, counted with the masters."""
+    4 + 8, bf16 masters 2 + 8 (host only) or 2 + 4, Kahan's compensation 2 more, counted with the masters; with the
+    optimizer offloaded the bf16 gradient sums 2 more (DeepSpeed's 8 bytes a parameter: master, gradient, moments)."""
     fp32 = bf16_config(stage, "AdamW", offload=True)
     fp32["bf16"] = {"enabled": True}
     fp32["train_micro_batch_size_per_gpu"], fp32["gradient_accumulation_steps"] = 2, 2
@@ -81,8 +84,9 @@ def test_the_memory_estimate_counts_bf16_masters_moments_and_compensations(stage
         est, summary = per_parameter(stage, offload, states, rounding)
         assert (est["master"], est["optimizer"]) == (master, optimizer), (offload, states, rounding)
         states_bytes = master + optimizer
-        if offload:  # the states leave the device; the host buffers (gradients, staging) are fp32 masters' too
-            assert est["host"] == states_bytes + est["host_buffers"] and est["host_buffers"] == base["host_buffers"]
+        if offload:  # the states leave the device, with the gradient sums, 2 bytes in bf16 (fp32 masters: 4, and
+            # staging buffers; bf16 ones: the update's new shard goes out over the gradient it read)
+            assert est["host_buffers"] == 2 < base["host_buffers"] - 2 and est["host"] == states_bytes + 2
             assert est["device"] == base["device"]
             assert f"bf16 master{' + compensation' if rounding == 'kahan' else ''}, optimizer state" in summary
         else:
