@@ -102,7 +102,7 @@ def update_from_config(cfg: Config, schedule_for: LrSchedule | None = None, *,
     fused = None
     if momentum is None and not low:
         fused = FusedAdam.from_sections(sections, schedules, groups, cfg.gradient_clipping, chain)
-    return fused if fused is not None else ChainUpdate(chain)
+    return fused if fused is not None else ChainUpdate(chain, by_unit=low, max_norm=cfg.gradient_clipping)
 
 
 def group_section(base: OptimizerConfig, options: Mapping[str, Any], label: str | None) -> OptimizerConfig:
