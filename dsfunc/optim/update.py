@@ -95,6 +95,7 @@ class ChainUpdate:
     # bf16 masters, whose arithmetic is element by element; ``max_norm`` is its clipping
     by_unit: bool = False
     max_norm: float | None = None
+    chunk: int = 0  # element-wise chains: elements of a unit updated at a time on the host (0: whole units)
     clip_norm = 0.0  # ctx.grad_scale only unscales: the transform clips (or not) itself
     writes_compute_copy = False  # the workspace rebuilds the compute copies from the new masters
     reads_16_bit_grads = False  # the transform reads fp32 trees: 16-bit gradients would be widened all at once
@@ -106,7 +107,7 @@ class ChainUpdate:
               ctx: UpdateContext) -> tuple[FrozenDict, Any]:
         """New params and optimizer state, written into the old buffers (unchanged where not finite)."""
         if self.by_unit and ctx.executor.on_host:
-            return apply_by_unit(self.transform, self.max_norm, params, grads, opt_state, ctx)
+            return apply_by_unit(self.transform, self.max_norm, params, grads, opt_state, ctx, self.chunk)
         grads = {name: g.float() for name, g in grads.items()}  # offloaded host gradients may be 16-bit
         updates, new_opt_state = self.transform.update(grads, opt_state, dict(params), **extra(ctx))
         new_params = apply_updates(dict(params), updates)

@@ -4,6 +4,7 @@ ZeRO 1-3 on 1 and 2 gloo ranks against a one-process reference written here."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -293,3 +294,47 @@ def test_bf16_states_resume_exactly(tmp_path, rounding):
         resumed = dsfunc.train_step(resumed, batch)
     a, b = dsfunc.full_params(state), dsfunc.full_params(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(("optimizer", "rounding"), [("AdamW", "nearest"), ("SGD", "kahan"), ("AdamW", "stochastic")])
+def test_the_host_s_update_unit_by_unit_and_slice_by_slice_is_the_whole_tree_s(optimizer, rounding):
+    """The chain over two units at once (the device's way) and one unit at a time, in slices of 7 elements where
+    the chain is element-wise (the host's way, :mod:`dsfunc.optim.low_precision_host`): bit for bit, 3 steps,
+    clipped (SGD with momentum too)."""
+    from dsfunc.optim.low_precision_host import CHUNK
+    from dsfunc.optim.update import UpdateContext
+
+    cfg = dsfunc.Config.load({**bf16_config(2, optimizer, rounding), "train_batch_size": MICRO})
+    whole = dsfunc.optim.update_from_config(cfg)
+    assert whole.by_unit and whole.chunk == (0 if rounding == "stochastic" else CHUNK)
+    g = torch.Generator().manual_seed(0)
+    start = {"a": torch.randn(40, generator=g).bfloat16(), "b": torch.randn(23, generator=g).bfloat16()}
+    runs = {}
+    for host in (False, True):
+        update = dataclasses.replace(whole, chunk=7 if whole.chunk else 0)
+        params, g = {k: v.clone() for k, v in start.items()}, torch.Generator().manual_seed(1)
+        state = update.init(params)
+        for _ in range(3):
+            grads = {k: torch.randn(v.shape, generator=g).bfloat16() for k, v in params.items()}
+            norm = torch.sqrt(sum(x.float().pow(2).sum() for x in grads.values()))
+            assert norm > CLIP
+            ctx = UpdateContext(loss_scale=torch.ones(()), grad_norm=norm, grad_scale=torch.ones(()),
+                                finite=torch.tensor(True), skip=torch.tensor(False), lowp={}, segment_norm=None,
+                                executor=_OnHost() if host else dsfunc.optim.update.RUN_NOW)
+            params, state = update.apply(params, grads, state, ctx)
+        runs[host] = (dict(params), optree.tree_leaves(state))
+    assert all(torch.equal(runs[False][0][k], runs[True][0][k]) for k in start)
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][1], runs[True][1], strict=True))
+
+
+class _OnHost:
+    """An executor that runs each unit's work at once, as the host's does."""
+
+    on_host = True
+
+    def run(self, names: list[str], work) -> None:
+        for name in names:
+            work([name])
+
+    def unit_done(self, name: str, master: torch.Tensor) -> None:
+        """Nothing waits."""
