@@ -27,12 +27,14 @@ OPTIMIZERS = {
 
 
 def bf16_config(stage: int, optimizer: str, rounding: str = "nearest", *, states: bool = True,
-                offload: bool = False, gas: int = 1) -> dict:
+                offload: bool | str = False, gas: int = 1) -> dict:
     """bf16 masters (and moments, if ``states``) at ZeRO ``stage``, ``gas`` micro-batches a step; ``offload``:
-    the optimizer on the host."""
+    the optimizer on the host (``"param"``: the parameters too)."""
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+    if offload == "param":
+        zero["offload_param"] = {"device": "cpu"}
     return {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
@@ -103,7 +105,7 @@ def reference(world: int, optimizer: str, rounding: str = "nearest", states: boo
 
 
 def train_ranks(rank: int, world: int, optimizer: str, stages: list[int], rounding: str = "nearest", *,
-                states: bool = True, offload: bool = False, gas: int = 1) -> dict:
+                states: bool = True, offload: bool | str = False, gas: int = 1) -> dict:
     out = {}
     for stage in stages:
         torch.manual_seed(0)

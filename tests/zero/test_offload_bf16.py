@@ -19,28 +19,32 @@ from tests.optim.test_low_precision import bf16_config, reference, train_ranks
 STAGES = [1, 2, 3]
 
 
-def device_and_host(rank: int, world: int, optimizer: str, rounding: str, states: bool, gas: int) -> dict:
+def device_and_host(rank: int, world: int, optimizer: str, rounding: str, states: bool, gas: int,
+                    offload: bool | str) -> dict:
     """Each stage trained with the update on the host, and (bf16 moments only) on the device."""
-    out = {"host": train_ranks(rank, world, optimizer, STAGES, rounding, states=states, offload=True, gas=gas)}
+    stages = [3] if offload == "param" else STAGES
+    out = {"host": train_ranks(rank, world, optimizer, stages, rounding, states=states, offload=offload, gas=gas)}
     if states:  # bf16 masters keep fp32 moments only under offload (DeepSpeed's rule)
-        out["device"] = train_ranks(rank, world, optimizer, STAGES, rounding, states=states, gas=gas)
+        out["device"] = train_ranks(rank, world, optimizer, stages, rounding, states=states, gas=gas)
     return out
 
 
 @pytest.mark.parametrize(
-    ("optimizer", "rounding", "states", "gas"),
-    [("AdamW", "nearest", True, 1), ("AdamW", "nearest", False, 1), ("SGD", "kahan", True, 1),
-     ("AdamW", "stochastic", True, 1), ("SGD", "nearest", True, 4)],
+    ("optimizer", "rounding", "states", "gas", "offload"),
+    [("AdamW", "nearest", True, 1, True), ("AdamW", "nearest", False, 1, True), ("SGD", "kahan", True, 1, True),
+     ("AdamW", "stochastic", True, 1, True), ("SGD", "nearest", True, 4, True), ("AdamW", "kahan", True, 1, "param")],
 )
-def test_the_host_update_lands_where_the_device_and_the_reference_do(optimizer, rounding, states, gas):
-    """ZeRO 1-3 on 2 ranks (on one with ``gas`` micro-batches, their gradients summed in bf16 in host memory),
-    clipping active: the host's bf16 masters equal the device run's bit for bit, and the reference's where it is
-    deterministic (every rounding but stochastic's, whose bits are dsfunc's own)."""
+def test_the_host_update_lands_where_the_device_and_the_reference_do(optimizer, rounding, states, gas, offload):
+    """ZeRO 1-3 on 2 ranks (on one with ``gas`` micro-batches, their gradients summed in bf16 in host memory; at
+    stage 3 with the parameters offloaded too, streamed from the bf16 masters), clipping active: the host's bf16
+    masters equal the device run's bit for bit, and the reference's where it is deterministic (every rounding but
+    stochastic's, whose bits are dsfunc's own)."""
     world = 2 if gas == 1 else 1
     expected, norms = reference(world, optimizer, rounding, states, gas)
     assert min(norms) > 0.5  # the clip acts
-    for rank, result in enumerate(run_world(device_and_host, world, optimizer, rounding, states, gas, timeout=600)):
-        for stage in STAGES:
+    args = (optimizer, rounding, states, gas, offload)
+    for rank, result in enumerate(run_world(device_and_host, world, *args, timeout=600)):
+        for stage in result["host"]:
             host = result["host"][stage]
             assert host["offloaded"] and host["on_host"]
             assert set(host["masters"]) == {torch.bfloat16}
@@ -56,7 +60,7 @@ def test_the_host_update_lands_where_the_device_and_the_reference_do(optimizer, 
                 assert any(not torch.equal(host["full"][k], v) for k, v in expected.items())
 
 
-def per_parameter(stage: int, offload: bool, states: bool, rounding: str) -> tuple[dict[str, float], str]:
+def per_parameter(stage: int, offload: bool | str, states: bool, rounding: str) -> tuple[dict[str, float], str]:
     cfg = bf16_config(stage, "AdamW", rounding, states=states, offload=offload)
     cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"] = 2, 2
     state = dsfunc.init_state(MLP(width=10, depth=3), cfg)
@@ -92,3 +96,7 @@ def test_the_memory_estimate_counts_bf16_masters_moments_and_compensations(stage
         else:
             assert est["host"] == 0 and est["device"] == est["total"]
             assert "bf16 master" in summary
+    if stage == 3:  # the parameters offloaded too: the gathers stream the bf16 masters themselves, no copy of them
+        est, summary = per_parameter(stage, "param", True, "nearest")
+        assert (est["master"], est["optimizer"], est["host_buffers"], est["host"]) == (2, 4, 2, 8)
+        assert "parameters streamed from the host" in summary
