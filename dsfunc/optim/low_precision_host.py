@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import optree
 import torch
@@ -31,8 +31,8 @@ from dsfunc.frozen import FrozenDict
 from dsfunc.optim.base import ByLabel, Transform, apply_updates
 from dsfunc.optim.transforms import clip_coefficient
 
-if TYPE_CHECKING:
-    from dsfunc.optim.update import UpdateContext
+# the step's facts arrive as a dsfunc.optim.update.UpdateContext (not imported: that module runs this one)
+UpdateContext = Any
 
 
 CHUNK = 2**24  # elements an element-wise chain updates at a time: its fp32 temporaries (~32 bytes an element) 0.5 GB
