@@ -59,6 +59,20 @@ def adamw_step(
     return m, v, ((m / (1 - b1**t)) / (v.sqrt() / math.sqrt(1 - b2**t)).add(eps)).add(w, alpha=decay)
 
 
+def summed(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, gas: int,
+           sums: dict[str, torch.Tensor], rounded: bool = True) -> None:
+    """Add the gradients of ``gas`` micro-batches of ``MICRO`` rows (of loss / gas, in the model's bf16) to
+    ``sums`` (fp32 tensors), rounding the sum to bf16 after each when ``gas > 1`` (DeepSpeed's bf16 gradients;
+    unless not ``rounded``)."""
+    for k in range(0, MICRO * gas, MICRO):
+        model.zero_grad()
+        (model(x[k : k + MICRO].bfloat16(), y[k : k + MICRO]) / gas).backward()
+        for name, p in model.named_parameters():
+            sums[name] = sums[name] + p.grad.float()
+            if gas > 1 and rounded:
+                sums[name] = sums[name].bfloat16().float()
+
+
 def reference(world: int, optimizer: str, rounding: str = "nearest", states: bool = True,
               gas: int = 1) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process: a bf16 copy of the model (the masters) computes each rank's gradient, their mean in fp32 is
@@ -75,13 +89,7 @@ def reference(world: int, optimizer: str, rounding: str = "nearest", states: boo
     for t, (x, y) in enumerate(mlp_batches(STEPS, rows * world), start=1):
         grads = {n: torch.zeros(p.shape) for n, p in model.named_parameters()}
         for r in range(world):
-            for k in range(r * rows, (r + 1) * rows, MICRO):
-                model.zero_grad()
-                (model(x[k : k + MICRO].bfloat16(), y[k : k + MICRO]) / gas).backward()
-                for name, p in model.named_parameters():
-                    grads[name] = grads[name] + p.grad.float()
-                    if gas > 1:
-                        grads[name] = grads[name].bfloat16().float()
+            summed(model, x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows], gas, grads)
         grads = {n: (g / world).bfloat16().float() for n, g in grads.items()}
         norm = torch.sqrt(sum(g.pow(2).sum() for g in grads.values()))
         norms.append(norm.item())

@@ -6,15 +6,17 @@ host buffers and copies (``tests/zero/test_offload.py``)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import dsfunc
 from dsfunc.monitor.progress import startup_summary
 from dsfunc.zero import memory_estimate
-from tests.models import MLP
+from tests.models import MLP, mlp_batches
 from tests.multiprocess import run_world
-from tests.optim.test_low_precision import bf16_config, reference, train_ranks
+from tests.optim.test_low_precision import MICRO, bf16_config, reference, summed, train_ranks
 
 STAGES = [1, 2, 3]
 
@@ -100,3 +102,44 @@ def test_the_memory_estimate_counts_bf16_masters_moments_and_compensations(stage
         est, summary = per_parameter(stage, "param", True, "nearest")
         assert (est["master"], est["optimizer"], est["host_buffers"], est["host"]) == (2, 4, 2, 8)
         assert "parameters streamed from the host" in summary
+
+
+
+def deepspeed_sums(rank: int, world: int, stage: int, gas: int) -> list[torch.Tensor]:
+    """DeepSpeed's own bf16 gradient buffer (what its CPU Adam reads) after ``gas`` micro-batches with the optimizer
+    offloaded, and the reference's sums of the same micro-batches' gradients, rounded to bf16 after each addition
+    (as dsfunc sums them: the tests above) and rounded once at the end."""
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    import deepspeed
+
+    torch.manual_seed(0)
+    net = MLP(width=10, depth=3)
+    ref = MLP(width=10, depth=3)
+    ref.load_state_dict(net.state_dict())
+    ref = ref.bfloat16()
+    config = bf16_config(stage, "AdamW", offload=True, gas=gas)
+    config["optimizer"]["params"]["torch_adam"] = False  # bf16 masters under offload take DeepSpeedCPUAdam
+    del config["bf16"]["rounding"]  # dsfunc's key (to nearest: DeepSpeed's)
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    ((x, y),) = mlp_batches(1, MICRO * gas)
+    for k in range(0, MICRO * gas, MICRO):
+        if k:
+            engine.step()  # DeepSpeed's loop steps after every micro-batch (the boundary's read below, first)
+        engine.backward(engine(x[k : k + MICRO].bfloat16(), y[k : k + MICRO]))
+    optimizer = engine.optimizer
+    flat = optimizer.fp32_partitioned_groups_flat if stage == 3 else optimizer.single_partition_of_fp32_groups
+    out = [torch.cat([t.grad.float() for t in flat])]
+    for rounded in (True, False):
+        sums = {n: torch.zeros(p.shape) for n, p in ref.named_parameters()}
+        summed(ref, x, y, gas, sums, rounded)
+        out.append(torch.cat([sums[n].bfloat16().float().flatten() for n, _ in ref.named_parameters()]))
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_sums_micro_batches_in_bf16_too(stage):
+    """Real DeepSpeed 0.19.8 on the CPU, ZeRO-Offload with bf16 masters, gradients and moments, 4 micro-batches: its
+    gradient buffer is bf16 and holds the sum rounded after each micro-batch, bit for bit, not the fp32 sum."""
+    theirs, rounded_each, rounded_once = run_world(deepspeed_sums, 1, stage, 4, timeout=600)[0]
+    assert torch.equal(theirs, rounded_each)
+    assert not torch.equal(theirs, rounded_once)
