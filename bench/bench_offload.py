@@ -10,7 +10,9 @@ D) to try in order, stopping at the first that does not fit. All trials: ZeRO-3 
 ``torch.utils.checkpoint`` around each block), micro-batch ``--micro`` of 1024 random tokens (``--accum``
 micro-batches per step), 2 warm-up
 steps and ``--steps`` timed steps. Settings: ``none``, ``opt`` (``offload_optimizer`` to pinned CPU
-memory), ``opt+param`` (and ``offload_param``); ``+spec`` added to either (``opt+spec``, ``opt+param+spec``) turns
+memory), ``opt+param`` (and ``offload_param``); ``+bf16`` added to either (``opt+bf16``, ``opt+bf16+spec``) keeps the
+master weights, gradients and AdamW moments in bf16 (``bf16_master_weights_and_grads``, ``bf16_optimizer_states``,
+for DeepSpeed too: 8 host bytes a parameter instead of 16-17); ``+spec`` added to either (``opt+spec``, ``opt+param+spec``) turns
 on dsfunc's ``offload_optimizer.speculative_update`` (each unit's host update during backward, redone where the
 step clips or skips; the last column then says how many units' updates of the last step stood and were redone,
 and the host bytes their saved copies take; ``--ahead`` bounds the elements that run ahead, as the copies of every
@@ -35,6 +37,7 @@ import torch
 
 PEAK_FLOPS = 790e12  # bf16 matmul rate measured on these H200s (BENCH.md)
 ACCUM = [1]  # --accum: micro-batches per optimizer step (set once by main)
+BF16_STATES = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}  # the +bf16 setting
 OPTIONS = {"device_sums": 0, "backward_group": 1, "profile": False, "ahead": 0, "clip": 1.0}  # flags (set by main)
 
 
@@ -60,7 +63,7 @@ def config(micro: int, setting: str) -> dict:
         "gradient_accumulation_steps": ACCUM[0],
         "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
         "gradient_clipping": OPTIONS["clip"],
-        "bf16": {"enabled": True},
+        "bf16": {"enabled": True, **(BF16_STATES if "bf16" in setting.split("+") else {})},
         "zero_optimization": zero_section(setting),
         "steps_per_print": 10**9,
     }

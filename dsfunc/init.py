@@ -80,7 +80,7 @@ from dsfunc.zero.matrices import matrix_shards
 from dsfunc.zero.norms import segment_norm_fn
 from dsfunc.zero.offload import placement as placement_from_config
 from dsfunc.zero.placeholders import full_shape
-from dsfunc.zero.reduce import grad_dtype
+from dsfunc.zero.reduce import grad_dtype, sum_dtype
 
 if TYPE_CHECKING:
     from dsfunc.parallel.autotp import Plan
@@ -233,9 +233,12 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
         plan = dataclasses.replace(plan, tp=tensor.group, split=frozenset(tensor.split))
     comm_dtype = DTYPES[cfg.communication_data_type or "fp32"]
     gas = cfg.gradient_accumulation_steps
+    # DeepSpeed's bf16 masters: the fp32 values rounded to nearest
+    masters = torch.bfloat16 if cfg.bf16.bf16_master_weights_and_grads else torch.float32
     placement = placement_from_config(plan, zero, compute_device=device, compute_dtype=cfg.compute_dtype,
-                                      grad_dtype=grad_dtype(cfg.compute_dtype, comm_dtype, plan.world_size, gas),
-                                      micro_batches=gas)
+                                      grad_dtype=grad_dtype(cfg.compute_dtype, comm_dtype, plan.world_size, gas,
+                                                            sum_dtype(cfg)),
+                                      micro_batches=gas, master_dtype=masters)
     if pipeline is not None and placement.masters is not None:
         raise NotSupportedError("ZeRO-Offload with pipeline parallelism is not supported by dsfunc; remove the "
                                 "offload_optimizer/offload_param sections or the pipeline")
@@ -247,8 +250,8 @@ def _build(model: nn.Module, config: Any, loss_fn: LossFn | None, *, optimizer: 
         names = {name for name, _ in model.named_buffers()}
         buffers = {k: v.to(DTYPES[cfg.buffer_dtype]) if k in names and v.is_floating_point() else v
                    for k, v in buffers.items()}
-    if cfg.bf16.bf16_master_weights_and_grads:  # DeepSpeed's bf16 masters: the fp32 values rounded to nearest
-        params = {name: p.to(torch.bfloat16) for name, p in params.items()}
+    if masters != torch.float32:
+        params = {name: p.to(masters) for name, p in params.items()}
     binding = Binding(skeleton, plan, buffers.keys())
     scaler = LossScaler.from_config(cfg.fp16)
     update = _update(cfg, plan, optimizer, param_groups, groups, lr_schedule,

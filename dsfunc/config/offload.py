@@ -62,7 +62,8 @@ class OffloadConfig:
     also turns on: each unit's host update starts as its gradient lands during the last backward, assuming the
     step neither clips nor overflows, and is undone and redone when it does, so the result is bit for bit the
     update's without it (:mod:`dsfunc.zero.offload.speculation`). It costs host memory for a copy of the
-    masters and optimizer state (12 bytes a parameter with Adam). ``true``: every unit; a number: elements of
+    masters and optimizer state (12 bytes a parameter with Adam; 6 with bf16 masters and moments, whose chain it
+    runs ahead the same way). ``true``: every unit; a number: elements of
     this rank's shards whose units run ahead, whole units in the order their gradients land (the copies of a
     6B model would not fit beside it in 128 GiB of host memory; the rest wait for the step as without it).
     Of SuperOffload only this is built; its ``cpuadam_cores_perc`` must keep DeepSpeed's default. No effect

@@ -60,7 +60,8 @@ class BF16Config:
     bf16_master_weights_and_grads: bool = _key(False, _bool)
     """Keep the master weights in bf16 (2 bytes a parameter instead of 4), as DeepSpeed (ZeRO 1-3 only; without
     bf16_optimizer_states only with ``zero_optimization.offload_optimizer``, whose host update then keeps fp32
-    moments). The gradients keep dsfunc's rule (bf16 where that holds their sum exactly, else fp32)."""
+    moments). The gradient sums are bf16 too, as DeepSpeed's: each micro-batch's gradient added and the sum
+    rounded to nearest, on the device or in host memory (2 bytes a parameter there instead of 4)."""
     bf16_optimizer_states: bool = _key(False, _bool)
     """Keep the optimizer's moments in bf16 too (needs bf16_master_weights_and_grads, as in DeepSpeed)."""
     rounding: str = _key("nearest", _choice("nearest", "stochastic", "kahan"))
@@ -81,7 +82,8 @@ _FP16_FIXED = {
 # bf16 keys that tune DeepSpeed's bf16 optimizer; dsfunc's one step has a single behaviour for each
 BF16_WITHOUT_EFFECT = {
     "immediate_grad_update": (
-        "dsfunc adds each micro-batch's gradients into fp32 sums as they are produced (DeepSpeed's true); "
+        "dsfunc adds each micro-batch's gradients into fp32 sums (bf16 ones with bf16_master_weights_and_grads) "
+        "as they are produced (DeepSpeed's true); "
         "DeepSpeed's false keeps them in bf16 until the accumulation boundary"
     ),
     "check_grad_overflow": (

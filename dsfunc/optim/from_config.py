@@ -26,6 +26,7 @@ from dsfunc.optim.base import Transform, multi_transform, named_chain
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.groups import GROUP_METADATA, plain
 from dsfunc.optim.low_precision import low_precision
+from dsfunc.optim.low_precision_host import CHUNK
 from dsfunc.optim.muon import MatrixShards, muon_half
 from dsfunc.optim.transforms import clip_by_global_norm, scale_by_factor
 from dsfunc.optim.update import ChainUpdate
@@ -47,6 +48,7 @@ _SCHEDULES = {
     "LRRangeTest": lr_range_test,
 }
 _OPTIMIZERS = {"adam": adam, "adamw": adamw, "lamb": lamb, "sgd": sgd, "adagrad": adagrad}
+_ELEMENTWISE = ("adam", "adamw", "sgd", "adagrad")  # optimizers whose update of an element reads that element alone
 _NO_EFFECT = ("torch_adam",)  # picks DeepSpeed's implementation (torch vs fused Adam); the math is the same
 
 
@@ -102,7 +104,10 @@ def update_from_config(cfg: Config, schedule_for: LrSchedule | None = None, *,
     fused = None
     if momentum is None and not low:
         fused = FusedAdam.from_sections(sections, schedules, groups, cfg.gradient_clipping, chain)
-    return fused if fused is not None else ChainUpdate(chain)
+    if fused is not None:
+        return fused
+    elementwise = all(s.type in _ELEMENTWISE for s in sections.values()) and cfg.bf16.rounding != "stochastic"
+    return ChainUpdate(chain, by_unit=low, max_norm=cfg.gradient_clipping, chunk=CHUNK if elementwise else 0)
 
 
 def group_section(base: OptimizerConfig, options: Mapping[str, Any], label: str | None) -> OptimizerConfig:

@@ -6,13 +6,14 @@ the same chain there, so both round alike, bit for bit).
 rounded once when stored — what DeepSpeed's fused and CPU Adam do with bf16 states (fp32 arithmetic, one
 round-to-nearest per element). ``rounding="stochastic"`` rounds each stored value up with probability equal to
 the dropped remainder instead (unbiased: updates far below a bf16 ulp still move the weights on average), the
-masters included; its random bits are a hash of the step, the leaf and the element's place in this rank's shard,
+masters included; its random bits are a hash of the step, the leaf's path and the element's place in this rank's shard,
 so a run repeats exactly, at the same world size. ``rounding="kahan"`` keeps a bf16 compensation per master
 (:func:`kahan`): deterministic, and master plus compensation (4 bytes) follow the fp32 sum of the updates.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -104,15 +105,16 @@ def low_precision(
     ) -> tuple[Updates, LowPrecisionState]:
         wide = optree.tree_map(lambda t: t.float() if _is_low(t, dtype) else t, state.inner)
         updates, new = inner.update(updates, wide, params, **extra)
-        olds, spec = optree.tree_flatten(state.inner)
+        paths, olds, spec = optree.tree_flatten_with_path(state.inner)
         news = spec.flatten_up_to(new)
         stored = [
-            store(n, state.count, i) if _is_low(o, dtype) else n for i, (o, n) in enumerate(zip(olds, news))
+            store(n, state.count, _salt(path)) if _is_low(o, dtype) else n
+            for path, o, n in zip(paths, olds, news)
         ]
         compensation = state.compensation
         if rounding == "stochastic" and params is not None:
             updates = _land_on(
-                params, updates, lambda p, u, i: store(p.float() + u, state.count, -1 - i), dtype
+                params, updates, lambda p, u, path: store(p.float() + u, state.count, -1 - _salt(path)), dtype
             )
         elif rounding == "kahan" and params is not None:
             updates, compensation = kahan(params, updates, compensation)
@@ -129,14 +131,20 @@ def compensations(opt_state: OptState) -> list[Tensor]:
     return [c for node in nodes if isinstance(node, LowPrecisionState) for c in node.compensation.values()]
 
 
+def _salt(path: tuple) -> int:
+    """The random bits' salt of a leaf: from its place in the tree (unit names, fields), not its index, so that an
+    update of one unit at a time (:mod:`dsfunc.optim.low_precision_host`) draws the bits of the whole tree's."""
+    return zlib.crc32(repr(path).encode()) & 0x7FFFFFFF
+
+
 def _land_on(params: Params, updates: Updates, rounded: Any, dtype: torch.dtype) -> Updates:
-    """Updates that take each ``dtype`` parameter ``p`` to ``rounded(p, u, i)`` exactly (the difference of two
+    """Updates that take each ``dtype`` parameter ``p`` to ``rounded(p, u, path)`` exactly (the difference of two
     bf16 values whose exponents differ by less than 16 is exact in fp32)."""
-    leaves, spec = optree.tree_flatten(params)
+    paths, leaves, spec = optree.tree_flatten_with_path(params)
     ups = spec.flatten_up_to(updates)
     out = [
-        rounded(p, u, i).float() - p.float() if _is_low(p, dtype) else u
-        for i, (p, u) in enumerate(zip(leaves, ups))
+        rounded(p, u, path).float() - p.float() if _is_low(p, dtype) else u
+        for path, p, u in zip(paths, leaves, ups)
     ]
     return optree.tree_unflatten(spec, out)
 

@@ -69,10 +69,15 @@ def clip_by_global_norm(max_norm: float) -> Transform:
         norm = extra.get("global_norm")
         if norm is None:
             norm = global_norm(updates)
-        inv_coef = ((norm + 1e-6) / max_norm).clamp_min(1.0).reciprocal()
+        inv_coef = clip_coefficient(norm, max_norm)
         return _map(lambda u: u * inv_coef, updates)
 
     return stateless(fn)
+
+
+def clip_coefficient(norm: Tensor, max_norm: float) -> Tensor:
+    """What :func:`clip_by_global_norm` multiplies the updates by: ``1 / max(1, (norm + 1e-6) / max_norm)``."""
+    return ((norm + 1e-6) / max_norm).clamp_min(1.0).reciprocal()
 
 
 def add_decayed_weights(weight_decay: float) -> Transform:

@@ -17,7 +17,8 @@ import optree
 import torch
 
 from dsfunc.frozen import FrozenDict
-from dsfunc.optim.base import ByLabel, Transform, apply_updates
+from dsfunc.optim.base import Transform, apply_updates
+from dsfunc.optim.low_precision_host import apply_by_unit, extra
 
 
 class UnitWork(Protocol):
@@ -90,6 +91,11 @@ class ChainUpdate:
     """An update transform over the state's shards, whose grads arrive multiplied by the loss scale."""
 
     transform: Transform
+    # on the host, run unit by unit through the executor (dsfunc.optim.low_precision_host): the config's chain for
+    # bf16 masters, whose arithmetic is element by element; ``max_norm`` is its clipping
+    by_unit: bool = False
+    max_norm: float | None = None
+    chunk: int = 0  # element-wise chains: elements of a unit updated at a time on the host (0: whole units)
     clip_norm = 0.0  # ctx.grad_scale only unscales: the transform clips (or not) itself
     writes_compute_copy = False  # the workspace rebuilds the compute copies from the new masters
     reads_16_bit_grads = False  # the transform reads fp32 trees: 16-bit gradients would be widened all at once
@@ -100,14 +106,10 @@ class ChainUpdate:
     def apply(self, params: Mapping[str, torch.Tensor], grads: Mapping[str, torch.Tensor], opt_state: Any,
               ctx: UpdateContext) -> tuple[FrozenDict, Any]:
         """New params and optimizer state, written into the old buffers (unchanged where not finite)."""
+        if self.by_unit and ctx.executor.on_host:
+            return apply_by_unit(self.transform, self.max_norm, params, grads, opt_state, ctx, self.chunk)
         grads = {name: g.float() for name, g in grads.items()}  # offloaded host gradients may be 16-bit
-        lr = ctx.lr
-        if lr is not None:  # one group: its scale_by_learning_rate takes the value; several: multi_transform picks
-            lr = lr[None] if None in lr else ByLabel(lr)
-        updates, new_opt_state = self.transform.update(
-            grads, opt_state, dict(params),
-            grad_scale=ctx.grad_scale, global_norm=ctx.grad_norm, segment_norm=ctx.segment_norm, lr=lr,
-        )
+        updates, new_opt_state = self.transform.update(grads, opt_state, dict(params), **extra(ctx))
         new_params = apply_updates(dict(params), updates)
 
         def commit(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import optree
 import torch
 
 from dsfunc.optim.low_precision import compensations
-from dsfunc.zero.reduce import grad_dtype
+from dsfunc.zero.reduce import grad_dtype, sum_dtype
 
 if TYPE_CHECKING:
     from dsfunc.state import TrainState
@@ -20,7 +20,8 @@ def memory_estimate(state: TrainState) -> dict[str, int]:
     ``master`` (the master weights, fp32 or bf16, and with ``bf16.rounding = "kahan"`` their bf16 compensations:
     this rank's shard, measured in the state), ``optimizer`` (moments etc., measured in the state),
     ``gradients`` (the full flat at stages 0-1, the shard at 2-3, in :func:`~dsfunc.zero.reduce.grad_dtype`:
-    bf16 for one micro-batch on one rank when the update reads 16-bit gradients, else fp32; none with the
+    bf16 for one micro-batch on one rank when the update reads 16-bit gradients, or always with
+    ``bf16_master_weights_and_grads``, else fp32; none with the
     optimizer offloaded, but at stage 1 with gradient accumulation, and the sums of the units that
     ``grad_accumulation_on_device`` keeps there until the host update reads them), ``compute`` (the compute-dtype copy
     forward reads: none at stage 0 in fp32, where it aliases the master; the whole model at
@@ -37,8 +38,10 @@ def memory_estimate(state: TrainState) -> dict[str, int]:
     lazy = [u for u in plan.units if run.workspace.lazy(u)]
     cbytes = torch.empty((), dtype=program.compute_dtype).element_size()
     gas = program.config.gradient_accumulation_steps
-    kept = grad_dtype(program.compute_dtype, program.comm_dtype, plan.world_size, gas)
-    gbytes = torch.empty((), dtype=kept if program.update.reads_16_bit_grads else torch.float32).element_size()
+    sums = sum_dtype(program.config)
+    kept = grad_dtype(program.compute_dtype, program.comm_dtype, plan.world_size, gas, sums)
+    narrow = program.update.reads_16_bit_grads or sums != torch.float32
+    gbytes = (kept if narrow else torch.float32).itemsize
     full = sum(u.numel for u in plan.units)
     shard = sum(plan.shard_size(u) for u in plan.units)
     if run.workspace.aliases_master:

@@ -18,7 +18,7 @@ folds the 1/world factor of the mean into the backward seed.
 
 A reduced gradient is kept in the narrowest dtype that holds it exactly (:func:`grad_dtype`): the backward's
 bf16 for one micro-batch on one rank (2 bytes per parameter, not 4), fp32 once micro-batches or ranks are
-summed in fp32. Host buffers always are; on the device only when the update reads 16-bit gradients itself
+summed in fp32 (bf16 with ``bf16_master_weights_and_grads``: :func:`sum_dtype`). Host buffers always are; on the device only when the update reads 16-bit gradients itself
 (``narrow``: the fused Adam reads them as they are, element by element), since a transform chain would widen
 every unit at once and hold both.
 
@@ -43,6 +43,7 @@ from typing import Protocol
 
 import torch
 
+from dsfunc.config import Config
 from dsfunc.distributed import comm
 from dsfunc.zero.layout import ShardingPlan, Unit
 from dsfunc.zero.policy import DeviceGrads, GradStore
@@ -59,17 +60,32 @@ def exact_dtype(dtype: torch.dtype, comm_dtype: torch.dtype, ranks: int) -> torc
     return dtype if comm_dtype == torch.float32 else torch.float32
 
 
-def grad_dtype(compute_dtype: torch.dtype, comm_dtype: torch.dtype, ranks: int, micro_batches: int) -> torch.dtype:
+def sum_dtype(config: Config) -> torch.dtype:
+    """What gradient sums are held in: bf16 with ``bf16.bf16_master_weights_and_grads`` (DeepSpeed's bf16 gradients:
+    each micro-batch's sum, and the reduced one, rounded to nearest into bf16), else fp32."""
+    return torch.bfloat16 if config.bf16.bf16_master_weights_and_grads else torch.float32
+
+
+def grad_dtype(compute_dtype: torch.dtype, comm_dtype: torch.dtype, ranks: int, micro_batches: int,
+               sums: torch.dtype = torch.float32) -> torch.dtype:
     """What a reduced gradient is held in at the end of a step (:meth:`ZeroReducer._store`), on the device or in an
-    offloaded host buffer: the :func:`exact_dtype` of one micro-batch, fp32 once micro-batches are summed."""
+    offloaded host buffer: bf16 sums (:func:`sum_dtype`) always, else the :func:`exact_dtype` of one micro-batch,
+    fp32 once micro-batches are summed."""
+    if sums != torch.float32:
+        return sums
     return exact_dtype(compute_dtype, comm_dtype, ranks) if micro_batches == 1 else torch.float32
 
 
-def _accumulate(sums: dict[str, torch.Tensor], name: str, grad: torch.Tensor, *, keep: bool = False) -> None:
-    """``sums[name] += grad`` in fp32; a first gradient is kept in its own dtype when ``keep`` (no more will be
-    added but another backward's, which widens the sum then)."""
+def _accumulate(sums: dict[str, torch.Tensor], name: str, grad: torch.Tensor, *, keep: bool = False,
+                dtype: torch.dtype = torch.float32) -> None:
+    """``sums[name] += grad``, added in fp32 and held in ``dtype`` (bf16 sums: rounded once per addition, as a
+    bf16 ``add_`` does); a first gradient is kept in its own dtype when ``keep`` (no more will be added but
+    another backward's, which widens the sum then)."""
     prev = sums.get(name)
-    sums[name] = (grad if keep else grad.float()) if prev is None else prev.float().add_(grad)
+    if prev is None:
+        sums[name] = grad if keep else grad.to(dtype)
+    else:
+        sums[name] = prev.float().add_(grad).to(dtype)
 
 
 class Reducer(Protocol):
@@ -83,18 +99,20 @@ class Reducer(Protocol):
 
 
 class LocalReducer:
-    """This process's gradients, summed in fp32 over micro-batches (one micro-batch's kept as is if ``narrow``)."""
+    """This process's gradients, summed in ``sums`` (fp32 or bf16) over micro-batches (one micro-batch's kept as
+    is if ``narrow``)."""
 
     streams = False  # nothing to start while backward runs: the gradients may come after it
 
-    def __init__(self, plan: ShardingPlan, *, narrow: bool = False) -> None:
+    def __init__(self, plan: ShardingPlan, *, narrow: bool = False, sums: torch.dtype = torch.float32) -> None:
         self.plan = plan
         self.narrow = narrow
+        self.sums = sums
         self._sums: dict[str, torch.Tensor] = {}
 
     def add(self, unit: Unit, grad: torch.Tensor, *, last: bool, followed: bool = False) -> None:
         """Add ``unit``'s gradient of a micro-batch (the sums stay here: ``followed`` changes nothing)."""
-        _accumulate(self._sums, unit.name, grad, keep=last and self.narrow)
+        _accumulate(self._sums, unit.name, grad, keep=last and self.narrow, dtype=self.sums)
 
     def end_micro(self, *, last: bool) -> None:
         """Nothing to flush: the sums stay local."""
@@ -112,8 +130,10 @@ class ZeroReducer:
     max_in_flight = 2  # reductions in flight during backward; older ones are waited for as new ones start
 
     def __init__(self, plan: ShardingPlan, *, comm_dtype: torch.dtype, bucket_size: int,
-                 device: torch.device, store: GradStore | None = None, narrow: bool = False) -> None:
+                 device: torch.device, store: GradStore | None = None, narrow: bool = False,
+                 sums: torch.dtype = torch.float32) -> None:
         self.plan = plan
+        self.sums = sums  # what the sums are held in (fp32, or bf16: sum_dtype)
         self.store = DeviceGrads(device) if store is None else store  # where sums wait between micro-batches
         # whether a gradient should come as soon as backward makes it: its collective, or its copy off the device,
         # then runs beside the rest of backward (on one rank with every sum on the device they may come after it)
@@ -134,7 +154,7 @@ class ZeroReducer:
         self._reduced.add(unit.name)
         stage = self.plan.stage
         if stage <= 1 and not last:
-            _accumulate(self._local, unit.name, grad)  # one reduction after the last micro-batch
+            _accumulate(self._local, unit.name, grad, dtype=self.sums)  # one reduction after the last micro-batch
             return
         local = self._local.pop(unit.name, None) if stage <= 1 else None
         exact = exact_dtype(grad.dtype, self.comm_dtype, self.plan.world_size) if local is None else torch.float32
@@ -201,7 +221,9 @@ class ZeroReducer:
             prev = self.store.take(unit, self._stored.pop(unit.name))
         kept = self.store.stays(unit.name) or followed
         if prev is not None:
-            reduced = prev.float().add_(reduced)
+            reduced = prev.float().add_(reduced).to(self.sums)
+        elif self.sums != torch.float32:  # bf16 sums: the reduced gradient rounded into them
+            reduced = reduced.to(self.sums)
         else:  # its exact dtype after the last micro-batch if kept narrow, or on its way to the host (where the
             # next micro-batch's take widens it): half the bytes each way; fp32 if more will be added here
             reduced = reduced.to(exact if (last and self.narrow) or not kept else torch.float32)

@@ -75,7 +75,7 @@ from dsfunc.zero.backward_by_units import DeferredMicro, JointBackward
 from dsfunc.zero.hooks import tensors_in
 from dsfunc.zero.layout import Unit, unit_views
 from dsfunc.zero.micro_batch import Bound, Tally
-from dsfunc.zero.reduce import Grads, LocalReducer, Reducer, ZeroReducer
+from dsfunc.zero.reduce import Grads, LocalReducer, Reducer, ZeroReducer, sum_dtype
 from dsfunc.zero.rng import micro_batch_rng
 
 if TYPE_CHECKING:
@@ -553,7 +553,7 @@ def zero_runtime(state: TrainState, kind: type[R] = MicroBatchRuntime) -> R:
     run = program.run
     reducer = ZeroReducer(program.plan, comm_dtype=program.comm_dtype, device=run.workspace.device,
                           bucket_size=program.config.zero_optimization.reduce_bucket_size, store=run.grads,
-                          narrow=program.update.reads_16_bit_grads)
+                          narrow=program.update.reads_16_bit_grads, sums=sum_dtype(program.config))
     per_backward = 1 if kind.direct_backward else run.grads.micro_batches_per_backward
     # the seed's 1/ranks makes the reducer's sum a mean over dp (the sp ranks' gradients add up where DeepSpeed's do:
     # [Note: the gradient over sp] in dsfunc.distributed.mesh); gradient_allreduce_op "sum" keeps the sum
@@ -570,4 +570,5 @@ def local_runtime(state: TrainState) -> MicroBatchRuntime:
             "value_and_grad without shard() needs unsharded parameters, but this state is sharded "
             f"(ZeRO stage {plan.stage} over {plan.world_size} ranks); wrap it in dsfunc.shard()"
         )
-    return MicroBatchRuntime(state, LocalReducer(plan, narrow=state.program.update.reads_16_bit_grads))
+    return MicroBatchRuntime(state, LocalReducer(plan, narrow=state.program.update.reads_16_bit_grads,
+                                                     sums=sum_dtype(state.program.config)))

@@ -4,6 +4,8 @@ ZeRO 1-3 on 1 and 2 gloo ranks against a one-process reference written here."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import optree
@@ -25,13 +27,17 @@ OPTIMIZERS = {
 
 
 def bf16_config(stage: int, optimizer: str, rounding: str = "nearest", *, states: bool = True,
-                offload: bool = False) -> dict:
-    """bf16 masters (and moments, if ``states``) at ZeRO ``stage``; ``offload``: the optimizer on the host."""
+                offload: bool | str = False, gas: int = 1) -> dict:
+    """bf16 masters (and moments, if ``states``) at ZeRO ``stage``, ``gas`` micro-batches a step; ``offload``:
+    the optimizer on the host (``"param"``: the parameters too)."""
     zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
+    if offload == "param":
+        zero["offload_param"] = {"device": "cpu"}
     return {
         "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
         "optimizer": {"type": optimizer, "params": OPTIMIZERS[optimizer]},
         "gradient_clipping": CLIP,
         "bf16": {
@@ -53,24 +59,38 @@ def adamw_step(
     return m, v, ((m / (1 - b1**t)) / (v.sqrt() / math.sqrt(1 - b2**t)).add(eps)).add(w, alpha=decay)
 
 
-def reference(world: int, optimizer: str, rounding: str = "nearest",
-              states: bool = True) -> tuple[dict[str, torch.Tensor], list[float]]:
+def summed(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, gas: int,
+           sums: dict[str, torch.Tensor], rounded: bool = True) -> None:
+    """Add the gradients of ``gas`` micro-batches of ``MICRO`` rows (of loss / gas, in the model's bf16) to
+    ``sums`` (fp32 tensors), rounding the sum to bf16 after each when ``gas > 1`` (DeepSpeed's bf16 gradients;
+    unless not ``rounded``)."""
+    for k in range(0, MICRO * gas, MICRO):
+        model.zero_grad()
+        (model(x[k : k + MICRO].bfloat16(), y[k : k + MICRO]) / gas).backward()
+        for name, p in model.named_parameters():
+            sums[name] = sums[name] + p.grad.float()
+            if gas > 1 and rounded:
+                sums[name] = sums[name].bfloat16().float()
+
+
+def reference(world: int, optimizer: str, rounding: str = "nearest", states: bool = True,
+              gas: int = 1) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process: a bf16 copy of the model (the masters) computes each rank's gradient, their mean in fp32 is
-    clipped; then the optimizer in fp32 from the stored moments (bf16 if ``states``, else fp32), every new bf16
-    value rounded to nearest; with ``rounding="kahan"`` each weight's target adds its compensation, which keeps
-    the remainder."""
+    rounded to bf16 (DeepSpeed's bf16 gradients; with ``gas`` micro-batches on one rank, each micro-batch's
+    gradient of loss / gas added to the bf16 sum and rounded to nearest) and clipped; then the optimizer in fp32
+    from the stored moments (bf16 if ``states``, else fp32), every new bf16 value rounded to nearest; with
+    ``rounding="kahan"`` each weight's target adds its compensation, which keeps the remainder."""
+    assert world == 1 or gas == 1  # over ranks the stages sum micro-batches in different orders
     torch.manual_seed(0)
     model = MLP(width=10, depth=3).bfloat16()
     opts, state, norms = OPTIMIZERS[optimizer], {}, []
     stored = torch.bfloat16 if states else torch.float32
-    for t, (x, y) in enumerate(mlp_batches(STEPS, MICRO * world), start=1):
+    rows = MICRO * gas
+    for t, (x, y) in enumerate(mlp_batches(STEPS, rows * world), start=1):
         grads = {n: torch.zeros(p.shape) for n, p in model.named_parameters()}
         for r in range(world):
-            model.zero_grad()
-            model(x[r * MICRO : (r + 1) * MICRO].bfloat16(), y[r * MICRO : (r + 1) * MICRO]).backward()
-            for n, p in model.named_parameters():
-                grads[n] += p.grad.float()
-        grads = {n: g / world for n, g in grads.items()}
+            summed(model, x[r * rows : (r + 1) * rows], y[r * rows : (r + 1) * rows], gas, grads)
+        grads = {n: (g / world).bfloat16().float() for n, g in grads.items()}
         norm = torch.sqrt(sum(g.pow(2).sum() for g in grads.values()))
         norms.append(norm.item())
         coef = max(1.0, (norm.item() + 1e-6) / CLIP)
@@ -93,15 +113,15 @@ def reference(world: int, optimizer: str, rounding: str = "nearest",
 
 
 def train_ranks(rank: int, world: int, optimizer: str, stages: list[int], rounding: str = "nearest", *,
-                states: bool = True, offload: bool = False) -> dict:
+                states: bool = True, offload: bool | str = False, gas: int = 1) -> dict:
     out = {}
     for stage in stages:
         torch.manual_seed(0)
-        cfg = bf16_config(stage, optimizer, rounding, states=states, offload=offload)
+        cfg = bf16_config(stage, optimizer, rounding, states=states, offload=offload, gas=gas)
         state = dsfunc.init_state(MLP(width=10, depth=3), cfg)
         norms = []
-        for x, y in mlp_batches(STEPS, MICRO * world):
-            mine = slice(rank * MICRO, (rank + 1) * MICRO)
+        for x, y in mlp_batches(STEPS, MICRO * gas * world):
+            mine = slice(rank * MICRO * gas, (rank + 1) * MICRO * gas)
             state = dsfunc.train_step(state, (x[mine], y[mine]))
             norms.append(state.metrics.grad_norm.item())
         stored = [t.dtype for t in optree.tree_leaves(state.opt_state["optimizer"].inner) if t.dim() > 0]
@@ -123,13 +143,14 @@ def train_ranks(rank: int, world: int, optimizer: str, stages: list[int], roundi
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize(("world", "gas"), [(1, 1), (2, 1), (1, 4)])
 @pytest.mark.parametrize("optimizer", ["AdamW", "SGD"])
-def test_bf16_states_match_the_reference(world, optimizer):
-    """Every weight equal to the reference's, bit for bit, at every stage and world size."""
-    expected, norms = reference(world, optimizer)
+def test_bf16_states_match_the_reference(world, gas, optimizer):
+    """Every weight equal to the reference's, bit for bit, at every stage and world size, the gradients summed over
+    micro-batches in bf16."""
+    expected, norms = reference(world, optimizer, gas=gas)
     assert min(norms) > CLIP  # the clip is active: a wrong clip factor shows
-    for rank, result in enumerate(run_world(train_ranks, world, optimizer, [1, 2, 3], timeout=600)):
+    for rank, result in enumerate(run_world(functools.partial(train_ranks, gas=gas), world, optimizer, [1, 2, 3], timeout=600)):
         for stage, got in result.items():
             assert set(got["moments"]) == {torch.bfloat16} and set(got["masters"]) == {torch.bfloat16}
             assert max(abs(a - b) / b for a, b in zip(got["norms"], norms)) < 1e-2
@@ -283,3 +304,47 @@ def test_bf16_states_resume_exactly(tmp_path, rounding):
         resumed = dsfunc.train_step(resumed, batch)
     a, b = dsfunc.full_params(state), dsfunc.full_params(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(("optimizer", "rounding"), [("AdamW", "nearest"), ("SGD", "kahan"), ("AdamW", "stochastic")])
+def test_the_host_s_update_unit_by_unit_and_slice_by_slice_is_the_whole_tree_s(optimizer, rounding):
+    """The chain over two units at once (the device's way) and one unit at a time, in slices of 7 elements where
+    the chain is element-wise (the host's way, :mod:`dsfunc.optim.low_precision_host`): bit for bit, 3 steps,
+    clipped (SGD with momentum too)."""
+    from dsfunc.optim.low_precision_host import CHUNK
+    from dsfunc.optim.update import UpdateContext
+
+    cfg = dsfunc.Config.load({**bf16_config(2, optimizer, rounding), "train_batch_size": MICRO})
+    whole = dsfunc.optim.update_from_config(cfg)
+    assert whole.by_unit and whole.chunk == (0 if rounding == "stochastic" else CHUNK)
+    g = torch.Generator().manual_seed(0)
+    start = {"a": torch.randn(40, generator=g).bfloat16(), "b": torch.randn(23, generator=g).bfloat16()}
+    runs = {}
+    for host in (False, True):
+        update = dataclasses.replace(whole, chunk=7 if whole.chunk else 0)
+        params, g = {k: v.clone() for k, v in start.items()}, torch.Generator().manual_seed(1)
+        state = update.init(params)
+        for _ in range(3):
+            grads = {k: torch.randn(v.shape, generator=g).bfloat16() for k, v in params.items()}
+            norm = torch.sqrt(sum(x.float().pow(2).sum() for x in grads.values()))
+            assert norm > CLIP
+            ctx = UpdateContext(loss_scale=torch.ones(()), grad_norm=norm, grad_scale=torch.ones(()),
+                                finite=torch.tensor(True), skip=torch.tensor(False), lowp={}, segment_norm=None,
+                                executor=_OnHost() if host else dsfunc.optim.update.RUN_NOW)
+            params, state = update.apply(params, grads, state, ctx)
+        runs[host] = (dict(params), optree.tree_leaves(state))
+    assert all(torch.equal(runs[False][0][k], runs[True][0][k]) for k in start)
+    assert all(torch.equal(a, b) for a, b in zip(runs[False][1], runs[True][1], strict=True))
+
+
+class _OnHost:
+    """An executor that runs each unit's work at once, as the host's does."""
+
+    on_host = True
+
+    def run(self, names: list[str], work) -> None:
+        for name in names:
+            work([name])
+
+    def unit_done(self, name: str, master: torch.Tensor) -> None:
+        """Nothing waits."""

@@ -1,7 +1,9 @@
 """``offload_optimizer.speculative_update``: each unit's host update runs ahead of the step, as its gradient lands,
-and the run is bit for bit the run without it: on steps that clip, skip (fp16 overflow) or neither, with
-accumulation, at stages 2 and 3 on 1 and 2 gloo ranks. Each step also says which units' speculative update stood
-(neither clipped nor skipped) and which were undone and redone, so a run that never speculated cannot pass.
+and the run is bit for bit the run without it: on steps that clip, skip (an overflow) or neither, with
+accumulation, at stages 2 and 3 on 1 and 2 gloo ranks, for the fused Adam of fp32 masters and the chain of bf16
+masters (``bf16_master_weights_and_grads``: SGD with momentum, AdamW with Kahan's compensation). Each step also
+says which units' speculative update stood (neither clipped nor skipped) and which were undone and redone, so a
+run that never speculated, or never redid, cannot pass.
 """
 
 from __future__ import annotations
@@ -18,22 +20,31 @@ from tests.multiprocess import run_world
 STEPS = 4
 POISON = 2  # the fp16 case's step whose input holds an inf on rank 0
 CLIP = 1.5  # inside the MLP's gradient norms on these batches: some steps clip, others do not
-# name -> (optimizer type, gradient_clipping, accumulation steps, fp16)
+# name -> (optimizer type, gradient_clipping, accumulation steps, precision, an inf in rank 0's input at POISON)
 CASES = {
-    "adamw": ("AdamW", 0.0, 1, False),
-    "adamw accumulated": ("AdamW", 0.0, 2, False),
-    "adam clipped": ("Adam", CLIP, 2, False),
-    "fp16 overflow": ("AdamW", CLIP, 2, True),
+    "adamw": ("AdamW", 0.0, 1, "fp32", False),
+    "adamw accumulated": ("AdamW", 0.0, 2, "fp32", False),
+    "adam clipped": ("Adam", CLIP, 2, "fp32", False),
+    "fp16 overflow": ("AdamW", CLIP, 2, "fp16", True),
+    "bf16 sgd clipped": ("SGD", CLIP, 2, "bf16", False),
+    "bf16 kahan overflow": ("AdamW", CLIP, 2, "kahan", True),
 }
+PRECISION = {
+    "fp32": {},
+    "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}},
+    **{name: {"bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True,
+                       "rounding": rounding}} for name, rounding in (("bf16", "nearest"), ("kahan", "kahan"))},
+}
+PARAMS = {"SGD": {"lr": 1e-2, "momentum": 0.9, "weight_decay": 0.01}}
 
 
 def make_state(world: int, stage: int, case: str, speculative: bool) -> dsfunc.TrainState:
-    optimizer, clip, gas, fp16 = CASES[case]
+    optimizer, clip, gas, precision, _ = CASES[case]
     torch.manual_seed(0)
-    extra = {"fp16": {"enabled": True, "initial_scale_power": 8}} if fp16 else {}
+    params = PARAMS.get(optimizer, {"lr": 1e-2, "weight_decay": 0.01})
     cfg = config(micro=2, gas=gas, world=world, stage=stage, gradient_clipping=clip,
-                 optimizer={"type": optimizer, "params": {"lr": 1e-2, "weight_decay": 0.01}},
-                 scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 3}}, **extra)
+                 optimizer={"type": optimizer, "params": params},
+                 scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 3}}, **PRECISION[precision])
     offload = {"device": "cpu", "speculative_update": speculative}
     cfg["zero_optimization"].update(offload_optimizer=offload, stage3_param_persistence_threshold=0)
     return dsfunc.init_state(MLP(width=10, depth=3), cfg)
@@ -61,7 +72,7 @@ def both_runs(rank: int, world: int) -> dict:
         for case in CASES:
             runs = {}
             for speculative in (False, True):
-                state, outcomes = train(make_state(world, stage, case, speculative), rank, world, CASES[case][3])
+                state, outcomes = train(make_state(world, stage, case, speculative), rank, world, CASES[case][4])
                 state.program.run.wait()
                 metrics = state.metrics
                 runs[speculative] = {
@@ -92,26 +103,29 @@ def test_the_speculative_update_is_bit_for_bit_the_update(world):
             assert plain["outcomes"] == [None] * STEPS
             units, clip = ahead["units"], CASES[case][1]
             for step, (stood, undone, norm) in enumerate(ahead["outcomes"]):
-                wrong = (clip > 0 and norm + 1e-6 > clip) or (CASES[case][3] and step == POISON)
+                wrong = (clip > 0 and norm + 1e-6 > clip) or (CASES[case][4] and step == POISON)
                 # a step that clips or skips redoes every unit; any other keeps every unit's speculative update
                 assert (stood, undone) == ((0, units) if wrong else (units, 0)), (where, step, ahead["outcomes"])
                 outcomes[case].add(wrong)
-    assert all(outcomes[case] == {False, True} for case in ("adam clipped", "fp16 overflow")), outcomes
+    assert all(outcomes[case] == {False, True} for case in CASES if CASES[case][1] > 0), outcomes
     assert all(outcomes[case] == {False} for case in ("adamw", "adamw accumulated")), outcomes
 
 
-def ordered(rank: int, world: int) -> dict:
-    state, _ = train(make_state(world, 3, "adamw accumulated", True), rank, world, poison=False)
+def ordered(rank: int, world: int, case: str) -> dict:
+    state, _ = train(make_state(world, 3, case, True), rank, world, poison=False)
     host = state.program.run.runner.host
     return {"log": list(host.speculation.log), "saved": host.speculation.host_bytes(),
             "elements": sum(p.numel() for p in state.params.values()),
             "units": [n for n, p in state.params.items() if p.numel() > 0]}
 
 
-def test_each_unit_s_update_starts_as_its_gradient_lands_before_the_norm_is_known():
+@pytest.mark.parametrize(("case", "saved"), [("adamw accumulated", 12), ("bf16 kahan overflow", 8)])
+def test_each_unit_s_update_starts_as_its_gradient_lands_before_the_norm_is_known(case, saved):
     """The executor's log of the last step: each unit's update began after its gradient landed and before the
-    step's scalars were known, the first before the last gradient landed (during backward)."""
-    (r,) = run_world(ordered, 1)
+    step's scalars were known, the first before the last gradient landed (during backward). Undoing keeps what
+    the update writes: the fp32 master and both Adam moments, 12 host bytes a parameter; in bf16 the master, its
+    Kahan compensation and the moments, 8."""
+    (r,) = run_world(ordered, 1, case)
     log = r["log"]
     known = log.index(("known", ""))
     for unit in r["units"]:
@@ -119,8 +133,7 @@ def test_each_unit_s_update_starts_as_its_gradient_lands_before_the_norm_is_know
     first_start = min(i for i, (what, _) in enumerate(log) if what == "start")
     last_landed = max(i for i, (what, _) in enumerate(log) if what == "landed")
     assert first_start < last_landed, log
-    # undoing keeps the master and both Adam moments of every parameter in fp32: 12 host bytes a parameter
-    assert r["saved"] == 12 * r["elements"]
+    assert r["saved"] == saved * r["elements"]
 
 
 def test_deepspeed_s_super_offload_turns_it_on_and_its_cores_share_is_refused():

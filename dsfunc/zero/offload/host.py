@@ -38,7 +38,7 @@ class HostOffload:
     def __init__(self, plan: ShardingPlan, *, compute_device: torch.device, compute_dtype: torch.dtype,
                  pin_memory: bool, stream_params: bool, grad_dtype: torch.dtype = torch.float32,
                  device_sum_elements: int = 0, micro_batches_per_backward: int = 1, micro_batches: int = 1,
-                 speculative: bool | int = False) -> None:
+                 speculative: bool | int = False, master_dtype: torch.dtype = torch.float32) -> None:
         self.plan = plan
         self.compute_device = compute_device
         self.memory = HostMemory(pin_memory and torch.cuda.is_available())
@@ -57,14 +57,17 @@ class HostOffload:
                                micro_batches=micro_batches, speculation=self.speculation)
         over_grads = grad_dtype == compute_dtype and compute_dtype in SIXTEEN_BIT and not stream_params
         self.staging = ShardStaging(plan, memory=self.memory, compute_device=compute_device,
-                                    compute_dtype=compute_dtype, stream_params=stream_params, over_grads=over_grads)
+                                    compute_dtype=compute_dtype, stream_params=stream_params, over_grads=over_grads,
+                                    master_dtype=master_dtype)
         self.shards = HostShards(self.staging, self.executor)
 
     @classmethod
     def from_config(cls, plan: ShardingPlan, zero: ZeroConfig, *, compute_device: torch.device,
-                    compute_dtype: torch.dtype, grad_dtype: torch.dtype, micro_batches: int) -> HostOffload | None:
+                    compute_dtype: torch.dtype, grad_dtype: torch.dtype, micro_batches: int,
+                    master_dtype: torch.dtype = torch.float32) -> HostOffload | None:
         """The host side for ``zero``'s offload sections, or None when the optimizer is not offloaded.
-        ``grad_dtype``: what the host gradient buffers are expected to hold (for the memory estimate)."""
+        ``grad_dtype``: what the host gradient buffers are expected to hold (for the memory estimate);
+        ``master_dtype``: the masters' (bf16 ones in the compute dtype are the shards ``offload_param`` streams)."""
         section = zero.offload_optimizer
         if section is None:
             return None
@@ -81,7 +84,7 @@ class HostOffload:
         host = cls(plan, compute_device=compute_device, compute_dtype=compute_dtype, pin_memory=section.pin_memory,
                    stream_params=zero.offload_param is not None, grad_dtype=grad_dtype,
                    device_sum_elements=budget, micro_batches_per_backward=per_backward, micro_batches=micro_batches,
-                   speculative=section.speculative_update)
+                   speculative=section.speculative_update, master_dtype=master_dtype)
         if budget and not host.device_sums.units:
             logger.warning("offload_optimizer.grad_accumulation_on_device = %d is smaller than every unit's gradient "
                            "shard (the smallest has %d elements): every sum goes to the host", budget,

@@ -41,8 +41,8 @@ class HostRunner:
         """With ``speculative_update``, run ``update``'s own code with the scalars of a step that neither clips
         nor skips (a zero sum of squares), recording each unit's work to start as its gradient lands
         (:mod:`dsfunc.zero.offload.speculation`). Only an update that runs on the host unit by unit through its
-        executor (the fused Adam) hands it work; any other runs as without speculation."""
-        if self.speculation is None or not getattr(update, "writes_compute_copy", False):
+        executor (the fused Adam, the bf16 masters' chain) hands it work; any other runs as without speculation."""
+        if self.speculation is None or not (update.writes_compute_copy or getattr(update, "by_unit", False)):
             return
         program = state.program
         scale = state.scaler.scale

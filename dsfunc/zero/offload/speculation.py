@@ -20,9 +20,10 @@ without speculation. A second gradient for a unit already updated (:meth:`Specul
 the same way before its buffer is overwritten, and a step that ends before its update (an error in backward)
 is undone by the next :meth:`Speculation.expect`.
 
-Cost: host memory for the saved tensors, 12 bytes a parameter for Adam (fp32 master and two moments), kept
-between steps; a copy of them per step (24 bytes of host traffic a parameter beside the update's 28); and on a
-clipped or skipped step a copy back and the update again.
+Cost: host memory for the saved tensors, 12 bytes a parameter for Adam (fp32 master and two moments; 6 with bf16
+masters and moments, 8 with Kahan's compensation too), kept between steps; a copy of them per step (24 bytes of
+host traffic a parameter beside the update's 28, half that in bf16); and on a clipped or skipped step a copy back
+and the update again.
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ class ShardStaging:
     staging_buffers = 3  # host buffers the new 16-bit shards pass through when the device keeps them
 
     def __init__(self, plan: ShardingPlan, *, memory: HostMemory, compute_device: torch.device,
-                 compute_dtype: torch.dtype, stream_params: bool, over_grads: bool) -> None:
+                 compute_dtype: torch.dtype, stream_params: bool, over_grads: bool,
+                 master_dtype: torch.dtype = torch.float32) -> None:
         self.plan = plan
         self.memory = memory
         self.compute_device = compute_device
@@ -39,6 +40,9 @@ class ShardStaging:
         # the update writes each unit's new 16-bit shard over the gradient it read (same dtype, element by element),
         # which then is the copy's source: no staging buffers (one micro-batch on one rank, or 16-bit reductions)
         self.over_grads = over_grads
+        # offload_param with masters in the compute dtype (bf16_master_weights_and_grads): the masters are the shards
+        # gathers stream, no copy of them (2 bytes a parameter of host memory less; the copies in are pageable)
+        self.masters_sent = stream_params and master_dtype == compute_dtype
         self._staged: dict[str, torch.Tensor] = {}  # unit -> compute-dtype parameter shard (host, 16-bit only)
         self._sent: dict[str, torch.cuda.Event] = {}  # unit -> after the last copy out of its staged shard
         self._buffers: list[torch.Tensor] = []  # without offload_param: the staging buffers, reused in turn
@@ -54,8 +58,9 @@ class ShardStaging:
         the compute dtype is fp32: the master itself is sent). With :attr:`over_grads` it is ``grad``, the
         gradient the update has just read for the unit, or else (the copies built outside an update, a skipped
         update's cast) a pageable temporary, dropped once sent. Otherwise, without ``offload_param``, it is the
-        next staging buffer, which holds the shard until :attr:`staging_buffers` more units have been staged."""
-        if self.compute_dtype not in SIXTEEN_BIT:
+        next staging buffer, which holds the shard until :attr:`staging_buffers` more units have been staged.
+        None too where the masters themselves are sent (:attr:`masters_sent`)."""
+        if self.compute_dtype not in SIXTEEN_BIT or self.masters_sent:
             return None
         if self.over_grads:
             size = self.plan.shard_size(unit)
@@ -129,7 +134,7 @@ class ShardStaging:
 
     def staged(self, unit: Unit, master: torch.Tensor) -> torch.Tensor:
         """What :meth:`stage` (or the update) last wrote for ``unit`` from its ``master`` shard."""
-        if self.compute_dtype not in SIXTEEN_BIT:
+        if self.compute_dtype not in SIXTEEN_BIT or self.masters_sent:
             return master
         staged = self._staged.get(unit.name)
         if staged is None:
@@ -153,8 +158,8 @@ class ShardStaging:
         return out
 
     def host_elements(self) -> int:
-        """Elements of the staging buffers (of the compute dtype; 0 when it is fp32)."""
-        if self.compute_dtype not in SIXTEEN_BIT:
+        """Elements of the staging buffers (of the compute dtype; 0 when it is fp32 or the masters are sent)."""
+        if self.compute_dtype not in SIXTEEN_BIT or self.masters_sent:
             return 0
         shards = [self.plan.shard_size(u) for u in self.plan.units]
         if self.stream_params:
@@ -171,7 +176,8 @@ class _StagingMap(Mapping):
 
     def __init__(self, staging: ShardStaging, grads: HostGradMap) -> None:
         self._staging, self._grads = staging, grads
-        self._names = [u.name for u in staging.plan.units] if staging.compute_dtype in SIXTEEN_BIT else []
+        sixteen = staging.compute_dtype in SIXTEEN_BIT and not staging.masters_sent
+        self._names = [u.name for u in staging.plan.units] if sixteen else []
         self._taken: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
