@@ -20,7 +20,9 @@
 #     hostadam   the host Adam of ZeRO-Offload against torch's fused CPU Adam, bf16 and fp16, on 15 threads
 #     fit13      the largest micro-batch the checkpointed systems train at 1.3b (bench_fit's bisection)
 #     adam       bench_fused_adam: the CUDA kernels against torch and the bandwidth floor, 1.3b elements
-#     long       the longest sequence that trains at LONG_MODEL (1.3b): ZeRO-3 + offload, the MLP untiled and tiled
+#     long       the longest sequence that trains at LONG_MODEL (1.3b): ZeRO-3, the MLP untiled and tiled
+#     longhf     the longest sequence at HF Llama shapes, HF + DeepSpeed ZeRO-3 offload against dsfunc (bf16 states at 8B),
+#                one step a probe: LONGHF_MODEL (llama-8b), LONGHF_DS_SEQS (32768,65536), LONGHF_SEQS (131072)
 #   default: tests,overhead,engine,single13,single124
 # Needs optree (pip install, or the wheels in .whl/, which also hold DeepSpeed for the comparisons).
 set -uo pipefail
@@ -95,6 +97,15 @@ if want long; then
         --systems "${LONG_SYSTEMS:-dsfunc+zero3+units+cpu+fused,dsfunc+zero3+units+cpu+fused+tiled}" \
         --start "${LONG_START:-32768}" --granularity "${LONG_GRAN:-32768}" 2>&1 \
         | grep -vE "^\s*$|UserWarning|warnings.warn" | tee "$out/long.txt"
+fi
+if want longhf; then  # kernels built first: a probe stopped mid-build would leave a lock that hangs the next
+    { python3 -c "from dsfunc.kernels.native import native_ready as r; print('dsfunc kernels', r('cpu'), r('cuda'))"
+      TORCH_CUDA_ARCH_LIST=$DS_ARCH_LIST python3 -c "from deepspeed.ops.op_builder import CPUAdamBuilder as b; b().load()"
+      m=${LONGHF_MODEL:-llama-8b}; bf=$([ "$m" = llama-8b ] && echo +bf16)
+      for run in "hf+deepspeed$bf ${LONGHF_DS_SEQS:-32768,65536} 120" "hf+dsfunc$bf ${LONGHF_SEQS:-131072} 310"; do
+          set -- $run
+          timeout $(($3 + 20)) python3 bench/bench_long_sequence.py --model "$m" --systems "$1" --seqs "$2" --limit "$3"
+      done; } 2>&1 | grep -vE "^\s*$|UserWarning|warnings.warn" | tee "$out/longhf.txt"
 fi
 if want profile124; then
     timeout 200 python3 bench/bench_single.py --model 124m --systems plain+compile,dsfunc,dsfunc+compile \
