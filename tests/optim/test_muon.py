@@ -143,7 +143,9 @@ def train_ranks(rank: int, world: int, setups: list[tuple[int, str]]) -> dict:
     out = {}
     for stage, offload in setups:
         torch.manual_seed(0)
-        state = dsfunc.init_state(Tiny(), muon_config(world, stage, offload), loss_fn=loss_fn)
+        # on the CPU as the reference is (where CUDA is present it is the default device, and its bf16 rounding
+        # another's)
+        state = dsfunc.init_state(Tiny(), muon_config(world, stage, offload), loss_fn=loss_fn, device="cpu")
         norms = []
         for x, y in batches(world):
             mine = slice(rank * MICRO, (rank + 1) * MICRO)
