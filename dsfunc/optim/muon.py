@@ -201,14 +201,19 @@ class MatrixShards:
         """This rank's slice of every matrix's :func:`orthogonalize`, laid out like ``shard``."""
         start, stop = self.local
         flat = self.gather(shard)
-        out = torch.zeros_like(shard)
+        out, filled = torch.empty_like(shard), start
         for shape, offset in zip(self.shapes, self.offsets):
             lo, hi = max(offset, start), min(offset + math.prod(shape), stop)
             if lo >= hi:
                 continue  # another rank's matrix
+            if lo > filled:
+                out[filled - start : lo - start].zero_()  # a gap: padding
             full = flat[offset : offset + math.prod(shape)].view(shape)
             mine = orthogonalize(full, steps, method).reshape(-1)[lo - offset : hi - offset]
             out[lo - start : hi - start] = mine.to(shard.device)
+            filled = hi
+        if filled < stop:
+            out[filled - start :].zero_()  # padding after the last matrix (not a pass over the whole shard)
         return out
 
 
