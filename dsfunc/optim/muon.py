@@ -15,16 +15,23 @@ eps 1e-10). Which parameters take Muon is DeepSpeed's rule (:func:`takes_muon`):
 Newton-Schulz is DeepSpeed's, operation for operation: ``ns_method: "gram"`` (DeepSpeed's default) iterates on
 the Gram matrix in fp16, ``"standard"`` runs the quintic in bf16, each in fp32 where the device lacks that dtype
 (:func:`ns_dtype`); the aspect scale is taken from the parameter's last two dims (a conv filter's kernel dims, as
-DeepSpeed and Keller Jordan do). So an update equals DeepSpeed's eager ``muon_update`` bit for bit.
+DeepSpeed and Keller Jordan do). DeepSpeed ``torch.compile``s ``muon_update`` and its Newton-Schulz functions
+(inductor, torch's defaults, on every accelerator, the CPU too): fused elementwise ops round once where eager
+ones round at each op, which half-precision Newton-Schulz carries on (on a 20x48 matrix on the CPU, compiled and
+eager differ by 1% of the largest entry in fp16, 6% in bf16). dsfunc compiles one matrix's Newton-Schulz, aspect
+scale and cast (:func:`orthogonalize`, the part of ``muon_update`` after the momentum) where the matrix is on a
+GPU, where eager Newton-Schulz is bound by its ~60 kernel launches a matrix, and runs it eagerly elsewhere (on the
+CPU inductor's first compile of each shape takes longer than the step). Eager, an update is DeepSpeed's eager
+``muon_update`` bit for bit; compiled, the update of a given blend is DeepSpeed's compiled ``muon_update``'s
+(tested on the CPU), while dsfunc's momentum EMA stays eager (DeepSpeed's compiled one differs in the last bits
+of fp32). ``TORCHDYNAMO_DISABLE=1`` makes both eager.
 
-Where dsfunc differs from DeepSpeed: DeepSpeed ``torch.compile``s ``muon_update``; its fused elementwise ops round
-once where eager ones round at each op, and half-precision Newton-Schulz carries that on (on a 20x48 matrix on the
-CPU, compiled and eager DeepSpeed differ by 1% of the largest entry in fp16, 6% in bf16); dsfunc runs eagerly. The
-dtype follows the device the matrix is on (DeepSpeed's: its accelerator's). DeepSpeed keeps the momentum out of a
-step whose gradient overflowed (and its 0.19.8 fails on 4-D filters there); dsfunc's loss scaler skips such a step
-before the optimizer sees it. A parameter group's ``use_muon`` overrides the name rule (:func:`muon_groups`).
-Clipping scales the gradients Muon's momentum takes in, at every stage, as DeepSpeed's stage 0 does; its ZeRO 1-3
-take the global norm over Muon's orthogonalised update and clip that.
+Where dsfunc differs from DeepSpeed otherwise: the dtype follows the device the matrix is on (DeepSpeed's: its
+accelerator's). DeepSpeed keeps the momentum out of a step whose gradient overflowed (and its 0.19.8 fails on 4-D
+filters there); dsfunc's loss scaler skips such a step before the optimizer sees it. A parameter group's
+``use_muon`` overrides the name rule (:func:`muon_groups`). Clipping scales the gradients Muon's momentum takes in,
+at every stage, as DeepSpeed's stage 0 does; its ZeRO 1-3 take the global norm over Muon's orthogonalised update
+and clip that.
 
 [Note: whole matrices under ZeRO] A unit's flat buffer is split over ranks wherever the split falls, so a
 matrix may straddle two ranks' shards, and Newton-Schulz needs the whole matrix. DeepSpeed all-reduces the full
@@ -39,6 +46,7 @@ its ranks, from the same gathered values, so both slices come from one result.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -71,10 +79,12 @@ def takes_muon(name: str, shape: tuple[int, ...]) -> bool:
     return len(shape) >= 2 and not any(word in name.lower() for word in NO_MUON_NAMES)
 
 
+@functools.cache
 def ns_dtype(method: str, device: torch.device) -> torch.dtype:
     """The dtype Newton-Schulz runs in on ``device``, DeepSpeed's ``ns_compute_dtype``: fp16 for ``"gram"``, bf16
     for ``"standard"``, fp32 where the device lacks that dtype (CUDA: bf16 as torch reports it, fp16 from
-    compute capability 7; CPU: bf16 always, fp16 where oneDNN has it; other devices: fp32)."""
+    compute capability 7; CPU: bf16 always, fp16 where oneDNN has it; other devices: fp32). Cached: asked once
+    a matrix a step."""
     half = torch.float16 if method == "gram" else torch.bfloat16
     return half if _has(half, device) else torch.float32
 
@@ -145,19 +155,35 @@ def gram_newton_schulz(g: Tensor, steps: int, dtype: torch.dtype) -> Tensor:
 NS_METHODS = {"gram": gram_newton_schulz, "standard": newton_schulz}
 
 
-def orthogonalize(u: Tensor, steps: int = 5, method: str = "gram") -> Tensor:
+def orthogonalize(u: Tensor, steps: int = 5, method: str = "gram", compiled: bool | None = None) -> Tensor:
     """Muon's update for one parameter's blended momentum ``u``, as DeepSpeed's ``muon_update``: ``method``'s
     Newton-Schulz (a 4-D conv filter as ``(out, -1)``) in :func:`ns_dtype`, times ``sqrt(max(1, rows /
-    cols))`` of ``u``'s last two dims, in ``u``'s shape and dtype."""
+    cols))`` of ``u``'s last two dims, in ``u``'s shape and dtype; ``torch.compile``d where ``compiled`` (by
+    default where ``u`` is on a GPU; see the module's docstring)."""
     _check(
         u.ndim >= 2,
         f"Muon orthogonalises matrices; got a tensor of shape {tuple(u.shape)}: give 1-D "
         "parameters to the Adam half (dsfunc.optim.muon.takes_muon)",
     )
+    if compiled is None:
+        compiled = u.device.type == "cuda"
+    return (_compiled() if compiled else _orthogonalize)(u, steps, method, ns_dtype(method, u.device))
+
+
+def _orthogonalize(u: Tensor, steps: int, method: str, dtype: torch.dtype) -> Tensor:
     x = u.reshape(len(u), -1) if u.ndim == 4 else u
-    out = NS_METHODS[method](x, steps, ns_dtype(method, u.device))
-    out *= math.sqrt(max(1.0, u.size(-2) / u.size(-1)))  # in the iteration's dtype, as DeepSpeed scales it
+    out = NS_METHODS[method](x, steps, dtype)
+    rows, cols = u.size(-2), u.size(-1)
+    if rows > cols:  # DeepSpeed's scale, in the iteration's dtype; written so that symbolic sizes compile
+        out *= math.sqrt(rows / cols)
     return out.reshape(u.shape).to(u.dtype)
+
+
+@functools.cache
+def _compiled() -> Callable[[Tensor, int, str, torch.dtype], Tensor]:
+    """:func:`_orthogonalize` under ``torch.compile`` with torch's defaults, as DeepSpeed compiles; made on first
+    use (``torch.compile`` imports dynamo, a third of ``import dsfunc``'s time)."""
+    return torch.compile(_orthogonalize)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,14 +201,19 @@ class MatrixShards:
         """This rank's slice of every matrix's :func:`orthogonalize`, laid out like ``shard``."""
         start, stop = self.local
         flat = self.gather(shard)
-        out = torch.zeros_like(shard)
+        out, filled = torch.empty_like(shard), start
         for shape, offset in zip(self.shapes, self.offsets):
             lo, hi = max(offset, start), min(offset + math.prod(shape), stop)
             if lo >= hi:
                 continue  # another rank's matrix
+            if lo > filled:
+                out[filled - start : lo - start].zero_()  # a gap: padding
             full = flat[offset : offset + math.prod(shape)].view(shape)
             mine = orthogonalize(full, steps, method).reshape(-1)[lo - offset : hi - offset]
             out[lo - start : hi - start] = mine.to(shard.device)
+            filled = hi
+        if filled < stop:
+            out[filled - start :].zero_()  # padding after the last matrix (not a pass over the whole shard)
         return out
 
 

@@ -143,7 +143,9 @@ def train_ranks(rank: int, world: int, setups: list[tuple[int, str]]) -> dict:
     out = {}
     for stage, offload in setups:
         torch.manual_seed(0)
-        state = dsfunc.init_state(Tiny(), muon_config(world, stage, offload), loss_fn=loss_fn)
+        # on the CPU as the reference is (where CUDA is present it is the default device, and its bf16 rounding
+        # another's)
+        state = dsfunc.init_state(Tiny(), muon_config(world, stage, offload), loss_fn=loss_fn, device="cpu")
         norms = []
         for x, y in batches(world):
             mine = slice(rank * MICRO, (rank + 1) * MICRO)
@@ -221,6 +223,19 @@ def test_muon_direction_is_deepspeeds_bit_for_bit(method):
     assert torch.equal(orthogonalize(conv, method=method), theirs.view(conv.shape).float())
     if ns_dtype(method, conv.device) != torch.float32:  # the half dtype shows: fp32 gives other values
         assert not torch.equal(NS_METHODS[method](conv.view(32, -1), 5, torch.float32), theirs)
+
+
+def test_compiled_direction_is_deepspeeds_compiled_bit_for_bit():
+    """Compiled (as on a GPU), a tall matrix's Gram Newton-Schulz, aspect scale and cast against DeepSpeed's
+    compiled ``muon_update`` given the same blend (beta 0 without nesterov hands it the gradient): inductor's
+    fused rounding, not eager's, on both sides."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    real = pytest.importorskip("deepspeed.runtime.zero.muon.original_muon", reason="real DeepSpeed is the reference")
+    blend = torch.randn(48, 20, generator=torch.Generator().manual_seed(1)) * 10
+    theirs = real.muon_update(blend.clone(), torch.zeros_like(blend), beta=0.0, nesterov=False)
+    ours = orthogonalize(blend, compiled=True)
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(orthogonalize(blend, compiled=False), theirs)  # the compiled rounding shows
 
 
 def test_deepspeed_rule_picks_the_muon_parameters():
