@@ -84,6 +84,11 @@ def update_from_config(cfg: Config, schedule_for: LrSchedule | None = None, *,
     for label, section in sections.items():
         if section.type == "muon" and halves[label] is None:
             muon_half(section.params, None, None, None)  # raises: Muon's halves come from the parameters
+        if section.type != "muon" and halves[label] is not None:
+            raise InputError(
+                f"parameter group {label!r} sets use_muon, which only a Muon optimizer reads, but the optimizer "
+                f'is {cfg.optimizer.type!r}: remove use_muon from the group, or set "optimizer": {{"type": "Muon"}}'
+            )
     momentum = None
     if schedule_for is None:
         schedule_for = lambda lr: lr_schedule_of(cfg, lr)  # the config's rule, per group

@@ -293,6 +293,13 @@ def test_config_keys_and_defaults_are_deepspeeds():
         optimizer_from_config("Muon", {}, None)
 
 
+def test_use_muon_under_another_optimizer_is_a_clear_error():
+    groups = ParamGroups(label=lambda n: "head" if n.startswith("0") else "rest", options={"head": {"use_muon": False}})
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(InputError, match="'head' sets use_muon.*'adamw'"):
+        dsfunc.init_state(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), config, param_groups=groups, device="cpu")
+
+
 def test_a_flat_shard_without_its_layout_is_a_clear_error():
     tx = muon()
     flat = {"unit": torch.ones(12)}
