@@ -50,7 +50,8 @@ struct AdamScalars {
   float grad_scale, neg_lr, bc1, sqrt_bc2;
 };
 
-DSFUNC_ELEMENT void adam_update(float& p, float g, float& m, float& v, const AdamHyper& h, const AdamScalars& s) {
+// The moments' new values (in m and v) and what the step adds to p: the chain's update after the lr.
+DSFUNC_ELEMENT float adam_delta(float p, float g, float& m, float& v, const AdamHyper& h, const AdamScalars& s) {
   g = DSFUNC_MUL(g, s.grad_scale);
   if (h.l2) g = DSFUNC_FMA(h.weight_decay, p, g);
   m = DSFUNC_FMA(h.one_minus_beta1, g, DSFUNC_MUL(m, h.beta1));
@@ -58,7 +59,11 @@ DSFUNC_ELEMENT void adam_update(float& p, float g, float& m, float& v, const Ada
   const float denom = DSFUNC_ADD(DSFUNC_DIV(DSFUNC_SQRT(v), s.sqrt_bc2), h.eps);
   float u = DSFUNC_DIV(DSFUNC_DIV(m, s.bc1), denom);
   if (h.decoupled) u = DSFUNC_FMA(h.weight_decay, p, u);
-  p = DSFUNC_ADD(p, DSFUNC_MUL(u, s.neg_lr));
+  return DSFUNC_MUL(u, s.neg_lr);
+}
+
+DSFUNC_ELEMENT void adam_update(float& p, float g, float& m, float& v, const AdamHyper& h, const AdamScalars& s) {
+  p = DSFUNC_ADD(p, adam_delta(p, g, m, v, h, s));
 }
 
 }  // namespace dsfunc
