@@ -11,6 +11,8 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/sqrt.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -184,7 +186,7 @@ float scalar(const at::Tensor& t, const char* name, at::ScalarType dtype) {
 // The bf16 chain of dsfunc.optim.low_precision (bf16 master, moments and optionally Kahan compensation; fp32
 // arithmetic): each element rounded where the torch chain rounds it. The gradient is multiplied by the unscale
 // factor, then by the clip coefficient (two roundings, as the chain's two transforms); the moments and update
-// are adam_math.h's; the new moments round to bf16 once; the new master is (p + delta) rounded to fp32, then
+// are adam_math.h's, sqrt(v) torch's; the new moments round to bf16 once; the new master is (p + delta) rounded to fp32, then
 // to bf16. With Kahan: target = p + (delta + c); master = bf16(target); c = bf16(target - master); and the
 // master lands as the chain lands it, bf16(p + (master - p)).
 inline float round_bf16(float f) {
@@ -193,25 +195,45 @@ inline float round_bf16(float f) {
   return load(&b, 0);
 }
 
+constexpr int64_t kSqrtBlock = 8192;  // elements per torch sqrt call: 32 KiB of floats, its call cost ~1% of the loop
+
+// One thread's range, a block at a time: the moments into L1/L2 buffers, sqrt(v) by torch's own sqrt (the
+// chain's; MKL's on x86 builds, which is not always the correctly rounded one), then the update and stores.
 template <bool kL2, bool kDecoupled, bool kKahan, typename Grad>
-void bf16_elements(c10::BFloat16* __restrict param, const Grad* __restrict grad, c10::BFloat16* __restrict exp_avg,
-                   c10::BFloat16* __restrict exp_avg_sq, c10::BFloat16* __restrict comp, int64_t n, AdamHyper h,
-                   const AdamScalars s, const float unscale) {
+void bf16_range(c10::BFloat16* __restrict param, const Grad* __restrict grad, c10::BFloat16* __restrict exp_avg,
+                c10::BFloat16* __restrict exp_avg_sq, c10::BFloat16* __restrict comp, int64_t begin, int64_t end,
+                AdamHyper h, const AdamScalars s, const float unscale) {
   h.l2 = kL2;
   h.decoupled = kDecoupled;
-  for (int64_t i = 0; i < n; ++i) {
-    const float p = load(param, i);
-    float m = load(exp_avg, i), v = load(exp_avg_sq, i);
-    const float delta = adam_delta(p, DSFUNC_MUL(load(grad, i), unscale), m, v, h, s);
-    store(exp_avg, i, m);
-    store(exp_avg_sq, i, v);
-    if constexpr (kKahan) {
-      const float target = p + (delta + load(comp, i));
-      const float master = round_bf16(target);
-      store(comp, i, target - master);
-      store(param, i, p + (master - p));
-    } else {
-      store(param, i, p + delta);
+  float ms[kSqrtBlock], vs[kSqrtBlock];
+  const at::Tensor v_view = at::from_blob(vs, {kSqrtBlock}, at::kFloat);
+  for (int64_t b = begin; b < end; b += kSqrtBlock) {
+    const int64_t n = std::min(kSqrtBlock, end - b);
+    c10::BFloat16* __restrict p = param + b;
+    c10::BFloat16* __restrict m = exp_avg + b;
+    c10::BFloat16* __restrict v = exp_avg_sq + b;
+    const Grad* __restrict g = grad + b;
+    for (int64_t i = 0; i < n; ++i) {
+      float mi = load(m, i), vi = load(v, i);
+      adam_moments(load(p, i), DSFUNC_MUL(load(g, i), unscale), mi, vi, h, s);
+      ms[i] = mi;
+      vs[i] = vi;
+      store(m, i, mi);
+      store(v, i, vi);
+    }
+    at::Tensor part = v_view.narrow(0, 0, n);
+    at::sqrt_out(part, part);  // in place: vs now holds sqrt(v)
+    for (int64_t i = 0; i < n; ++i) {
+      const float pi = load(p, i);
+      const float delta = adam_delta(pi, ms[i], vs[i], h, s);
+      if constexpr (kKahan) {
+        const float target = pi + (delta + load(comp + b, i));
+        const float master = round_bf16(target);
+        store(comp + b, i, target - master);
+        store(p, i, pi + (master - pi));
+      } else {
+        store(p, i, pi + delta);
+      }
     }
   }
 }
@@ -225,13 +247,11 @@ void bf16_update(const at::Tensor& param, const at::Tensor& grad, const at::Tens
   auto* m = exp_avg.data_ptr<c10::BFloat16>();
   auto* v = exp_avg_sq.data_ptr<c10::BFloat16>();
   at::parallel_for(0, param.numel(), kGrain, [&](int64_t b, int64_t e) {
-    auto* c = comp == nullptr ? nullptr : comp + b;
-    const int64_t n = e - b;
-#define DSFUNC_BF16_CASE(L2, DEC)                                                      \
-  if (c != nullptr) {                                                                  \
-    bf16_elements<L2, DEC, true>(p + b, g + b, m + b, v + b, c, n, h, s, unscale);     \
-  } else {                                                                             \
-    bf16_elements<L2, DEC, false>(p + b, g + b, m + b, v + b, c, n, h, s, unscale);    \
+#define DSFUNC_BF16_CASE(L2, DEC)                                                \
+  if (comp != nullptr) {                                                         \
+    bf16_range<L2, DEC, true>(p, g, m, v, comp, b, e, h, s, unscale);            \
+  } else {                                                                       \
+    bf16_range<L2, DEC, false>(p, g, m, v, comp, b, e, h, s, unscale);           \
   }
     if (h.l2) {
       DSFUNC_BF16_CASE(true, false)
