@@ -4,6 +4,10 @@ against the torch chain it replaces: bit for bit, for the masters, moments and K
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import optree
 import pytest
@@ -90,3 +94,17 @@ def test_zero_offload_with_the_native_update_trains_as_the_torch_chain(rounding)
             state = dsfunc.train_step(state, batch)
         full[chain.native is None] = dsfunc.full_params(state)
     assert all(torch.equal(full[False][k], full[True][k]) for k in full[False])
+
+
+def test_bench_host_adam_times_the_bf16_states_update():
+    """``bench/bench_host_adam.py --bf16_states`` times the native kernel, the torch chain and the fp32 kernel."""
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-W", "ignore", str(root / "bench" / "bench_host_adam.py"), "--bf16_states",
+           "--numel", "1003", "--threads", "1", "--repeat", "1"]
+    proc = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
+    assert [r[1].strip() for r in rows] == ["bf16 states, dsfunc native kernel", "bf16 states, torch chain",
+                                            "fp32 states, dsfunc CPU kernel"], proc.stdout
+    assert all(float(r[2]) > 0 for r in rows), proc.stdout
