@@ -8,17 +8,27 @@ the chunk is in cache.
 A unit of ``--numel`` fp32 parameters with 16-bit gradients and a 16-bit copy written (what one rank's
 offloaded AdamW does under bf16 or fp16), the best of ``--repeat`` runs per variant, in ms and in GB/s of the 28 bytes per parameter
 that must move (read gradient, parameter and moments; write parameter, moments and copy).
+
+``--bf16_states``: instead, the update of ZeRO-Offload with bf16 masters, moments and gradient sums
+(``bf16_master_weights_and_grads`` + ``bf16_optimizer_states``, AdamW, clipping on) on one unit of ``--numel``
+elements, through the config's update as the host runs it: dsfunc's native bf16 kernel against the torch chain it
+replaces (:mod:`dsfunc.optim.low_precision_host`), beside the fp32 kernel above; in seconds per 64M elements.
+
+    python bench/bench_host_adam.py --bf16_states --numel 67108864 --threads 1,2 --repeat 1
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
 
+import dsfunc
 from dsfunc.kernels.native import native_ready
 from dsfunc.optim.host_adam import host_adam_
+from dsfunc.optim.update import UpdateContext
 
 HYPER = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-8, "weight_decay": 0.1}
 
@@ -40,8 +50,12 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=1 << 22)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--dtypes", default="bfloat16,float16", help="the gradient's and the copy's dtypes")
+    parser.add_argument("--bf16_states", action="store_true", help="bf16 masters and moments: native vs torch chain")
     args = parser.parse_args()
     assert native_ready("cpu"), "dsfunc's CPU kernel did not build (see the logged reason)"
+    if args.bf16_states:
+        compare_bf16_states(args)
+        return
     print(f"| dtype | threads | variant | ms per {args.numel / 2**20:.3g}M parameters | GB/s of 28 B/parameter |")
     print("|---|---|---|---|---|")
     for dtype in args.dtypes.split(","):
@@ -80,6 +94,53 @@ def compare(dtype: torch.dtype, args: argparse.Namespace) -> None:
             t = best_of(fn, args.repeat)
             ms, rate = figure(1e3 * t), figure(28 * n / t / 1e9)
             print(f"| {str(dtype).removeprefix('torch.')} | {threads} | {name} | {ms} | {rate} |")
+
+
+class _Now:
+    """A host executor that runs the update at once."""
+
+    on_host = True
+
+    def run(self, names: list[str], work) -> None:
+        work(names)
+
+    def unit_done(self, name: str, master: torch.Tensor) -> None:
+        """Nothing waits."""
+
+
+def compare_bf16_states(args: argparse.Namespace) -> None:
+    n, per = args.numel, 2**26 / args.numel
+    cfg = {"train_batch_size": 1, "gradient_clipping": 1.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+           "bf16": {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True},
+           "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    native = dsfunc.optim.update_from_config(dsfunc.Config.load(cfg))
+    assert native.native is not None
+    params, grads = {"u": torch.randn(n).bfloat16()}, {"u": torch.randn(n).bfloat16()}
+    ctx = UpdateContext(loss_scale=torch.ones(()), grad_norm=torch.tensor(2.0), grad_scale=torch.ones(()),
+                        finite=torch.tensor(True), skip=torch.tensor(False), lowp={}, segment_norm=None,
+                        executor=_Now())
+
+    def chain_update(update):
+        state = update.init(params)
+        return lambda: update.apply(params, grads, state, ctx)
+
+    param, mu, nu, grad = torch.randn(n), torch.zeros(n), torch.zeros(n), torch.randn(n).bfloat16()
+    lowp, one = torch.empty(n, dtype=torch.bfloat16), torch.tensor(1.0)
+
+    def fp32_kernel() -> None:
+        host_adam_([param], [grad], [mu], [nu], grad_scale=one, lr=torch.tensor(1e-3), step=one,
+                   skip=torch.tensor(False), lowp=[lowp], adam_w_mode=True, **HYPER)
+
+    print("| threads | variant | s per 64M elements |")
+    print("|---|---|---|")
+    variants = [("bf16 states, dsfunc native kernel", chain_update(native)),
+                ("bf16 states, torch chain", chain_update(dataclasses.replace(native, native=None))),
+                ("fp32 states, dsfunc CPU kernel", fp32_kernel)]
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for name, fn in variants:
+            print(f"| {threads} | {name} | {figure(best_of(fn, args.repeat) * per)} |")
 
 
 if __name__ == "__main__":

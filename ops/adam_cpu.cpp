@@ -11,6 +11,8 @@
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/sqrt.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -167,18 +169,99 @@ void dispatch_lowp(const at::Tensor& param, const at::Tensor& grad, const at::Te
 void check_flat(const at::Tensor& t, const char* name, const at::Tensor& param,
                 std::initializer_list<at::ScalarType> dtypes, const char* wanted) {
   const bool dtype_ok = std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) != dtypes.end();
-  TORCH_CHECK(t.device().is_cpu() && dtype_ok && t.dim() == 1 && t.is_contiguous(), "dsfunc_cpu::adam_step_: ",
+  TORCH_CHECK(t.device().is_cpu() && dtype_ok && t.dim() == 1 && t.is_contiguous(), "dsfunc_cpu: ",
               name, " must be a 1-D contiguous ", wanted, " CPU tensor, got ", t.scalar_type(), " of shape ",
               t.sizes(), " on ", t.device());
-  TORCH_CHECK(t.numel() == param.numel(), "dsfunc_cpu::adam_step_: ", name, " must match param (", param.numel(),
+  TORCH_CHECK(t.numel() == param.numel(), "dsfunc_cpu: ", name, " must match param (", param.numel(),
               " elements), got ", t.numel());
 }
 
 float scalar(const at::Tensor& t, const char* name, at::ScalarType dtype) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.numel() == 1, "dsfunc_cpu::adam_step_: ", name,
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.numel() == 1, "dsfunc_cpu: ", name,
               " must be a one-element ", dtype, " CPU tensor, got ", t.scalar_type(), " of shape ", t.sizes(),
               " on ", t.device());
   return dtype == at::kBool ? static_cast<float>(*t.data_ptr<bool>()) : *t.data_ptr<float>();
+}
+
+// The bf16 chain of dsfunc.optim.low_precision (bf16 master, moments and optionally Kahan compensation; fp32
+// arithmetic): each element rounded where the torch chain rounds it. The gradient is multiplied by the unscale
+// factor, then by the clip coefficient (two roundings, as the chain's two transforms); the moments and update
+// are adam_math.h's, sqrt(v) torch's; the new moments round to bf16 once; the new master is (p + delta) rounded to fp32, then
+// to bf16. With Kahan: target = p + (delta + c); master = bf16(target); c = bf16(target - master); and the
+// master lands as the chain lands it, bf16(p + (master - p)).
+inline float round_bf16(float f) {
+  c10::BFloat16 b;
+  store(&b, 0, f);
+  return load(&b, 0);
+}
+
+constexpr int64_t kSqrtBlock = 8192;  // elements per torch sqrt call: 32 KiB of floats, its call cost ~1% of the loop
+
+// One thread's range, a block at a time: the moments into L1/L2 buffers, sqrt(v) by torch's own sqrt (the
+// chain's; MKL's on x86 builds, which is not always the correctly rounded one), then the update and stores.
+template <bool kL2, bool kDecoupled, bool kKahan, typename Grad>
+void bf16_range(c10::BFloat16* __restrict param, const Grad* __restrict grad, c10::BFloat16* __restrict exp_avg,
+                c10::BFloat16* __restrict exp_avg_sq, c10::BFloat16* __restrict comp, int64_t begin, int64_t end,
+                AdamHyper h, const AdamScalars s, const float unscale) {
+  h.l2 = kL2;
+  h.decoupled = kDecoupled;
+  float ms[kSqrtBlock], vs[kSqrtBlock];
+  const at::Tensor v_view = at::from_blob(vs, {kSqrtBlock}, at::kFloat);
+  for (int64_t b = begin; b < end; b += kSqrtBlock) {
+    const int64_t n = std::min(kSqrtBlock, end - b);
+    c10::BFloat16* __restrict p = param + b;
+    c10::BFloat16* __restrict m = exp_avg + b;
+    c10::BFloat16* __restrict v = exp_avg_sq + b;
+    const Grad* __restrict g = grad + b;
+    for (int64_t i = 0; i < n; ++i) {
+      float mi = load(m, i), vi = load(v, i);
+      adam_moments(load(p, i), DSFUNC_MUL(load(g, i), unscale), mi, vi, h, s);
+      ms[i] = mi;
+      vs[i] = vi;
+      store(m, i, mi);
+      store(v, i, vi);
+    }
+    at::Tensor part = v_view.narrow(0, 0, n);
+    at::sqrt_out(part, part);  // in place: vs now holds sqrt(v)
+    for (int64_t i = 0; i < n; ++i) {
+      const float pi = load(p, i);
+      const float delta = adam_delta(pi, ms[i], vs[i], h, s);
+      if constexpr (kKahan) {
+        const float target = pi + (delta + load(comp + b, i));
+        const float master = round_bf16(target);
+        store(comp + b, i, target - master);
+        store(p, i, pi + (master - pi));
+      } else {
+        store(p, i, pi + delta);
+      }
+    }
+  }
+}
+
+template <typename Grad>
+void bf16_update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                 const at::Tensor& exp_avg_sq, c10::BFloat16* comp, const AdamHyper& h, const AdamScalars& s,
+                 float unscale) {
+  auto* p = param.data_ptr<c10::BFloat16>();
+  const Grad* g = reinterpret_cast<const Grad*>(grad.data_ptr());
+  auto* m = exp_avg.data_ptr<c10::BFloat16>();
+  auto* v = exp_avg_sq.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, param.numel(), kGrain, [&](int64_t b, int64_t e) {
+#define DSFUNC_BF16_CASE(L2, DEC)                                                \
+  if (comp != nullptr) {                                                         \
+    bf16_range<L2, DEC, true>(p, g, m, v, comp, b, e, h, s, unscale);            \
+  } else {                                                                       \
+    bf16_range<L2, DEC, false>(p, g, m, v, comp, b, e, h, s, unscale);           \
+  }
+    if (h.l2) {
+      DSFUNC_BF16_CASE(true, false)
+    } else if (h.decoupled) {
+      DSFUNC_BF16_CASE(false, true)
+    } else {
+      DSFUNC_BF16_CASE(false, false)
+    }
+#undef DSFUNC_BF16_CASE
+  });
 }
 
 }  // namespace
@@ -215,6 +298,37 @@ void adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Te
   }
 }
 
+void adam_bf16_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                        const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& compensation,
+                        const at::Tensor& grad_scale, const at::Tensor& clip, const at::Tensor& lr,
+                        const at::Tensor& step, const at::Tensor& skip, double beta1, double beta2, double eps,
+                        double weight_decay, bool adam_w_mode, bool bias_correction) {
+  check_flat(param, "param", param, {at::kBFloat16}, "bfloat16");
+  check_flat(grad, "grad", param, {at::kFloat, at::kBFloat16}, "float32 or bfloat16");
+  check_flat(exp_avg, "exp_avg", param, {at::kBFloat16}, "bfloat16");
+  check_flat(exp_avg_sq, "exp_avg_sq", param, {at::kBFloat16}, "bfloat16");
+  if (compensation.has_value()) check_flat(*compensation, "compensation", param, {at::kBFloat16}, "bfloat16");
+  for (const at::Tensor* t : {&grad, &exp_avg, &exp_avg_sq}) {
+    TORCH_CHECK(at::get_overlap_status(param, *t) == at::MemOverlapStatus::No,
+                "dsfunc_cpu::adam_bf16_step_: param, grad and the moments must not overlap");
+  }
+  const float unscale = scalar(grad_scale, "grad_scale", at::kFloat), coef = scalar(clip, "clip", at::kFloat);
+  const float rate = scalar(lr, "lr", at::kFloat), count = scalar(step, "step", at::kFloat);
+  if (scalar(skip, "skip", at::kBool) != 0.f || param.numel() == 0) return;
+  const AdamHyper h = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction);
+  AdamScalars s{coef, -rate, 1.f, 1.f};
+  if (bias_correction) {  // as adam_step_cpu
+    s.bc1 = static_cast<float>(1.0 - std::pow(beta1, static_cast<double>(count)));
+    s.sqrt_bc2 = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(count))));
+  }
+  c10::BFloat16* comp = compensation.has_value() ? compensation->data_ptr<c10::BFloat16>() : nullptr;
+  if (grad.scalar_type() == at::kFloat) {
+    bf16_update<float>(param, grad, exp_avg, exp_avg_sq, comp, h, s, unscale);
+  } else {
+    bf16_update<c10::BFloat16>(param, grad, exp_avg, exp_avg_sq, comp, h, s, unscale);
+  }
+}
+
 }  // namespace dsfunc
 
 TORCH_LIBRARY(dsfunc_cpu, m) {
@@ -222,6 +336,13 @@ TORCH_LIBRARY(dsfunc_cpu, m) {
       "adam_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? lowp, Tensor grad_scale, Tensor lr, Tensor step, Tensor skip, float beta1, "
       "float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction) -> ()");
+  m.def(
+      "adam_bf16_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
+      "Tensor(d!)? compensation, Tensor grad_scale, Tensor clip, Tensor lr, Tensor step, Tensor skip, "
+      "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(dsfunc_cpu, CPU, m) { m.impl("adam_step_", &dsfunc::adam_step_cpu); }
+TORCH_LIBRARY_IMPL(dsfunc_cpu, CPU, m) {
+  m.impl("adam_step_", &dsfunc::adam_step_cpu);
+  m.impl("adam_bf16_step_", &dsfunc::adam_bf16_step_cpu);
+}

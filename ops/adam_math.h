@@ -50,15 +50,26 @@ struct AdamScalars {
   float grad_scale, neg_lr, bc1, sqrt_bc2;
 };
 
-DSFUNC_ELEMENT void adam_update(float& p, float g, float& m, float& v, const AdamHyper& h, const AdamScalars& s) {
+// The gradient as the moments read it, and the moments' new values (in m and v).
+DSFUNC_ELEMENT void adam_moments(float p, float g, float& m, float& v, const AdamHyper& h, const AdamScalars& s) {
   g = DSFUNC_MUL(g, s.grad_scale);
   if (h.l2) g = DSFUNC_FMA(h.weight_decay, p, g);
   m = DSFUNC_FMA(h.one_minus_beta1, g, DSFUNC_MUL(m, h.beta1));
   v = DSFUNC_FMA(DSFUNC_MUL(h.one_minus_beta2, g), g, DSFUNC_MUL(v, h.beta2));
-  const float denom = DSFUNC_ADD(DSFUNC_DIV(DSFUNC_SQRT(v), s.sqrt_bc2), h.eps);
+}
+
+// What the step adds to p (the chain's update after the lr), from the new m and sqrt(v): the host's bf16 kernel
+// takes sqrt(v) from torch's own sqrt (MKL's, not always correctly rounded) to round where the torch chain does.
+DSFUNC_ELEMENT float adam_delta(float p, float m, float sqrt_v, const AdamHyper& h, const AdamScalars& s) {
+  const float denom = DSFUNC_ADD(DSFUNC_DIV(sqrt_v, s.sqrt_bc2), h.eps);
   float u = DSFUNC_DIV(DSFUNC_DIV(m, s.bc1), denom);
   if (h.decoupled) u = DSFUNC_FMA(h.weight_decay, p, u);
-  p = DSFUNC_ADD(p, DSFUNC_MUL(u, s.neg_lr));
+  return DSFUNC_MUL(u, s.neg_lr);
+}
+
+DSFUNC_ELEMENT void adam_update(float& p, float g, float& m, float& v, const AdamHyper& h, const AdamScalars& s) {
+  adam_moments(p, g, m, v, h, s);
+  p = DSFUNC_ADD(p, adam_delta(p, m, DSFUNC_SQRT(v), h, s));
 }
 
 }  // namespace dsfunc

@@ -203,6 +203,21 @@ def host_adam_step_(*args: object) -> None:
     _written([a.param], [a.exp_avg], [a.exp_avg_sq], [] if a.lowp is None else [a.lowp])
 
 
+def host_adam_bf16_step_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
+                         compensation: Tensor | None, grad_scale: Tensor, clip: Tensor, lr: Tensor, step: Tensor,
+                         skip: Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
+                         adam_w_mode: bool, bias_correction: bool) -> None:
+    """One bf16 shard's Adam/AdamW step by the CPU kernel of ``ops/adam_cpu.cpp``, bit for bit what
+    :mod:`dsfunc.optim.low_precision`'s chain writes (:mod:`dsfunc.optim.low_precision_host` decides when it runs,
+    after ``native_ready("cpu")``). ``param``, the moments and ``compensation`` (Kahan's, or None: rounding to
+    nearest) are flat bf16, ``grad`` bf16 or fp32; the gradient is multiplied by ``grad_scale``, then by ``clip``
+    (the clip coefficient); ``step`` counts this step (fp32 0-d); nothing is written when ``skip``."""
+    torch.ops.dsfunc_cpu.adam_bf16_step_.default(
+        param, grad, exp_avg, exp_avg_sq, compensation, grad_scale, clip, lr, step, skip, float(beta1),
+        float(beta2), float(eps), float(weight_decay), bool(adam_w_mode), bool(bias_correction))
+    _written([param, exp_avg, exp_avg_sq], [] if compensation is None else [compensation])
+
+
 def _written(*lists: Sequence[Tensor]) -> None:
     """Bump the version of what a kernel wrote, as the in-place torch ops it stands for would: the private ops of
     ops/ register no kernel for the dispatch key that does it for torch's own (ADInplaceOrView)."""

@@ -5,7 +5,8 @@ under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``):
 
 * ``"cuda"``: the CUDA kernels, registered in the private namespace ``dsfunc_cuda``; the public ops
   (:mod:`dsfunc.kernels`) forward to them on CUDA tensors;
-* ``"cpu"``: the host Adam of ZeRO-Offload (``ops/adam_cpu.cpp``, namespace ``dsfunc_cpu``), compiled for
+* ``"cpu"``: the host Adam of ZeRO-Offload (``ops/adam_cpu.cpp``, namespace ``dsfunc_cpu``: fp32 masters and
+  moments, and the bf16 chain's case of :mod:`dsfunc.optim.low_precision_host`), compiled for
   this machine's CPU (``-march=native``: a cache shared between machines of different CPUs needs one
   ``TORCH_EXTENSIONS_DIR`` each).
 

@@ -26,7 +26,7 @@ from dsfunc.optim.base import Transform, multi_transform, named_chain
 from dsfunc.optim.fused import FusedAdam
 from dsfunc.optim.groups import GROUP_METADATA, plain
 from dsfunc.optim.low_precision import low_precision
-from dsfunc.optim.low_precision_host import CHUNK
+from dsfunc.optim.low_precision_host import CHUNK, native_adam
 from dsfunc.optim.muon import MatrixShards, muon_half
 from dsfunc.optim.transforms import clip_by_global_norm, scale_by_factor
 from dsfunc.optim.update import ChainUpdate
@@ -107,12 +107,14 @@ def update_from_config(cfg: Config, schedule_for: LrSchedule | None = None, *,
         ("optimizer", optimizer),
     )
     fused = None
-    if momentum is None and not low:
+    if momentum is None:
         fused = FusedAdam.from_sections(sections, schedules, groups, cfg.gradient_clipping, chain)
-    if fused is not None:
+    if fused is not None and not low:
         return fused
     elementwise = all(s.type in _ELEMENTWISE for s in sections.values()) and cfg.bf16.rounding != "stochastic"
-    return ChainUpdate(chain, by_unit=low, max_norm=cfg.gradient_clipping, chunk=CHUNK if elementwise else 0)
+    native = native_adam(fused, cfg.bf16.rounding, cfg.bf16.bf16_optimizer_states) if low else None
+    return ChainUpdate(chain, by_unit=low, max_norm=cfg.gradient_clipping, chunk=CHUNK if elementwise else 0,
+                       native=native)
 
 
 def group_section(base: OptimizerConfig, options: Mapping[str, Any], label: str | None) -> OptimizerConfig:

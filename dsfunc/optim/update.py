@@ -18,7 +18,7 @@ import torch
 
 from dsfunc.frozen import FrozenDict
 from dsfunc.optim.base import Transform, apply_updates
-from dsfunc.optim.low_precision_host import apply_by_unit, extra
+from dsfunc.optim.low_precision_host import NativeAdam, apply_by_unit, extra
 
 
 class UnitWork(Protocol):
@@ -96,6 +96,7 @@ class ChainUpdate:
     by_unit: bool = False
     max_norm: float | None = None
     chunk: int = 0  # element-wise chains: elements of a unit updated at a time on the host (0: whole units)
+    native: NativeAdam | None = None  # the chain's case dsfunc's CPU kernel runs on the host (native_adam)
     clip_norm = 0.0  # ctx.grad_scale only unscales: the transform clips (or not) itself
     writes_compute_copy = False  # the workspace rebuilds the compute copies from the new masters
     reads_16_bit_grads = False  # the transform reads fp32 trees: 16-bit gradients would be widened all at once
@@ -107,7 +108,8 @@ class ChainUpdate:
               ctx: UpdateContext) -> tuple[FrozenDict, Any]:
         """New params and optimizer state, written into the old buffers (unchanged where not finite)."""
         if self.by_unit and ctx.executor.on_host:
-            return apply_by_unit(self.transform, self.max_norm, params, grads, opt_state, ctx, self.chunk)
+            return apply_by_unit(self.transform, self.max_norm, params, grads, opt_state, ctx, self.chunk,
+                                 self.native)
         grads = {name: g.float() for name, g in grads.items()}  # offloaded host gradients may be 16-bit
         updates, new_opt_state = self.transform.update(grads, opt_state, dict(params), **extra(ctx))
         new_params = apply_updates(dict(params), updates)
