@@ -168,6 +168,26 @@ class EngineOptimizer:
         for group, lr in zip(self._groups, lrs):
             group["lr"] = lr
 
+    @property
+    def state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer state this rank holds, per unit (a flat partition, as DeepSpeed's ZeRO optimizers key
+        theirs), under the keys of dsfunc's checkpoints with the unit's name left out (``optimizer/adam/mu``):
+        read-only views of the state's tensors."""
+        # DCP and DTensor load on first use: a second of import time
+        from dsfunc.checkpoint.keys import entries
+
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for e in entries(self._engine.state):
+            if e.part == "optimizer" and e.unit is not None:
+                out.setdefault(e.unit, {})[e.key.removeprefix("optim/").removesuffix(f"/{e.unit}")] = e.tensor
+        return out
+
+    def fp32_partitions(self) -> list[torch.Tensor]:
+        """This rank's fp32 master weights of each parameter group, one flat tensor a group (a copy)."""
+        state = self._engine.state
+        units = state.program.plan.units
+        return [torch.cat([state.params[u.name] for u in units if u.label == g.label]) for g in self._engine.groups]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The engine's ``zero_grad`` (nothing to zero: gradients never live on the module's parameters)."""
         self._engine.zero_grad()
