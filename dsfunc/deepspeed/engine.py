@@ -52,7 +52,7 @@ from dsfunc.config import parse_compile
 from dsfunc.data import DistributedLoader
 from dsfunc.deepspeed import direct, live_engines
 from dsfunc.deepspeed.engine_config import ConfigAccessors
-from dsfunc.deepspeed.engine_surface import EngineSurface, ScriptOwnsBoundaryError
+from dsfunc.deepspeed.engine_surface import EngineSurface, NoSyncError, ScriptOwnsBoundaryError
 from dsfunc.deepspeed.lr_schedules import engine_scheduler, hand_built
 from dsfunc.deepspeed.step_in_progress import StepInProgress, transformed
 from dsfunc.deepspeed.views import GroupView, schedule_count
@@ -303,8 +303,8 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         if lr_kwargs:
             raise InputError("lr_kwargs is not supported: dsfunc's lr schedule is a function of the step count")
         if self.inside_no_sync_ctxt:
-            raise UsageError("engine.step() inside engine.no_sync() or engine.coalesce_grad_reduction(): end the "
-                             "with-block first; its backwards go into the step after it")
+            raise NoSyncError("It is illegal to call Engine.step() inside no_sync context manager (or "
+                              "coalesce_grad_reduction): end the with-block first; its backwards go into the step after it")
         if self.steps.runtime is None or self.steps.runtime.micro_backwards == 0:
             raise UsageError(
                 "engine.step() before engine.backward() for this micro-batch: call engine(inputs), "
