@@ -188,6 +188,19 @@ class EngineOptimizer:
         units = state.program.plan.units
         return [torch.cat([state.params[u.name] for u in units if u.label == g.label]) for g in self._engine.groups]
 
+    @property
+    def loss_scaler(self) -> LossScalerView:
+        """DeepSpeed's ``optimizer.loss_scaler``: the loss scale's settings and its current values."""
+        return LossScalerView(self._engine)
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self._engine.state.program.scaler.dynamic
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The engine's ``zero_grad`` (nothing to zero: gradients never live on the module's parameters)."""
         self._engine.zero_grad()
@@ -200,6 +213,25 @@ class EngineOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         raise UsageError("restore the optimizer state with engine.load_checkpoint")
+
+
+class LossScalerView:
+    """The engine's loss scale under DeepSpeed's loss-scaler names: the rule's settings (``scale_window``, ...) and
+    the state's values (``cur_scale``, ``cur_iter``, ...), read from the current state when asked (a device sync)."""
+
+    def __init__(self, engine: Viewed) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        rule = self._engine.state.program.scaler
+        if name in ("scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis",
+                    "raise_error_at_min_scale", "dynamic"):
+            return getattr(rule, name)
+        if name in ("cur_iter", "last_overflow_iter", "cur_hysteresis"):
+            return int(getattr(self._engine.state.scaler, name))
+        if name in ("cur_scale", "loss_scale"):
+            return float(self._engine.state.scaler.scale)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
 
 
 class EngineLRScheduler:
