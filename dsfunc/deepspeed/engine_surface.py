@@ -195,12 +195,6 @@ class EngineSurface:
         return []
 
     @property
-    def sparse_tensor_module_names(self) -> set[str]:
-        """The parameters whose gradients are reduced as sparse tensors: none (``sparse_gradients`` is refused;
-        embeddings reduce dense gradients)."""
-        return set()
-
-    @property
     def save_non_zero_checkpoint(self) -> bool:
         """True on the rank that writes the model states (DeepSpeed: data-parallel rank 0)."""
         return self.global_rank == 0
