@@ -8,6 +8,7 @@ from typing import Any
 from dsfunc.config.checks import (
     _LR,
     _NON_NEGATIVE,
+    _accepted,
     _betas,
     _bool,
     _canonical_type,
@@ -91,7 +92,8 @@ _MUON_FIXED = {
 }
 _OPTIMIZER_SECTION = _Schema(
     specs=_TYPE_AND_PARAMS,
-    fixed={"legacy_fusion": _only(False, feature="legacy fused optimizers")},
+    # DeepSpeed reads torch_adam from params; beside type it has no effect there either (and dsfunc's Adam is one)
+    fixed={"legacy_fusion": _only(False, feature="legacy fused optimizers"), "torch_adam": _accepted(_bool)},
 )
 
 

@@ -16,6 +16,7 @@ from dsfunc.config.checks import (
     _only,
     _reject,
 )
+from dsfunc.config.errors import _bad
 from dsfunc.config.schema import _key, _parse, _Schema, _Spec
 
 
@@ -29,8 +30,9 @@ class FP16Config:
     """0: dynamic loss scaling (the default); > 0: this fixed scale."""
     initial_scale_power: int = _key(16, _integer(ge=0, le=127))
     """The dynamic scale starts at 2 ** initial_scale_power (at most 127: fp32 holds 2**127)."""
-    loss_scale_window: int = _key(1000, _integer(ge=1))
-    """Optimizer steps without an overflow after which the dynamic scale doubles."""
+    loss_scale_window: int = _key(1000, _integer())
+    """Optimizer steps without an overflow after which the dynamic scale doubles (>= 1 where the scale is dynamic;
+    unused otherwise, and then not checked, as DeepSpeed)."""
     hysteresis: int = _key(2, _integer(ge=1))
     """Overflowing steps tolerated before the dynamic scale halves (DeepSpeed's delayed shift); applied at
     every ZeRO stage, where DeepSpeed's non-ZeRO fp16 path ignores it.
@@ -39,8 +41,9 @@ class FP16Config:
     """Refill the hysteresis on every step without an overflow (so only consecutive overflows count); false
     refills it only when the scale grows.
     """
-    min_loss_scale: float = _key(1.0, _number(gt=0.0))
-    """The dynamic scale never goes below this."""
+    min_loss_scale: float = _key(1.0, _number())
+    """The dynamic scale never goes below this (> 0 where the scale is dynamic; unused otherwise, and then not
+    checked, as DeepSpeed)."""
     auto_cast: bool = _key(False, _bool)
     """Parsed and kept, not read: dsfunc always casts the floating-point inputs of the forwards a step runs to
     the compute dtype, where DeepSpeed casts them to fp16 only when this is true.
@@ -49,6 +52,14 @@ class FP16Config:
     """A dsfunc key (DeepSpeed's loss scaler takes it, its config does not): true stops the run with
     LossScaleError when a step overflows at min_loss_scale; false keeps skipping such steps.
     """
+
+    def __post_init__(self) -> None:
+        if not self.enabled or self.loss_scale != 0:  # no dynamic scale: its settings are unused
+            return
+        if self.loss_scale_window < 1:
+            raise _bad("fp16.loss_scale_window", self.loss_scale_window, "an integer >= 1")
+        if self.min_loss_scale <= 0:
+            raise _bad("fp16.min_loss_scale", self.min_loss_scale, "a finite number > 0")
 
 
 @dataclass(frozen=True)

@@ -165,9 +165,7 @@ _ZERO_FIXED: dict[str, Rule] = {
     "load_from_fp32_weights": _only(
         True, feature="rebuilding fp32 master weights from 16-bit checkpoint weights"
     ),
-    "elastic_checkpoint": _only(
-        False, feature="legacy elastic checkpoints (dsfunc checkpoints always reshard)"
-    ),
+    "elastic_checkpoint": _accepted(_bool),  # dsfunc checkpoints always reshard (WITHOUT_EFFECT)
     "stage3_model_persistence_threshold": _only(sys.maxsize, feature="a model persistence threshold"),
     "stage3_module_granularity_threshold": _accepted(_integer(ge=0)),  # tunes fetching (WITHOUT_EFFECT)
     "stage3_use_all_reduce_for_fetch_params": _only(False, feature="all-reduce parameter fetching"),
@@ -219,6 +217,10 @@ WITHOUT_EFFECT = {
     ),
     "round_robin_gradients": (
         "every rank holds 1/world of every unit, so the gradient copies to the host are already spread evenly"
+    ),
+    "elastic_checkpoint": (
+        "dsfunc checkpoints always load at any data-parallel size and ZeRO stage, as DeepSpeed's elastic ones at "
+        "stages 1-2 (DeepSpeed deprecates the key at stage 3)"
     ),
     "stage3_module_granularity_threshold": (
         "DeepSpeed fetches the parameters of modules smaller than this as one leaf; dsfunc gathers each unit "

@@ -94,6 +94,11 @@ _NOT_SUPPORTED_ATTRIBUTES = {
 }
 
 
+class NoSyncError(UsageError, AssertionError):
+    """A call that ``engine.no_sync()`` rules out (a step inside it, nesting, ZeRO-2/3), which DeepSpeed refuses
+    with an assertion; the message starts with DeepSpeed's words."""
+
+
 class ScriptOwnsBoundaryError(UsageError, AssertionError):
     """An accumulation-boundary call on an engine whose script owns the boundary (``managed_gradient_accumulation``
     false), which DeepSpeed refuses with an assertion."""
@@ -263,8 +268,8 @@ class EngineSurface:
         DeepSpeed, ZeRO-2/3 refuse it (their gradients are partitioned by the reduction)."""
         stage = self.state.program.config.zero_optimization.stage
         if stage >= 2:
-            raise UsageError(f"engine.no_sync() is incompatible with ZeRO stage {stage}'s gradient partitioning "
-                             "(as in DeepSpeed); accumulate with gradient_accumulation_steps instead")
+            raise NoSyncError(f"no_sync context manager is incompatible with gradient partitioning logic of ZeRO stage "
+                              f"{stage} (as in DeepSpeed); accumulate with gradient_accumulation_steps instead")
         with self._without_step("engine.no_sync()"):
             yield
 
@@ -281,7 +286,8 @@ class EngineSurface:
     @contextlib.contextmanager
     def _without_step(self, what: str) -> Iterator[None]:
         if self.inside_no_sync_ctxt:
-            raise UsageError(f"{what} inside engine.no_sync() or engine.coalesce_grad_reduction(): they do not nest")
+            raise NoSyncError(f"no_sync context manager reentry is unsupported: {what} inside engine.no_sync() or "
+                              "engine.coalesce_grad_reduction(); they do not nest")
         self.inside_no_sync_ctxt = True
         try:
             yield

@@ -49,6 +49,8 @@ ALIASES = {
     "runtime.engine": "dsfunc.deepspeed.engine",
     "runtime.zero": "dsfunc.zero",
     "runtime.zero.partition_parameters": "dsfunc.deepspeed.partition_parameters",
+    "runtime.zero.stage_1_and_2": "dsfunc.deepspeed.zero_optimizer",
+    "runtime.zero.stage3": "dsfunc.deepspeed.zero_optimizer",
     "zero.partition_parameters": "dsfunc.deepspeed.partition_parameters",
     "moe.utils": "dsfunc.deepspeed.moe",
     "moe.layer": "dsfunc.deepspeed.moe_layer",

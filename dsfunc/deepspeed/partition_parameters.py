@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from dsfunc.deepspeed.accelerator import get_accelerator
+from dsfunc.deepspeed.namespace import other_name
 from dsfunc.deepspeed.zero_context import GatheredParameters, Init, register_external_parameter
 from dsfunc.zero.placeholders import ZeroParamStatus
 
@@ -29,3 +30,8 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., Any], target_fp_dty
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "get_accelerator", "partitioned_param_data_shape",
            "register_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]
+
+
+def __getattr__(name: str) -> Any:
+    """DeepSpeed's other names of the module (its all-gather handles, ...) import, and refuse when used."""
+    return other_name("runtime.zero.partition_parameters", name)

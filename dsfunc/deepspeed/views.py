@@ -168,6 +168,39 @@ class EngineOptimizer:
         for group, lr in zip(self._groups, lrs):
             group["lr"] = lr
 
+    @property
+    def state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """The optimizer state this rank holds, per unit (a flat partition, as DeepSpeed's ZeRO optimizers key
+        theirs), under the keys of dsfunc's checkpoints with the unit's name left out (``optimizer/adam/mu``):
+        read-only views of the state's tensors."""
+        # DCP and DTensor load on first use: a second of import time
+        from dsfunc.checkpoint.keys import entries
+
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for e in entries(self._engine.state):
+            if e.part == "optimizer" and e.unit is not None:
+                out.setdefault(e.unit, {})[e.key.removeprefix("optim/").removesuffix(f"/{e.unit}")] = e.tensor
+        return out
+
+    def fp32_partitions(self) -> list[torch.Tensor]:
+        """This rank's fp32 master weights of each parameter group, one flat tensor a group (a copy)."""
+        state = self._engine.state
+        units = state.program.plan.units
+        return [torch.cat([state.params[u.name] for u in units if u.label == g.label]) for g in self._engine.groups]
+
+    @property
+    def loss_scaler(self) -> LossScalerView:
+        """DeepSpeed's ``optimizer.loss_scaler``: the loss scale's settings and its current values."""
+        return LossScalerView(self._engine)
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        return self._engine.state.program.scaler.dynamic
+
+    @property
+    def cur_scale(self) -> float:
+        return self.loss_scaler.cur_scale
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The engine's ``zero_grad`` (nothing to zero: gradients never live on the module's parameters)."""
         self._engine.zero_grad()
@@ -180,6 +213,25 @@ class EngineOptimizer:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         raise UsageError("restore the optimizer state with engine.load_checkpoint")
+
+
+class LossScalerView:
+    """The engine's loss scale under DeepSpeed's loss-scaler names: the rule's settings (``scale_window``, ...) and
+    the state's values (``cur_scale``, ``cur_iter``, ...), read from the current state when asked (a device sync)."""
+
+    def __init__(self, engine: Viewed) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        rule = self._engine.state.program.scaler
+        if name in ("scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis",
+                    "raise_error_at_min_scale", "dynamic"):
+            return getattr(rule, name)
+        if name in ("cur_iter", "last_overflow_iter", "cur_hysteresis"):
+            return int(getattr(self._engine.state.scaler, name))
+        if name in ("cur_scale", "loss_scale"):
+            return float(self._engine.state.scaler.scale)
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
 
 
 class EngineLRScheduler:

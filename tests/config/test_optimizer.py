@@ -74,6 +74,11 @@ def test_optimizer_params_optional_and_values_normalised():
     assert opt.params["torch_adam"] is True
 
 
+def test_torch_adam_beside_type_is_accepted_without_effect_as_deepspeed_reads_it_from_params():
+    assert load({"optimizer": {"type": "Adam", "torch_adam": True}}).optimizer.params == ADAM_DEFAULTS
+    assert "expected true or false" in error({"optimizer": {"type": "Adam", "torch_adam": "yes"}})
+
+
 @pytest.mark.parametrize("kind", ["Adam", "AdamW"])
 def test_torch_adam_takes_torch_adamw_s_own_weight_decay_when_none_is_given(kind):
     """DeepSpeed passes the params to torch.optim.AdamW under torch_adam, so torch's default decay applies there

@@ -93,12 +93,12 @@ def test_unknown_key_without_close_match_lists_valid_keys():
             'fp16.loss_scale = "128" is invalid: expected a finite number >= 0.',
         ),
         (
-            {"fp16": {"loss_scale_window": 0}},
+            {"fp16": {"enabled": True, "loss_scale_window": 0}},
             "fp16.loss_scale_window = 0 is invalid: expected an integer >= 1.",
         ),
         (
-            {"fp16": {"min_loss_scale": 0}},
-            "fp16.min_loss_scale = 0 is invalid: expected a finite number > 0.",
+            {"fp16": {"enabled": True, "min_loss_scale": 0.0}},
+            "fp16.min_loss_scale = 0.0 is invalid: expected a finite number > 0.",
         ),
         ({"fp16": {"hysteresis": 0}}, "fp16.hysteresis = 0 is invalid: expected an integer >= 1."),
         (

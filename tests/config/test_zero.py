@@ -109,6 +109,7 @@ def test_sizes_accept_5e8_style_floats():
         {"override_module_apply": False},
         {"stage3_model_persistence_threshold": 2**63 - 1},
         {"elastic_checkpoint": False},
+        {"elastic_checkpoint": True},  # without effect: dsfunc checkpoints always reshard
         {"leaf_module": {}},
     ],
 )

@@ -463,3 +463,27 @@ def test_a_bad_config_leaves_the_model_untouched():
         initialize(model=model, model_parameters=model.head.parameters(),
                    config={"train_batch_size": 3, "train_micro_batch_size_per_gpu": 2})
     assert all(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("stage, kind", [(0, "EngineOptimizer"), (2, "DeepSpeedZeroOptimizer"),
+                                         (3, "DeepSpeedZeroOptimizer_Stage3")])
+def test_the_optimizer_is_deepspeeds_zero_class_and_views_the_state(stage, kind):
+    from dsfunc.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from dsfunc.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    fp16 = {"enabled": True, "initial_scale_power": 5, "loss_scale_window": 2}
+    engine, optimizer, *_ = initialize(model=MLP(), config=config(micro=2, stage=stage, fp16=fp16))
+    assert type(optimizer).__name__ == kind
+    assert isinstance(optimizer, DeepSpeedZeroOptimizer) == (stage == 2)
+    assert isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3) == (stage == 3)
+    assert optimizer.dynamic_loss_scale and optimizer.cur_scale == 32.0 and optimizer.loss_scaler.scale_window == 2
+    for x, y in mlp_batches(3, 2):
+        engine.backward(engine(x, y))
+        engine.step()
+    assert optimizer.loss_scaler.cur_iter == 3 and optimizer.cur_scale == 64.0  # doubled in the 3rd (window 2)
+    (flat,) = optimizer.fp32_partitions()  # one group; one rank: the whole of every unit (padding is zeros)
+    full = dsfunc.full_params(engine.state)
+    torch.testing.assert_close(flat.sum(), sum(p.sum() for p in full.values()))
+    assert flat.numel() >= sum(p.numel() for p in full.values())
+    moments = [m for unit in optimizer.state.values() for key, m in unit.items() if key.endswith("/mu")]
+    assert moments and all(m.abs().sum() > 0 for m in moments)  # views of the trained state, not fresh zeros
