@@ -216,22 +216,29 @@ class EngineOptimizer:
 
 
 class LossScalerView:
-    """The engine's loss scale under DeepSpeed's loss-scaler names: the rule's settings (``scale_window``, ...) and
-    the state's values (``cur_scale``, ``cur_iter``, ...), read from the current state when asked (a device sync)."""
+    """The engine's loss scale under DeepSpeed's loss-scaler names: the rule's settings and the state's values,
+    read from the current state when asked (a device sync)."""
 
     def __init__(self, engine: Viewed) -> None:
         self._engine = engine
 
-    def __getattr__(self, name: str) -> Any:
-        rule = self._engine.state.program.scaler
-        if name in ("scale_window", "min_scale", "delayed_shift", "consecutive_hysteresis",
-                    "raise_error_at_min_scale", "dynamic"):
-            return getattr(rule, name)
-        if name in ("cur_iter", "last_overflow_iter", "cur_hysteresis"):
-            return int(getattr(self._engine.state.scaler, name))
-        if name in ("cur_scale", "loss_scale"):
-            return float(self._engine.state.scaler.scale)
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
+    def _rule(self) -> Any:
+        return self._engine.state.program.scaler
+
+    def _now(self) -> Any:
+        return self._engine.state.scaler
+
+    dynamic = property(lambda self: self._rule().dynamic)
+    scale_window = property(lambda self: self._rule().scale_window)
+    min_scale = property(lambda self: self._rule().min_scale)
+    delayed_shift = property(lambda self: self._rule().delayed_shift)
+    consecutive_hysteresis = property(lambda self: self._rule().consecutive_hysteresis)
+    raise_error_at_min_scale = property(lambda self: self._rule().raise_error_at_min_scale)
+    cur_iter = property(lambda self: int(self._now().cur_iter))
+    last_overflow_iter = property(lambda self: int(self._now().last_overflow_iter))
+    cur_hysteresis = property(lambda self: int(self._now().cur_hysteresis))
+    cur_scale = property(lambda self: float(self._now().scale))
+    loss_scale = cur_scale
 
 
 class EngineLRScheduler:

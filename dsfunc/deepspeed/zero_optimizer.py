@@ -2,7 +2,7 @@
 :func:`~dsfunc.deepspeed.initialize` returns under ZeRO, so scripts that check ``isinstance(engine.optimizer,
 DeepSpeedZeroOptimizer)`` and read its fp32 partitions keep working. Both are the engine's optimizer view
 (:class:`~dsfunc.deepspeed.views.EngineOptimizer`) under DeepSpeed's names, with DeepSpeed's name for this
-rank's fp32 masters; the values are the state's own (read-only views, nothing is kept)."""
+rank's fp32 masters; the values are read from the state when asked (nothing is kept)."""
 
 from __future__ import annotations
 
