@@ -44,7 +44,7 @@ _EXECUTOR: ThreadPoolExecutor | None = None
 
 
 def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = None, client_state: Any = None,
-                    save_latest: bool = True, *, async_save: bool = False,
+                    save_latest: bool = True, *, exclude_frozen_parameters: bool = False, async_save: bool = False,
                     timeout: float = DEFAULT_TIMEOUT) -> str:
     """Save ``state`` to ``save_dir/<tag>/``; every rank must call it.
 
@@ -56,6 +56,8 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
       client_state: anything ``torch.save`` can pickle (rank 0's is kept, as it is at this call),
         returned by the load.
       save_latest: also point ``save_dir/latest`` at this tag.
+      exclude_frozen_parameters: leave out the parameters that do not train (a LoRA checkpoint without its
+        base model); such a checkpoint loads with ``load_module_strict=False`` into a state that holds them.
       async_save: copy the state to host memory, return, and write in a background thread while
         training continues. One save is in flight at most: the next save or load (or
         :func:`wait_for_checkpoint`) waits for it and raises if it failed.
@@ -77,9 +79,9 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
     wait_for_checkpoint()  # [Note: one save in flight]
     # [Note: meeting before the first collective]; rank 0's tag, as the config's checkpoint.tag_validation allows
     tag = arrive("save_checkpoint", tag, timeout, state.program.config.checkpoint.tag_validation)
-    meta = describe(state, tag)
+    meta = describe(state, tag, exclude_frozen=exclude_frozen_parameters)
     client = collective(lambda: pickle_client_state(client_state) if comm.rank() == 0 else None)
-    tensors = save_dict(state, staged=async_save)
+    tensors = save_dict(state, staged=async_save, exclude_frozen=exclude_frozen_parameters)
     job = functools.partial(write_checkpoint, Path(save_dir), tag, tensors, meta, client, save_latest, timeout)
     if not async_save:
         return job()
@@ -90,8 +92,8 @@ def save_checkpoint(state: TrainState, save_dir: PathLike, tag: str | None = Non
 
 def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = None, *,
                     load_optimizer_states: bool = True, load_lr_scheduler_states: bool | None = None,
-                    load_module_only: bool = False, verify: bool = True, trust_pickle: bool = False,
-                    timeout: float = DEFAULT_TIMEOUT) -> tuple[TrainState, Any]:
+                    load_module_only: bool = False, load_module_strict: bool = True, verify: bool = True,
+                    trust_pickle: bool = False, timeout: float = DEFAULT_TIMEOUT) -> tuple[TrainState, Any]:
     """Load a checkpoint into the template ``state``; every rank must call it.
 
     The template is a fresh :func:`dsfunc.init_state` of the same model at any world size, ZeRO stage
@@ -113,6 +115,9 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
         ``load_optimizer_states``; DeepSpeed's engine passes ``True``).
       load_module_only: load the parameters and buffers only; the step count, dropout seed, metrics,
         optimizer state and schedule stay the template's.
+      load_module_strict: ``False`` takes a checkpoint that leaves out frozen parameters (saved with
+        ``exclude_frozen_parameters=True``): they keep the template's values. A missing trainable parameter or
+        an entry this model lacks is refused either way.
       verify: check every file against the sha256 recorded at save (spread over the ranks, whose
         verdicts are combined before anything is unpickled); sizes are always checked. DeepSpeed records
         no checksums: its files are only checked to fit together.
@@ -136,7 +141,7 @@ def load_checkpoint(load_dir: PathLike, state: TrainState, tag: str | None = Non
     # [Note: meeting before the first collective]
     arrive("load_checkpoint", None if tag is None else str(tag), timeout)
     selection = Selection(
-        optimizer=load_optimizer_states, module_only=load_module_only,
+        optimizer=load_optimizer_states, module_only=load_module_only, module_strict=load_module_strict,
         schedule=load_optimizer_states if load_lr_scheduler_states is None else load_lr_scheduler_states,
     )
     if (deepspeed := deepspeed_folder(load_dir, tag)) is not None:

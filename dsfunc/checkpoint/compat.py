@@ -20,12 +20,14 @@ class Selection:
 
     ``optimizer``: the optimizer's state (moments, counters) and, as in DeepSpeed, the fp16 loss scaler;
     ``schedule``: the lr schedule's position; ``module_only``: parameters and buffers only (the step
-    count, dropout seed, metrics, optimizer and schedule all stay the template's).
+    count, dropout seed, metrics, optimizer and schedule all stay the template's); ``module_strict=False``:
+    frozen parameters the checkpoint leaves out keep the template's values.
     """
 
     optimizer: bool = True
     schedule: bool = True
     module_only: bool = False
+    module_strict: bool = True
 
     def parts(self) -> set[str]:
         if self.module_only:
@@ -44,11 +46,21 @@ def check_compatible(folder: Path, meta: dict[str, Any], state: TrainState, sele
     pipelined = state.program.run.pipeline is not None
     if pipelined:  # a pipeline stage holds part of the model: the rest of the checkpoint is the other stages'
         saved = {k: v for k, v in saved.items() if k in mine}
+    left_out = left_out_frozen(meta, state)
+    for name in left_out:
+        del mine[f"{name} (buffer)"]
     lines = differences(saved, mine, "the model")
     if lines:
         raise CheckpointMismatchError(
             f"the checkpoint {folder} does not match this model:\n" + "\n".join(lines)
             + "\nBuild the template state from the model the checkpoint was saved from."
+        )
+    if left_out and selection.module_strict:
+        more = f" and {len(left_out) - 5} more" if len(left_out) > 5 else ""
+        raise CheckpointMismatchError(
+            f"the checkpoint {folder} leaves out the frozen parameters {', '.join(left_out[:5])}{more} (saved "
+            "with exclude_frozen_parameters=True): pass load_module_strict=False to keep this model's values "
+            "for them"
         )
     saved_units = [(u["name"], [p["name"] for p in u["params"]]) for u in meta["units"]]
     my_units = [(u.name, [name for name, _, _ in whole_params(state, u)]) for u in plan.units]
@@ -145,17 +157,26 @@ def unit_tensors(meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def left_out_frozen(meta: dict[str, Any], state: TrainState) -> list[str]:
+    """The template's frozen parameters that the checkpoint holds neither frozen nor trained (it was saved
+    excluding them)."""
+    trained = {p["name"] for u in meta["units"] for p in u["params"]}
+    return [name for name in state.program.plan.frozen if name not in meta["buffers"] and name not in trained]
+
+
 def wanted(meta: dict[str, Any], state: TrainState, selection: Selection) -> set[str]:
     """The template's keys to read: the selected parts, the loss-scaler state only for the same precision
-    and kind of scaler, and metrics only those the checkpoint has."""
+    and kind of scaler, metrics only those the checkpoint has, and no frozen parameter it left out."""
     same_precision = meta["precision"] == precision(state)
     load_scaler = same_precision and meta["scaler"]["dynamic"] == state.program.scaler.dynamic
     parts = selection.parts()
+    left_out = {f"buffers/{name}" for name in left_out_frozen(meta, state)}
     keys = set()
     for e in entries(state):
         skip = ((e.part not in parts)
                 or (e.part == "scaler" and not load_scaler)
-                or (e.part == "metrics" and e.key not in meta["tensors"]))
+                or (e.part == "metrics" and e.key not in meta["tensors"])
+                or e.key in left_out)
         if not skip:
             keys.add(e.key)
     return keys

@@ -40,8 +40,9 @@ class Entry:
     part: str
 
 
-def entries(state: TrainState) -> list[Entry]:
-    """Every tensor of ``state`` under a world-size-independent key (the same on every rank)."""
+def entries(state: TrainState, *, exclude_frozen: bool = False) -> list[Entry]:
+    """Every tensor of ``state`` under a world-size-independent key (the same on every rank); with
+    ``exclude_frozen``, none of the frozen parameters (kept with the buffers)."""
     params = state.params
     out = [Entry("step", state.step, None, "step"), Entry("rng", state.rng, None, "rng")]
     out += [Entry(f"params/{name}", t, name, "params") for name, t in params.items()]
@@ -53,7 +54,8 @@ def entries(state: TrainState) -> list[Entry]:
         out.append(Entry(key, leaf, unit if shaped else None, part))
     out += [Entry(key, leaf, None, "scaler") for key, _, leaf in _leaves("scaler", state.scaler)]
     out += [Entry(key, leaf, None, "metrics") for key, _, leaf in _leaves("metrics", state.metrics)]
-    out += [Entry(f"buffers/{name}", t, None, "buffers") for name, t in state.buffers.items()]
+    frozen = set(state.program.plan.frozen) if exclude_frozen else set()
+    out += [Entry(f"buffers/{name}", t, None, "buffers") for name, t in state.buffers.items() if name not in frozen]
     return out
 
 
@@ -66,8 +68,9 @@ def _leaves(prefix: str, tree: Any) -> Iterator[tuple[str, Any, torch.Tensor]]:
         yield "/".join([prefix, *names]), accessor, leaf
 
 
-def save_dict(state: TrainState, *, staged: bool) -> dict[str, Any]:
-    """What this rank hands to DCP: its slice of every unit-shaped tensor, and (rank 0) the rest.
+def save_dict(state: TrainState, *, staged: bool, exclude_frozen: bool = False) -> dict[str, Any]:
+    """What this rank hands to DCP: its slice of every unit-shaped tensor, and (rank 0) the rest (without the
+    frozen parameters, with ``exclude_frozen``).
 
     ``staged`` copies everything to host memory so training may go on while a thread writes it. GPU
     tensors always go through host memory: DCP then coordinates on the gloo side group with CPU
@@ -78,7 +81,7 @@ def save_dict(state: TrainState, *, staged: bool) -> dict[str, Any]:
     copy = (lambda t: t.detach().to("cpu", copy=True)) if staged else (lambda t: t.detach().cpu())
     per_param = uses_per_param(state)
     out: dict[str, Any] = {}
-    for e in entries(state):
+    for e in entries(state, exclude_frozen=exclude_frozen):
         if e.unit is None:
             if rank == 0:
                 out[e.key] = copy(e.tensor)

@@ -41,22 +41,23 @@ FORMAT = "dsfunc.checkpoint"
 FORMAT_VERSION = 1
 
 
-def describe(state: TrainState, tag: str) -> dict[str, Any]:
+def describe(state: TrainState, tag: str, *, exclude_frozen: bool = False) -> dict[str, Any]:
     """The metadata file's content (files and checksums are added once written); a pipeline stage's state
-    describes the whole model (every stage's, joined), so the checkpoint is the one-stage model's."""
-    meta = _describe(state, tag)
+    describes the whole model (every stage's, joined), so the checkpoint is the one-stage model's.
+    ``exclude_frozen``: the frozen parameters are left out of it (``buffers``, ``state_dict``, ``tensors``)."""
+    meta = _describe(state, tag, exclude_frozen)
     pipeline = state.program.run.pipeline
     return meta if pipeline is None else pipeline.whole_model(meta)
 
 
-def _describe(state: TrainState, tag: str) -> dict[str, Any]:
+def _describe(state: TrainState, tag: str, exclude_frozen: bool) -> dict[str, Any]:
     program = state.program
     plan, cfg = program.plan, program.config
     param_of = {alias: slot.name for unit in plan.units for slot in unit.params for alias in slot.aliases}
     unit_of = {alias: unit for unit in plan.units for slot in unit.params for alias in slot.aliases}
     whole = {unit.name: whole_params(state, unit) for unit in plan.units}
     experts = {unit.name for unit in plan.units if expert_split(state.program.skeleton, unit) is not None}
-    kept = set(program.persistent_buffers) | set(plan.frozen)
+    kept = (set(program.persistent_buffers) | set(plan.frozen)) - (set(plan.frozen) if exclude_frozen else set())
     state_dict: list[list[str]] = []
     listed: set[str] = set()
     for key in program.skeleton.state_dict(keep_vars=True):
@@ -70,7 +71,7 @@ def _describe(state: TrainState, tag: str) -> dict[str, Any]:
             state_dict.append([key, "buffer", key])
     per_param = uses_per_param(state)
     tensors = {}
-    for e in entries(state):
+    for e in entries(state, exclude_frozen=exclude_frozen):
         dtype = _dtype_name(e.tensor.dtype)
         if e.unit is None:
             tensors[e.key] = {"unit": None, "shape": list(e.tensor.shape), "dtype": dtype}
@@ -102,7 +103,7 @@ def _describe(state: TrainState, tag: str) -> dict[str, Any]:
         "saved_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "units": units,
         "buffers": {name: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype), "frozen": name in plan.frozen}
-                    for name, t in state.buffers.items()},
+                    for name, t in state.buffers.items() if not (exclude_frozen and name in plan.frozen)},
         "state_dict": state_dict,
         "tensors": tensors,
         "config": json.loads(json.dumps(thaw(cfg.raw), default=str)),

@@ -405,12 +405,11 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
 
         ``client_state`` (or ``client_sd``, the getting-started tutorial's name) comes back from
         :meth:`load_checkpoint`. Must be called at an accumulation boundary (after ``engine.step()``).
+        ``exclude_frozen_parameters`` leaves out the parameters that do not train (PEFT's base model, as the
+        HF Trainer asks); such a checkpoint loads with ``load_module_strict=False``.
         """
         if client_state is not None and client_sd is not None:
             raise InputError("pass the client state once: client_state= or client_sd=, not both")
-        if exclude_frozen_parameters:
-            raise InputError("exclude_frozen_parameters=True is not supported: dsfunc checkpoints keep frozen "
-                             "parameters with the buffers")
         client = dict(client_state if client_state is not None else client_sd or {})
         if ENGINE_KEY in client:
             raise InputError(f"client_state key {ENGINE_KEY!r} is reserved for the engine's counters; rename it")
@@ -429,7 +428,8 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         self.monitor.flush()
         from dsfunc import checkpoint  # DCP and DTensor load on first use: a second of import time
 
-        checkpoint.save_checkpoint(self.state, save_dir, tag=tag, client_state=client, save_latest=save_latest)
+        checkpoint.save_checkpoint(self.state, save_dir, tag=tag, client_state=client, save_latest=save_latest,
+                                   exclude_frozen_parameters=exclude_frozen_parameters)
         return True
 
     def load_checkpoint(
@@ -447,14 +447,13 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         """Load ``load_dir/<tag>`` (default: the tag in ``load_dir/latest``) into the engine.
 
         Returns ``(load_path, client_state)``, or ``(None, None)`` (with a warning) when there is nothing
-        to load. ``load_module_only`` loads parameters and buffers only; ``load_optimizer_states=False``
-        keeps fresh optimizer and loss-scaler state, ``load_lr_scheduler_states=False`` a fresh schedule.
-        The engine's counters and its ``training_dataloader`` continue from the saved step. Every pickle in
+        to load. ``load_module_strict=False`` takes a checkpoint saved with ``exclude_frozen_parameters``
+        (the frozen parameters keep the engine's values). ``load_module_only`` loads parameters and buffers
+        only; ``load_optimizer_states=False`` keeps fresh optimizer and loss-scaler state,
+        ``load_lr_scheduler_states=False`` a fresh schedule. The engine's counters and its ``training_dataloader`` continue from the saved step. Every pickle in
         the checkpoint (the client state, DCP's ``.metadata``, DeepSpeed's files) is read by a restricted
         unpickler, so no code in it runs, unless ``trust_pickle=True`` (see :func:`dsfunc.load_checkpoint`).
         """
-        if not load_module_strict:
-            raise InputError("load_module_strict=False is not supported: a checkpoint must match the model")
         if custom_load_fn is not None:
             raise InputError("custom_load_fn is not supported by dsfunc")
         if self.steps.runtime is not None:
@@ -471,7 +470,7 @@ class Engine(ConfigAccessors, EngineSurface, nn.Module):
         loaded, client = checkpoint.load_checkpoint(
             folder, self.state, load_optimizer_states=optimizer_from is not None,
             load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-            trust_pickle=trust_pickle,
+            load_module_strict=load_module_strict, trust_pickle=trust_pickle,
         )
         client = dict(client or {})
         counters = client.pop(ENGINE_KEY, None)
