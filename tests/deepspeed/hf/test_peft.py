@@ -1,7 +1,7 @@
 """HF Trainer fine-tuning a PEFT LoRA model on dsfunc as its DeepSpeed (``DSFUNC_AS_DEEPSPEED=1``): Trainer saves
 its checkpoints with ``exclude_frozen_parameters=True`` and resumes with ``load_module_strict=False``. The saved
 checkpoint holds no base-model weight, and the run, saved and resumed, logs the losses of the same run without
-DeepSpeed. ``python test_peft.py OUT`` is the run; its last line is ``RESULT <json>``."""
+DeepSpeed, at ZeRO-2 and ZeRO-3. ``python test_peft.py OUT`` is the run; its last line is ``RESULT <json>``."""
 
 from __future__ import annotations
 
@@ -21,8 +21,10 @@ if __name__ != "__main__":
     def test_trainer_saves_and_resumes_a_lora_model(as_deepspeed, tmp_path):
         res = run([sys.executable, os.path.abspath(__file__), str(tmp_path)],
                   {**as_deepspeed, "PYTHONPATH": ROOT}, str(tmp_path))
-        assert res["saved_frozen"] == [] and res["saved_params"] and all("lora_" in n for n in res["saved_params"])
-        for case in ("z2", "z2_resumed"):
+        for stage in (2, 3):  # the base model's weights are frozen: the checkpoints hold the LoRA weights only
+            saved = res[f"z{stage}_saved"]
+            assert saved["frozen"] == [] and saved["params"] and all("lora_" in n for n in saved["params"])
+        for case in ("z2", "z2_resumed", "z3", "z3_resumed"):
             assert_close(res[case], res["reference"])
 
 
@@ -39,14 +41,15 @@ def lora_gpt2():
 def main(out: str) -> None:
     from tests.deepspeed.hf.runs import ds_config, train
 
-    res = {"reference": train(f"{out}/ref", None, lora_gpt2),
-           "z2": train(f"{out}/z2", ds_config(2), lora_gpt2, save=True)}
-    meta_path = f"{out}/z2/checkpoint-2/global_step2/dsfunc_checkpoint.json"
-    with open(meta_path) as f:
-        meta = json.load(f)
-    res["saved_frozen"] = [n for n, b in meta["buffers"].items() if b["frozen"]]
-    res["saved_params"] = [p["name"] for u in meta["units"] for p in u["params"]]
-    res["z2_resumed"] = train(f"{out}/z2r", ds_config(2), lora_gpt2, resume=f"{out}/z2/checkpoint-2")
+    res = {"reference": train(f"{out}/ref", None, lora_gpt2)}
+    for stage in (2, 3):
+        res[f"z{stage}"] = train(f"{out}/z{stage}", ds_config(stage), lora_gpt2, save=True)
+        with open(f"{out}/z{stage}/checkpoint-2/global_step2/dsfunc_checkpoint.json") as f:
+            meta = json.load(f)
+        res[f"z{stage}_saved"] = {"frozen": [n for n, b in meta["buffers"].items() if b["frozen"]],
+                                  "params": [p["name"] for u in meta["units"] for p in u["params"]]}
+        res[f"z{stage}_resumed"] = train(f"{out}/z{stage}r", ds_config(stage), lora_gpt2,
+                                         resume=f"{out}/z{stage}/checkpoint-2")
     print("RESULT " + json.dumps(res))
 
 
