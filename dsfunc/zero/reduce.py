@@ -18,9 +18,9 @@ folds the 1/world factor of the mean into the backward seed.
 
 A reduced gradient is kept in the narrowest dtype that holds it exactly (:func:`grad_dtype`): the backward's
 bf16 for one micro-batch on one rank (2 bytes per parameter, not 4), fp32 once micro-batches or ranks are
-summed in fp32 (bf16 with ``bf16_master_weights_and_grads``: :func:`sum_dtype`). Host buffers always are; on the device only when the update reads 16-bit gradients itself
-(``narrow``: the fused Adam reads them as they are, element by element), since a transform chain would widen
-every unit at once and hold both.
+summed in fp32 (bf16 with ``bf16_master_weights_and_grads``: :func:`sum_dtype`). Host buffers always are; on
+the device only when the update reads 16-bit gradients itself (``narrow``: the fused Adam reads them as they
+are, element by element), since a transform chain would widen every unit at once and hold both.
 
 Where a unit's sum waits between micro-batches is the run's :class:`~dsfunc.zero.policy.GradStore`'s to say:
 on the device by default. One that takes sums off the device (ZeRO-Offload: :mod:`dsfunc.zero.offload.grads`)
