@@ -118,7 +118,8 @@ def train_ranks(rank: int, world: int, optimizer: str, stages: list[int], roundi
     for stage in stages:
         torch.manual_seed(0)
         cfg = bf16_config(stage, optimizer, rounding, states=states, offload=offload, gas=gas)
-        state = dsfunc.init_state(MLP(width=10, depth=3), cfg)
+        # on the CPU where the reference is (init_state's default device is the GPU where there is one)
+        state = dsfunc.init_state(MLP(width=10, depth=3), cfg, device="cpu")
         norms = []
         for x, y in mlp_batches(STEPS, MICRO * gas * world):
             mine = slice(rank * MICRO * gas, (rank + 1) * MICRO * gas)
