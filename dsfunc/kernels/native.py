@@ -11,7 +11,10 @@ under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``):
   ``TORCH_EXTENSIONS_DIR`` each).
 
 When a build cannot be made (no CUDA toolkit, no compiler, no ninja) one line is logged and the plain-torch
-reference runs instead (same results to an ulp, slower).
+reference runs instead (same results to an ulp, slower). A build directory's ``lock`` file means another process
+is building; torch waits for it with no end, so a build killed midway (its lock left behind) would hang every
+later process silently: dsfunc waits for a lock only while it is younger than :data:`STALE_LOCK_S`, and names
+the file to delete once it is older.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -48,6 +52,8 @@ _BUILDS = {
 # threads are torch's and torch.set_num_threads counts them.
 _CPU_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 
+STALE_LOCK_S = 900.0  # a lock older than this is a killed build's: these builds take a few minutes
+
 _lock = threading.Lock()
 _ready: dict[str, bool] = {}
 
@@ -68,6 +74,27 @@ def _unavailable_reason(kind: str) -> str | None:
     if not cpp_extension.is_ninja_available():
         return "ninja is not installed (pip install ninja)"
     return None
+
+
+def _stale_lock(kind: str) -> str | None:
+    """Wait while another process holds the build's lock; the reason not to build if the lock is stale."""
+    from torch.utils import cpp_extension
+
+    lock = Path(cpp_extension._get_build_directory(_BUILDS[kind].name, verbose=False)) / "lock"
+    announced = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return None
+        if age > STALE_LOCK_S:
+            return (f"the build lock {lock} is {age / 60:.0f} minutes old, left by a build that was stopped midway "
+                    f"(delete it if no other process is building: rm {lock})")
+        if not announced:
+            _log.warning("dsfunc: waiting for another process's build of the %s (lock %s)",
+                         _BUILDS[kind].what, lock)
+            announced = True
+        time.sleep(1.0)
 
 
 def _build(kind: str) -> None:
@@ -93,7 +120,7 @@ def native_ready(kind: str = "cuda") -> bool:
     if kind not in _ready:
         with _lock:
             if kind not in _ready:
-                reason = _unavailable_reason(kind)
+                reason = _unavailable_reason(kind) or _stale_lock(kind)
                 if reason is None:
                     try:
                         _build(kind)

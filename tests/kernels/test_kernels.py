@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -333,3 +337,35 @@ def test_torch_compile_traces_through_both_ops():
     assert torch.equal(got, want)
     for a, b in zip((param, grad, m, v, lowp), eager):
         assert torch.equal(_bits(a), _bits(b))
+
+
+def _build_lock(tmp_path, monkeypatch, age_s: float):
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / Path(cpp_extension._get_build_directory("dsfunc_cpu_ops", verbose=False)).name / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - age_s, time.time() - age_s))
+    return lock
+
+
+def test_a_killed_builds_lock_is_named_not_waited_on_forever(tmp_path, monkeypatch, caplog):
+    """torch's build waits on a lock file with no end: a build killed midway left one, and every later process
+    hung silently."""
+    lock = _build_lock(tmp_path, monkeypatch, age_s=2 * K.native.STALE_LOCK_S)
+    monkeypatch.setattr(K.native, "_ready", {})
+    with caplog.at_level(logging.WARNING, logger="dsfunc.kernels"):
+        assert not K.native.native_ready("cpu")
+    [record] = caplog.records
+    assert f"rm {lock}" in record.getMessage() and "reference" in record.getMessage()
+    assert lock.exists()  # another process might still be building: deleting it is the user's call
+
+
+def test_a_live_builds_lock_is_waited_for(tmp_path, monkeypatch, caplog):
+    lock = _build_lock(tmp_path, monkeypatch, age_s=0)
+    threading.Timer(1.5, lock.unlink).start()  # the other process's build ends
+    with caplog.at_level(logging.WARNING, logger="dsfunc.kernels"):
+        assert K.native._stale_lock("cpu") is None
+    assert not lock.exists()
+    [record] = caplog.records
+    assert "waiting for another process's build" in record.getMessage()
