@@ -15,7 +15,9 @@ buffer up to a power of two. Here:
   copy back on the copy stream, overlapping this call's recomputation and backward; the compute stream waits for a
   copy only where it uses it. Where several micro-batches' forwards precede one backward (the backward by units of
   ``offload_optimizer.micro_batches_per_backward``), each call still precedes the one before it in its own
-  micro-batch: the first call of each micro-batch's backward copies back unprefetched, every later one is ready;
+  micro-batch: the first call of each micro-batch's backward copies back unprefetched, every later one is ready
+  (there the offload frees no GPU memory yet: the backward by units keeps each cut unit input, and its detached
+  leaf, on the device for its segments);
 * a host buffer goes back to the pool when its call's checkpoint is dropped (its backward done, or the graph freed
   unused); the pool keeps at most the most bytes ever in use at once (one step's need), releasing the rest.
 

@@ -4,8 +4,8 @@ Model code that calls ``deepspeed.checkpointing.checkpoint(fn, *args)`` (the Meg
 dsfunc's checkpointing of that call, configured by :func:`configure` or a config's
 ``activation_checkpointing`` section (``cpu_checkpointing``, ``synchronize_checkpoint_boundary``,
 ``profile``): with ``cpu_checkpointing`` every call's inputs go to host memory (``device_checkpoints`` is for
-dsfunc's unit policy, which knows which call is last). Model parallelism does not exist in dsfunc, so the RNG tracker has one region and the
-model-parallel seed is the seed.
+dsfunc's unit policy, which knows which call is last). Model parallelism does not exist in dsfunc, so the RNG
+tracker has one region and the model-parallel seed is the seed.
 """
 
 from __future__ import annotations
