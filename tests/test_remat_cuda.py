@@ -1,4 +1,5 @@
-"""Activation memory with every unit checkpointed, on the BENCH.md 1.3b GPT (GPU only)."""
+"""Activation memory with every unit checkpointed, on the BENCH.md 1.3b GPT, and checkpoints offloaded to pinned host
+memory (GPU only)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,8 @@ def offloaded_steps(section: dict, per_backward: int, monkeypatch: pytest.Monkey
     """3 steps of a 6-block GPT (each block's input 2 MiB) at ZeRO-3 with the optimizer offloaded, 4 micro-batches a
     step in joint backwards of ``per_backward``; the loss, grad norm and parameters after, the last step's GPU peak
     above what it starts with, and the offloader (None without cpu_checkpointing)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from dsfunc import remat
     from dsfunc.models.gpt import GPT, GPTConfig, init_weights
 
@@ -85,7 +88,8 @@ def offloaded_steps(section: dict, per_backward: int, monkeypatch: pytest.Monkey
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        state = dsfunc.train_step(state, (tokens[:, :-1], tokens[:, 1:]))
+        with sdpa_kernel(SDPBackend.MATH):  # its backward is deterministic (the fused kernels' need not be)
+            state = dsfunc.train_step(state, (tokens[:, :-1], tokens[:, 1:]))
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     outcome = (state.metrics.loss.item(), state.metrics.grad_norm.item(), dsfunc.full_params(state))
@@ -96,7 +100,7 @@ def offloaded_steps(section: dict, per_backward: int, monkeypatch: pytest.Monkey
 def test_offloaded_checkpoints_train_bit_for_bit_and_every_prefetch_is_used(per_backward, monkeypatch):
     """Offloaded, with the last 2 units kept, and all kept: the same training; with one backward a micro-batch, the
     offload lowers the GPU peak (in the joint backward of several, the unit inputs cut from the graph stay on the
-    device anyway: see the report of issue 47)."""
+    device anyway: see dsfunc.activation_offload)."""
     from tests.models import relative_diff
 
     (loss, norm, params), kept_peak, _ = offloaded_steps({"policy": "units"}, per_backward, monkeypatch)
@@ -115,5 +119,5 @@ def test_offloaded_checkpoints_train_bit_for_bit_and_every_prefetch_is_used(per_
         assert len(pinned.registered) == per_backward * offloaded and not pinned.failed, n
     print(f"per_backward {per_backward}: GPU peak MiB, inputs kept {kept_peak / 2**20:.1f}, last 2 kept "
           f"{peaks[2] / 2**20:.1f}, all offloaded {peaks[0] / 2**20:.1f}")
-    if per_backward == 1:
-        assert peaks[0] < peaks[2] < kept_peak, (peaks, kept_peak)
+    if per_backward == 1:  # 6 inputs of 2 MiB kept against about 2 (the one in backward, the one prefetched)
+        assert max(peaks.values()) < kept_peak, (peaks, kept_peak)
