@@ -3,12 +3,15 @@
     python bench/bench_long_sequence.py --model llama-8b --systems hf+deepspeed+bf16,hf+dsfunc+bf16 --start 16384 --limit 280
     python bench/bench_long_sequence.py --model llama-1b --systems hf+deepspeed,hf+dsfunc --seqs 131072,524288
     python bench/bench_long_sequence.py --model 1.3b --systems dsfunc+zero3+units+cpu+fused+tiled
+    python bench/bench_long_sequence.py --model llama-8b --systems hf+dsfunc+bf16 --seqs 262144 --device_checkpoints 4
     python bench/bench_long_sequence.py --model llama-8b --estimate 262144,524288      # counted bytes, no GPU
 
 Models: the HF Llama shapes of ``long_hf.py`` (``llama-8b``, ``llama-1b``, ``llama-tiny``) with its systems
 ``hf+deepspeed`` (plain HF + DeepSpeed ZeRO-3, optimizer offload, HF's gradient checkpointing) and ``hf+dsfunc``
 (dsfunc ZeRO-3, optimizer offload, checkpoints in host memory, ALST's tiled MLP and loss), ``+bf16`` for bf16 master
 weights, gradients and optimizer states; or a BENCH.md GPT preset with bench_single.py's systems.
+``--device_checkpoints N`` keeps the last N layers' checkpoints on the GPU in the ``hf+dsfunc`` systems (the
+``activation_checkpointing`` key of that name), where the host cannot hold them all.
 
 Each probe is one step (no warm-up: at 512K tokens one step is minutes of attention) in a fresh process (an
 out-of-memory error leaves nothing behind), stopped after ``--limit`` seconds. Its outcome: ``trains``, ``out of GPU
@@ -20,8 +23,9 @@ gives the step's seconds, the peak GPU memory (``max_memory_allocated``) and the
 ``--estimate`` counts bytes instead of running: the model states as dsfunc's ``memory_estimate`` counts them for
 hf+dsfunc's config (fitted on two tiny states of the same family, see :func:`states_bytes`), one decoder layer's
 activations at that sequence (MLP whole or tiled) and the tiled loss's on the GPU, the layer checkpoints in pinned
-host memory (each rounded up to a power of two, as torch's pinned allocator does), and the longest sequence whose
-checkpoints fit the host beside the states. Not counted: the process's own host memory (CUDA context, libraries:
+host memory (at their exact size: dsfunc.activation_offload), the longest sequence whose checkpoints all fit the host
+beside the states, and the fewest ``device_checkpoints`` that make the rest fit with the GPU total they then
+make (``--device_checkpoints`` checkpoints on the GPU, and one layer's input prefetched back). Not counted: the process's own host memory (CUDA context, libraries:
 a few GiB) and the allocators' fragmentation.
 """
 
@@ -54,7 +58,7 @@ def memory(device: torch.device) -> dict:
     return {"gpu_gib": round(peak / GIB, 2), "host_gib": round(hwm / GIB, 2)}
 
 
-def run_probe(model: str, system: str, seq: int, device: torch.device) -> None:
+def run_probe(model: str, system: str, seq: int, device: torch.device, device_checkpoints: int = 0) -> None:
     """One step in this process; prints JSON lines: ``{"phase": ...}`` as the step goes, then the outcome."""
     kind, *options = system.split("+")
     if model in SHAPES:  # hf+RUNNER+OPTIONS
@@ -68,7 +72,8 @@ def run_probe(model: str, system: str, seq: int, device: torch.device) -> None:
 
     try:
         if model in SHAPES:
-            seconds, loss = HF_RUNNERS[kind](model, seq, set(options), device, report)
+            extra = {"device_checkpoints": device_checkpoints} if kind == "dsfunc" else {}
+            seconds, loss = HF_RUNNERS[kind](model, seq, set(options), device, report, **extra)
         else:
             from bench_single import RUNNERS  # BENCH.md's GPT, built and stepped as bench_single.py does
 
@@ -83,8 +88,9 @@ def run_probe(model: str, system: str, seq: int, device: torch.device) -> None:
     print(json.dumps({**row, **memory(device)}), flush=True)
 
 
-def probe(model: str, system: str, seq: int, limit: float, device: str) -> dict:
-    cmd = [sys.executable, __file__, "--probe", model, system, str(seq), "--device", device]
+def probe(model: str, system: str, seq: int, limit: float, device: str, device_checkpoints: int) -> dict:
+    cmd = [sys.executable, __file__, "--probe", model, system, str(seq), "--device", device,
+           "--device_checkpoints", str(device_checkpoints)]
     row = {"seq": seq}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, check=False)
@@ -118,7 +124,7 @@ def search(model: str, system: str, args: argparse.Namespace) -> list[dict]:
     between the longest that trained and the shortest that ran out of memory (a slower step says nothing of memory:
     the search stops there)."""
     def one(seq: int) -> dict:
-        row = probe(model, system, seq, args.limit, args.device)
+        row = probe(model, system, seq, args.limit, args.device, args.device_checkpoints)
         print(f"  {system} seq {seq:,}: {row['outcome']}", file=sys.stderr, flush=True)
         rows.append(row)
         return row
@@ -196,8 +202,8 @@ def activation_bytes(shape: dict, seq: int) -> dict[str, float]:
     up, activation and product with two of their gradients, for the whole sequence or, tiled, for one slice (ALST's:
     about as many tokens as the model is wide) plus the tiled MLP's input, its gradient and the weights' gradients
     summed in fp32; ``loss``: one loss slice's logits (bf16, fp32, fp32 gradient), the last hidden states with their
-    gradient and the head's gradient summed in fp32; ``checkpoint``: one layer's saved input in pinned host memory
-    (cpu_checkpointing), which torch's pinned allocator rounds up to a power of two."""
+    gradient and the head's gradient summed in fp32; ``checkpoint``: one layer's saved input (cpu_checkpointing keeps
+    it in a pinned host buffer of its exact size)."""
     h, inter, heads, vocab = shape["hidden_size"], shape["intermediate_size"], shape["num_attention_heads"], \
         shape["vocab_size"]
     kv = shape["num_key_value_heads"] * h // heads
@@ -207,52 +213,53 @@ def activation_bytes(shape: dict, seq: int) -> dict[str, float]:
     return {"layer": layer, "mlp": seq * inter * 2 * 6,
             "mlp_tiled": slice_tokens * inter * 2 * 6 + seq * h * 2 * 2 + 3 * h * inter * 4,
             "loss": loss_tokens * vocab * (2 + 4 + 4) + seq * h * 2 * 2 + vocab * h * 4,
-            "checkpoint": pinned(seq * h * 2)}
+            "checkpoint": seq * h * 2}
 
 
-def pinned(nbytes: int) -> int:
-    """What torch's caching pinned-memory allocator takes for ``nbytes``: the next power of two."""
-    return 1 << max(0, nbytes - 1).bit_length()
+def gpu_total(states: dict, act: dict, mlp: str, kept: int, layers: int) -> float:
+    """The GPU's bytes: the states, the larger of a layer's backward (MLP ``mlp``) and the loss, ``kept``
+    checkpoints and, while some are on the host, one layer's input prefetched back."""
+    return states["device"] + max(act["layer"] + act[mlp], act["loss"]) + (kept + (kept < layers)) * act["checkpoint"]
 
 
-def estimate(model: str, seqs: list[int], host_gib: float, gpu_gib: float) -> None:
+def estimate(model: str, seqs: list[int], host_gib: float, gpu_gib: float, device_checkpoints: int) -> None:
     if model not in SHAPES:
         raise SystemExit(f"--estimate counts the HF Llama shapes ({', '.join(SHAPES)}), not {model!r}")
     shape = SHAPES[model]
     layers = shape["num_hidden_layers"]
+    host_cap, gpu_cap = host_gib * GIB, gpu_gib * GIB
+
+    def g(x: float) -> str:
+        return f"{x / GIB:.1f}"
+
     for options, name in ((set(), "fp32 master + Adam states"), ({"bf16"}, "bf16 master + states (+bf16)")):
         states = states_bytes(shape, options)
         print(f"\n{model} ({states['params'] / 1e9:.2f} B params), hf+dsfunc, {name}: host {states['host'] / GIB:.1f} "
               f"GiB ({states['host_per_param']:.1f} B/param + staging), device {states['device'] / GIB:.1f} GiB "
-              f"({states['device_per_param']:.1f} B/param + gathered units)")
+              f"({states['device_per_param']:.1f} B/param + gathered units); {device_checkpoints} device checkpoints")
         print("| seq | GPU: states | layer | MLP whole / tiled | loss (tiled) | GPU total whole / tiled | "
-              f"host: states | checkpoints | host total | fits {host_gib:.0f} GiB host | longest seq the host fits (all checkpoints there) |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        room = host_gib * GIB - states["host"]
-        per_layer_room = room / layers  # a power of two of bf16 hidden vectors a layer
-        longest = 0 if per_layer_room < 1 else (1 << int(math.log2(per_layer_room))) // (shape["hidden_size"] * 2)
+              f"host: states | checkpoints | host total | fits {host_gib:.0f} GiB host | fewest device_checkpoints "
+              f"for the host: GPU tiled then | longest seq the host fits (all checkpoints there) |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        room = host_cap - states["host"]
+        longest = max(0, int(room // layers // (shape["hidden_size"] * 2)))
         for seq in seqs:
             act = activation_bytes(shape, seq)
-            ckpt = layers * act["checkpoint"]
-            whole = states["device"] + max(act["layer"] + act["mlp"], act["loss"])
-            tiled = states["device"] + max(act["layer"] + act["mlp_tiled"], act["loss"])
-            host = states["host"] + ckpt
-
-            def g(x: float) -> str:
-                return f"{x / GIB:.1f}"
-
-            verdict = "yes" if host <= host_gib * GIB else f"no: {g(host - host_gib * GIB)} GiB over"
-            gpu = "" if tiled <= gpu_gib * GIB else f" (over {gpu_gib:.0f} GiB)"
+            ckpt = act["checkpoint"]
+            on_host = layers - device_checkpoints
+            whole, tiled = (gpu_total(states, act, mlp, device_checkpoints, layers) for mlp in ("mlp", "mlp_tiled"))
+            host = states["host"] + on_host * ckpt
+            verdict = "yes" if host <= host_cap else f"no: {g(host - host_cap)} GiB over"
+            over = "" if tiled <= gpu_cap else f" (over {gpu_gib:.0f} GiB)"
+            fewest = min(layers, max(0, layers - int(room // ckpt))) if room > 0 else None
+            if fewest is None or states["host"] + (layers - fewest) * ckpt > host_cap:
+                needed = "none: the states alone are over"
+            else:
+                then = gpu_total(states, act, "mlp_tiled", fewest, layers)
+                needed = f"{fewest}: {g(then)} GiB, " + ("fits" if then <= gpu_cap else f"over {gpu_gib:.0f} GiB")
             print(f"| {seq:,} | {g(states['device'])} | {g(act['layer'])} | {g(act['mlp'])} / {g(act['mlp_tiled'])} | "
-                  f"{g(act['loss'])} | {g(whole)} / {g(tiled)}{gpu} | {g(states['host'])} | {g(ckpt)} | {g(host)} | "
-                  f"{verdict} | {longest:,} |")
-        if seqs:
-            seq = max(seqs)
-            per_layer = activation_bytes(shape, seq)["checkpoint"]
-            on_host = max(0, int(room // per_layer))
-            print(f"At {seq:,}: the host holds {min(on_host, layers)} of the {layers} layer checkpoints "
-                  f"({per_layer / GIB:.2f} GiB each) beside the states; the other {max(0, layers - on_host)} "
-                  f"would have to stay on the GPU ({max(0, layers - on_host) * per_layer / GIB:.1f} GiB).")
+                  f"{g(act['loss'])} | {g(whole)} / {g(tiled)}{over} | {g(states['host'])} | {g(on_host * ckpt)} | "
+                  f"{g(host)} | {verdict} | {needed} | {longest:,} |")
 
 
 def main() -> None:
@@ -268,14 +275,17 @@ def main() -> None:
     parser.add_argument("--estimate", type=lambda s: [int(x) for x in s.split(",")], default=None,
                         help="print counted bytes at these lengths (no GPU) and exit")
     parser.add_argument("--host_gib", type=float, default=128.0, help="the host memory --estimate compares with")
-    parser.add_argument("--gpu_gib", type=float, default=79.0, help="the GPU memory --estimate compares with")
+    parser.add_argument("--gpu_gib", type=float, default=80.0, help="the GPU memory --estimate compares with")
+    parser.add_argument("--device_checkpoints", type=int, default=0,
+                        help="hf+dsfunc systems: the last N layers keep their checkpoints on the GPU (--estimate: "
+                             "counted on the GPU)")
     parser.add_argument("--probe", nargs=3, metavar=("MODEL", "SYSTEM", "SEQ"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.estimate is not None:
-        estimate(args.model, args.estimate, args.host_gib, args.gpu_gib)
+        estimate(args.model, args.estimate, args.host_gib, args.gpu_gib, args.device_checkpoints)
         return
     if args.probe:
-        run_probe(args.probe[0], args.probe[1], int(args.probe[2]), torch.device(args.device))
+        run_probe(args.probe[0], args.probe[1], int(args.probe[2]), torch.device(args.device), args.device_checkpoints)
         return
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     total = torch.cuda.get_device_properties(0).total_memory / GIB if args.device == "cuda" else 0

@@ -6,7 +6,8 @@ the same model under dsfunc with ALST's tiled compute (bench_long_sequence.py's 
   loss (``model(input_ids, labels=...).loss``: every token's logits, then fp32 cross-entropy).
 * ``hf+dsfunc``: the same model (made on ``meta``, each rank materialising its shard) under dsfunc ZeRO-3 with
   ``offload_optimizer``, every decoder layer checkpointed with ``cpu_checkpointing`` (the saved layer inputs in
-  pinned host memory), each MLP tiled over the sequence (:func:`tile_mlps`: ALST's patch of ``LlamaMLP.forward``
+  pinned host memory, copied out and prefetched back asynchronously; the last ``device_checkpoints`` layers' kept on
+  the GPU where the host is the limit), each MLP tiled over the sequence (:func:`tile_mlps`: ALST's patch of ``LlamaMLP.forward``
   with ``TiledMLP``) and the loss tiled over the LM head (:func:`tiled_causal_lm_loss`).
 * ``+bf16`` (either): bf16 master weights, gradients and optimizer states (``bf16_master_weights_and_grads``,
   ``bf16_optimizer_states``): 8B's fp32 Adam states alone (16 B a parameter) nearly fill a 128 GiB host.
@@ -118,16 +119,18 @@ def _bf16(options: set[str]) -> dict[str, Any]:
 
 
 def dsfunc_config(options: set[str], optimizer: dict[str, Any] = ADAMW, clip: float = 1.0,
-                  bf16: bool = True) -> dict[str, Any]:
-    """hf+dsfunc's config: ZeRO-3, the optimizer on the host, every layer checkpointed into host memory."""
+                  bf16: bool = True, device_checkpoints: int = 0) -> dict[str, Any]:
+    """hf+dsfunc's config: ZeRO-3, the optimizer on the host, every layer checkpointed into host memory but the last
+    ``device_checkpoints``."""
+    checkpointing = {"policy": "units", "cpu_checkpointing": True, "device_checkpoints": device_checkpoints}
     return {"train_micro_batch_size_per_gpu": 1, "optimizer": optimizer, "gradient_clipping": clip,
             "bf16": _bf16(options) if bf16 else {"enabled": False},
             "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
-            "activation_checkpointing": {"policy": "units", "cpu_checkpointing": True}, "steps_per_print": None}
+            "activation_checkpointing": checkpointing, "steps_per_print": None}
 
 
 def build_dsfunc(shape: str, seq: int, options: set[str], device: torch.device,
-                 report: Callable[[str], None] = lambda phase: None) -> Any:
+                 report: Callable[[str], None] = lambda phase: None, device_checkpoints: int = 0) -> Any:
     """hf+dsfunc's state; ``report("forward")`` runs when the step's forward is done."""
     model = meta_llama(shape, seq)
     tile_mlps(model)
@@ -137,7 +140,8 @@ def build_dsfunc(shape: str, seq: int, options: set[str], device: torch.device,
         report("forward")
         return loss
 
-    return dsfunc.init_state(model, dsfunc_config(options), loss_fn=loss_fn, param_init_fn=init_llama, device=device)
+    config = dsfunc_config(options, device_checkpoints=device_checkpoints)
+    return dsfunc.init_state(model, config, loss_fn=loss_fn, param_init_fn=init_llama, device=device)
 
 
 def _sync(device: torch.device) -> None:
@@ -152,9 +156,9 @@ def tokens(vocab: int, seq: int, device: torch.device) -> dict[str, torch.Tensor
 
 
 def run_dsfunc(shape: str, seq: int, options: set[str], device: torch.device,
-               report: Callable[[str], None]) -> tuple[float, float]:
+               report: Callable[[str], None], device_checkpoints: int = 0) -> tuple[float, float]:
     """One step of hf+dsfunc: (seconds, loss)."""
-    state = build_dsfunc(shape, seq, options, device, report)
+    state = build_dsfunc(shape, seq, options, device, report, device_checkpoints)
     batch = tokens(SHAPES[shape]["vocab_size"], seq, device)
     _sync(device)
     start = time.perf_counter()

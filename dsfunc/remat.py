@@ -10,14 +10,18 @@ outside), with ``torch.utils.checkpoint`` in its non-reentrant form:
   forward), so a checkpointed run trains bit for bit like one without, and resumes bit for bit;
 * the ``"selective"`` policy saves the outputs of matmuls and attention (without dropout) and recomputes the
   rest (elementwise ops, norms), the usual trade of a little memory for most of the recompute time;
-* ``cpu_checkpointing`` keeps what is saved in pinned host memory (``torch.autograd.graph.save_on_cpu``).
+* ``cpu_checkpointing`` keeps the saved inputs in host memory: on a GPU copied out and prefetched back
+  asynchronously, in pinned buffers of their exact size (:mod:`dsfunc.activation_offload`), elsewhere with
+  ``torch.autograd.graph.save_on_cpu``; ``device_checkpoints`` keeps the last units' inputs on the device.
 
-The same wrapper serves ``deepspeed.checkpointing.checkpoint(fn, *args)`` (:func:`checkpoint`).
+The same wrapper serves ``deepspeed.checkpointing.checkpoint(fn, *args)`` (:func:`checkpoint`), whose calls all
+offload with ``cpu_checkpointing``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -29,6 +33,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from dsfunc.activation_offload import ActivationOffloader
 from dsfunc.config import ActivationCheckpointingConfig
 from dsfunc.zero.layout import ShardingPlan
 
@@ -44,25 +49,45 @@ _SAVED_OPS = {
 
 
 def checkpoint_units(skeleton: nn.Module, plan: ShardingPlan, options: ActivationCheckpointingConfig) -> int:
-    """Checkpoint the forward of each unit module ``options`` selects, in place; returns how many."""
+    """Checkpoint the forward of each unit module ``options`` selects, in place; returns how many.
+
+    With ``cpu_checkpointing`` the chosen units share one :class:`ActivationOffloader` (the copies back follow their
+    order), except the last ``device_checkpoints``, which keep their inputs on the device.
+    """
     modules = [skeleton.get_submodule(u.module) for u in plan.units if u.module is not None]
     chosen = [m for i, m in enumerate(modules) if options.checkpoints(i)]
     if options.policy != "none" and not modules:
         logger.warning("activation_checkpointing.policy = %r: the model has no unit modules (blocks of a "
                        "ModuleList) to checkpoint; pass unit_modules=[...] to dsfunc.init_state", options.policy)
-    for module in chosen:
-        module.forward = functools.partial(checkpoint, module.forward, options=options)
+    offloader = offloader_for(options)
+    on_device = dataclasses.replace(options, cpu_checkpointing=False, device_checkpoints=0)
+    for i, module in enumerate(chosen):
+        kept = i >= len(chosen) - options.device_checkpoints
+        module.forward = functools.partial(checkpoint, module.forward, options=on_device if kept else options,
+                                           offloader=None if kept else offloader)
     return len(chosen)
 
 
+def offloader_for(options: ActivationCheckpointingConfig) -> ActivationOffloader | None:
+    """The offloader of checkpoints that ``options`` keep in host memory: one when on CUDA, else None."""
+    return ActivationOffloader() if options.cpu_checkpointing and torch.cuda.is_available() else None
+
+
 def checkpoint(function: Callable[..., Any], *args: Any, options: ActivationCheckpointingConfig | None = None,
-               **kwargs: Any) -> Any:
-    """``function(*args, **kwargs)``, keeping only its inputs for backward and running it again there."""
+               offloader: ActivationOffloader | None = None, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)``, keeping only its inputs for backward and running it again there.
+
+    With ``options.cpu_checkpointing`` the tensors of ``args`` go to host memory: through ``offloader`` where
+    given (:func:`offloader_for`), else ``save_on_cpu``. Tensors in ``kwargs`` are kept by reference, on the device.
+    """
     options = options or ActivationCheckpointingConfig(policy="units")
     # torch's own default when not selective: a compiled forward accepts only it or dispatch modes
     selective = {"context_fn": _selective} if options.policy == "selective" else {}
-    on_cpu = torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()) \
-        if options.cpu_checkpointing else contextlib.nullcontext()
+    if not options.cpu_checkpointing:
+        on_cpu = contextlib.nullcontext()
+    else:
+        on_cpu = offloader.call() if offloader is not None else \
+            torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
     # entered only when asked: its host clock and syncs would break a graph that compiles this forward
     bounded = options.synchronize_checkpoint_boundary or options.profile
     with _boundary(options, function) if bounded else contextlib.nullcontext(), on_cpu:

@@ -7,6 +7,8 @@ activations (and its contiguous buffers) splits them over model-parallel ranks, 
 have: asking for it is an error. dsfunc's ``policy`` checkpoints units with no change to the model:
 ``"units"`` (every ``every``-th unit recomputes its forward in backward), ``"selective"`` (the same, but
 matmul and attention outputs are saved and only the cheap rest is recomputed), ``"none"`` (the default).
+With ``cpu_checkpointing``, dsfunc's ``device_checkpoints`` keeps the last units' inputs on the device, where host
+memory is what runs out.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsfunc.config.checks import _bool, _choice, _integer, _only, _optional
+from dsfunc.config.errors import ConfigError
 from dsfunc.config.schema import _key, _section
 
 POLICIES = ("none", "units", "selective")
@@ -35,8 +38,14 @@ class ActivationCheckpointingConfig:
     order). A dsfunc key.
     """
     cpu_checkpointing: bool = _key(False, _bool)
-    """Keep what checkpointed forwards save in host memory (torch.autograd.graph.save_on_cpu, pinned where
-    CUDA is available), as DeepSpeed's key does.
+    """Keep what checkpointed forwards save in host memory, as DeepSpeed's key does. On a GPU the inputs copy out
+    and are prefetched back asynchronously, in pinned buffers of their exact size (dsfunc.activation_offload);
+    without CUDA, torch.autograd.graph.save_on_cpu keeps them.
+    """
+    device_checkpoints: int = _key(0, _integer(ge=0))
+    """With cpu_checkpointing, the last device_checkpoints checkpointed units keep their inputs on the device
+    (backward reaches them first, so they never wait for a copy back): the units whose checkpoints fit the GPU's
+    spare memory when the host's is the limit. deepspeed.checkpointing.checkpoint calls offload all. A dsfunc key.
     """
     synchronize_checkpoint_boundary: bool = _key(False, _bool)
     """Synchronise the CUDA device before and after each checkpointed forward (nothing without CUDA), as in
@@ -50,6 +59,14 @@ class ActivationCheckpointingConfig:
     """Parsed and kept, not read: in DeepSpeed it sizes the contiguous buffer of partitioned activations,
     which dsfunc refuses.
     """
+
+    def __post_init__(self) -> None:
+        if self.device_checkpoints and not self.cpu_checkpointing:
+            raise ConfigError(
+                f"activation_checkpointing.device_checkpoints = {self.device_checkpoints} keeps some units' "
+                "checkpoints on the device instead of the host, but cpu_checkpointing is false (every checkpoint "
+                "is on the device already): set cpu_checkpointing to true, or remove device_checkpoints."
+            )
 
     def host_work(self) -> list[str]:
         """The options set that run host work around each checkpointed forward (none without checkpointing)."""

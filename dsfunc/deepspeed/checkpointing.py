@@ -3,8 +3,9 @@
 Model code that calls ``deepspeed.checkpointing.checkpoint(fn, *args)`` (the Megatron-style API) gets
 dsfunc's checkpointing of that call, configured by :func:`configure` or a config's
 ``activation_checkpointing`` section (``cpu_checkpointing``, ``synchronize_checkpoint_boundary``,
-``profile``). Model parallelism does not exist in dsfunc, so the RNG tracker has one region and the
-model-parallel seed is the seed.
+``profile``): with ``cpu_checkpointing`` every call's inputs go to host memory (``device_checkpoints`` is for
+dsfunc's unit policy, which knows which call is last). Model parallelism does not exist in dsfunc, so the RNG
+tracker has one region and the model-parallel seed is the seed.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from typing import Any
 
 import torch
 
+from dsfunc.activation_offload import ActivationOffloader
 from dsfunc.config import ActivationCheckpointingConfig, Config, parse_activation_checkpointing
 from dsfunc.errors import InputError
 from dsfunc.remat import checkpoint as _checkpoint
+from dsfunc.remat import offloader_for
 
 _OPTIONS: ActivationCheckpointingConfig | None = None
+_OFFLOADER: ActivationOffloader | None = None
 
 
 def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: bool | None = None,
@@ -28,7 +32,7 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
               profile: bool | None = None) -> None:
     """Configure :func:`checkpoint` as DeepSpeed does: from a config's ``activation_checkpointing``
     section, then the explicit arguments on top."""
-    global _OPTIONS
+    global _OPTIONS, _OFFLOADER
     if mpu_ is not None:
         raise InputError("deepspeed.checkpointing.configure(mpu_=...): dsfunc has no model parallelism; pass None")
     section: dict[str, Any] = {}
@@ -40,6 +44,7 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
              checkpoint_in_cpu, "synchronize_checkpoint_boundary": synchronize, "profile": profile}
     section.update({k: v for k, v in given.items() if v is not None})
     _OPTIONS = parse_activation_checkpointing({"policy": "units", **section})
+    _OFFLOADER = offloader_for(_OPTIONS)
 
 
 def is_configured() -> bool:
@@ -49,13 +54,13 @@ def is_configured() -> bool:
 
 def reset() -> None:
     """Forget the configuration."""
-    global _OPTIONS
-    _OPTIONS = None
+    global _OPTIONS, _OFFLOADER
+    _OPTIONS = _OFFLOADER = None
 
 
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     """``function(*args)`` whose activations are recomputed in backward instead of kept."""
-    return _checkpoint(function, *args, options=_OPTIONS)
+    return _checkpoint(function, *args, options=_OPTIONS, offloader=_OFFLOADER)
 
 
 class _RNGTracker:
