@@ -101,7 +101,7 @@ def test_bench_host_adam_times_the_bf16_states_update():
     root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-W", "ignore", str(root / "bench" / "bench_host_adam.py"), "--bf16_states",
            "--numel", "1003", "--threads", "1", "--repeat", "1"]
-    proc = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+    proc = subprocess.run(cmd, cwd=root, env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}, capture_output=True, text=True,
                           timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
