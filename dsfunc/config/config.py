@@ -127,7 +127,9 @@ class Config:
     """
     buffer_dtype: str | None = None
     """Not a key itself: data_types.buffer_dtype, the dtype the module's floating buffers are cast to once, when
-    the state is built (None: each keeps its own, as in DeepSpeed, where fp32 rotary ``inv_freq`` stays fp32).
+    the state is built (None: each keeps its own, as in DeepSpeed, where fp32 rotary ``inv_freq`` stays fp32; the
+    forward reads a module's buffers in the compute dtype only where that module has parameters of its own, as
+    BatchNorm's statistics: dsfunc.zero.binding).
     """
     tensorboard: MonitorConfig = MonitorConfig()  # noqa: RUF009 (a frozen dataclass, safe to share)
     """TensorBoard events of the step's scalars (needs the tensorboard package)."""

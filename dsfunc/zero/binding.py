@@ -3,7 +3,11 @@
 
 For a micro-batch, each unit's parameters are bound as views of one flat autograd leaf (what
 ``torch.func.functional_call`` does, but per unit, so ZeRO-3 can bind a unit lazily inside the
-forward), and the buffers as the state's tensors (cast to the compute dtype when floating).
+forward), and the buffers as the state's tensors. A floating buffer of a module with parameters of its own
+(BatchNorm's running statistics) is bound in the compute dtype, as its module's parameters are; one of a module
+without (a rotary embedding's ``inv_freq``, a computed constant whose precision the positions need) keeps its
+own dtype, as DeepSpeed 0.19.8 keeps fp32 buffers (``data_types.buffer_dtype`` casts them when the state is
+built).
 
 Between micro-batches the tables hold the residents: ``nn.Parameter`` objects whose data are views of
 the workspace's persistent compute copies (:meth:`Binding.show`; at fp32 stage 0 the masters themselves,
@@ -59,6 +63,10 @@ class Binding:
             unit.name: [site(p.aliases) for p in unit.params] for unit in plan.units
         }
         self.buffers: dict[str, _Site] = {name: site([name]) for name in buffer_names}
+        # the buffers bound in the compute dtype: those of modules with parameters of their own (see the docstring)
+        self.cast_buffers = frozenset(
+            name for name in self.buffers if any(v is not None for v in _owner(skeleton, name)._parameters.values())
+        )
         self.bound = False
 
     def residents(self, unit: str) -> list[nn.Parameter]:
@@ -72,13 +80,13 @@ class Binding:
                 table[attr] = view
 
     def bind_buffers(self, buffers: Mapping[str, torch.Tensor], dtype: torch.dtype) -> Callable[[], None]:
-        """Bind ``buffers`` (floating ones cast to ``dtype``); return the function that writes the cast
-        copies back into ``buffers`` (BatchNorm's running statistics change in forward)."""
+        """Bind ``buffers`` (the floating ones of :attr:`cast_buffers` cast to ``dtype``); return the function that
+        writes the cast copies back into ``buffers`` (BatchNorm's running statistics change in forward)."""
         self.bound = True
         written = []
         for name, t in buffers.items():
             bound = t
-            if t.is_floating_point() and t.dtype != dtype:
+            if name in self.cast_buffers and t.is_floating_point() and t.dtype != dtype:
                 bound = t.to(dtype)
                 written.append((t, bound))
             for table, attr in self.buffers[name].places:
@@ -128,3 +136,8 @@ class Binding:
         if not self.bound:
             for table, attr in s.places:
                 table[attr] = s.resident
+
+
+def _owner(skeleton: nn.Module, name: str) -> nn.Module:
+    path = name.rpartition(".")[0]
+    return skeleton.get_submodule(path) if path else skeleton

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 import dsfunc
 from dsfunc.zero.binding import ZeroParamStatus
@@ -91,3 +92,47 @@ def test_an_in_place_module_follows_the_newest_state_when_not_donating():
     newer = dsfunc.train_step(state, mlp_batches(1, 2, seed=5)[0], donate=False)
     assert relative_diff(model.state_dict(), dsfunc.full_params(newer)) == 0.0
     assert relative_diff(dsfunc.full_params(state), dsfunc.full_params(newer)) > 0
+
+
+class _Rotary(nn.Module):
+    """HF's rotary embedding in small: no parameters, a computed fp32 ``inv_freq`` its forward reads in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(100_000, 100_000 + x.shape[1], dtype=torch.float32)
+        return torch.cos(positions[:, None] * self.inv_freq.float()).repeat(1, 2).to(x.dtype)
+
+
+_SEEN: dict[str, torch.dtype] = {}  # the buffers' dtypes the last forward read (dsfunc runs a copy of the module)
+
+
+class _RotaryBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rotary, self.proj, self.bn = _Rotary(), nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        _SEEN.update(inv_freq=self.rotary.inv_freq.dtype, running_mean=self.bn.running_mean.dtype)
+        h = self.bn(self.proj(x) * self.rotary(x[:, :, None])[:, 0])
+        return ((h.float() - y) ** 2).mean()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_parameterless_modules_fp32_buffer_keeps_its_precision_under_bf16(stage):
+    """As DeepSpeed 0.19.8 keeps fp32 buffers: a rotary table at position 100,000 from a bf16 ``inv_freq`` is off by
+    whole radians. BatchNorm's statistics, beside their module's bf16 weight, are bound in bf16 as the weight is."""
+    torch.manual_seed(0)
+    model = _RotaryBN()
+    cfg = {**config(micro=4, stage=stage), "bf16": {"enabled": True}}
+    state = dsfunc.init_state(model, cfg)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    state = dsfunc.train_step(state, (x, y))
+    assert _SEEN == {"inv_freq": torch.float32, "running_mean": torch.bfloat16}
+    assert state.buffers["rotary.inv_freq"].dtype == torch.float32
+    want = _Rotary()(x[:, :, None].bfloat16())
+    with torch.no_grad():
+        got = zero_runtime(state).evaluate(lambda m, b: m.rotary(b), x[:, :, None].bfloat16())
+    assert torch.equal(got, want)
