@@ -26,19 +26,23 @@ that do not fit one device), then initialises it as dsfunc does, one module gath
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import faulthandler
 import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 PEAK_FLOPS = 790e12  # bf16 matmul rate measured on these H200s (BENCH.md)
 ACCUM = [1]  # --accum: micro-batches per optimizer step (set once by main)
 BF16_STATES = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}  # the +bf16 setting
-OPTIONS = {"device_sums": 0, "backward_group": 1, "profile": False, "ahead": 0, "clip": 1.0}  # flags (set by main)
+OPTIONS = {"device_sums": 0, "backward_group": 1, "profile": False, "ahead": 0, "clip": 1.0, "stacks": "",
+           "trial": ""}  # flags (set by main; "trial" by one())
 
 
 def shape(name: str):
@@ -78,13 +82,28 @@ def batches(cfg, micro: int, count: int):
 
 def timed(step, cfg, micro: int, steps: int) -> tuple[float, list[float]]:
     losses, start = [], None
-    for i, batch in enumerate(batches(cfg, micro, 2 + steps)):
-        if i == 2:
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-        losses.append(step(batch))
-    torch.cuda.synchronize()
+    with contextlib.ExitStack() as stack:
+        for i, batch in enumerate(batches(cfg, micro, 2 + steps)):
+            if i == 2:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                if OPTIONS["stacks"]:
+                    stack.enter_context(sampled_stacks(Path(OPTIONS["stacks"]) / f"stacks-{OPTIONS['trial']}.txt"))
+            losses.append(step(batch))
+        torch.cuda.synchronize()
     return time.perf_counter() - start, losses
+
+
+@contextlib.contextmanager
+def sampled_stacks(path: Path, every: float = 0.5):
+    """Every thread's Python stack written to ``path`` each ``every`` seconds (a sampler with nothing to install:
+    where the timed steps' host threads wait, e.g. the main thread against the host update's worker)."""
+    with path.open("w") as f:
+        faulthandler.dump_traceback_later(every, repeat=True, file=f)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
 
 
 def run_dsfunc(cfg, setting: str, micro: int, steps: int):
@@ -189,6 +208,7 @@ def one(size: str, setting: str, system: str, cap_gib: float, micro: int, steps:
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * 2**30 / total))
     cfg = shape(size)
+    OPTIONS["trial"] = f"{size}-{setting}-{system}"
     try:
         runner = run_deepspeed if system == "deepspeed" else run_dsfunc
         elapsed, losses, flops, host_update = runner(cfg, setting, micro, steps)
@@ -207,7 +227,7 @@ def trial(size: str, setting: str, system: str, args) -> dict:
     cmd = [sys.executable, __file__, "--one", size, setting, system, "--cap_gib", str(args.cap_gib),
            "--micro", str(args.micro), "--accum", str(args.accum), "--steps", str(args.steps),
            "--device_sums", str(args.device_sums), "--backward_group", str(args.backward_group),
-           "--ahead", str(args.ahead), "--clip", str(args.clip),
+           "--ahead", str(args.ahead), "--clip", str(args.clip), "--stacks", args.stacks,
            *(["--profile"] if args.profile else [])]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.trial_timeout, check=False)
@@ -263,11 +283,13 @@ def main() -> None:
     parser.add_argument("--ahead", type=float, default=0,
                         help="+spec: elements of the units whose update runs ahead (0: every unit)")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off), both systems")
+    parser.add_argument("--stacks", default="", help="a folder: each trial samples its timed steps' thread stacks "
+                                                      "into stacks-SIZE-SETTING-SYSTEM.txt there")
     parser.add_argument("--one", nargs=3, metavar=("SIZE", "SETTING", "SYSTEM"))
     args = parser.parse_args()
     ACCUM[0] = args.accum
     OPTIONS.update(device_sums=int(args.device_sums), backward_group=args.backward_group, profile=args.profile,
-                   ahead=int(args.ahead), clip=args.clip)
+                   ahead=int(args.ahead), clip=args.clip, stacks=args.stacks)
     if args.one:
         one(*args.one, args.cap_gib, args.micro, args.steps)
         return

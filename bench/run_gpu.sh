@@ -11,7 +11,8 @@
 #     offload6   issue 28's shape on the capped GPU: 6.3B, micro-batch 4 x accumulation 8, 4 micro-batches a backward,
 #                dsfunc then DeepSpeed ZeRO-Offload, with a profiled step (OFFLOAD6_TRIALS, OFFLOAD_SUMS: elements of
 #                sums kept on the device, OFFLOAD_AHEAD: +spec's elements, OFFLOAD_CLIP, OFFLOAD_PROFILE= to time
-#                without the profiler)
+#                without the profiler, OFFLOAD_STACKS=1: every thread's stack sampled each 0.5 s of the timed steps into
+#                OUTDIR/stacks-SIZE-SETTING-SYSTEM.txt)
 #     zero13     bench_zero at 1.3b on every GPU: dsfunc ZeRO-2/3 against FSDP2 and DeepSpeed
 #     why124     dsfunc+compile at 124m again, with dynamo's recompile and graph-break logs
 #     profile124 the top ops (host and device) of plain+compile, dsfunc and dsfunc+compile at 124m
@@ -129,7 +130,7 @@ if want offload6; then
     TORCH_CUDA_ARCH_LIST=$DS_ARCH_LIST timeout "${OFFLOAD_S:-560}" python3 bench/bench_offload.py --cap_gib 24 --micro 4 \
         --accum 8 --steps 2 --trials "${OFFLOAD6_TRIALS:-deepspeed:40x3584}" --backward_group "${OFFLOAD_GROUP:-4}" \
         --device_sums "${OFFLOAD_SUMS:-0}" --ahead "${OFFLOAD_AHEAD:-0}" --clip "${OFFLOAD_CLIP:-1.0}" \
-        ${OFFLOAD_PROFILE---profile} \
+        ${OFFLOAD_PROFILE---profile} --stacks "${OFFLOAD_STACKS:+$out}" \
         --trial_timeout "${OFFLOAD_TRIAL_S:-290}" 2>&1 | grep -vE "^\s*$|UserWarning|warnings.warn" | tee "$out/offload6.txt"
 fi
 if want zero13; then
