@@ -8,7 +8,7 @@ its copy back runs on the compute stream when the recomputation needs it, and to
 buffer up to a power of two. Here:
 
 * a tensor of at least ``min_bytes`` on the device is copied out on a copy stream of its own, after the work that
-  made it, into a host buffer of its exact size (:class:`dsfunc.zero.offload.pinned.HostMemory`, page-locked with
+  made it, into a host buffer of its exact size (:class:`dsfunc.pinned.HostMemory`, page-locked with
   ``cudaHostRegister``) from a pool that later steps reuse; smaller tensors (masks, RoPE tables) stay as they are;
 * [Note: checkpoint prefetch] backward reaches the checkpointed calls in the reverse of their forward order, so when
   a call's inputs are first unpacked (its backward begins) the inputs of the call made just before it start their
@@ -35,7 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
-from dsfunc.zero.offload.pinned import HostMemory
+from dsfunc.pinned import HostMemory
 
 MIN_BYTES = 2**20
 

@@ -12,8 +12,8 @@ import itertools
 
 import torch
 
+from dsfunc.pinned import HostMemory
 from dsfunc.zero.layout import ShardingPlan
-from dsfunc.zero.offload.pinned import HostMemory
 
 
 def device_sum_units(plan: ShardingPlan, elements: int) -> frozenset[str]:

@@ -24,11 +24,11 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from dsfunc.pinned import HostMemory
 from dsfunc.zero.layout import ShardingPlan, Unit
 from dsfunc.zero.norms import unit_sumsq
 from dsfunc.zero.offload.device_sums import DeviceSums
 from dsfunc.zero.offload.executor import HostExecutor
-from dsfunc.zero.offload.pinned import HostMemory
 from dsfunc.zero.offload.speculation import Speculation
 
 

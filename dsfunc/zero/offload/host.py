@@ -20,11 +20,11 @@ import torch
 
 from dsfunc.config import ZeroConfig
 from dsfunc.config.dtypes import SIXTEEN_BIT
+from dsfunc.pinned import HostMemory
 from dsfunc.zero.layout import ShardingPlan
 from dsfunc.zero.offload.device_sums import DeviceSums, device_sum_units
 from dsfunc.zero.offload.executor import HostExecutor
 from dsfunc.zero.offload.grads import HostGrads
-from dsfunc.zero.offload.pinned import HostMemory
 from dsfunc.zero.offload.shards import HostShards
 from dsfunc.zero.offload.speculation import Speculation
 from dsfunc.zero.offload.staging import ShardStaging

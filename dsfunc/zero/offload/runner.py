@@ -11,6 +11,7 @@ assumed (:mod:`dsfunc.zero.offload.speculation`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -99,21 +100,32 @@ class StepExecutor:
         self._background: set[str] = set()
 
     def run(self, names: list[str], work: UnitWork) -> None:
+        workspace = self._runner.workspace
         speculation = self._runner.speculation
         if speculation is not None:  # the units whose update ran ahead of the step and stands are done
             stood = speculation.settle(names, work, self._grads)
-            for name in stood:
-                self._finish(name, work.writes(name)[0], staged=False)
             names = [n for n in names if n not in stood]
-        workspace = self._runner.workspace
+            for name in stood:  # only their shards go back: the lazy ones' beside the next forward, as below
+                if not workspace.lazy(workspace.plan.unit(name)):
+                    self._finish(name, work.writes(name)[0], staged=False)
+            self._later([n for n in stood if workspace.lazy(workspace.plan.unit(n))], functools.partial(self._sent, work))
         later = [n for n in names if workspace.lazy(workspace.plan.unit(n))]
         now = [n for n in names if n not in later]
         if now:
             work(now)
-        if later:
-            self._background.update(later)
-            self.sent.update(later)  # their copies go out as the worker writes them
-            self._runner.shards.executor.add(later, work)
+        self._later(later, work)
+
+    def _later(self, names: list[str], work: Callable[[list[str]], None]) -> None:
+        """``work(names)`` on the host update's worker, beside the next forward, which waits for each unit."""
+        if names:
+            self._background.update(names)
+            self.sent.update(names)  # their copies go out as the worker writes them
+            self._runner.shards.executor.add(names, work)
+
+    def _sent(self, work: UnitWork, names: list[str]) -> None:
+        """Send the new shards of ``names``, whose update ``work`` already wrote (it ran ahead and stood)."""
+        for name in names:
+            self._finish(name, work.writes(name)[0], staged=False)
 
     def unit_done(self, name: str, master: torch.Tensor) -> None:
         # a skipped update writes nothing, its staging buffer included: the unchanged master is cast into it

@@ -19,9 +19,9 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from dsfunc.config.dtypes import SIXTEEN_BIT
+from dsfunc.pinned import HostMemory
 from dsfunc.zero.layout import ShardingPlan, Unit
 from dsfunc.zero.offload.grads import HostGradMap
-from dsfunc.zero.offload.pinned import HostMemory
 
 
 class ShardStaging:

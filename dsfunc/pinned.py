@@ -1,4 +1,5 @@
-"""Host buffers page-locked at their exact size.
+"""Host buffers page-locked at their exact size, for ZeRO-Offload (:mod:`dsfunc.zero.offload`) and the checkpointed
+inputs of ``cpu_checkpointing`` (:mod:`dsfunc.activation_offload`).
 
 Only the buffers that take part in copies with the GPU are pinned (the masters and moments are read by the host
 alone), and they are pinned at their exact size with ``cudaHostRegister``: torch's pinned allocator
