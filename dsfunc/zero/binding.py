@@ -48,8 +48,7 @@ class Binding:
 
     def __init__(self, skeleton: nn.Module, plan: ShardingPlan, buffer_names: Iterable[str]) -> None:
         def place(name: str) -> tuple[_Place, bool]:
-            path, _, attr = name.rpartition(".")
-            module = skeleton.get_submodule(path) if path else skeleton
+            module, attr = _owner(skeleton, name), name.rpartition(".")[2]
             is_param = attr in module._parameters
             return ((module._parameters if is_param else module._buffers), attr), is_param
 
@@ -139,5 +138,6 @@ class Binding:
 
 
 def _owner(skeleton: nn.Module, name: str) -> nn.Module:
+    """The module that holds the parameter or buffer ``name``."""
     path = name.rpartition(".")[0]
     return skeleton.get_submodule(path) if path else skeleton
