@@ -88,7 +88,7 @@ def timed(step, cfg, micro: int, steps: int) -> tuple[float, list[float]]:
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 if OPTIONS["stacks"]:
-                    stack.enter_context(sampled_stacks(Path(OPTIONS["stacks"]) / f"stacks-{OPTIONS['trial']}.txt"))
+                    stack.enter_context(sampled_stacks(Path(OPTIONS["stacks"]) / stacks_name(OPTIONS["trial"])))
             losses.append(step(batch))
         torch.cuda.synchronize()
     return time.perf_counter() - start, losses
@@ -127,9 +127,9 @@ def run_dsfunc(cfg, setting: str, micro: int, steps: int):
     elapsed, losses = timed(step, cfg, micro, steps)
     host = getattr(box[0].program.run.runner, "host", None)  # the run's HostOffload, if offloaded
     host_update = None if host is None else host.executor.seconds  # the last step's, in the worker
-    if host is not None and host.speculation is not None:  # the last step's units kept and redone, saved bytes
+    if host is not None and host.speculation is not None:  # the last step's units kept, redone, late; spare bytes
         spec = host.speculation
-        host_update = (host_update, len(spec.stood), len(spec.undone), spec.host_bytes() / 2**30)
+        host_update = (host_update, len(spec.stood), len(spec.undone), len(spec.late), spec.host_bytes() / 2**30)
     if OPTIONS["profile"]:
         print(json.dumps({"profile": busy(step, next(batches(cfg, micro, 1)))}), flush=True)
     return elapsed, [float(x) for x in losses], model.flops_per_token(), host_update
@@ -256,13 +256,20 @@ def row(size: str, setting: str, system: str, r: dict) -> str:
             f"{host_update(r.get('host_update'))} |")
 
 
+def stacks_name(trial: str) -> str:
+    """The stack samples' file of a trial: its name with "_" for "+" (the device tool returns no file whose name
+    holds a "+")."""
+    return f"stacks-{trial.replace('+', '_')}.txt"
+
+
 def host_update(measured) -> str:
-    """The host update column: seconds in the worker; with speculation, units kept / redone and saved GiB."""
+    """The host update column: seconds in the worker; with speculation, units kept / redone / begun too late to
+    run ahead, and the GiB of spare buffers."""
     if measured is None:
         return ""
     if isinstance(measured, list):
-        seconds, kept, redone, saved = measured
-        return f"{seconds:.2f} (speculated: {kept} kept, {redone} redone, {saved:.1f} GiB saved)"
+        seconds, kept, redone, late, spare = measured
+        return f"{seconds:.2f} (speculated: {kept} kept, {redone} redone, {late} late, {spare:.1f} GiB spare)"
     return format(measured, ".2f")
 
 
@@ -284,7 +291,7 @@ def main() -> None:
                         help="+spec: elements of the units whose update runs ahead (0: every unit)")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: off), both systems")
     parser.add_argument("--stacks", default="", help="a folder: each trial samples its timed steps' thread stacks "
-                                                      "into stacks-SIZE-SETTING-SYSTEM.txt there")
+                                                      "into stacks-SIZE-SETTING-SYSTEM.txt there, '+' as '_'")
     parser.add_argument("--one", nargs=3, metavar=("SIZE", "SETTING", "SYSTEM"))
     args = parser.parse_args()
     ACCUM[0] = args.accum

@@ -6,6 +6,10 @@
 // parameter with 16-bit gradients and copy, where torch's fused CPU Adam needs a widened copy of the
 // gradient and a cast afterwards. The element arithmetic is adam_math.h's, the CUDA kernel's: compiled
 // with -ffp-contract=off, the two kernels agree bit for bit. The call holds no Python lock.
+//
+// Both ops take ``sources``: what to read in place of the written tensors' own values (empty: in place). An update
+// run ahead of its step (dsfunc/zero/offload/speculation.py) reads the live state and writes spare buffers, which
+// become the state by an exchange when it stands: neither a copy to undo it nor a copy back.
 #include "adam_math.h"
 
 #include <ATen/MemoryOverlap.h>
@@ -22,6 +26,7 @@
 #include <cstring>
 #include <optional>
 #include <type_traits>
+#include <vector>
 
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -88,14 +93,26 @@ inline void narrow(const float* x, c10::Half* out, int64_t n) {
 }
 
 // The decay mode is a template argument so that the loop has no branch left and vectorises.
+// What an update reads: the tensors it writes (in place) or, ahead of a step (the speculative update), copies of
+// them it leaves as they are. Not restrict: in place they are the written tensors themselves, read element by
+// element before the same element is written.
+template <typename T>
+struct Sources {
+  const T* param;
+  const T* exp_avg;
+  const T* exp_avg_sq;
+  const T* comp = nullptr;
+  Sources advanced(int64_t i) const { return {param + i, exp_avg + i, exp_avg_sq + i, comp ? comp + i : nullptr}; }
+};
+
 template <bool kL2, bool kDecoupled, typename Grad, typename Low>
 void update_elements(float* __restrict param, const Grad* __restrict grad, float* __restrict exp_avg,
                      float* __restrict exp_avg_sq, Low* __restrict lowp, int64_t n, AdamHyper h,
-                     const AdamScalars s) {
+                     const AdamScalars s, const Sources<float> src) {
   h.l2 = kL2;
   h.decoupled = kDecoupled;
   for (int64_t i = 0; i < n; ++i) {
-    float p = param[i], m = exp_avg[i], v = exp_avg_sq[i];
+    float p = src.param[i], m = src.exp_avg[i], v = src.exp_avg_sq[i];
     adam_update(p, load(grad, i), m, v, h, s);
     param[i] = p;
     exp_avg[i] = m;
@@ -106,12 +123,12 @@ void update_elements(float* __restrict param, const Grad* __restrict grad, float
 
 template <bool kL2, bool kDecoupled, typename Grad, typename Low>
 void update_range(float* param, const Grad* grad, float* exp_avg, float* exp_avg_sq, Low* lowp, int64_t begin,
-                  int64_t end, const AdamHyper& h, const AdamScalars& s, bool over_grad) {
+                  int64_t end, const AdamHyper& h, const AdamScalars& s, bool over_grad, const Sources<float>& src) {
   constexpr bool kHalfGrad = std::is_same_v<Grad, c10::Half>, kHalfLow = std::is_same_v<Low, c10::Half>;
   if constexpr (!kHalfGrad && !kHalfLow) {
     if (!over_grad) {
       update_elements<kL2, kDecoupled>(param + begin, grad + begin, exp_avg + begin, exp_avg_sq + begin,
-                                       advance(lowp, begin), end - begin, h, s);
+                                       advance(lowp, begin), end - begin, h, s, src.advanced(begin));
       return;
     }
   }
@@ -126,9 +143,9 @@ void update_range(float* param, const Grad* grad, float* exp_avg, float* exp_avg
     if (kHalfGrad || over_grad) {
       widen(g, widened, n);
       update_elements<kL2, kDecoupled>(param + b, static_cast<const float*>(widened), exp_avg + b, exp_avg_sq + b,
-                                       low, n, h, s);
+                                       low, n, h, s, src.advanced(b));
     } else if constexpr (!kHalfGrad) {
-      update_elements<kL2, kDecoupled>(param + b, g, exp_avg + b, exp_avg_sq + b, low, n, h, s);
+      update_elements<kL2, kDecoupled>(param + b, g, exp_avg + b, exp_avg_sq + b, low, n, h, s, src.advanced(b));
     }
     if constexpr (kHalfLow) narrow(param + b, lowp + b, n);  // the block's new parameters, still in L1
   }
@@ -136,7 +153,8 @@ void update_range(float* param, const Grad* grad, float* exp_avg, float* exp_avg
 
 template <typename Grad, typename Low>
 void update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
-            const at::Tensor& exp_avg_sq, Low* lowp, const AdamHyper& h, const AdamScalars& s) {
+            const at::Tensor& exp_avg_sq, Low* lowp, const AdamHyper& h, const AdamScalars& s,
+            const Sources<float>& src) {
   float* p = param.data_ptr<float>();
   const Grad* g = reinterpret_cast<const Grad*>(grad.data_ptr());
   float* m = exp_avg.data_ptr<float>();
@@ -144,11 +162,11 @@ void update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& e
   const bool over_grad = static_cast<const void*>(lowp) == static_cast<const void*>(g);  // adam_step_cpu checked
   at::parallel_for(0, param.numel(), kGrain, [&](int64_t begin, int64_t end) {
     if (h.l2) {
-      update_range<true, false>(p, g, m, v, lowp, begin, end, h, s, over_grad);
+      update_range<true, false>(p, g, m, v, lowp, begin, end, h, s, over_grad, src);
     } else if (h.decoupled) {
-      update_range<false, true>(p, g, m, v, lowp, begin, end, h, s, over_grad);
+      update_range<false, true>(p, g, m, v, lowp, begin, end, h, s, over_grad, src);
     } else {
-      update_range<false, false>(p, g, m, v, lowp, begin, end, h, s, over_grad);
+      update_range<false, false>(p, g, m, v, lowp, begin, end, h, s, over_grad, src);
     }
   });
 }
@@ -156,14 +174,43 @@ void update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& e
 template <typename Grad>
 void dispatch_lowp(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& lowp, const AdamHyper& h,
-                   const AdamScalars& s) {
+                   const AdamScalars& s, const Sources<float>& src) {
   if (!lowp.has_value()) {
-    update<Grad, NoLowp>(param, grad, exp_avg, exp_avg_sq, nullptr, h, s);
+    update<Grad, NoLowp>(param, grad, exp_avg, exp_avg_sq, nullptr, h, s, src);
   } else if (lowp->scalar_type() == at::kBFloat16) {
-    update<Grad>(param, grad, exp_avg, exp_avg_sq, lowp->data_ptr<c10::BFloat16>(), h, s);
+    update<Grad>(param, grad, exp_avg, exp_avg_sq, lowp->data_ptr<c10::BFloat16>(), h, s, src);
   } else {
-    update<Grad>(param, grad, exp_avg, exp_avg_sq, lowp->data_ptr<c10::Half>(), h, s);
+    update<Grad>(param, grad, exp_avg, exp_avg_sq, lowp->data_ptr<c10::Half>(), h, s, src);
   }
+}
+
+// The sources of an update writing param, exp_avg, exp_avg_sq (and compensation): ``sources`` in that order, or
+// (empty) the written tensors themselves. Each must be flat, of its written tensor's dtype and size, and apart from
+// everything written.
+template <typename T>
+Sources<T> sources_of(const at::TensorList sources, std::initializer_list<const at::Tensor*> written,
+                      const at::Tensor* comp, const char* op) {
+  std::vector<const at::Tensor*> outs(written);
+  if (comp != nullptr) outs.push_back(comp);
+  if (sources.empty()) {
+    return {outs[0]->data_ptr<T>(), outs[1]->data_ptr<T>(), outs[2]->data_ptr<T>(),
+            comp != nullptr ? comp->data_ptr<T>() : nullptr};
+  }
+  TORCH_CHECK(sources.size() == outs.size(), op, ": sources must hold ", outs.size(),
+              " tensors (param, exp_avg, exp_avg_sq", comp != nullptr ? ", compensation" : "", "), got ",
+              sources.size());
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const at::Tensor& src = sources[i];
+    TORCH_CHECK(src.device().is_cpu() && src.scalar_type() == outs[i]->scalar_type() && src.dim() == 1 &&
+                    src.is_contiguous() && src.numel() == outs[i]->numel(),
+                op, ": sources[", i, "] must be a flat CPU tensor like the tensor it stands for");
+    for (const at::Tensor* out : outs) {
+      TORCH_CHECK(at::get_overlap_status(src, *out) == at::MemOverlapStatus::No, op,
+                  ": sources must not overlap the tensors the update writes");
+    }
+  }
+  return {sources[0].data_ptr<T>(), sources[1].data_ptr<T>(), sources[2].data_ptr<T>(),
+          comp != nullptr ? sources[3].data_ptr<T>() : nullptr};
 }
 
 void check_flat(const at::Tensor& t, const char* name, const at::Tensor& param,
@@ -202,7 +249,7 @@ constexpr int64_t kSqrtBlock = 8192;  // elements per torch sqrt call: 32 KiB of
 template <bool kL2, bool kDecoupled, bool kKahan, typename Grad>
 void bf16_range(c10::BFloat16* __restrict param, const Grad* __restrict grad, c10::BFloat16* __restrict exp_avg,
                 c10::BFloat16* __restrict exp_avg_sq, c10::BFloat16* __restrict comp, int64_t begin, int64_t end,
-                AdamHyper h, const AdamScalars s, const float unscale) {
+                AdamHyper h, const AdamScalars s, const float unscale, const Sources<c10::BFloat16>& src) {
   h.l2 = kL2;
   h.decoupled = kDecoupled;
   float ms[kSqrtBlock], vs[kSqrtBlock];
@@ -212,10 +259,11 @@ void bf16_range(c10::BFloat16* __restrict param, const Grad* __restrict grad, c1
     c10::BFloat16* __restrict p = param + b;
     c10::BFloat16* __restrict m = exp_avg + b;
     c10::BFloat16* __restrict v = exp_avg_sq + b;
-    const Grad* __restrict g = grad + b;
+    const Sources<c10::BFloat16> from = src.advanced(b);
+    const Grad* g = grad + b;
     for (int64_t i = 0; i < n; ++i) {
-      float mi = load(m, i), vi = load(v, i);
-      adam_moments(load(p, i), DSFUNC_MUL(load(g, i), unscale), mi, vi, h, s);
+      float mi = load(from.exp_avg, i), vi = load(from.exp_avg_sq, i);
+      adam_moments(load(from.param, i), DSFUNC_MUL(load(g, i), unscale), mi, vi, h, s);
       ms[i] = mi;
       vs[i] = vi;
       store(m, i, mi);
@@ -224,10 +272,10 @@ void bf16_range(c10::BFloat16* __restrict param, const Grad* __restrict grad, c1
     at::Tensor part = v_view.narrow(0, 0, n);
     at::sqrt_out(part, part);  // in place: vs now holds sqrt(v)
     for (int64_t i = 0; i < n; ++i) {
-      const float pi = load(p, i);
+      const float pi = load(from.param, i);
       const float delta = adam_delta(pi, ms[i], vs[i], h, s);
       if constexpr (kKahan) {
-        const float target = pi + (delta + load(comp + b, i));
+        const float target = pi + (delta + load(from.comp, i));
         const float master = round_bf16(target);
         store(comp + b, i, target - master);
         store(p, i, pi + (master - pi));
@@ -241,7 +289,7 @@ void bf16_range(c10::BFloat16* __restrict param, const Grad* __restrict grad, c1
 template <typename Grad>
 void bf16_update(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                  const at::Tensor& exp_avg_sq, c10::BFloat16* comp, const AdamHyper& h, const AdamScalars& s,
-                 float unscale) {
+                 float unscale, const Sources<c10::BFloat16>& src) {
   auto* p = param.data_ptr<c10::BFloat16>();
   const Grad* g = reinterpret_cast<const Grad*>(grad.data_ptr());
   auto* m = exp_avg.data_ptr<c10::BFloat16>();
@@ -249,9 +297,9 @@ void bf16_update(const at::Tensor& param, const at::Tensor& grad, const at::Tens
   at::parallel_for(0, param.numel(), kGrain, [&](int64_t b, int64_t e) {
 #define DSFUNC_BF16_CASE(L2, DEC)                                                \
   if (comp != nullptr) {                                                         \
-    bf16_range<L2, DEC, true>(p, g, m, v, comp, b, e, h, s, unscale);            \
+    bf16_range<L2, DEC, true>(p, g, m, v, comp, b, e, h, s, unscale, src);       \
   } else {                                                                       \
-    bf16_range<L2, DEC, false>(p, g, m, v, comp, b, e, h, s, unscale);           \
+    bf16_range<L2, DEC, false>(p, g, m, v, comp, b, e, h, s, unscale, src);       \
   }
     if (h.l2) {
       DSFUNC_BF16_CASE(true, false)
@@ -269,7 +317,7 @@ void bf16_update(const at::Tensor& param, const at::Tensor& grad, const at::Tens
 void adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& lowp, const at::Tensor& grad_scale,
                    const at::Tensor& lr, const at::Tensor& step, const at::Tensor& skip, double beta1, double beta2,
-                   double eps, double weight_decay, bool adam_w_mode, bool bias_correction) {
+                   double eps, double weight_decay, bool adam_w_mode, bool bias_correction, at::TensorList sources) {
   check_flat(param, "param", param, {at::kFloat}, "float32");
   check_flat(grad, "grad", param, {at::kFloat, at::kBFloat16, at::kHalf}, "float32, bfloat16 or float16");
   check_flat(exp_avg, "exp_avg", param, {at::kFloat}, "float32");
@@ -284,6 +332,8 @@ void adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Te
   }
   const float scale = scalar(grad_scale, "grad_scale", at::kFloat), rate = scalar(lr, "lr", at::kFloat);
   const float count = scalar(step, "step", at::kFloat);
+  const Sources<float> src = sources_of<float>(sources, {&param, &exp_avg, &exp_avg_sq}, nullptr,
+                                               "dsfunc_cpu::adam_step_");
   if (scalar(skip, "skip", at::kBool) != 0.f || param.numel() == 0) return;
   const AdamHyper h = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction);
   AdamScalars s{scale, -rate, 1.f, 1.f};
@@ -292,9 +342,9 @@ void adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Te
     s.sqrt_bc2 = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(count))));
   }
   switch (grad.scalar_type()) {
-    case at::kFloat: dispatch_lowp<float>(param, grad, exp_avg, exp_avg_sq, lowp, h, s); break;
-    case at::kBFloat16: dispatch_lowp<c10::BFloat16>(param, grad, exp_avg, exp_avg_sq, lowp, h, s); break;
-    default: dispatch_lowp<c10::Half>(param, grad, exp_avg, exp_avg_sq, lowp, h, s); break;
+    case at::kFloat: dispatch_lowp<float>(param, grad, exp_avg, exp_avg_sq, lowp, h, s, src); break;
+    case at::kBFloat16: dispatch_lowp<c10::BFloat16>(param, grad, exp_avg, exp_avg_sq, lowp, h, s, src); break;
+    default: dispatch_lowp<c10::Half>(param, grad, exp_avg, exp_avg_sq, lowp, h, s, src); break;
   }
 }
 
@@ -302,7 +352,7 @@ void adam_bf16_step_cpu(const at::Tensor& param, const at::Tensor& grad, const a
                         const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& compensation,
                         const at::Tensor& grad_scale, const at::Tensor& clip, const at::Tensor& lr,
                         const at::Tensor& step, const at::Tensor& skip, double beta1, double beta2, double eps,
-                        double weight_decay, bool adam_w_mode, bool bias_correction) {
+                        double weight_decay, bool adam_w_mode, bool bias_correction, at::TensorList sources) {
   check_flat(param, "param", param, {at::kBFloat16}, "bfloat16");
   check_flat(grad, "grad", param, {at::kFloat, at::kBFloat16}, "float32 or bfloat16");
   check_flat(exp_avg, "exp_avg", param, {at::kBFloat16}, "bfloat16");
@@ -314,6 +364,9 @@ void adam_bf16_step_cpu(const at::Tensor& param, const at::Tensor& grad, const a
   }
   const float unscale = scalar(grad_scale, "grad_scale", at::kFloat), coef = scalar(clip, "clip", at::kFloat);
   const float rate = scalar(lr, "lr", at::kFloat), count = scalar(step, "step", at::kFloat);
+  const Sources<c10::BFloat16> src = sources_of<c10::BFloat16>(
+      sources, {&param, &exp_avg, &exp_avg_sq}, compensation.has_value() ? &*compensation : nullptr,
+      "dsfunc_cpu::adam_bf16_step_");
   if (scalar(skip, "skip", at::kBool) != 0.f || param.numel() == 0) return;
   const AdamHyper h = make_hyper(beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction);
   AdamScalars s{coef, -rate, 1.f, 1.f};
@@ -323,9 +376,9 @@ void adam_bf16_step_cpu(const at::Tensor& param, const at::Tensor& grad, const a
   }
   c10::BFloat16* comp = compensation.has_value() ? compensation->data_ptr<c10::BFloat16>() : nullptr;
   if (grad.scalar_type() == at::kFloat) {
-    bf16_update<float>(param, grad, exp_avg, exp_avg_sq, comp, h, s, unscale);
+    bf16_update<float>(param, grad, exp_avg, exp_avg_sq, comp, h, s, unscale, src);
   } else {
-    bf16_update<c10::BFloat16>(param, grad, exp_avg, exp_avg_sq, comp, h, s, unscale);
+    bf16_update<c10::BFloat16>(param, grad, exp_avg, exp_avg_sq, comp, h, s, unscale, src);
   }
 }
 
@@ -335,11 +388,12 @@ TORCH_LIBRARY(dsfunc_cpu, m) {
   m.def(
       "adam_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? lowp, Tensor grad_scale, Tensor lr, Tensor step, Tensor skip, float beta1, "
-      "float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction) -> ()");
+      "float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction, Tensor[] sources) -> ()");
   m.def(
       "adam_bf16_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
       "Tensor(d!)? compensation, Tensor grad_scale, Tensor clip, Tensor lr, Tensor step, Tensor skip, "
-      "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction) -> ()");
+      "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, bool bias_correction, "
+      "Tensor[] sources) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(dsfunc_cpu, CPU, m) {

@@ -61,11 +61,11 @@ class OffloadConfig:
     """dsfunc's own key of ``offload_optimizer`` (``train_step``), which DeepSpeed's ``super_offload: true``
     also turns on: each unit's host update starts as its gradient lands during the last backward, assuming the
     step neither clips nor overflows, and is undone and redone when it does, so the result is bit for bit the
-    update's without it (:mod:`dsfunc.zero.offload.speculation`). It costs host memory for a copy of the
-    masters and optimizer state (12 bytes a parameter with Adam; 6 with bf16 masters and moments, whose chain it
-    runs ahead the same way). ``true``: every unit; a number: elements of
-    this rank's shards whose units run ahead, whole units in the order their gradients land (the copies of a
-    6B model would not fit beside it in 128 GiB of host memory; the rest wait for the step as without it).
+    update's without it (:mod:`dsfunc.zero.offload.speculation`). It costs host memory for spare buffers the
+    size of the masters and optimizer state (12 bytes a parameter with Adam; 6 with bf16 masters and moments,
+    whose chain it runs ahead the same way). ``true``: every unit; a number: elements of this rank's shards
+    whose units run ahead, whole units in the order their gradients land (the spares of a 6B model's fp32
+    states would not fit beside it in 128 GiB of host memory; the rest wait for the step as without it).
     Of SuperOffload only this is built; its ``cpuadam_cores_perc`` must keep DeepSpeed's default. No effect
     under the DeepSpeed engine.
     """

@@ -190,32 +190,42 @@ def _cuda(*args: object) -> None:
     _written(params, exp_avgs, exp_avg_sqs, lowps)
 
 
-def host_adam_step_(*args: object) -> None:
+def host_adam_step_(*args: object, sources: Sequence[Tensor] = ()) -> None:
     """One shard's update on host tensors by the CPU kernel of ``ops/adam_cpu.cpp`` (ZeRO-Offload's update), which
     holds no Python lock while it runs; the reference where that kernel cannot be built. Arguments in
-    :class:`AdamArgs` order, checked as the public op checks them."""
+    :class:`AdamArgs` order, checked as the public op checks them; ``sources``: the param and moments to read
+    instead of the written ones' own values (empty: in place)."""
     a = AdamArgs(*args)
     _check(a)
     if not native_ready("cpu"):
+        _read(sources, [a.param, a.exp_avg, a.exp_avg_sq])
         _reference([a.param], [a.grad], [a.exp_avg], [a.exp_avg_sq], [] if a.lowp is None else [a.lowp], *a[5:])
         return
-    torch.ops.dsfunc_cpu.adam_step_.default(*a)
+    torch.ops.dsfunc_cpu.adam_step_.default(*a, sources=list(sources))
     _written([a.param], [a.exp_avg], [a.exp_avg_sq], [] if a.lowp is None else [a.lowp])
 
 
 def host_adam_bf16_step_(param: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor,
                          compensation: Tensor | None, grad_scale: Tensor, clip: Tensor, lr: Tensor, step: Tensor,
                          skip: Tensor, beta1: float, beta2: float, eps: float, weight_decay: float,
-                         adam_w_mode: bool, bias_correction: bool) -> None:
+                         adam_w_mode: bool, bias_correction: bool, sources: Sequence[Tensor] = ()) -> None:
     """One bf16 shard's Adam/AdamW step by the CPU kernel of ``ops/adam_cpu.cpp``, bit for bit what
     :mod:`dsfunc.optim.low_precision`'s chain writes (:mod:`dsfunc.optim.low_precision_host` decides when it runs,
     after ``native_ready("cpu")``). ``param``, the moments and ``compensation`` (Kahan's, or None: rounding to
     nearest) are flat bf16, ``grad`` bf16 or fp32; the gradient is multiplied by ``grad_scale``, then by ``clip``
-    (the clip coefficient); ``step`` counts this step (fp32 0-d); nothing is written when ``skip``."""
+    (the clip coefficient); ``step`` counts this step (fp32 0-d); nothing is written when ``skip``. ``sources``:
+    the param, moments (and compensation) to read instead of the written ones' own values (empty: in place)."""
     torch.ops.dsfunc_cpu.adam_bf16_step_.default(
         param, grad, exp_avg, exp_avg_sq, compensation, grad_scale, clip, lr, step, skip, float(beta1),
-        float(beta2), float(eps), float(weight_decay), bool(adam_w_mode), bool(bias_correction))
+        float(beta2), float(eps), float(weight_decay), bool(adam_w_mode), bool(bias_correction),
+        sources=list(sources))
     _written([param, exp_avg, exp_avg_sq], [] if compensation is None else [compensation])
+
+
+def _read(sources: Sequence[Tensor], written: Sequence[Tensor]) -> None:
+    """Where no kernel runs: the reference updates in place, so the ``sources`` are copied into what it writes."""
+    for out, src in zip(written, sources, strict=bool(sources)):
+        out.copy_(src)
 
 
 def _written(*lists: Sequence[Tensor]) -> None:

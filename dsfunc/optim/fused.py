@@ -24,6 +24,7 @@ import torch
 from dsfunc import kernels
 from dsfunc.config import OptimizerConfig
 from dsfunc.frozen import FrozenDict
+from dsfunc.kernels.adam import host_adam_step_
 from dsfunc.optim.base import Transform
 from dsfunc.optim.host_adam import host_adam_
 from dsfunc.optim.update import UpdateContext
@@ -157,6 +158,12 @@ class HostAdamWork:
 
     def writes(self, name: str) -> list[torch.Tensor]:
         return [self.params[name], self.adam.mu[name], self.adam.nu[name]]
+
+    def ahead(self, name: str, out: list[torch.Tensor]) -> None:
+        group, (param, mu, nu) = self.group, out
+        host_adam_step_(param, self.grads[name], mu, nu, None, self.grad_scale, self.lr, self.step, self.skip,
+                        group.beta1, group.beta2, group.eps, group.weight_decay, group.adam_w_mode,
+                        group.bias_correction, sources=self.writes(name))
 
     def same(self, other: object, name: str) -> bool:
         if not isinstance(other, HostAdamWork) or other.group != self.group:

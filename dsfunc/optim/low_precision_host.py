@@ -182,11 +182,12 @@ class ChainUnitWork:
                 lowp.copy_(self.params[name])
             self.ctx.executor.unit_done(name, self.params[name])
 
-    def _chain(self, name: str) -> None:
-        """Unit ``name``'s update by the chain's torch ops."""
+    def _chain(self, name: str, out: list[torch.Tensor] | None = None) -> None:
+        """Unit ``name``'s update by the chain's torch ops, written into its own tensors or ``out``."""
         finite = self.ctx.finite
         state, master, grad = self.view(name), self.params[name], self.grads[name]
         own = _own(state, state, self.shared)
+        dests = out if out is not None else self.writes(name)
         step = master.numel()
         if self.chunk and master.dim() == 1 and all(t.shape == master.shape for _, t, _ in own):
             step = self.chunk  # an element-wise chain: a slice of the unit at a time, the same numbers
@@ -197,12 +198,13 @@ class ChainUnitWork:
             updates, new = self.transform.update({name: grad[part].float()}, sliced, {name: master[part]},
                                                  **extra(self.ctx))
             torch.where(finite, apply_updates({name: master[part]}, updates)[name], master[part],
-                        out=master[part])
-            for _, old, value in _own(sliced, new, self.shared):
-                torch.where(finite, value, old, out=old)
+                        out=dests[0][part])
+            for (_, old, value), dest in zip(_own(sliced, new, self.shared), dests[1:], strict=True):
+                torch.where(finite, value, old, out=dest[part])
 
-    def _native(self, name: str) -> bool:
-        """Unit ``name``'s update by the CPU kernel, where its tensors are what the kernel takes (False: not run)."""
+    def _native(self, name: str, out: list[torch.Tensor] | None = None) -> bool:
+        """Unit ``name``'s update by the CPU kernel, where its tensors are what the kernel takes (False: not run),
+        written into them or ``out``."""
         if self.native is None:
             return False
         native, label = self.native.native, self.native.native.unit_groups.get(name)
@@ -217,15 +219,27 @@ class ChainUnitWork:
             return False
         if grad.dtype not in (torch.bfloat16, torch.float32) or not _flat(grad, master):
             return False
+        written = low
+        if out is not None:  # the same tensors as writes(), in its order
+            into = {id(t): o for t, o in zip(self.writes(name), out, strict=True)}
+            if len(into) != len(low) or any(id(t) not in into for t in low):
+                return False
+            written = [into[id(t)] for t in low]
         group = native.groups[label]
-        host_adam_bf16_step_(master, grad, mu, nu, compensation, self.ctx.grad_scale.float(), self.native.clip,
-                             self.native.lrs[label], self.native.steps[label], self.ctx.skip, group.beta1,
-                             group.beta2, group.eps, group.weight_decay, group.adam_w_mode, group.bias_correction)
+        host_adam_bf16_step_(written[0], grad, written[1], written[2], written[3] if native.kahan else None,
+                             self.ctx.grad_scale.float(), self.native.clip, self.native.lrs[label],
+                             self.native.steps[label], self.ctx.skip, group.beta1, group.beta2, group.eps,
+                             group.weight_decay, group.adam_w_mode, group.bias_correction,
+                             sources=() if out is None else low)
         return True
 
     def writes(self, name: str) -> list[torch.Tensor]:
         state = self.view(name)
         return [self.params[name], *(old for _, old, _ in _own(state, state, self.shared))]
+
+    def ahead(self, name: str, out: list[torch.Tensor]) -> None:
+        if not self._native(name, out):
+            self._chain(name, out)
 
     def same(self, other: object, name: str) -> bool:
         if not isinstance(other, ChainUnitWork) or other.transform is not self.transform:

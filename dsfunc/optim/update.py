@@ -29,7 +29,13 @@ class UnitWork(Protocol):
         ...
 
     def writes(self, name: str) -> list[torch.Tensor]:
-        """The tensors the update of unit ``name`` writes in place, its master first (what undoing it restores)."""
+        """The tensors the update of unit ``name`` writes in place, its master first."""
+        ...
+
+    def ahead(self, name: str, out: list[torch.Tensor]) -> None:
+        """Unit ``name``'s update reading :meth:`writes`, which it leaves as they are, and writing ``out`` (tensors
+        like them, in that order) instead; no compute copy, no :meth:`UnitExecutor.unit_done` (an update run
+        ahead of its step, which stands by exchanging ``out`` with :meth:`writes`)."""
         ...
 
     def same(self, other: UnitWork, name: str) -> bool:

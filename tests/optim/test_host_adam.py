@@ -172,3 +172,46 @@ def test_bad_input_says_what_is_wrong():
     with pytest.raises(InputError, match="grad must be a 1-D contiguous float32 or bfloat16 or float16 tensor"):
         host_adam_([p], [g], [torch.zeros(4)], [torch.zeros(4)], grad_scale=torch.tensor(1.0), lr=torch.tensor(1.0),
                    step=torch.tensor(1.0), skip=torch.tensor(False), **HYPER)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_update_reading_sources_writes_elsewhere_what_it_writes_in_place(native, monkeypatch):
+    """The speculative update's form (dsfunc.zero.offload.speculation): reading the live state and writing spare
+    buffers gives, bit for bit, the in-place update, and leaves the state as it was; the kernel or its reference."""
+    if not native:
+        monkeypatch.setattr(adam_op, "native_ready", lambda kind: False)
+    params, grads = shards(6)
+    g = torch.Generator().manual_seed(7)
+    live = [params[0], torch.randn(SIZES[0], generator=g) * 0.1, torch.rand(SIZES[0], generator=g)]
+    before = [t.clone() for t in live]
+    spare = [torch.full_like(t, float("nan")) for t in live]
+    scalars = (torch.tensor(0.25), torch.tensor(1e-2), torch.tensor(3.0), torch.tensor(False))
+    hyper = tuple(HYPER.values()) + (True,)
+    adam_op.host_adam_step_(spare[0], grads[0], spare[1], spare[2], None, *scalars, *hyper, sources=live)
+    assert all(torch.equal(a, b) for a, b in zip(live, before))
+    adam_op.host_adam_step_(live[0], grads[0], live[1], live[2], None, *scalars, *hyper)
+    assert not torch.equal(live[0], before[0])
+    assert all(torch.equal(a, b) for a, b in zip(live, spare))
+
+
+@pytest.mark.parametrize("kahan", [False, True])
+def test_the_bf16_kernel_reading_sources_writes_elsewhere_what_it_writes_in_place(kahan):
+    g = torch.Generator().manual_seed(8)
+    n = SIZES[0]
+    live = [torch.randn(n, generator=g).bfloat16(), (torch.randn(n, generator=g) * 0.1).bfloat16(),
+            torch.rand(n, generator=g).bfloat16()] + ([(torch.randn(n, generator=g) * 1e-3).bfloat16()] if kahan else [])
+    grad = torch.randn(n, generator=g)
+    before, spare = [t.clone() for t in live], [torch.full_like(t, float("nan")) for t in live]
+    scalars = (torch.tensor(1.0), torch.tensor(0.5), torch.tensor(1e-2), torch.tensor(3.0), torch.tensor(False))
+
+    def step(t, **sources):
+        adam_op.host_adam_bf16_step_(t[0], grad, t[1], t[2], t[3] if kahan else None, *scalars,
+                                     *HYPER.values(), True, **sources)
+
+    step(spare, sources=live)
+    assert all(torch.equal(a, b) for a, b in zip(live, before))
+    step(live)
+    assert not torch.equal(live[0], before[0])
+    assert all(torch.equal(a, b) for a, b in zip(live, spare))
+    with pytest.raises(RuntimeError, match="sources must not overlap the tensors the update writes"):
+        step(spare, sources=[spare[0], *live[1:]])

@@ -191,3 +191,38 @@ def test_a_budget_of_elements_runs_ahead_only_the_units_it_holds_bit_for_bit():
     assert speculation.host_bytes() == 12 * sum(sizes[n] for n in ahead)
     assert same(dict(runs[False].params), dict(runs[budget].params))
     assert same(optree.tree_leaves(runs[False].opt_state), optree.tree_leaves(runs[budget].opt_state))
+
+
+def test_units_whose_update_has_not_begun_when_the_norm_is_known_are_the_step_s_bit_for_bit():
+    """A worker behind backward (here: held until the step's scalars are known) starts no update ahead of the step
+    after that: those units are updated by the step, as without speculation, neither kept nor redone."""
+    import threading
+
+    runs = {}
+    for speculative in (False, True):
+        state = make_state(1, 3, "adamw accumulated", speculative)
+        speculation = state.program.run.runner.speculation
+        if speculative:
+            speculation._wait_start = False  # as on a GPU: put() does not wait for the update to begin
+            gate, known = threading.Event(), speculation.known
+
+            def release_after_known(known=known, gate=gate):
+                known()
+                gate.set()
+
+            speculation.known = release_after_known
+        lates = []
+        for x, y in mlp_batches(2, 4):
+            if speculative:
+                gate.clear()
+                speculation._executor.submit(gate.wait)  # the worker is busy until the norm is known
+            state = dsfunc.train_step(state, (x, y))
+            if speculative:
+                lates.append((len(speculation.late), len(speculation.stood), len(speculation.undone)))
+        state.program.run.wait()
+        runs[speculative] = state
+        if speculative:
+            units = sum(1 for p in state.params.values() if p.numel() > 0)
+            assert lates == [(units, 0, 0)] * 2, lates
+    assert same(dict(runs[False].params), dict(runs[True].params))
+    assert same(optree.tree_leaves(runs[False].opt_state), optree.tree_leaves(runs[True].opt_state))

@@ -7,23 +7,27 @@ update it will apply (:meth:`~dsfunc.zero.offload.runner.HostRunner.expect`); th
 own code with the scalars of a step that is neither clipped nor skipped, which records each unit's
 :class:`~dsfunc.optim.update.UnitWork` without running it (:meth:`Speculation.run`). As a unit's final
 gradient lands in host memory (:meth:`~dsfunc.zero.offload.grads.HostGrads.put` of the last micro-batch) the
-worker thread of the :class:`~dsfunc.zero.offload.executor.HostExecutor` saves what the unit's update writes
-(its master and optimizer state) into host buffers of its own and runs the update.
+worker thread of the :class:`~dsfunc.zero.offload.executor.HostExecutor` runs the unit's update reading its master
+and optimizer state and writing spare host buffers of its own instead (:meth:`UnitWork.ahead`), which leaves the
+state as it was. Once the step's scalars are known (:meth:`Speculation.known`) no more updates start ahead: the
+units whose update has not begun by then are updated by the step, as without speculation, so a worker that
+falls behind backward costs nothing.
 
 [Note: speculation then validation] When the step's update reaches the unit (:meth:`Speculation.settle`) the
 speculative update stands if the step's work for the unit is the same (:meth:`UnitWork.same`: the same
 tensors, hyper-parameters and bitwise the same step scalars: grad scale, lr, step count, skip flag) and it
 read the gradient the update reads now; the update being a deterministic function of exactly those, the
-result is bit for bit the non-speculative one. Otherwise (the step clipped: its grad scale differs; it
-overflowed: skip; an lr given by the client) the saved tensors are copied back and the unit is updated as
-without speculation. A second gradient for a unit already updated (:meth:`Speculation.release`) undoes it
-the same way before its buffer is overwritten, and a step that ends before its update (an error in backward)
-is undone by the next :meth:`Speculation.expect`.
+result is bit for bit the non-speculative one. It stands by exchanging the spare buffers with the state's tensors
+(``torch.utils.swap_tensors``: every holder of the state sees the new values; the old ones are the next step's
+spares). Otherwise (the step clipped: its grad scale differs; it overflowed: skip; an lr given by the client) the
+spare buffers are dropped, which undoes it, and the unit is updated as without speculation. A second gradient for
+a unit already updated (:meth:`Speculation.release`) undoes it the same way, and a step that ends before its
+update (an error in backward) is undone by the next :meth:`Speculation.expect`.
 
-Cost: host memory for the saved tensors, 12 bytes a parameter for Adam (fp32 master and two moments; 6 with bf16
-masters and moments, 8 with Kahan's compensation too), kept between steps; a copy of them per step (24 bytes of
-host traffic a parameter beside the update's 28, half that in bf16); and on a clipped or skipped step a copy back
-and the update again.
+Cost: host memory for the spare buffers, 12 bytes a parameter for Adam (fp32 master and two moments; 6 with bf16
+masters and moments, 8 with Kahan's compensation too), kept between steps; no host traffic beyond the update's
+own (the earlier design copied the state aside first: 12 bytes of traffic a parameter more in fp32, its update's
+size in bf16); on a clipped or skipped step the update again.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from dsfunc.zero.offload.executor import HostExecutor
 
 
 class Speculation:
-    """Each unit's expected update, run as its gradient lands, and what undoing it restores."""
+    """Each unit's expected update, run as its gradient lands into spare buffers, exchanged in when it stands."""
 
     on_host = True  # the expected update runs with this as its executor (it records, runs nothing)
 
@@ -54,18 +58,20 @@ class Speculation:
         self.grads: dict[str, torch.Tensor] = {}  # unit -> the gradient its speculative update read
         self._work: dict[str, UnitWork] = {}  # unit -> the expected update's work over it (until the norm is known)
         self._jobs: dict[str, tuple[Future, UnitWork]] = {}  # unit -> its speculative update, until settled
-        self._saved: dict[str, list[torch.Tensor]] = {}  # unit -> copies of what its update writes (kept)
+        self._spare: dict[str, list[torch.Tensor]] = {}  # unit -> buffers like what its update writes (kept)
         # what happened when: ("landed", unit) as a gradient lands, ("start", unit) as its update begins, ("known", "")
         # once the step's scalars are
         self.log: list[tuple[str, str]] = []
         self.stood: set[str] = set()  # this step's units whose speculative update stood
         self.undone: set[str] = set()  # this step's units whose speculative update was undone
+        self.late: set[str] = set()  # this step's units whose update had not begun when the scalars were known
 
     def expect(self, apply: Callable[[Mapping[str, torch.Tensor]], None]) -> None:
         """A new step: ``apply(grads)`` runs its expected update with this as executor, reading ``grads``."""
         for name in list(self._jobs):  # a step that ended before its update: undone
             self.release(name)
-        self.grads, self._work, self.log, self.stood, self.undone = {}, {}, [], set(), set()
+        self.grads, self._work, self.log = {}, {}, []
+        self.stood, self.undone, self.late = set(), set(), set()
         apply(self.grads)
 
     def run(self, names: list[str], work: UnitWork) -> None:
@@ -91,13 +97,10 @@ class Speculation:
             self.log.append(("start", name))
             if copied is not None:
                 copied.synchronize()
-            targets = work.writes(name)
-            saved = self._saved.get(name)
-            if saved is None:
-                saved = self._saved[name] = [torch.empty_like(t) for t in targets]
-            for copy, target in zip(saved, targets, strict=True):
-                copy.copy_(target)
-            work([name])
+            spare = self._spare.get(name)
+            if spare is None:
+                spare = self._spare[name] = [torch.empty_like(t) for t in work.writes(name)]
+            work.ahead(name, spare)
 
         self._jobs[name] = (self._executor.submit(update), work)
         if self._wait_start:
@@ -112,20 +115,24 @@ class Speculation:
         return True
 
     def known(self) -> None:
-        """The step's scalars are known: no update starts ahead of it any more."""
+        """The step's scalars are known: no update starts ahead of it any more; those not yet begun are the step's."""
         self.log.append(("known", ""))
         self._work = {}
+        for name, (future, _) in list(self._jobs.items()):
+            if future.cancel():
+                del self._jobs[name]
+                self.late.add(name)
 
     def release(self, name: str) -> None:
         """Unit ``name``'s gradient buffer is about to be written again: its speculative update, if any, is undone."""
         job = self._jobs.pop(name, None)
         if job is not None:
             job[0].result()
-            self._undo(name, job[1])
+            self.undone.add(name)
 
     def settle(self, names: list[str], work: UnitWork, grads: Mapping[str, torch.Tensor | None]) -> list[str]:
         """The units of ``names`` whose speculative update stands for the step's ``work`` reading ``grads``
-        (see the note above); the others' is undone."""
+        (see the note above), exchanged into the state; the others' is undone."""
         stood = []
         for name in names:
             job = self._jobs.pop(name, None)
@@ -134,21 +141,18 @@ class Speculation:
             future, expected = job
             future.result()
             if expected.same(work, name) and grads.get(name) is self.grads.get(name):
+                for live, new in zip(work.writes(name), self._spare[name], strict=True):
+                    torch.utils.swap_tensors(live, new)  # the spare now holds the old values: next step's spare
                 stood.append(name)
                 self.stood.add(name)
             else:
-                self._undo(name, expected)
+                self.undone.add(name)
         return stood
 
-    def _undo(self, name: str, work: UnitWork) -> None:
-        for target, copy in zip(work.writes(name), self._saved[name], strict=True):
-            target.copy_(copy)
-        self.undone.add(name)
-
     def host_bytes(self) -> int:
-        """Host bytes of the saved copies."""
-        return sum(t.numel() * t.element_size() for saved in self._saved.values() for t in saved)
+        """Host bytes of the spare buffers."""
+        return sum(t.numel() * t.element_size() for spare in self._spare.values() for t in spare)
 
     def buffers(self) -> list[torch.Tensor]:
-        """The saved copies held now."""
-        return [t for saved in self._saved.values() for t in saved]
+        """The spare buffers held now."""
+        return [t for spare in self._spare.values() for t in spare]
