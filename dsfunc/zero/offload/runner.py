@@ -12,6 +12,7 @@ assumed (:mod:`dsfunc.zero.offload.speculation`).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -102,18 +103,21 @@ class StepExecutor:
     def run(self, names: list[str], work: UnitWork) -> None:
         workspace = self._runner.workspace
         speculation = self._runner.speculation
+        stood: set[str] = set()
         if speculation is not None:  # the units whose update ran ahead of the step and stands are done
-            stood = speculation.settle(names, work, self._grads)
-            names = [n for n in names if n not in stood]
-            for name in stood:  # only their shards go back: the lazy ones' beside the next forward, as below
-                if not workspace.lazy(workspace.plan.unit(name)):
-                    self._finish(name, work.writes(name)[0], staged=False)
-            self._later([n for n in stood if workspace.lazy(workspace.plan.unit(n))], functools.partial(self._sent, work))
-        later = [n for n in names if workspace.lazy(workspace.plan.unit(n))]
-        now = [n for n in names if n not in later]
+            stood = set(speculation.settle(names, work, self._grads))
+        is_lazy = {n: workspace.lazy(workspace.plan.unit(n)) for n in names}
+        lazy, eager = [n for n in names if is_lazy[n]], [n for n in names if not is_lazy[n]]
+        for name in eager:  # only the stood units' shards go back (the lazy ones' beside the next forward, below)
+            if name in stood:
+                self._finish(name, work.writes(name)[0], staged=False)
+        now = [n for n in eager if n not in stood]
         if now:
             work(now)
-        self._later(later, work)
+        # the lazy units in the order the next forward gathers them, each updated or (it stood) only sent
+        sent = functools.partial(self._sent, work)
+        for ahead, run in itertools.groupby(lazy, key=stood.__contains__):
+            self._later(list(run), sent if ahead else work)
 
     def _later(self, names: list[str], work: Callable[[list[str]], None]) -> None:
         """``work(names)`` on the host update's worker, beside the next forward, which waits for each unit."""
