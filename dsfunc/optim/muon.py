@@ -183,12 +183,15 @@ def orthogonalize_all(
     the tensors of one shape, dtype and device are stacked and orthogonalised in one call (Newton-Schulz takes
     leading dims as a batch), as many calls as :func:`stacks` makes.
 
-    Why: on a GPU one matrix's Newton-Schulz is ~60 kernels, small GEMMs and elementwise ops whose launches cost
-    about as much as their work (GPT 1.3b: 96 matrices of 4 shapes, 8 stacked calls instead of 96). What it
-    costs: a stack is a transient copy of its matrices, and Newton-Schulz's working tensors are the stack's size
-    where one matrix's were its own; :data:`MAX_BATCH_ELEMENTS` (2**28) caps a stack, 1 GiB in fp32 and about
-    2.5 GiB with Newton-Schulz's copies in fp16 and the result, while a batch of that size is well past where
-    the GEMMs fill an H100. A caller that stores each update as it comes keeps one batch alive at a time.
+    Why: one matrix's Newton-Schulz is ~60 kernels, GEMMs and elementwise ops on Gram-sized tensors; one call per
+    matrix, their launches and the small kernels are much of Muon's cost on a GPU (GPT 1.3b on an H100: ~150 ms a
+    step where the GEMMs' FLOPs take ~70), while a stacked call does every matrix of a shape with the same
+    launches (1.3b: 96 matrices of 4 shapes, 7 calls). What it costs: a stack is a transient copy of its
+    matrices, and Newton-Schulz's working tensors are the stack's size where one matrix's were its own;
+    :data:`MAX_BATCH_ELEMENTS` (2**28) caps a stack at 1 GiB in fp32, about 3 GiB with Newton-Schulz's
+    half-precision copies and the fp32 result (1.3b: 12 [8192, 2048] matrices, 2.3 GiB, where one took 0.2), a
+    size far past where the GEMMs fill an H100. A caller that stores each update as it comes keeps one stack
+    alive at a time.
     Eager on the CPU, a matrix's update is the same bit for bit, stacked with others or alone; compiled, within
     rounding (see the module's docstring).
     """
