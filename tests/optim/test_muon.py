@@ -280,9 +280,12 @@ def test_sharded_matrices_are_orthogonalised_whole_across_units():
         numel = sum(math.prod(shape) for shape in shapes)
         flats[key] = F.pad(torch.cat([m.reshape(-1) for m in matrices[key]]), (0, numel % 2))
         offsets = tuple(itertools.accumulate((math.prod(shape) for shape in shapes[:-1]), initial=0))
+        parts = flats[key].chunk(2)
         for rank in (0, 1):
-            layouts[rank][key] = MatrixShards(tuple(shapes), offsets, chunk_range(numel, 2, rank),
-                                              gather=lambda shard, flat=flats[key]: flat.clone())
+            def gather(shard, parts=parts, rank=rank):  # an all-gather of the two ranks' shards
+                return torch.cat([shard if other == rank else part for other, part in enumerate(parts)])
+
+            layouts[rank][key] = MatrixShards(tuple(shapes), offsets, chunk_range(numel, 2, rank), gather)
     out = [orthogonalize_shards({k: f.chunk(2)[rank] for k, f in flats.items()}, layouts[rank], 5, "gram")
            for rank in (0, 1)]
     assert layouts[0]["u0"].local[1] - layouts[0]["u0"].offsets[1] in range(1, 72)  # the filter straddles
