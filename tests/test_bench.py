@@ -61,6 +61,19 @@ def test_bench_cross_entropy_times_every_variant_with_one_loss():
     assert len({r[4].strip() for r in rows}) == 1 and all(float(r[2]) > 0 for r in rows), proc.stdout
 
 
+def test_bench_muon_times_per_matrix_against_stacked_calls_with_one_result():
+    """On the CPU, eager: the stacked calls give every matrix's update bit for bit (a difference of 0)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-W", "ignore", str(ROOT / "bench" / "bench_muon.py"), "--device", "cpu", "--layers", "2",
+           "--d", "32", "--repeat", "1", "--warmup", "1", "--rounds", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| 1 |")]
+    assert [(r[1].strip(), r[3].strip()) for r in rows] == [("per matrix", "8"), ("stacked", "4"),
+                                                           ("stacked, no cap", "4")], proc.stdout
+    assert all(float(r[2]) > 0 and float(r[5]) == 0 for r in rows), proc.stdout
+
+
 def test_bench_host_adam_times_every_variant_in_both_16_bit_dtypes():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-W", "ignore", str(ROOT / "bench" / "bench_host_adam.py"), "--numel", "100003",
