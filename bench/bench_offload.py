@@ -230,9 +230,14 @@ def trial(size: str, setting: str, system: str, args) -> dict:
            "--ahead", str(args.ahead), "--clip", str(args.clip), "--stacks", args.stacks,
            *(["--profile"] if args.profile else [])]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.trial_timeout, check=False)
+        # a trial killed by a signal prints every thread's Python stack (faulthandler) below the table
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.trial_timeout, check=False,
+                              env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     except subprocess.TimeoutExpired:
         return {"fits": False, "why": f"over {args.trial_timeout} s"}
+    if proc.returncode < 0:
+        print(f"{size} {setting} {system} ended by signal {-proc.returncode}; its stderr ends:", flush=True)
+        print("\n".join(proc.stderr.strip().splitlines()[-60:]), flush=True)
     for line in proc.stdout.splitlines():
         if line.startswith('{"profile"'):
             print(f"profile of one more step ({size} {setting} {system}): {line}", flush=True)
