@@ -28,12 +28,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import faulthandler
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -97,13 +98,28 @@ def timed(step, cfg, micro: int, steps: int) -> tuple[float, list[float]]:
 @contextlib.contextmanager
 def sampled_stacks(path: Path, every: float = 0.5):
     """Every thread's Python stack written to ``path`` each ``every`` seconds (a sampler with nothing to install:
-    where the timed steps' host threads wait, e.g. the main thread against the host update's worker)."""
+    where the timed steps' host threads wait, e.g. the main thread against the host update's worker). A thread of
+    its own reads ``sys._current_frames()`` holding the interpreter's lock: ``faulthandler.dump_traceback_later``,
+    which reads the frames without it, crashed processes here (SIGSEGV within seconds at 0.01-0.02 s a dump, with
+    or without the speculative update; a speculative trial sampled so on the H100 ended by SIGSEGV too). Each
+    sample: a "---" line, then each other thread's stack, most recent call last."""
+    done = threading.Event()
+
+    def sample(f) -> None:
+        while not done.wait(every):
+            f.write(f"--- {time.perf_counter():.3f}\n")
+            for ident, frame in sys._current_frames().items():
+                if ident != threading.get_ident():
+                    f.write(f"Thread {ident:#x}\n{''.join(traceback.format_stack(frame))}\n")
+
     with path.open("w") as f:
-        faulthandler.dump_traceback_later(every, repeat=True, file=f)
+        sampler = threading.Thread(target=sample, args=(f,), daemon=True)
+        sampler.start()
         try:
             yield
         finally:
-            faulthandler.cancel_dump_traceback_later()
+            done.set()
+            sampler.join()
 
 
 def run_dsfunc(cfg, setting: str, micro: int, steps: int):

@@ -141,3 +141,30 @@ def test_bench_long_sequence_stops_a_slow_probe_and_counts_bytes():
     at_512k = [r for r in counted if r[0] == "524,288"]
     assert len(at_512k) == 2 and all(r[7] == "128.0" for r in at_512k), counted  # 32 x 512K x 4096 x 2 B
     assert at_512k[0][9].startswith("no:"), counted  # fp32 master and Adam states beside them overflow 128 GiB
+
+
+def test_bench_offload_samples_every_thread_s_stack_while_they_run(tmp_path):
+    """The sampler of bench_offload's ``--stacks``: samples of the other threads' stacks, the worker's included,
+    from a thread that holds the interpreter's lock (faulthandler's dumps, which do not, crashed processes)."""
+    import importlib.util
+    import threading
+
+    spec = importlib.util.spec_from_file_location("bench_offload", ROOT / "bench" / "bench_offload.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    stop = threading.Event()
+
+    def busy_worker() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    worker = threading.Thread(target=busy_worker)
+    worker.start()
+    try:
+        with bench.sampled_stacks(tmp_path / "stacks.txt", every=0.01):
+            stop.wait(0.3)
+    finally:
+        stop.set()
+        worker.join()
+    text = (tmp_path / "stacks.txt").read_text()
+    assert text.count("---") >= 3 and "in busy_worker" in text, text[:2000]
