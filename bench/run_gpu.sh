@@ -12,7 +12,7 @@
 #                dsfunc then DeepSpeed ZeRO-Offload, with a profiled step (OFFLOAD6_TRIALS, OFFLOAD_SUMS: elements of
 #                sums kept on the device, OFFLOAD_AHEAD: +spec's elements, OFFLOAD_CLIP, OFFLOAD_PROFILE= to time
 #                without the profiler, OFFLOAD_STACKS=1: every thread's stack sampled each 0.5 s of the timed steps into
-#                OUTDIR/stacks-SIZE-SETTING-SYSTEM.txt)
+#                OUTDIR/stacks-SIZE-SETTING-SYSTEM.txt, "+" as "_")
 #     zero13     bench_zero at 1.3b on every GPU: dsfunc ZeRO-2/3 against FSDP2 and DeepSpeed
 #     why124     dsfunc+compile at 124m again, with dynamo's recompile and graph-break logs
 #     profile124 the top ops (host and device) of plain+compile, dsfunc and dsfunc+compile at 124m
