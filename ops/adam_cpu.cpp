@@ -260,7 +260,7 @@ void bf16_range(c10::BFloat16* __restrict param, const Grad* __restrict grad, c1
     c10::BFloat16* __restrict m = exp_avg + b;
     c10::BFloat16* __restrict v = exp_avg_sq + b;
     const Sources<c10::BFloat16> from = src.advanced(b);
-    const Grad* g = grad + b;
+    const Grad* __restrict g = grad + b;
     for (int64_t i = 0; i < n; ++i) {
       float mi = load(from.exp_avg, i), vi = load(from.exp_avg_sq, i);
       adam_moments(load(from.param, i), DSFUNC_MUL(load(g, i), unscale), mi, vi, h, s);

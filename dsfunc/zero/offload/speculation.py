@@ -26,8 +26,7 @@ update (an error in backward) is undone by the next :meth:`Speculation.expect`.
 
 Cost: host memory for the spare buffers, 12 bytes a parameter for Adam (fp32 master and two moments; 6 with bf16
 masters and moments, 8 with Kahan's compensation too), kept between steps; no host traffic beyond the update's
-own (the earlier design copied the state aside first: 12 bytes of traffic a parameter more in fp32, its update's
-size in bf16); on a clipped or skipped step the update again.
+own (nothing is copied aside before it or back after it); on a clipped or skipped step the update again.
 """
 
 from __future__ import annotations
