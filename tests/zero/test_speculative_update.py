@@ -118,17 +118,19 @@ def test_the_speculative_update_is_bit_for_bit_the_update(world):
 def ordered(rank: int, world: int, case: str) -> dict:
     state, _ = train(make_state(world, 3, case, True), rank, world, poison=False)
     host = state.program.run.runner.host
-    return {"log": list(host.speculation.log), "saved": host.speculation.host_bytes(),
+    return {"log": list(host.speculation.log), "spare": host.speculation.host_bytes(),
             "elements": sum(p.numel() for p in state.params.values()),
             "units": [n for n, p in state.params.items() if p.numel() > 0]}
 
 
-@pytest.mark.parametrize(("case", "saved"), [("adamw accumulated", 12), ("bf16 kahan overflow", 8)])
-def test_each_unit_s_update_starts_as_its_gradient_lands_before_the_norm_is_known(case, saved):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU put() does not wait for the update to begin: which "
+                    "units run ahead is the timing's (the late units: test_the_speculative_update_is_bit_for_bit...)")
+@pytest.mark.parametrize(("case", "spare"), [("adamw accumulated", 12), ("bf16 kahan overflow", 8)])
+def test_each_unit_s_update_starts_as_its_gradient_lands_before_the_norm_is_known(case, spare):
     """The executor's log of the last step: each unit's update began after its gradient landed and before the
-    step's scalars were known, the first before the last gradient landed (during backward). Undoing keeps what
-    the update writes: the fp32 master and both Adam moments, 12 host bytes a parameter; in bf16 the master, its
-    Kahan compensation and the moments, 8."""
+    step's scalars were known, the first before the last gradient landed (during backward). The spare buffers
+    are the size of what the update writes: the fp32 master and both Adam moments, 12 host bytes a parameter; in
+    bf16 the master, its Kahan compensation and the moments, 8."""
     (r,) = run_world(ordered, 1, case)
     log = r["log"]
     known = log.index(("known", ""))
@@ -137,7 +139,7 @@ def test_each_unit_s_update_starts_as_its_gradient_lands_before_the_norm_is_know
     first_start = min(i for i, (what, _) in enumerate(log) if what == "start")
     last_landed = max(i for i, (what, _) in enumerate(log) if what == "landed")
     assert first_start < last_landed, log
-    assert r["saved"] == saved * r["elements"]
+    assert r["spare"] == spare * r["elements"]
 
 
 def test_deepspeed_s_super_offload_turns_it_on_and_its_cores_share_is_refused():
@@ -180,7 +182,7 @@ def test_a_second_backward_of_the_last_micro_batch_undoes_and_restarts_the_specu
 
 def test_a_budget_of_elements_runs_ahead_only_the_units_it_holds_bit_for_bit():
     """``speculative_update: N``: only whole units within N elements run ahead (the first whose gradients land),
-    their copies alone are saved, and the rest wait for the step: still bit for bit the plain update."""
+    their spare buffers alone are made, and the rest wait for the step: still bit for bit the plain update."""
     sizes = {n: p.numel() for n, p in make_state(1, 2, "adamw", False).params.items()}
     budget = max(sizes.values())  # room for the largest unit alone: some units run ahead, not all
     runs = {}
