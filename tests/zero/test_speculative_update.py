@@ -232,3 +232,22 @@ def test_units_whose_update_has_not_begun_when_the_norm_is_known_are_the_step_s_
             assert lates == [(units, 0, 0)] * 2, lates
     assert same(dict(runs[False].params), dict(runs[True].params))
     assert same(optree.tree_leaves(runs[False].opt_state), optree.tree_leaves(runs[True].opt_state))
+
+
+def test_a_view_of_a_master_held_across_steps_sees_the_update_as_without_speculation():
+    """A stood update is exchanged into the state; where something else holds a view of a state tensor (a notebook's
+    slice of a master, say) its values are copied in instead: the view reads what the in-place update writes."""
+    views = {}
+    for speculative in (False, True):
+        state = make_state(1, 2, "adamw", speculative)
+        name, view = next(n for n, p in state.params.items() if p.numel() > 0), None
+        for x, y in mlp_batches(3, 2):
+            state = dsfunc.train_step(state, (x, y))
+            if view is None:  # the masters the update writes, from the first step on
+                view = state.params[name][:5]
+        state.program.run.wait()
+        if speculative:
+            assert name in state.program.run.runner.speculation.stood
+        assert torch.equal(view, state.params[name][:5])
+        views[speculative] = view.clone()
+    assert torch.equal(views[False], views[True])

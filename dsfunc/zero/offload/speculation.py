@@ -19,7 +19,7 @@ tensors, hyper-parameters and bitwise the same step scalars: grad scale, lr, ste
 read the gradient the update reads now; the update being a deterministic function of exactly those, the
 result is bit for bit the non-speculative one. It stands by exchanging the spare buffers with the state's tensors
 (``torch.utils.swap_tensors``: every holder of the state sees the new values; the old ones are the next step's
-spares). Otherwise (the step clipped: its grad scale differs; it overflowed: skip; an lr given by the client) the
+spares), or, where a view of a state tensor is held elsewhere, by copying the new values in. Otherwise (the step clipped: its grad scale differs; it overflowed: skip; an lr given by the client) the
 spare buffers are dropped, which undoes it, and the unit is updated as without speculation. A second gradient for
 a unit already updated (:meth:`Speculation.release`) undoes it the same way, and a step that ends before its
 update (an error in backward) is undone by the next :meth:`Speculation.expect`.
@@ -141,7 +141,7 @@ class Speculation:
             future.result()
             if expected.same(work, name) and grads.get(name) is self.grads.get(name):
                 for live, new in zip(work.writes(name), self._spare[name], strict=True):
-                    torch.utils.swap_tensors(live, new)  # the spare now holds the old values: next step's spare
+                    _exchange(live, new)
                 stood.append(name)
                 self.stood.add(name)
             else:
@@ -155,3 +155,13 @@ class Speculation:
     def buffers(self) -> list[torch.Tensor]:
         """The spare buffers held now."""
         return [t for spare in self._spare.values() for t in spare]
+
+
+def _exchange(live: torch.Tensor, new: torch.Tensor) -> None:
+    """``live`` takes ``new``'s values, every holder of it included; ``new`` the old ones (the next spare). Where
+    nothing else holds either tensor their contents are swapped; where something does (a view of a master kept
+    across steps, say) the values are copied in, as an update in place writes them."""
+    if live._use_count() == 1 and new._use_count() == 1:
+        torch.utils.swap_tensors(live, new)
+    else:
+        live.copy_(new)
