@@ -14,7 +14,8 @@ When a build cannot be made (no CUDA toolkit, no compiler, no ninja) one line is
 reference runs instead (same results to an ulp, slower). A build directory's ``lock`` file means another process
 is building; torch waits for it with no end, so a build killed midway (its lock left behind) would hang every
 later process silently: dsfunc waits for a lock only while it is younger than :data:`STALE_LOCK_S`, and names
-the file to delete once it is older.
+the file to delete once it is older. torch takes the lock for a moment on every load, cached or not, so the wait is
+announced only once it has lasted :data:`ANNOUNCE_AFTER_S`.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ _BUILDS = {
 _CPU_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 
 STALE_LOCK_S = 900.0  # a lock older than this is a killed build's: these builds take a few minutes
+ANNOUNCE_AFTER_S = 5.0  # a load of a cached build holds the lock for well under this
 
 _lock = threading.Lock()
 _ready: dict[str, bool] = {}
@@ -81,7 +83,7 @@ def _stale_lock(kind: str) -> str | None:
     from torch.utils import cpp_extension
 
     lock = Path(cpp_extension._get_build_directory(_BUILDS[kind].name, verbose=False)) / "lock"
-    announced = False
+    started, announced = time.monotonic(), False
     while True:
         try:
             age = time.time() - lock.stat().st_mtime
@@ -90,7 +92,7 @@ def _stale_lock(kind: str) -> str | None:
         if age > STALE_LOCK_S:
             return (f"the build lock {lock} is {age / 60:.0f} minutes old, left by a build that was stopped midway "
                     f"(delete it if no other process is building: rm {lock})")
-        if not announced:
+        if not announced and time.monotonic() - started >= ANNOUNCE_AFTER_S:
             _log.warning("dsfunc: waiting for another process's build of the %s (lock %s)",
                          _BUILDS[kind].what, lock)
             announced = True
