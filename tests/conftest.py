@@ -25,7 +25,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    if not hasattr(session.config, "workerinput"):  # pytest-xdist's workers have it
+    if not (hasattr(session.config, "workerinput") or session.config.option.collectonly):  # xdist's workers have it
         from dsfunc.kernels.native import native_ready
 
         native_ready("cpu")

@@ -35,8 +35,8 @@ def test_ci_runs_the_readme_test_command():
 def test_every_test_file_is_collected():
     pytest_args = _test_command().split("&&")[-1].split("pytest", 1)[1].split()
     pytest_args = [a for a in pytest_args if a not in ("-n", "2", "-q")]  # collection is the same without xdist
-    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *pytest_args], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600, check=False)
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "tests.collected_files",
+                          *pytest_args], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     collected = {line.split("::")[0] for line in out.stdout.splitlines() if "::" in line}
     files = {str(p.relative_to(ROOT)) for pattern in ("test_*.py", "*_test.py") for p in (ROOT / "tests").rglob(pattern)}
