@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dsfunc.cli import main
 from tests.launcher.scripts.harness import (
     SCRIPTS,
     STOPPED_WITHIN_S,
@@ -16,6 +17,7 @@ from tests.launcher.scripts.harness import (
     interrupt_and_wait,
     reports,
     run_dsfunc,
+    run_dsfunc_here,
     start_dsfunc,
     wait_for_files,
     wait_gone,
@@ -49,6 +51,8 @@ def test_two_cpu_ranks_all_reduce(job):
         assert (e["MASTER_ADDR"], e["MASTER_PORT"]) == ("127.0.0.1", str(port))
         assert e["DSFUNC_TEST_FROM_FILE"] == "hello world" and e["NCCL_DEBUG_TEST"] == "forwarded"
         assert "CUDA_VISIBLE_DEVICES" not in e  # no GPU here: nothing to select
+        assert e["OMP_NUM_THREADS"] == "1"  # the user's value (cli_env's) wins, without a word
+    assert "OMP_NUM_THREADS" not in res.stderr
 
 
 def test_module_and_no_local_rank(job):
@@ -59,12 +63,13 @@ def test_module_and_no_local_rank(job):
         "--master_port",
         str(free_port()),
         "--no_local_rank",
+        "-q",  # a job that ends well prints no launcher line
         "--module",
         "tests.launcher.scripts.report",
         str(out),
     ]
     res = run_dsfunc(args, cwd, env)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 0 and "dsfunc:" not in res.stderr, res.stderr
     ranks = reports(out)
     assert sorted(ranks) == [0, 1] and all(r["argv"] == [str(out)] for r in ranks.values())
 
@@ -95,14 +100,16 @@ def test_no_python_and_each_rank_log(job):
 
 
 def test_failing_rank_stops_job_and_is_reported(job):
+    """Also: --log_level warning keeps the failure report and drops the launcher's news."""
     cwd, _, env = job
     res = run_dsfunc(
-        ["--num_gpus", "2", "--master_port", str(free_port()), str(SCRIPTS / "fail.py"), "--sleep"],
+        ["--num_gpus", "2", "--master_port", str(free_port()), "--log_level", "warning", str(SCRIPTS / "fail.py"),
+         "--sleep"],
         cwd,
         env,
         timeout=STOPPED_WITHIN_S,
     )
-    assert res.returncode == 1
+    assert res.returncode == 1 and "rank(s) on 1 node(s)" not in res.stderr
     assert "dsfunc: rank 1 (local rank 1 on localhost) failed with exit code 1" in res.stderr
     summary = res.stderr.split("dsfunc: rank 1 (local rank 1")[1]
     assert "RuntimeError: boom from rank 1" in summary and 'fail.py", line' in summary
@@ -162,26 +169,28 @@ def test_signal_stops_every_rank(job, sig):
         (["--num_gpus", "2", "--module", "--no_python"], "--module and --no_python cannot be used together"),
     ],
 )
-def test_bad_launch_is_a_clear_error(job, args, message):
-    cwd, _, env = job
-    res = run_dsfunc([*args, REPORT], cwd, env, timeout=60)
-    assert res.returncode == 2
-    assert message in res.stderr
+def test_bad_launch_is_a_clear_error(tmp_path, monkeypatch, capsys, args, message):
+    (tmp_path / "home").mkdir()
+    code, err = run_dsfunc_here([*args, REPORT], tmp_path, tmp_path / "home", monkeypatch, capsys)
+    assert code == 2
+    assert message in err
 
 
 def test_bad_env_file_names_file_and_line(job):
-    cwd, _, env = job
+    """A real `dsfunc` process: a launch refused before any rank starts ends it with code 2 and one line."""
+    cwd, out, env = job
     (cwd / ".dsfunc_env").write_text("GOOD=1\n\nnot a pair\n")
-    res = run_dsfunc(["--num_gpus", "2", REPORT], cwd, env, timeout=60)
+    res = run_dsfunc(["--num_gpus", "2", REPORT, str(out)], cwd, env, timeout=60)
     assert res.returncode == 2
-    assert f"{cwd / '.dsfunc_env'}:3: expected KEY=VALUE" in res.stderr
+    assert res.stderr.startswith(f"dsfunc: error: {cwd / '.dsfunc_env'}:3: expected KEY=VALUE")
+    assert len(res.stderr.splitlines()) == 1 and not reports(out)
 
 
-def test_export_subcommand_is_dispatched(job):
-    cwd, _, env = job
-    res = run_dsfunc(["export", "--help"], cwd, env, timeout=60)
-    assert res.returncode == 0, res.stderr
-    assert "usage: dsfunc export" in res.stdout
+def test_export_subcommand_is_dispatched(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["export", "--help"])
+    assert exit_.value.code == 0
+    assert "usage: dsfunc export" in capsys.readouterr().out
 
 
 def test_no_ssh_nodes_started_by_hand_form_one_world(job):
@@ -259,10 +268,7 @@ def test_threads_per_rank_are_the_cores_shared_out_in_one_line(job):
                for r in reports(out).values())
     assert f"dsfunc: OMP_NUM_THREADS={threads} for each of 2 local rank(s)" in res.stderr
     assert "*****" not in res.stderr and "Setting OMP_NUM_THREADS environment variable" not in res.stderr
-    env["OMP_NUM_THREADS"] = "1"  # the user's value wins, without a word
-    res = run_dsfunc(["--num_gpus", "2", "--master_port", str(free_port()), REPORT, str(out)], cwd, env)
-    assert res.returncode == 0 and "OMP_NUM_THREADS" not in res.stderr
-    assert all(r["env"]["OMP_NUM_THREADS"] == "1" for r in reports(out).values())
+    # (the user's OMP_NUM_THREADS winning is checked by test_two_cpu_ranks_all_reduce)
 
 
 def test_bind_cores_to_rank_gives_each_rank_its_share_of_the_cores(job):
@@ -299,21 +305,11 @@ def test_bind_cores_to_rank_gives_each_rank_its_share_of_the_cores(job):
         (["--venv_script", "venv/bin/activate"], "--venv_script applies to the ssh and pdsh launchers"),
     ],
 )
-def test_deepspeed_flags_dsfunc_cannot_honour_are_clear_errors(job, args, message):
-    cwd, _, env = job
-    res = run_dsfunc(["--num_gpus", "2", *args, REPORT], cwd, env, timeout=60)
-    assert res.returncode == 2, res.stderr
-    assert message in res.stderr
-
-
-def test_quiet_keeps_only_failures(job):
-    cwd, out, env = job
-    res = run_dsfunc(["--num_gpus", "2", "--master_port", str(free_port()), "-q", REPORT, str(out)], cwd, env)
-    assert res.returncode == 0 and "dsfunc:" not in res.stderr, res.stderr
-    res = run_dsfunc(["--num_gpus", "2", "--master_port", str(free_port()), "--log_level", "warning",
-                      str(SCRIPTS / "fail.py")], cwd, env, timeout=STOPPED_WITHIN_S)
-    assert res.returncode == 1 and "rank(s) on 1 node(s)" not in res.stderr
-    assert "dsfunc: rank 1 (local rank 1 on localhost) failed with exit code 1" in res.stderr
+def test_deepspeed_flags_dsfunc_cannot_honour_are_clear_errors(tmp_path, monkeypatch, capsys, args, message):
+    (tmp_path / "home").mkdir()
+    code, err = run_dsfunc_here(["--num_gpus", "2", *args, REPORT], tmp_path, tmp_path / "home", monkeypatch, capsys)
+    assert code == 2, err
+    assert message in err
 
 
 def test_a_rank_that_ends_well_finishes_what_the_interpreters_exit_would(job):

@@ -19,6 +19,7 @@ from tests.launcher.scripts.harness import (
     interrupt_and_wait,
     reports,
     run_dsfunc,
+    run_dsfunc_here,
     start_dsfunc,
     wait_for_files,
     wait_gone,
@@ -138,32 +139,34 @@ def test_openmpi_failure_and_sigint(job):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs to run as root")
-def test_openmpi_as_root_says_how_to_allow_it(job):
-    cwd, out, env = job
+def test_openmpi_as_root_says_how_to_allow_it(job, monkeypatch, capsys):
+    """Refused in this process; test_bind_cores_to_rank_under_mpirun runs a job as root with the flag."""
+    cwd, out, _ = job
     for key in ROOT_OK:
-        del env[key]
+        monkeypatch.delenv(key, raising=False)
     base = ["--launcher", "openmpi", "--num_gpus", "2", "--master_port", str(free_port())]
-    res = run_dsfunc([*base, f"--launcher_args={' '.join(MPIRUN_ARGS)}", str(SCRIPTS / "report.py"), str(out)],
-                     cwd, env, timeout=60)
-    assert res.returncode == 2, res.stderr
+    code, err = run_dsfunc_here([*base, f"--launcher_args={' '.join(MPIRUN_ARGS)}", str(SCRIPTS / "report.py"),
+                                 str(out)], cwd, cwd / "home", monkeypatch, capsys)
+    assert code == 2, err
     assert ("you are root, and Open MPI's mpirun refuses to run as root unless told it may: pass "
-            "--launcher_args=--allow-run-as-root") in res.stderr
-    assert "mpirun -n 2" not in res.stderr  # refused before mpirun starts
-    allowed = f"--launcher_args={' '.join([*MPIRUN_ARGS, '--allow-run-as-root'])}"
-    res = run_dsfunc([*base, allowed, str(SCRIPTS / "report.py"), str(out)], cwd, env)
-    assert res.returncode == 0, res.stderr
-    assert sorted(reports(out)) == [0, 1]
+            "--launcher_args=--allow-run-as-root") in err
+    assert "mpirun -n 2" not in err and not reports(out)  # refused before mpirun starts
 
 
 def test_bind_cores_to_rank_under_mpirun(job):
+    """Also: as root, --allow-run-as-root in --launcher_args (without Open MPI's variables) lets mpirun run."""
     cwd, out, env = job
+    for key in ROOT_OK:
+        del env[key]
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         pytest.skip("needs 2 CPU cores")
+    mpirun_args = [*MPIRUN_ARGS, "--bind-to", "none", "--allow-run-as-root"]
     args = ["--launcher", "openmpi", "--num_gpus", "2", "--master_port", str(free_port()), "--bind_cores_to_rank",
-            f"--launcher_args={' '.join([*MPIRUN_ARGS, '--bind-to', 'none'])}", str(SCRIPTS / "report.py"), str(out)]
+            f"--launcher_args={' '.join(mpirun_args)}", str(SCRIPTS / "report.py"), str(out)]
     res = run_dsfunc(args, cwd, env)
     assert res.returncode == 0, res.stderr
     per_rank = len(cores) // 2
+    assert sorted(reports(out)) == [0, 1]
     for rank, r in reports(out).items():
         assert r["cpus"] == cores[rank * per_rank : (rank + 1) * per_rank]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import logging
 import os
 import shutil
 import signal
@@ -22,13 +23,12 @@ SCRIPTS = Path(__file__).resolve().parent
 STOPPED_WITHIN_S = 240
 
 
+_RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
+
+
 def cli_env(home: Path, **extra: str) -> dict[str, str]:
     """Environment for a launcher run: the repo importable, a private HOME, no inherited rank variables."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES")
-    }
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_VARIABLES}
     env.update(PYTHONPATH=str(REPO), HOME=str(home), OMP_NUM_THREADS="1", **extra)
     return env
 
@@ -43,6 +43,30 @@ def run_dsfunc(
     return subprocess.run(
         dsfunc_cmd(*args), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def run_dsfunc_here(args: list[str], cwd: Path, home: Path, monkeypatch, capsys) -> tuple[int, str]:
+    """The CLI's entry point run in this process, for launches refused before any rank starts (an interpreter
+    start costs more than the check): its exit code and stderr. A refusal must leave this process as it was
+    (environment, working directory, signal handlers, logging), which is asserted here."""
+    from dsfunc.cli import main
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("HOME", str(home))
+    for key in _RANK_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    before = (dict(os.environ), [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)],
+              list(logging.getLogger().handlers))
+    capsys.readouterr()
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    after = (dict(os.environ), [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)],
+             list(logging.getLogger().handlers))
+    assert after == before and Path.cwd() == cwd.resolve(), "a refused launch changed the test process"
+    return code, capsys.readouterr().err
 
 
 def start_dsfunc(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.Popen:

@@ -46,6 +46,7 @@ report = {
             "CUDA_VISIBLE_DEVICES",
             "PYTHONPATH",
             "OMP_NUM_THREADS",
+            "CROSS_RANK",
         )
         or k.startswith(("DSFUNC_TEST", "NCCL", "UCX"))
     },
