@@ -11,6 +11,7 @@ fails on one rank raises on all of them (:func:`collective`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import datetime
 import itertools
@@ -120,6 +121,7 @@ def arrive(op: str, tag: str | None, timeout: float, tag_validation: str = "FAIL
     if decided != "ok":
         raise CheckpointTimeoutError(_timeout_text(store, keys, json.loads(decided), op, tag, timeout))
     calls = [json.loads(store.get(k)) for k in keys]
+    _read_by_all(store, call, world, rank, timeout)
     described = "; ".join(f"rank {r}: {o}(tag={t!r})" for r, (o, t) in enumerate(calls))
     if any(o != calls[0][0] for o, _ in calls):
         raise CheckpointError(f"the ranks made different checkpoint calls ({described}); every rank must "
@@ -134,6 +136,17 @@ def arrive(op: str, tag: str | None, timeout: float, tag_validation: str = "FAIL
                            'rank the same tag, or set "checkpoint": {"tag_validation": "Ignore"} to be quiet.',
                            described, calls[0][1])
     return calls[0][1]
+
+
+def _read_by_all(store: dist.Store, call: int, world: int, rank: int, timeout: float) -> None:
+    """Rank 0 goes on only once every rank has read the posts. Rank 0 may host the store: when the call then
+    raises (different tags) and rank 0's process ends first, a rank still reading got a connection reset instead
+    of the error. A rank that does not say it read within ``timeout`` died after the meeting; what it runs next
+    fails on its own, so rank 0 goes on."""
+    store.set(f"{call}/read{rank}", "")
+    if rank == 0:
+        with contextlib.suppress(dist.DistStoreError):
+            store.wait([f"{call}/read{r}" for r in range(world)], datetime.timedelta(seconds=timeout))
 
 
 def _timeout_text(store: dist.Store, keys: list[str], gave_up: dict[str, Any], op: str, tag: str | None,
